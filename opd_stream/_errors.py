@@ -1,0 +1,177 @@
+"""Errors raised (or carried inside a :class:`SampleFailure`) by ``opd_stream``.
+
+The whole tree::
+
+    OPDStreamError(Exception)                      base of everything below
+    ├── ConfigError(OPDStreamError, ValueError)    bad StreamConfig / OPD_STREAM_* env var; raised at construction
+    ├── InvalidSampleError(OPDStreamError, ValueError)   a Sample field is wrong; fails that sample only
+    ├── RoutingError(OPDStreamError, LookupError)  no teacher for a sample's metadata (and no ``default``)
+    ├── MissingLogprobError(OPDStreamError, ValueError)  a selected token has no logprob on one side
+    ├── DeadlineExceeded(OPDStreamError, TimeoutError)   a logical request ran out of its budget
+    └── ServerError(OPDStreamError)                one request to one SGLang server went wrong
+        ├── ServerHTTPError                        non-2xx answer; ``.status`` and the server's message
+        ├── ServerAbortError                       HTTP 200 with ``finish_reason.type == "abort"``
+        ├── ConnectionFailed                       connect/reset/timeout below HTTP
+        ├── ResponseTooLarge                       body over ``max_response_bytes``
+        └── ProtocolError                          a 200 answer that cannot be used as is
+            ├── MalformedResponseError             not JSON, or JSON of the wrong shape (msgspec path in message)
+            ├── MisalignedResponseError            row counts or token ids differ from what was sent
+            └── CapabilityError                    the server ignored a feature we asked for
+                                                   (``.capability``: ``"per_position"`` or ``"b64_topk"``)
+
+Every error carries ``reason``, a short stable code used in :class:`SampleFailure.reason`
+and in ``stats()["failures"]``, and ``retryable``, which the retry policy consults.
+Messages never contain payloads or the API key: only shapes, positions and ids.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "CapabilityError",
+    "ConfigError",
+    "ConnectionFailed",
+    "DeadlineExceeded",
+    "InvalidSampleError",
+    "MalformedResponseError",
+    "MisalignedResponseError",
+    "MissingLogprobError",
+    "OPDStreamError",
+    "ProtocolError",
+    "ResponseTooLarge",
+    "RoutingError",
+    "ServerAbortError",
+    "ServerError",
+    "ServerHTTPError",
+)
+
+RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class OPDStreamError(Exception):
+    """Base class of every error raised by opd_stream."""
+
+    reason: str = "error"
+    retryable: bool = False
+
+
+class ConfigError(OPDStreamError, ValueError):
+    """The configuration is invalid; the message names the field or environment variable."""
+
+    reason = "config"
+
+
+class InvalidSampleError(OPDStreamError, ValueError):
+    """A sample is invalid; ``field`` names the offending Sample field."""
+
+    reason = "invalid_sample"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class RoutingError(OPDStreamError, LookupError):
+    """No teacher is configured for the name a sample's metadata carries."""
+
+    reason = "routing"
+
+
+class MissingLogprobError(OPDStreamError, ValueError):
+    """A selected candidate token has no logprob on one side (``side`` is student/teacher)."""
+
+    reason = "missing_logprob"
+
+    def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
+        super().__init__(
+            f"missing {side} logprob for selected token id {token_id} at response position {position}"
+        )
+        self.side = side
+        self.token_id = token_id
+        self.position = position
+        self.batch_index = batch_index
+
+
+class DeadlineExceeded(OPDStreamError, TimeoutError):
+    """A logical request (retries included) did not finish within ``request_deadline_s``."""
+
+    reason = "deadline_exceeded"
+
+
+class ServerError(OPDStreamError):
+    """One request to one server failed; ``side`` is ``teacher`` or ``student``."""
+
+    reason = "server_error"
+
+    def __init__(self, message: str, *, side: str = "teacher", url: str | None = None) -> None:
+        super().__init__(message)
+        self.side = side
+        self.url = url
+
+
+class ServerHTTPError(ServerError):
+    """The server answered with a non-2xx status; the message is the server's own."""
+
+    def __init__(
+        self, status: int, message: str, *, side: str = "teacher", url: str | None = None
+    ) -> None:
+        super().__init__(f"HTTP {status}: {message}", side=side, url=url)
+        self.status = status
+        self.server_message = message
+        self.reason = f"{side}_http_{status}"
+        self.retryable = status in RETRYABLE_STATUSES
+
+
+class ServerAbortError(ServerError):
+    """HTTP 200 whose ``finish_reason.type`` is ``abort`` (SGLang's in-band failure)."""
+
+    reason = "aborted"
+    retryable = True
+
+
+class ConnectionFailed(ServerError):
+    """The connection failed, was reset, or timed out below the HTTP layer."""
+
+    reason = "connection_error"
+    retryable = True
+
+
+class ResponseTooLarge(ServerError):
+    """The response body exceeded ``max_response_bytes`` (checked while reading)."""
+
+    reason = "response_too_large"
+
+    def __init__(self, limit: int, *, side: str = "teacher", url: str | None = None) -> None:
+        super().__init__(f"response body exceeds the {limit}-byte cap", side=side, url=url)
+        self.limit = limit
+
+
+class ProtocolError(ServerError):
+    """An HTTP 200 answer that cannot be used as is."""
+
+    reason = "protocol_error"
+
+
+class MalformedResponseError(ProtocolError):
+    """The body is not valid JSON, or not the SGLang response shape."""
+
+    reason = "malformed_response"
+    # A truncated or garbled body is usually a transport accident: worth another try.
+    retryable = True
+
+
+class MisalignedResponseError(ProtocolError):
+    """Row counts or token ids in the answer differ from what was sent."""
+
+    reason = "misaligned_response"
+
+
+class CapabilityError(ProtocolError):
+    """The server silently ignored a feature (``capability``) the request relied on."""
+
+    reason = "capability"
+
+    def __init__(
+        self, capability: str, message: str, *, side: str = "teacher", url: str | None = None
+    ) -> None:
+        super().__init__(message, side=side, url=url)
+        self.capability = capability

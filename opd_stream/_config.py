@@ -1,0 +1,589 @@
+"""``StreamConfig``: every knob of ``opd_stream``, validated once at construction.
+
+Precedence is explicit arguments, then ``OPD_STREAM_<FIELD>`` environment variables, then
+the defaults. Every problem raises :class:`ConfigError` (a ``ValueError``) whose message
+names the field, and the environment variable when the value came from one. An unknown
+``OPD_STREAM_*`` variable is an error (a typo must not be silently ignored).
+
+Validation lives in ``StreamConfig.__post_init__``, so a direct ``StreamConfig(...)`` call
+validates too (msgspec Structs only type-check on decode); so do
+``msgspec.structs.replace`` and :meth:`StreamConfig.evolve`.
+
+The API key is held in a :class:`Secret` and never appears in ``repr``/``str``, in
+:meth:`StreamConfig.to_log_dict` or in error messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
+
+import msgspec
+
+from ._errors import ConfigError
+from ._router import normalize_server_url, normalize_teachers
+
+__all__ = (
+    "CONFIG_FIELDS",
+    "ENV_PREFIX",
+    "ConfigField",
+    "IdScoring",
+    "KL_DEVICE_PATTERN",
+    "LogprobStart",
+    "MAX_TOP_K",
+    "Order",
+    "Secret",
+    "Strategy",
+    "StreamConfig",
+    "TopkWire",
+    "WeightMode",
+    "render_config_table",
+    "resolve_kl_device",
+)
+
+ENV_PREFIX: Final = "OPD_STREAM_"
+"""Prefix of every configuration environment variable: ``OPD_STREAM_<FIELD upper-cased>``."""
+
+MAX_TOP_K: Final = 1024
+"""Largest accepted ``top_k``. SGLang takes any ``top_logprobs_num``, but every top-k row
+costs O(k) response bytes per position; 1024 bounds a configuration mistake, not a server
+limit."""
+
+KL_DEVICE_PATTERN: Final = re.compile(r"auto|cpu|cuda|cuda:\d+")
+"""Accepted spellings of ``kl_device`` (matched in full, after lower-casing)."""
+
+Strategy: TypeAlias = Literal["only-student", "only-teacher", "intersection", "union", "xor"]
+WeightMode: TypeAlias = Literal["student_p", "teacher_p", "none"]
+IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "auto"]
+LogprobStart: TypeAlias = Literal["prompt", "zero"]
+TopkWire: TypeAlias = Literal["b64", "json", "auto"]
+Order: TypeAlias = Literal["completed", "input"]
+
+_KIB: Final = 1024
+_MIB: Final = 1024 * _KIB
+_GIB: Final = 1024 * _MIB
+
+# Strategies that need the student server to score the teacher's top-k ids (spec §4).
+_NEEDS_STUDENT_SERVER: Final = frozenset({"only-teacher", "union", "xor"})
+
+
+class Secret:
+    """A string that never shows itself: ``repr`` is ``Secret('***')``, ``str`` is ``***``.
+
+    Args:
+        value: the secret text.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError(f"Secret takes a str, got {type(value).__name__}")
+        self._value = value
+
+    def get_secret_value(self) -> str:
+        """Return the secret text (for the one place that must send it)."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __str__(self) -> str:
+        return "***"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Secret):
+            return NotImplemented
+        return self._value == other._value
+
+    def __hash__(self) -> int:
+        return hash((Secret, self._value))
+
+
+class ConfigField(NamedTuple):
+    """One row of the configuration table (see :data:`CONFIG_FIELDS`)."""
+
+    field: str
+    env_var: str
+    default: str
+    meaning: str
+
+
+class _Invalid(Exception):
+    """Internal: one configuration problem, before it is phrased as a ConfigError."""
+
+    def __init__(self, fields: str | tuple[str, ...], problem: str) -> None:
+        super().__init__(problem)
+        self.fields = (fields,) if isinstance(fields, str) else fields
+        self.problem = problem
+
+    def message(self, sources: Mapping[str, str] | None = None) -> str:
+        """Phrase the problem, naming each field and the env variable it came from."""
+        names = []
+        for name in self.fields:
+            var = None if sources is None else sources.get(name)
+            names.append(f"{name} (from {var})" if var else name)
+        return f"{', '.join(names)}: {self.problem}"
+
+
+# Meanings of every field, in declaration order; the README table is generated from these.
+_MEANINGS: Final[dict[str, str]] = {
+    "teachers": (
+        "teacher name -> base URL or list of replica URLs; a plain URL means the single "
+        "teacher 'default'. Env: comma-separated NAME=URL entries, replicas joined with '|'"
+    ),
+    "teacher_key": "sample metadata key whose value (as a string) names the sample's teacher",
+    "student_url": (
+        "student scoring server; needed by only-teacher/union/xor and to fetch missing "
+        "student top-k"
+    ),
+    "top_k": f"0 = sampled-token mode; > 0 = top-k mode with k candidates (0..{MAX_TOP_K})",
+    "strategy": (
+        "top-k candidate set: only-student, only-teacher, intersection, union, xor "
+        "(top-k mode only)"
+    ),
+    "weight_mode": "candidate weights: student_p, teacher_p or none",
+    "id_scoring": (
+        "how ids are scored: per-position, flat (one union for all positions), blocked, "
+        "auto (per-position where the server supports it, else blocked)"
+    ),
+    "logprob_start": (
+        "prompt (ask only from the last prompt position on) or zero (the reference behaviour)"
+    ),
+    "topk_wire": "top-k answer encoding asked of the server: b64, json or auto",
+    "request_deadline_s": (
+        "whole budget of one logical request, retries included, in seconds (finite, > 0)"
+    ),
+    "max_attempts": "attempts per request, the first included (>= 1)",
+    "max_inflight": "samples inside the pipeline at once (>= 1)",
+    "max_inflight_per_endpoint": "concurrent HTTP requests per server URL (>= 1)",
+    "max_response_bytes": "cap on one response body, in bytes (>= 1024)",
+    "kl_device": "KL device: auto (cuda when available), cpu, cuda or cuda:N",
+    "order": "result order: completed (as they finish) or input (bounded reorder buffer)",
+    "api_key": "sent as 'Authorization: Bearer'; never printed by repr, logs or errors",
+    "channel_capacity": "capacity of each bounded channel between pipeline stages (>= 1)",
+    "id_block_size": "response positions per block in blocked id scoring (>= 1)",
+    "kl_batch_size": "most samples in one KL batch (>= 1)",
+    "kl_batch_wait_s": "how long the KL stage waits to fill a batch, in seconds (>= 0)",
+    "backoff_initial_s": "first retry backoff ceiling, in seconds (> 0); doubles per attempt",
+    "backoff_max_s": "largest retry backoff ceiling, in seconds (>= backoff_initial_s)",
+    "connect_timeout_s": "TCP connect timeout per HTTP request, in seconds (finite, > 0)",
+    "decode_workers": (
+        "0 = decode responses on the event loop in chunks; N > 0 = a process pool of N "
+        "workers for large bodies"
+    ),
+    "decode_offload_bytes": (
+        "bodies at least this big go to the decode pool when decode_workers > 0"
+    ),
+    "max_reorder": "bound of the input-order reorder buffer, in samples (>= 1)",
+}
+
+
+class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Configuration of an ``OPDStream``; see :data:`CONFIG_FIELDS` for every field.
+
+    Build it with :meth:`from_env` (``StreamConfig.from_env(teachers="http://h:30000",
+    top_k=16)``; pass ``environ={}`` to ignore the process environment) or directly. Both
+    validate everything once and normalise:
+
+    * ``teachers`` to ``{name: (replica base URLs, ...)}``;
+    * ``student_url`` to its base URL;
+    * ``kl_device`` to lower case;
+    * ``api_key`` to a :class:`Secret`;
+    * float fields to ``float``.
+
+    The field annotations are the normalised types, which is what readers of a config see.
+    At runtime the constructor also takes every ``teachers`` spelling accepted by
+    :func:`opd_stream._router.normalize_teachers` (a URL, ``NAME=URL`` entries, a mapping
+    of name to URL or URL list) and a plain ``str`` ``api_key``; a type checker only
+    accepts those through :meth:`from_env` / :meth:`evolve` (``**overrides: Any``).
+
+    Raises:
+        ConfigError: any invalid field or combination; the message names the field(s).
+    """
+
+    teachers: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
+    teacher_key: str = "opd_teacher"
+    student_url: str | None = None
+    top_k: int = 0
+    strategy: Strategy = "only-student"
+    weight_mode: WeightMode = "student_p"
+    id_scoring: IdScoring = "auto"
+    logprob_start: LogprobStart = "prompt"
+    topk_wire: TopkWire = "auto"
+    request_deadline_s: float = 60.0
+    max_attempts: int = 4
+    max_inflight: int = 256
+    max_inflight_per_endpoint: int = 64
+    max_response_bytes: int = _GIB
+    kl_device: str = "auto"
+    order: Order = "completed"
+    api_key: Secret | None = None
+    channel_capacity: int = 64
+    id_block_size: int = 8
+    kl_batch_size: int = 32
+    kl_batch_wait_s: float = 0.002
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    connect_timeout_s: float = 10.0
+    decode_workers: int = 0
+    decode_offload_bytes: int = 4 * _MIB
+    max_reorder: int = 1024
+
+    def __post_init__(self) -> None:
+        values = {name: getattr(self, name) for name in self.__struct_fields__}
+        try:
+            normalised = _validate(values)
+        except _Invalid as problem:
+            raise ConfigError(problem.message()) from None
+        for name, value in normalised.items():
+            if value is not values[name]:
+                msgspec.structs.force_setattr(self, name, value)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> StreamConfig:
+        """Build a configuration from ``OPD_STREAM_*`` variables and explicit overrides.
+
+        Each field ``f`` is read from ``OPD_STREAM_<F>`` (``f`` upper-cased). Values are
+        stripped of surrounding whitespace; numbers are coerced with
+        ``msgspec.convert(..., strict=False)``; an empty ``OPD_STREAM_STUDENT_URL`` or
+        ``OPD_STREAM_API_KEY`` means unset. ``OPD_STREAM_TEACHERS`` holds comma-separated
+        ``NAME=URL`` entries (replicas joined with ``|``) or a plain URL.
+
+        Args:
+            environ: the variables to read; ``None`` reads ``os.environ``.
+            **overrides: field values that win over the environment.
+
+        Raises:
+            ConfigError: an unknown ``OPD_STREAM_*`` variable or override name, a value
+                that does not parse, or any validation failure; the message names the
+                field and, when the value came from the environment, the variable.
+        """
+        env = os.environ if environ is None else environ
+        fields = cls.__struct_fields__
+        by_var = {ENV_PREFIX + name.upper(): name for name in fields}
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for var in sorted(env):
+            if not var.startswith(ENV_PREFIX):
+                continue
+            name = by_var.get(var)
+            if name is None:
+                raise ConfigError(f"unknown environment variable {var}{_did_you_mean(var, by_var)}")
+            values[name] = _parse_env(name, var, env[var])
+            sources[name] = var
+        for name, value in overrides.items():
+            if name not in fields:
+                raise ConfigError(
+                    f"unknown StreamConfig field {name!r}{_did_you_mean(name, fields)}"
+                )
+            values[name] = value
+            sources.pop(name, None)
+        if "teachers" not in values:
+            raise ConfigError(f"teachers: required (set {ENV_PREFIX}TEACHERS or pass teachers=...)")
+        try:
+            _validate({**_defaults(), **values})
+        except _Invalid as problem:
+            raise ConfigError(problem.message(sources)) from None
+        return cls(**values)
+
+    def evolve(self, **changes: Any) -> StreamConfig:
+        """Return a copy with ``changes`` applied, validated like a new configuration.
+
+        Raises:
+            ConfigError: an unknown field name or an invalid result.
+        """
+        for name in changes:
+            if name not in self.__struct_fields__:
+                raise ConfigError(
+                    f"unknown StreamConfig field {name!r}"
+                    f"{_did_you_mean(name, self.__struct_fields__)}"
+                )
+        values = {name: getattr(self, name) for name in self.__struct_fields__}
+        values.update(changes)
+        return type(self)(**values)
+
+    @classmethod
+    def describe(cls) -> list[ConfigField]:
+        """Return the configuration table: (field, env_var, default, meaning) per field."""
+        return list(CONFIG_FIELDS)
+
+    def to_log_dict(self) -> dict[str, Any]:
+        """Return a plain dict safe for logs: ``api_key`` masked as ``"***"``, URLs kept.
+
+        (URLs cannot hold credentials: those are rejected at construction.)
+        """
+        out: dict[str, Any] = {}
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if name == "teachers":
+                value = {teacher: list(urls) for teacher, urls in value.items()}
+            elif name == "api_key":
+                value = None if value is None else "***"
+            out[name] = value
+        return out
+
+    redacted = to_log_dict
+
+
+def _defaults() -> dict[str, Any]:
+    """Field name -> default value (``teachers`` excluded: it is required)."""
+    out: dict[str, Any] = {}
+    for info in msgspec.structs.fields(StreamConfig):
+        if info.default is not msgspec.NODEFAULT:
+            out[info.name] = info.default
+    return out
+
+
+def _did_you_mean(name: str, candidates: Any) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+_ENV_COERCED: Final[dict[str, type]] = {}
+"""Field name -> int/float/bool for fields whose env text msgspec coerces; filled below."""
+
+
+def _parse_env(name: str, var: str, raw: str) -> Any:
+    """Turn the text of one env variable into a value for field ``name``."""
+    text = raw.strip()
+    if name in ("student_url", "api_key"):
+        return text or None
+    target = _ENV_COERCED.get(name)
+    if target is None:
+        return text
+    try:
+        return msgspec.convert(text, target, strict=False)
+    except msgspec.ValidationError:
+        kind = {int: "an integer", float: "a number", bool: "one of 1/0/true/false"}[target]
+        raise ConfigError(f"{name} (from {var}): expected {kind}, got {text!r}") from None
+
+
+def _as_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise _Invalid(name, "expected an integer, got bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise _Invalid(name, f"expected an integer, got {type(value).__name__}") from None
+    if number < low or (high is not None and number > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise _Invalid(name, f"must be {bound}, got {number}")
+    return number
+
+
+def _as_float(name: str, value: Any, *, low: float, strict_low: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Invalid(name, f"expected a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise _Invalid(name, f"must be finite, got {number}")
+    if number < low or (strict_low and number == low):
+        raise _Invalid(name, f"must be {'>' if strict_low else '>='} {low:g}, got {number:g}")
+    return number
+
+
+def _as_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices or not isinstance(value, str):
+        raise _Invalid(name, f"must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _validate(values: dict[str, Any]) -> dict[str, Any]:
+    """Check every field and combination; return the normalised values.
+
+    Raises:
+        _Invalid: the first problem found (field checks first, in declaration order).
+    """
+    out = dict(values)
+    try:
+        teachers = normalize_teachers(values["teachers"])
+    except ConfigError as exc:
+        raise _Invalid("teachers", str(exc)) from None
+    out["teachers"] = teachers  # always a fresh dict: the caller's one may change later
+
+    key = values["teacher_key"]
+    if not isinstance(key, str) or not key:
+        raise _Invalid("teacher_key", "must be a non-empty string")
+
+    student = values["student_url"]
+    if student is not None:
+        try:
+            normalised_student = normalize_server_url(student)
+        except ConfigError as exc:
+            raise _Invalid("student_url", str(exc)) from None
+        if normalised_student != student:
+            out["student_url"] = normalised_student
+
+    for name in ("strategy", "weight_mode", "id_scoring", "logprob_start", "topk_wire", "order"):
+        _as_choice(name, values[name], _CHOICES[name])
+
+    for name, low, high in _INT_BOUNDS:
+        number = _as_int(name, values[name], low, high)
+        if number is not values[name]:
+            out[name] = number
+    for name, floor, strict_floor in _FLOAT_BOUNDS:
+        real = _as_float(name, values[name], low=floor, strict_low=strict_floor)
+        if real is not values[name]:
+            out[name] = real
+
+    device = values["kl_device"]
+    if not isinstance(device, str) or not KL_DEVICE_PATTERN.fullmatch(device.strip().lower()):
+        raise _Invalid("kl_device", f"must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if device.strip().lower() != device:
+        out["kl_device"] = device.strip().lower()
+
+    api_key = values["api_key"]
+    if api_key is not None:
+        secret = api_key if isinstance(api_key, Secret) else None
+        if secret is None:
+            if not isinstance(api_key, str):
+                raise _Invalid("api_key", f"expected a string, got {type(api_key).__name__}")
+            secret = Secret(api_key)
+            out["api_key"] = secret
+        text = secret.get_secret_value()
+        if not text or any(ch.isspace() or not ch.isprintable() for ch in text):
+            # The key goes into an HTTP header; never echo it.
+            raise _Invalid("api_key", "must be non-empty printable text without whitespace")
+
+    if out["strategy"] != "only-student" and out["top_k"] == 0:
+        raise _Invalid(("strategy", "top_k"), "strategy applies to top-k mode; set top_k > 0")
+    if out["strategy"] in _NEEDS_STUDENT_SERVER and out["student_url"] is None:
+        raise _Invalid(
+            ("strategy", "student_url"),
+            f"strategy {out['strategy']} needs the student server to score the teacher's "
+            "top-k ids; set student_url",
+        )
+    if out["backoff_max_s"] < out["backoff_initial_s"]:
+        raise _Invalid(
+            ("backoff_max_s", "backoff_initial_s"),
+            f"backoff_max_s ({out['backoff_max_s']:g}) must be >= backoff_initial_s "
+            f"({out['backoff_initial_s']:g})",
+        )
+    return out
+
+
+_CHOICES: Final[dict[str, tuple[str, ...]]] = {
+    "strategy": get_args(Strategy),
+    "weight_mode": get_args(WeightMode),
+    "id_scoring": get_args(IdScoring),
+    "logprob_start": get_args(LogprobStart),
+    "topk_wire": get_args(TopkWire),
+    "order": get_args(Order),
+}
+
+# (field, lowest, highest or None)
+_INT_BOUNDS: Final[tuple[tuple[str, int, int | None], ...]] = (
+    ("top_k", 0, MAX_TOP_K),
+    ("max_attempts", 1, None),
+    ("max_inflight", 1, None),
+    ("max_inflight_per_endpoint", 1, None),
+    ("max_response_bytes", _KIB, None),
+    ("channel_capacity", 1, None),
+    ("id_block_size", 1, None),
+    ("kl_batch_size", 1, None),
+    ("decode_workers", 0, None),
+    ("decode_offload_bytes", 0, None),
+    ("max_reorder", 1, None),
+)
+
+# (field, lowest, lowest excluded); every float field must also be finite.
+_FLOAT_BOUNDS: Final[tuple[tuple[str, float, bool], ...]] = (
+    ("request_deadline_s", 0.0, True),
+    ("kl_batch_wait_s", 0.0, False),
+    ("backoff_initial_s", 0.0, True),
+    ("backoff_max_s", 0.0, True),
+    ("connect_timeout_s", 0.0, True),
+)
+
+_ENV_COERCED.update({name: int for name, _, _ in _INT_BOUNDS})
+_ENV_COERCED.update({name: float for name, _, _ in _FLOAT_BOUNDS})
+
+
+def _show_default(name: str, value: Any) -> str:
+    if name == "teachers":
+        return "required"
+    if value is None:
+        return "none"
+    if isinstance(value, int) and not isinstance(value, bool) and name.endswith("_bytes"):
+        for unit, size in (("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
+            if value >= size and value % size == 0:
+                return f"{value // size} {unit}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _build_table() -> tuple[ConfigField, ...]:
+    defaults = _defaults()
+    return tuple(
+        ConfigField(
+            field=name,
+            env_var=ENV_PREFIX + name.upper(),
+            default=_show_default(name, defaults.get(name)),
+            meaning=_MEANINGS[name],
+        )
+        for name in StreamConfig.__struct_fields__
+    )
+
+
+CONFIG_FIELDS: Final[tuple[ConfigField, ...]] = _build_table()
+"""The configuration table, one row per StreamConfig field, in declaration order."""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_config_table() -> str:
+    """Return :data:`CONFIG_FIELDS` as a Markdown table (the README's configuration table)."""
+    lines = ["| field | env variable | default | meaning |", "|---|---|---|---|"]
+    lines.extend(
+        f"| `{row.field}` | `{row.env_var}` | {row.default} | {_cell(row.meaning)} |"
+        for row in CONFIG_FIELDS
+    )
+    return "\n".join(lines) + "\n"
+
+
+def resolve_kl_device(cfg: StreamConfig | str) -> str:
+    """Resolve ``kl_device`` to a concrete torch device string.
+
+    ``auto`` gives ``"cuda"`` when CUDA is available, else ``"cpu"``; ``cpu`` is always
+    ``"cpu"``; ``cuda`` and ``cuda:N`` are returned as they are once checked. torch is
+    imported only when CUDA has to be probed.
+
+    Args:
+        cfg: a configuration, or a ``kl_device`` string.
+
+    Returns:
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        ConfigError: an invalid spelling; CUDA asked for but unavailable; ``cuda:N`` with
+            N not below the number of visible CUDA devices.
+    """
+    device = (cfg.kl_device if isinstance(cfg, StreamConfig) else cfg).strip().lower()
+    if not KL_DEVICE_PATTERN.fullmatch(device):
+        raise ConfigError(f"kl_device: must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    available = bool(torch.cuda.is_available())
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise ConfigError(f"kl_device: {device!r} was requested but CUDA is not available")
+    if device.startswith("cuda:"):
+        index = int(device.removeprefix("cuda:"))
+        count = int(torch.cuda.device_count())
+        if index >= count:
+            raise ConfigError(
+                f"kl_device: {device!r} was requested but only {count} CUDA device(s) are visible"
+            )
+    return device

@@ -1,0 +1,575 @@
+"""Decoders for SGLang ``/generate`` answers: typed msgspec Structs into numpy arrays.
+
+This is the decoding half of :mod:`opd_stream._wire` (which re-exports the public names).
+It knows nothing about :class:`~opd_stream._wire.ScoreRequest`: the wire module turns a
+request into :class:`Segment` s (one per HTTP item) and calls :func:`decode_segments`.
+
+Layout (spec ``sglang-protocol.md`` §2.3): for an item with ``len(input_ids) == L`` sent with
+``logprob_start_len == s``, every ``input_*`` list has ``L - s`` entries, entry ``j`` is about
+absolute position ``s + j`` (it predicts ``input_ids[s + j]``), and entry 0 is empty. An item's
+response rows are its last ``rows`` entries.
+
+Values: a JSON ``null`` logprob is ``-inf`` (SGLang serialises ``-inf`` and ``NaN`` as
+``null``); in the b64 form a ``NaN`` is mapped to ``-inf`` for the same reason. Every
+logprob leaving this module is finite or ``-inf``; a value above the float32 range (which
+includes ``+inf``) is a :class:`MalformedResponseError`.
+
+Speed (``perf-facts.md`` "d2"): module-level reused ``msgspec.json.Decoder`` s, entries as
+``array_like`` Structs (the trailing text element is ignored), and ``np.fromiter`` over
+``attrgetter`` maps, only for the rows that are kept.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Sequence
+from itertools import chain, islice
+from operator import attrgetter
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import (
+    CapabilityError,
+    InvalidSampleError,
+    MalformedResponseError,
+    MisalignedResponseError,
+    ServerAbortError,
+)
+
+__all__ = (
+    "Generation",
+    "ScoreRows",
+    "Segment",
+    "decode_generate_response",
+    "decode_segments",
+    "parse_student_topk",
+)
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_LP = attrgetter("lp")
+_ID = attrgetter("id")
+
+
+class _E(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One SGLang ``[logprob, token_id, text]`` triple; the text (if any) is ignored."""
+
+    lp: float | None
+    id: int
+
+
+_Rows = list[list[_E] | None]
+
+
+class _FinishReason(msgspec.Struct, gc=False, frozen=True):
+    type: str | None = None
+    message: str | None = None
+
+
+class _Meta(msgspec.Struct, gc=False, frozen=True):
+    # Every field optional, so that an absent one is reported by name (and an abort
+    # answer, which may lack the logprob fields, is still recognised as an abort).
+    finish_reason: _FinishReason | None = None
+    weight_version: str | None = None
+    input_token_logprobs: list[_E] | None = None
+    input_top_logprobs: _Rows | None = None
+    input_token_ids_logprobs: _Rows | None = None
+    input_top_logprobs_shape: list[int] | None = None
+    input_top_logprobs_null_prefix: int | None = None
+    input_top_logprobs_val_flat_b64: str | None = None
+    input_top_logprobs_idx_flat_b64: str | None = None
+    input_top_logprobs_val_flat_b64_dtype: str | None = None
+    input_top_logprobs_idx_flat_b64_dtype: str | None = None
+
+
+class _Response(msgspec.Struct, gc=False, frozen=True):
+    meta_info: _Meta | None = None
+
+
+class _GenMeta(msgspec.Struct, gc=False, frozen=True):
+    finish_reason: _FinishReason | None = None
+    output_token_logprobs: list[_E] | None = None
+    output_top_logprobs: _Rows | None = None
+
+
+class _GenResponse(msgspec.Struct, gc=False, frozen=True):
+    output_ids: list[int] | None = None
+    meta_info: _GenMeta | None = None
+
+
+_SINGLE = msgspec.json.Decoder(_Response)
+_BATCH = msgspec.json.Decoder(list[_Response])
+_GENERATE = msgspec.json.Decoder(_GenResponse | list[_GenResponse])
+
+
+class ScoreRows(msgspec.Struct, frozen=True, kw_only=True):
+    """A decoded, validated scoring answer, response positions only (``R`` rows).
+
+    Attributes:
+        token_ids: int64 ``[R]``, the response tokens as echoed by the server
+            (validated equal to ``tokens[P:]``).
+        token_logprobs: float32 ``[R]``, ``log p(tokens[P+t] | tokens[:P+t])``.
+        top_ids: int64 ``[R, top_k]``, best first; ``None`` when ``top_k == 0``.
+        top_logprobs: float32 ``[R, top_k]``; ``None`` when ``top_k == 0``.
+        id_logprobs: float32 ``[R, k]``, column ``j`` is the logprob of ``ids[:, j]``;
+            ``None`` when no ids were requested.
+        used_b64: the server answered top-k in the b64 flat form.
+        weight_version: the server's ``meta_info.weight_version`` (first item's).
+    """
+
+    token_ids: npt.NDArray[np.int64]
+    token_logprobs: npt.NDArray[np.float32]
+    top_ids: npt.NDArray[np.int64] | None
+    top_logprobs: npt.NDArray[np.float32] | None
+    id_logprobs: npt.NDArray[np.float32] | None
+    used_b64: bool
+    weight_version: str | None
+
+
+class Generation(msgspec.Struct, frozen=True, kw_only=True):
+    """One generated completion (``n`` tokens) from a ``/generate`` sampling request.
+
+    Attributes:
+        output_ids: int64 ``[n]``.
+        output_logprobs: float32 ``[n]``, the sampled tokens' logprobs (``-inf`` for null).
+        output_top_ids: int64 ``[n, k]`` best first, or ``None`` if top-k was not returned.
+        output_top_logprobs: float32 ``[n, k]``, or ``None``.
+    """
+
+    output_ids: npt.NDArray[np.int64]
+    output_logprobs: npt.NDArray[np.float32]
+    output_top_ids: npt.NDArray[np.int64] | None
+    output_top_logprobs: npt.NDArray[np.float32] | None
+
+
+class Segment(NamedTuple):
+    """One HTTP item of a scoring request, as far as decoding is concerned.
+
+    Segments are given in response order: their ``rows`` add up to ``R`` and the first
+    segment's rows are response positions ``0 .. rows-1``.
+
+    Attributes:
+        length: ``len(input_ids)`` of the item (``L_i``).
+        start: its ``logprob_start_len`` (``s_i``); ``0 <= s_i < L_i``.
+        rows: how many response rows the item carries (its last ``rows`` entries).
+        expect: the ids each requested-id row must return, in order: 1-D (one list shared
+            by every row: flat / blocked union) or 2-D ``[rows, k]`` (per-position);
+            ``None`` when no ids were requested.
+        col: ``[rows, k]`` column of ``ids[t, j]`` within row ``t`` (flat / blocked);
+            ``None`` means the identity (per-position).
+    """
+
+    length: int
+    start: int
+    rows: int
+    expect: npt.NDArray[np.int64] | None = None
+    col: npt.NDArray[np.intp] | None = None
+
+
+# --- small helpers -------------------------------------------------------------------
+
+
+def _to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], where: str) -> Any:
+    """float64/float32 (NaN for null) -> float32 with -inf for NaN; rejects > float32 max."""
+    if values.size and float(np.nanmax(values, initial=-np.inf)) > _F32_MAX:
+        raise MalformedResponseError(f"`{where}` holds a value above the float32 range")
+    out = np.where(np.isnan(values), -np.inf, values)
+    with np.errstate(over="ignore"):  # below -float32 max: becomes -inf, as it should
+        return out.astype(np.float32)
+
+
+def _decode_error(exc: msgspec.DecodeError) -> MalformedResponseError:
+    return MalformedResponseError(f"cannot decode the response: {exc}")
+
+
+def _check_abort(fr: _FinishReason | None, where: str, side: str) -> None:
+    if fr is not None and fr.type == "abort":
+        msg = (fr.message or "<no message>")[:500]
+        raise ServerAbortError(f"server aborted the request (`{where}`): {msg}", side=side)
+
+
+def _missing(field: str) -> MalformedResponseError:
+    return MalformedResponseError(f"Object missing required field `{field}`")
+
+
+def _rows_block(
+    rows: _Rows, field: str, seg: Segment, t0: int, width: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Validate and convert the last ``seg.rows`` rows of an ``input_*`` row list.
+
+    Returns ids int64 ``[rows, width]`` and logprobs float64 ``[rows, width]`` (NaN = null).
+    """
+    n_entries = seg.length - seg.start
+    if len(rows) != n_entries:
+        raise MisalignedResponseError(
+            f"`{field}` has {len(rows)} entries, expected {n_entries} "
+            f"(input length {seg.length} - logprob_start_len {seg.start})"
+        )
+    n = seg.rows
+    first_abs = seg.length - n
+    sel = rows[n_entries - n :]
+    if None in sel:
+        r = sel.index(None)
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {first_abs + r} "
+            f"(response position {t0 + r}) is null or empty"
+        )
+    widths = np.fromiter(map(len, sel), dtype=np.intp, count=n)  # type: ignore[arg-type]
+    bad = np.flatnonzero(widths != width)
+    if bad.size:
+        r = int(bad[0])
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {first_abs + r} (response position {t0 + r}) "
+            f"has {int(widths[r])} entries, expected {width}"
+        )
+    total = n * width
+    ids = np.fromiter(map(_ID, chain.from_iterable(sel)), dtype=np.int64, count=total)  # type: ignore[arg-type]
+    lps = np.fromiter(map(_LP, chain.from_iterable(sel)), dtype=np.float64, count=total)  # type: ignore[arg-type]
+    return ids.reshape(n, width), lps.reshape(n, width)
+
+
+def _b64_array(text: str, dtype: str, count: int, field: str) -> npt.NDArray[Any]:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedResponseError(f"`{field}` is not valid base64: {exc}") from None
+    if len(raw) != 4 * count:
+        raise MalformedResponseError(
+            f"`{field}` decodes to {len(raw)} bytes, expected {4 * count} (shape product x 4)"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _b64_topk(
+    meta: _Meta, where: str, seg: Segment, top_k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
+    """Top-k from the b64 flat fields, or ``None`` when the server answered without them."""
+    val, idx = meta.input_top_logprobs_val_flat_b64, meta.input_top_logprobs_idx_flat_b64
+    if val is None and idx is None:
+        return None
+    base = f"{where}.meta_info.input_top_logprobs"
+    shape, prefix = meta.input_top_logprobs_shape, meta.input_top_logprobs_null_prefix
+    if val is None:
+        raise _missing(f"{base}_val_flat_b64")
+    if idx is None:
+        raise _missing(f"{base}_idx_flat_b64")
+    if shape is None:
+        raise _missing(f"{base}_shape")
+    if prefix is None:
+        raise _missing(f"{base}_null_prefix")
+    for marker, want in (
+        (meta.input_top_logprobs_val_flat_b64_dtype, "float32"),
+        (meta.input_top_logprobs_idx_flat_b64_dtype, "int32"),
+    ):
+        if marker is not None and marker != want:
+            raise MalformedResponseError(
+                f"`{base}_*_flat_b64_dtype` is {marker!r}, expected {want!r}"
+            )
+    if len(shape) != 2 or shape[0] < 0 or shape[1] != top_k or prefix < 0:
+        raise MisalignedResponseError(
+            f"`{base}_shape` is {shape} with null_prefix {prefix}, expected [rows, {top_k}]"
+        )
+    rows = shape[0]
+    n_entries = seg.length - seg.start
+    if prefix + rows != n_entries or rows < seg.rows:
+        raise MisalignedResponseError(
+            f"`{base}_shape` covers null_prefix {prefix} + {rows} rows, expected "
+            f"{n_entries} entries (input length {seg.length} - logprob_start_len {seg.start})"
+        )
+    count = rows * top_k
+    v = _b64_array(val, "<f4", count, f"{base}_val_flat_b64").reshape(rows, top_k)
+    i = _b64_array(idx, "<i4", count, f"{base}_idx_flat_b64").reshape(rows, top_k)
+    keep = slice(rows - seg.rows, rows)
+    return i[keep].astype(np.int64), _to_logprobs(v[keep], f"{base}_val_flat_b64")
+
+
+# --- scoring answers -------------------------------------------------------------------
+
+
+def decode_segments(
+    body: bytes,
+    *,
+    batch: bool,
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    top_k: int,
+    per_position: bool,
+) -> ScoreRows:
+    """Decode and validate a scoring answer made of ``len(segments)`` items.
+
+    Args:
+        body: the HTTP 200 body: one response object, or (``batch``) a JSON array of them.
+        batch: whether the request was an SGLang batch (``input_ids`` list of lists).
+        segments: one per item, in order (see :class:`Segment`).
+        tokens: the whole sample, int64 ``[L]``; every item's ``input_ids`` is a prefix.
+        top_k: the ``top_logprobs_num`` sent (0 = none).
+        per_position: ids were sent as ``token_ids_logprob_positions``; an answer without
+            ``input_token_ids_logprobs`` then raises ``CapabilityError("per_position")``.
+
+    Raises:
+        MalformedResponseError: not JSON, truncated, wrong types, missing field (named).
+        MisalignedResponseError: entry/row counts, echoed token ids, requested ids,
+            top-k widths or batch item count differ from the request.
+        ServerAbortError: ``finish_reason.type == "abort"``.
+        CapabilityError: see ``per_position``.
+    """
+    try:
+        items = _BATCH.decode(body) if batch else [_SINGLE.decode(body)]
+    except msgspec.DecodeError as exc:
+        raise _decode_error(exc) from None
+    if len(items) != len(segments):
+        raise MisalignedResponseError(
+            f"batch answer has {len(items)} items, expected {len(segments)}"
+        )
+    tok_lp: list[npt.NDArray[np.float32]] = []
+    top_i: list[npt.NDArray[np.int64]] = []
+    top_lp: list[npt.NDArray[np.float32]] = []
+    id_lp: list[npt.NDArray[np.float32]] = []
+    used_b64 = top_k > 0
+    weight_version: str | None = None
+    t0 = 0
+    for n, (item, seg) in enumerate(zip(items, segments, strict=True)):
+        where = f"$[{n}]" if batch else "$"
+        meta = item.meta_info
+        if meta is None:
+            raise _missing(f"{where}.meta_info")
+        _check_abort(meta.finish_reason, where, "teacher")
+        if n == 0:
+            weight_version = meta.weight_version
+        if seg.expect is not None and meta.input_token_ids_logprobs is None:
+            if per_position:
+                raise CapabilityError(
+                    "per_position",
+                    "the server ignored token_ids_logprob_positions (no "
+                    "meta_info.input_token_ids_logprobs in the answer): it is not a "
+                    "per-position-patched SGLang, or a router dropped the field",
+                )
+            raise _missing(f"{where}.meta_info.input_token_ids_logprobs")
+        tok_lp.append(_token_rows(meta, where, seg, t0, tokens))
+        if top_k > 0:
+            got = _b64_topk(meta, where, seg, top_k)
+            if got is None:
+                used_b64 = False
+                field = f"{where}.meta_info.input_top_logprobs"
+                if meta.input_top_logprobs is None:
+                    raise _missing(field)
+                ids, lps = _rows_block(meta.input_top_logprobs, field, seg, t0, top_k)
+                got = ids, _to_logprobs(lps, field)
+            if got[0].size and int(got[0].min()) < 0:
+                raise MalformedResponseError(f"`{where}` top-k holds a negative token id")
+            top_i.append(got[0])
+            top_lp.append(got[1])
+        if seg.expect is not None:
+            assert meta.input_token_ids_logprobs is not None
+            id_lp.append(_id_rows(meta.input_token_ids_logprobs, where, seg, t0))
+        t0 += seg.rows
+    p = tokens.shape[0] - t0
+    return ScoreRows(
+        token_ids=np.array(tokens[p:], dtype=np.int64),
+        token_logprobs=_cat(tok_lp),
+        top_ids=_cat(top_i) if top_k > 0 else None,
+        top_logprobs=_cat(top_lp) if top_k > 0 else None,
+        id_logprobs=_cat(id_lp) if id_lp else None,
+        used_b64=used_b64,
+        weight_version=weight_version,
+    )
+
+
+def _cat(parts: list[Any]) -> Any:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _token_rows(
+    meta: _Meta, where: str, seg: Segment, t0: int, tokens: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float32]:
+    field = f"{where}.meta_info.input_token_logprobs"
+    entries = meta.input_token_logprobs
+    if entries is None:
+        raise _missing(field)
+    n_entries = seg.length - seg.start
+    if len(entries) != n_entries:
+        raise MisalignedResponseError(
+            f"`{field}` has {len(entries)} entries, expected {n_entries} "
+            f"(input length {seg.length} - logprob_start_len {seg.start})"
+        )
+    got = np.fromiter(map(_ID, islice(entries, 1, None)), dtype=np.int64, count=n_entries - 1)
+    bad = np.flatnonzero(got != tokens[seg.start + 1 : seg.length])
+    if bad.size:
+        pos = seg.start + 1 + int(bad[0])
+        raise MisalignedResponseError(
+            f"`{field}`: the token id at absolute position {pos} differs from the one sent"
+        )
+    lps = np.fromiter(
+        map(_LP, islice(entries, n_entries - seg.rows, None)), dtype=np.float64, count=seg.rows
+    )
+    return _to_logprobs(lps, field)  # type: ignore[no-any-return]
+
+
+def _id_rows(rows: _Rows, where: str, seg: Segment, t0: int) -> npt.NDArray[np.float32]:
+    assert seg.expect is not None
+    field = f"{where}.meta_info.input_token_ids_logprobs"
+    width = seg.expect.shape[-1]
+    ids, lps = _rows_block(rows, field, seg, t0, width)
+    wrong = (ids != seg.expect).any(axis=1)
+    if wrong.any():
+        r = int(np.argmax(wrong))
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {seg.length - seg.rows + r} (response "
+            f"position {t0 + r}) does not return exactly the requested ids in request order"
+        )
+    if seg.col is not None:
+        lps = np.take_along_axis(lps, seg.col, axis=1)
+    return _to_logprobs(lps, field)  # type: ignore[no-any-return]
+
+
+# --- generation answers ----------------------------------------------------------------
+
+
+def decode_generate_response(body: bytes) -> list[Generation]:
+    """Decode a sampling ``/generate`` answer (single object or batch array).
+
+    Raises:
+        MalformedResponseError: bad JSON / types / a missing ``meta_info`` or
+            ``meta_info.output_token_logprobs``.
+        MisalignedResponseError: ``output_ids`` differ from the logprob entries' ids,
+            or ``output_top_logprobs`` rows do not match the tokens or are ragged.
+        ServerAbortError: ``finish_reason.type == "abort"``.
+
+    All errors carry ``side="student"``.
+    """
+    try:
+        decoded = _GENERATE.decode(body)
+    except msgspec.DecodeError as exc:
+        raise MalformedResponseError(f"cannot decode the response: {exc}", side="student") from None
+    if isinstance(decoded, list):
+        return [_generation(item, f"$[{n}]") for n, item in enumerate(decoded)]
+    return [_generation(decoded, "$")]
+
+
+def _generation(item: _GenResponse, where: str) -> Generation:
+    meta = item.meta_info
+    if meta is None:
+        raise MalformedResponseError(
+            f"Object missing required field `{where}.meta_info`", side="student"
+        )
+    _check_abort(meta.finish_reason, where, "student")
+    entries = meta.output_token_logprobs
+    field = f"{where}.meta_info.output_token_logprobs"
+    if entries is None:
+        raise MalformedResponseError(f"Object missing required field `{field}`", side="student")
+    n = len(entries)
+    ids = np.fromiter(map(_ID, entries), dtype=np.int64, count=n)
+    if item.output_ids is not None and item.output_ids != ids.tolist():
+        raise MisalignedResponseError(
+            f"`{where}.output_ids` ({len(item.output_ids)} ids) differ from the ids of "
+            f"`{field}` ({n} entries)",
+            side="student",
+        )
+    lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=n)
+    top_ids = top_lps = None
+    rows = meta.output_top_logprobs
+    if rows is not None:
+        tfield = f"{where}.meta_info.output_top_logprobs"
+        if len(rows) != n:
+            raise MisalignedResponseError(
+                f"`{tfield}` has {len(rows)} rows, expected {n} (one per output token)",
+                side="student",
+            )
+        k = len(rows[0] or ()) if n else 0
+        try:
+            tid, tlp = _rows_block(rows, tfield, Segment(length=n, start=0, rows=n), 0, k)
+        except MisalignedResponseError as exc:
+            exc.side = "student"
+            raise
+        top_ids, top_lps = tid, _to_logprobs(tlp, tfield)
+    return Generation(
+        output_ids=ids,
+        output_logprobs=_to_logprobs(lps, field),
+        output_top_ids=top_ids,
+        output_top_logprobs=top_lps,
+    )
+
+
+# --- student top-k rows from the rollout engine ----------------------------------------
+
+_ROW_IN_PATH = re.compile(r"^\$\[(\d+)\](.*)$")
+
+
+def parse_student_topk(
+    rows: Sequence[Sequence[Any]], response_length: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Parse the rollout engine's student top-k rows into arrays.
+
+    Args:
+        rows: ``R`` rows (one per response token), each a sequence of at least ``k``
+            entries ``[logprob, token_id]`` or ``[logprob, token_id, text]`` (SGLang
+            triples), best first. Python ``int`` ids and ``float``/``int``/``None``
+            logprobs (as JSON decoding gives); ``None`` means ``-inf``.
+        response_length: ``R``; ``len(rows)`` must equal it.
+        k: how many entries to keep per row (the first ``k``).
+
+    Returns:
+        ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``.
+
+    Raises:
+        InvalidSampleError: (field ``student_top_logprobs``) wrong row count, a row with
+            fewer than ``k`` entries, an entry that is not ``[number|null, int, ...]``
+            (bools rejected), a negative id, duplicate ids in a row, a NaN / ``+inf``
+            logprob, or a logprob above ``1e-4`` (not a logprob). The message names the row.
+    """
+    field = "student_top_logprobs"
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+        raise InvalidSampleError(field, f"expected a sequence of rows, got {type(rows).__name__}")
+    if len(rows) != response_length:
+        raise InvalidSampleError(
+            field, f"has {len(rows)} rows, expected response_length = {response_length}"
+        )
+    try:
+        parsed = msgspec.convert(rows, list[list[_E]])
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = re.search(r" - at `(.*)`$", text)
+        path = _ROW_IN_PATH.match(m.group(1)) if m else None
+        if m is None or path is None:
+            raise InvalidSampleError(field, text) from None
+        raise InvalidSampleError(
+            field, f"row {path.group(1)}: {text[: m.start()]} (at `$row{path.group(2)}`)"
+        ) from None
+    short = [n for n, row in enumerate(parsed) if len(row) < k]
+    if short:
+        n = short[0]
+        raise InvalidSampleError(field, f"row {n} has {len(parsed[n])} entries, expected >= {k}")
+    total = response_length * k
+    kept = [row[:k] for row in parsed]
+    ids = np.fromiter(map(_ID, chain.from_iterable(kept)), dtype=np.int64, count=total)
+    lps = np.fromiter(map(_LP, chain.from_iterable(kept)), dtype=np.float64, count=total)
+    ids, lps = ids.reshape(response_length, k), lps.reshape(response_length, k)
+    # fromiter turned None into NaN; a NaN the caller sent is an error, a None is -inf.
+    for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
+        if kept[r][c].lp is not None:
+            raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
+    _check_student_topk(ids, lps, field)
+    return ids, _to_logprobs(lps, field)
+
+
+def _check_student_topk(
+    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
+) -> None:
+    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
+        rows = mask.reshape(mask.shape[0], -1).any(axis=1)
+        return int(np.argmax(rows)) if rows.any() else None
+
+    if (r := first_row(ids < 0)) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    if ids.shape[1] > 1:
+        s = np.sort(ids, axis=1)
+        if (r := first_row(s[:, 1:] == s[:, :-1])) is not None:
+            raise InvalidSampleError(field, f"row {r} holds a duplicate token id")
+    if (r := first_row(np.isposinf(lps))) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a +inf logprob")
+    if (r := first_row(lps > 1e-4)) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a value > 0, which is not a logprob")

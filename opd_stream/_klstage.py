@@ -1,0 +1,130 @@
+"""The KL stage's synchronous core: a batch of fetched samples in, scored samples out.
+
+Runs in a worker thread (torch releases the GIL in its kernels). Samples are padded to
+``[B, R_max, K]`` on the configured device, scored by ``_kl``, and sliced back into
+per-sample CPU tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ._errors import MissingLogprobError
+from ._kl import Strategy, TopKBatch, WeightMode, sampled_reverse_kl, topk_reverse_kl
+from ._sample import Candidates, ScoredSample
+from ._scorer import Fetched
+
+__all__ = ("score_batch",)
+
+
+def _pad(
+    arrays: Sequence[npt.NDArray[np.generic] | None],
+    r_max: int,
+    k: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    if any(a is None for a in arrays):
+        return None
+    out = torch.zeros((len(arrays), r_max, k), dtype=dtype)
+    for i, a in enumerate(arrays):
+        assert a is not None
+        if a.shape[0]:
+            out[i, : a.shape[0]] = torch.from_numpy(np.ascontiguousarray(a))
+    return out.to(device)
+
+
+def _topk_batch(items: Sequence[Fetched], k: int, device: torch.device) -> TopKBatch:
+    r_max = max(f.prepared.response_length for f in items)
+    valid = torch.zeros((len(items), r_max), dtype=torch.bool)
+    for i, f in enumerate(items):
+        valid[i, : f.prepared.response_length] = True
+    i64, f32 = torch.int64, torch.float32
+    return TopKBatch(
+        student_ids=_pad([f.student_ids for f in items], r_max, k, i64, device),
+        student_lp=_pad([f.student_lps for f in items], r_max, k, f32, device),
+        teacher_on_student=_pad([f.teacher_rows.id_logprobs for f in items], r_max, k, f32, device),
+        teacher_ids=_pad([f.teacher_rows.top_ids for f in items], r_max, k, i64, device),
+        teacher_lp=_pad([f.teacher_rows.top_logprobs for f in items], r_max, k, f32, device),
+        student_on_teacher=_pad(
+            [f.student_rows.id_logprobs if f.student_rows is not None else None for f in items],
+            r_max,
+            k,
+            f32,
+            device,
+        ),
+        valid=valid.to(device),
+    )
+
+
+def _result(f: Fetched, reverse_kl: torch.Tensor | None, candidates: Candidates | None) -> ScoredSample:
+    p = f.prepared
+    return ScoredSample(
+        sample=p.sample,
+        index=p.index,
+        teacher=p.teacher,
+        teacher_logprobs=torch.from_numpy(np.ascontiguousarray(f.teacher_rows.token_logprobs)),
+        reverse_kl=reverse_kl,
+        candidates=candidates,
+        attempts=f.attempts,
+        latency_s=time.monotonic() - f.admitted_at,
+    )
+
+
+def _score_sampled(f: Fetched) -> ScoredSample:
+    rollout = f.prepared.rollout_logprobs
+    rkl = None
+    if rollout is not None:
+        rkl = sampled_reverse_kl(
+            torch.from_numpy(rollout), torch.from_numpy(f.teacher_rows.token_logprobs)
+        )
+    return _result(f, rkl, None)
+
+
+def score_batch(
+    items: Sequence[Fetched],
+    *,
+    top_k: int,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    device: torch.device,
+) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
+    """Score fetched samples; a sample with a missing logprob comes back as its error.
+
+    The output has one entry per input, in input order.
+    """
+    if top_k == 0:
+        return [_score_sampled(f) for f in items]
+    pending = list(items)
+    failed: dict[int, MissingLogprobError] = {}
+    scored: dict[int, ScoredSample] = {}
+    while True:
+        todo = [f for f in pending if f.prepared.index not in failed]
+        if not todo:
+            break
+        try:
+            res = topk_reverse_kl(_topk_batch(todo, top_k, device), strategy, weight_mode)
+        except MissingLogprobError as exc:
+            failed[todo[exc.batch_index].prepared.index] = exc
+            continue
+        for i, f in enumerate(todo):
+            r = f.prepared.response_length
+            cands = Candidates(
+                ids=res.ids[i, :r].cpu().clone(),
+                student_logprobs=res.student_lp[i, :r].cpu().clone(),
+                teacher_logprobs=res.teacher_lp[i, :r].cpu().clone(),
+                weights=res.weights[i, :r].cpu().clone(),
+                mask=res.mask[i, :r].cpu().clone(),
+            )
+            scored[f.prepared.index] = _result(f, res.reverse_kl[i, :r].cpu().clone(), cands)
+        break
+    out: list[ScoredSample | tuple[Fetched, MissingLogprobError]] = []
+    for f in items:
+        idx = f.prepared.index
+        out.append((f, failed[idx]) if idx in failed else scored[idx])
+    return out

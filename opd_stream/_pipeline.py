@@ -1,0 +1,321 @@
+"""One run of the streaming pipeline: stages joined by bounded channels.
+
+::
+
+    intake (validate + route) --[intake]--> fetch workers (payload, teacher fetch,
+    student fetch, decode) --[kl]--> KL stage (batched, worker thread) --[emit]-->
+    emitter (order, accounting) --[output]--> the caller's ``async for``
+
+Invalid samples and fetch failures go straight to ``emit``. Every admitted sample holds
+one of ``max_inflight`` slots until its result is handed to the output channel, so memory
+is bounded by the configured capacities whatever the input size, and a slow consumer stops
+intake. All stage tasks live in one task group per run, inside the stream's task group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from functools import partial
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import torch
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._config import StreamConfig
+from ._errors import InvalidSampleError, OPDStreamError, RoutingError
+from ._klstage import score_batch
+from ._router import TeacherRouter
+from ._sample import Candidates, PreparedSample, SampleFailure, ScoredSample, prepare_sample
+from ._scorer import Fetched, SampleScorer, ScoreAttemptError
+from ._stats import StatsRecorder
+from ._wire import parse_student_topk
+
+__all__ = ("Result", "RunState", "run_pipeline")
+
+log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+
+Result = ScoredSample | SampleFailure
+
+
+class RunState:
+    """Shared between a run's supervisor task and its :class:`Results` handle."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+
+
+async def _aiter(samples: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(samples, AsyncIterable):
+        async for s in samples:
+            yield s
+    else:
+        for s in samples:
+            yield s
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class _Pipeline:
+    def __init__(
+        self,
+        config: StreamConfig,
+        scorer: SampleScorer,
+        router: TeacherRouter,
+        stats: StatsRecorder,
+        kl_device: torch.device,
+        kl_limiter: anyio.CapacityLimiter,
+    ) -> None:
+        self.cfg = config
+        self.scorer = scorer
+        self.router = router
+        self.stats = stats
+        self.kl_device = kl_device
+        self.kl_limiter = kl_limiter
+        # In input order, results wait in the reorder buffer while holding their slot,
+        # so bounding the slots bounds the buffer too.
+        slots = config.max_inflight
+        if config.order == "input":
+            slots = min(slots, config.max_reorder)
+        self.slots = anyio.Semaphore(slots)
+        cap = config.channel_capacity
+        for name in ("intake", "kl", "emit", "output"):
+            stats.channel(name, cap)
+
+    # stage 1: intake ---------------------------------------------------------------
+    def _prepare(self, sample: Any, index: int) -> PreparedSample:
+        prepared = prepare_sample(
+            sample,
+            index,
+            teacher="",
+            top_k=self.cfg.top_k,
+            parse_student_topk=parse_student_topk,
+        )
+        teacher = self.router.resolve(prepared.sample.metadata)
+        return msgspec.structs.replace(prepared, teacher=teacher)
+
+    async def intake(
+        self,
+        samples: Iterable[Any] | AsyncIterable[Any],
+        work: MemoryObjectSendStream[tuple[PreparedSample, float]],
+        emit: MemoryObjectSendStream[Result],
+    ) -> None:
+        async with work, emit:
+            index = 0
+            async for sample in _aiter(samples):
+                await self.slots.acquire()
+                self.stats.admitted += 1
+                self.stats.in_flight += 1
+                admitted_at = time.monotonic()
+                try:
+                    prepared = self._prepare(sample, index)
+                except (InvalidSampleError, RoutingError) as exc:
+                    self.stats.put("emit")
+                    await emit.send(self._failure(sample, index, exc, 0))
+                else:
+                    self.stats.put("intake")
+                    await work.send((prepared, admitted_at))
+                index += 1
+
+    @staticmethod
+    def _failure(sample: Any, index: int, exc: OPDStreamError, attempts: int) -> SampleFailure:
+        from ._sample import Sample
+
+        if not isinstance(sample, Sample):
+            sample = Sample(tokens=[], response_length=0, sample_id=repr(type(sample)))
+        return SampleFailure(
+            sample=sample, index=index, reason=exc.reason, message=str(exc), attempts=attempts
+        )
+
+    # stage 2: fetch workers --------------------------------------------------------
+    def _empty_result(self, prepared: PreparedSample, admitted_at: float) -> ScoredSample:
+        """R = 0: nothing to ask; an empty result of the right shapes."""
+        width = self.cfg.top_k * (2 if self.cfg.strategy in ("union", "xor") else 1)
+        cands = None
+        if self.cfg.top_k > 0:
+            cands = Candidates(
+                ids=torch.empty((0, width), dtype=torch.int64),
+                student_logprobs=torch.empty((0, width)),
+                teacher_logprobs=torch.empty((0, width)),
+                weights=torch.empty((0, width)),
+                mask=torch.empty((0, width), dtype=torch.bool),
+            )
+        has_kl = self.cfg.top_k > 0 or prepared.rollout_logprobs is not None
+        return ScoredSample(
+            sample=prepared.sample,
+            index=prepared.index,
+            teacher=prepared.teacher,
+            teacher_logprobs=torch.empty(0),
+            reverse_kl=torch.empty(0) if has_kl else None,
+            candidates=cands,
+            attempts=0,
+            latency_s=time.monotonic() - admitted_at,
+        )
+
+    async def worker(
+        self,
+        work: MemoryObjectReceiveStream[tuple[PreparedSample, float]],
+        kl: MemoryObjectSendStream[Fetched],
+        emit: MemoryObjectSendStream[Result],
+    ) -> None:
+        async with work, kl, emit:
+            async for prepared, admitted_at in work:
+                self.stats.take("intake")
+                if prepared.response_length == 0:
+                    self.stats.put("emit")
+                    await emit.send(self._empty_result(prepared, admitted_at))
+                    continue
+                try:
+                    fetched = await self.scorer.fetch(
+                        prepared, self.router.urls(prepared.teacher), admitted_at
+                    )
+                except ScoreAttemptError as exc:
+                    self.stats.put("emit")
+                    await emit.send(
+                        self._failure(prepared.sample, prepared.index, exc.error, exc.attempts)
+                    )
+                    continue
+                self.stats.put("kl")
+                await kl.send(fetched)
+
+    # stage 3: KL -------------------------------------------------------------------
+    async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:
+        """Up to ``kl_batch_size`` items: what is ready now, topped up for a short wait."""
+        try:
+            batch = [await kl.receive()]
+        except anyio.EndOfStream:
+            return []
+        limit = self.cfg.kl_batch_size
+        try:
+            while len(batch) < limit:
+                try:
+                    batch.append(kl.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            if len(batch) < limit and self.cfg.kl_batch_wait_s > 0:
+                with anyio.move_on_after(self.cfg.kl_batch_wait_s):
+                    while len(batch) < limit:
+                        batch.append(await kl.receive())
+        except anyio.EndOfStream:
+            pass
+        return batch
+
+    async def kl_stage(
+        self, kl: MemoryObjectReceiveStream[Fetched], emit: MemoryObjectSendStream[Result]
+    ) -> None:
+        async with kl, emit:
+            while True:
+                batch = await self._next_batch(kl)
+                if not batch:
+                    return
+                for _ in batch:
+                    self.stats.take("kl")
+                self.stats.stage_active["kl"] += 1
+                try:
+                    results = await anyio.to_thread.run_sync(
+                        partial(
+                            score_batch,
+                            batch,
+                            top_k=self.cfg.top_k,
+                            strategy=self.cfg.strategy,
+                            weight_mode=self.cfg.weight_mode,
+                            device=self.kl_device,
+                        ),
+                        limiter=self.kl_limiter,
+                    )
+                finally:
+                    self.stats.stage_active["kl"] -= 1
+                for res in results:
+                    self.stats.put("emit")
+                    if isinstance(res, ScoredSample):
+                        await emit.send(res)
+                    else:
+                        fetched, exc = res
+                        p = fetched.prepared
+                        await emit.send(self._failure(p.sample, p.index, exc, fetched.attempts))
+
+    # stage 4: emit -----------------------------------------------------------------
+    def _account(self, item: Result) -> None:
+        self.stats.in_flight -= 1
+        if isinstance(item, ScoredSample):
+            self.stats.completed += 1
+            self.stats.record_latency(item.latency_s)
+        else:
+            self.stats.record_failure(item.reason)
+            log.warning(
+                "sample_failed",
+                index=item.index,
+                reason=item.reason,
+                attempts=item.attempts,
+                message=item.message,
+            )
+
+    async def _hand_over(self, item: Result, out: MemoryObjectSendStream[Result]) -> None:
+        self._account(item)
+        self.stats.put("output")
+        await out.send(item)
+        self.slots.release()
+
+    async def emitter(
+        self, emit: MemoryObjectReceiveStream[Result], out: MemoryObjectSendStream[Result]
+    ) -> None:
+        async with emit, out:
+            pending: dict[int, Result] = {}
+            next_index = 0
+            async for item in emit:
+                self.stats.take("emit")
+                if self.cfg.order == "completed":
+                    await self._hand_over(item, out)
+                    continue
+                pending[item.index] = item
+                while next_index in pending:
+                    await self._hand_over(pending.pop(next_index), out)
+                    next_index += 1
+
+
+async def run_pipeline(
+    pipeline_args: tuple[StreamConfig, SampleScorer, TeacherRouter, StatsRecorder, torch.device, anyio.CapacityLimiter],
+    samples: Iterable[Any] | AsyncIterable[Any],
+    out: MemoryObjectSendStream[Result],
+    state: RunState,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Supervise one run: start the stages, record a pipeline-level error, close ``out``."""
+    pipe = _Pipeline(*pipeline_args)
+    cap = pipe.cfg.channel_capacity
+    workers = min(pipe.cfg.max_inflight, 1024)
+    try:
+        with state.scope, out:
+            task_status.started()
+            work_send, work_recv = anyio.create_memory_object_stream[tuple[PreparedSample, float]](cap)
+            kl_send, kl_recv = anyio.create_memory_object_stream[Fetched](cap)
+            emit_send, emit_recv = anyio.create_memory_object_stream[Result](cap)
+            async with anyio.create_task_group() as tg:
+                with work_send, work_recv, kl_send, kl_recv, emit_send, emit_recv:
+                    tg.start_soon(pipe.intake, samples, work_send.clone(), emit_send.clone())
+                    for _ in range(workers):
+                        tg.start_soon(
+                            pipe.worker, work_recv.clone(), kl_send.clone(), emit_send.clone()
+                        )
+                    tg.start_soon(pipe.kl_stage, kl_recv.clone(), emit_send.clone())
+                    tg.start_soon(pipe.emitter, emit_recv.clone(), out.clone())
+    except anyio.BrokenResourceError:
+        pass  # the consumer closed its end: nothing left to deliver
+    except Exception as exc:
+        err = _unwrap(exc)
+        if not isinstance(err, anyio.BrokenResourceError):
+            state.error = err
+    finally:
+        state.done.set()
+

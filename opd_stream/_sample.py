@@ -1,0 +1,269 @@
+"""What goes into a stream (:class:`Sample`), what comes out (:class:`ScoredSample` or
+:class:`SampleFailure`), and the one-time validation that turns a ``Sample`` into the
+internal :class:`PreparedSample`.
+
+Validation is strict and happens once, at intake: a bad sample becomes a
+``SampleFailure(reason="invalid_sample")`` whose message names the field, and the rest of
+the stream goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ._errors import InvalidSampleError
+
+__all__ = (
+    "MAX_TOKEN_ID",
+    "Candidates",
+    "PreparedSample",
+    "Sample",
+    "SampleFailure",
+    "ScoredSample",
+    "prepare_sample",
+)
+
+#: Token ids must fit SGLang's int32 flat top-k arrays.
+MAX_TOKEN_ID = 2**31 - 1
+
+_LOGPROB_TOLERANCE = 1e-4
+
+
+class Sample(msgspec.Struct, kw_only=False):
+    """One student rollout to score.
+
+    Attributes:
+        tokens: prompt + response token ids (a sequence of ints, a 1-D integer numpy array
+            or torch tensor).
+        response_length: R, the number of trailing tokens that are the response
+            (``0 <= R < len(tokens)``: at least one prompt token precedes the response).
+        metadata: free-form; ``metadata[config.teacher_key]`` names the teacher.
+        rollout_logprobs: the student's logprob of each response token, as the rollout
+            engine returned them (length R, finite, <= 0). Needed for the sampled-token
+            reverse KL estimate.
+        student_top_logprobs: one row per response token of ``[logprob, token_id]`` pairs
+            (or SGLang ``[logprob, token_id, text]`` triples), best first, at least ``top_k``
+            per row. When top-k mode needs it and it is None, it is fetched from the
+            student server.
+        sample_id: anything the caller wants back on the result.
+    """
+
+    tokens: Any
+    response_length: int
+    metadata: Mapping[str, Any] = {}
+    rollout_logprobs: Any = None
+    student_top_logprobs: Any = None
+    sample_id: Any = None
+
+
+class Candidates(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-candidate top-k arrays of one sample, each ``[R, C]`` (CPU tensors).
+
+    ``C`` is ``top_k`` for only-student, only-teacher and intersection, ``2 * top_k`` for
+    union and xor. Selected candidates are packed first in the strategy's order; unused
+    slots have ``mask`` False, ``ids`` -1 and zero values.
+    """
+
+    ids: torch.Tensor
+    student_logprobs: torch.Tensor
+    teacher_logprobs: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+
+
+class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
+    """A sample scored by its teacher.
+
+    Attributes:
+        sample: the input sample, unchanged.
+        index: its 0-based position in the input.
+        teacher: the teacher name it was routed to.
+        teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token.
+        reverse_kl: float32 ``[R]``. Top-k mode: ``r_t`` (opd-semantics §2-3). Sampled-token
+            mode: ``rollout_logprobs - teacher_logprobs`` when rollout logprobs were given,
+            else None.
+        candidates: the per-candidate arrays in top-k mode, else None.
+        attempts: HTTP attempts made for this sample, all requests together.
+        latency_s: seconds from admission to result.
+    """
+
+    sample: Sample
+    index: int
+    teacher: str
+    teacher_logprobs: torch.Tensor
+    reverse_kl: torch.Tensor | None
+    candidates: Candidates | None
+    attempts: int
+    latency_s: float
+
+
+class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):
+    """A sample that could not be scored, and why.
+
+    Attributes:
+        sample: the input sample, unchanged.
+        index: its 0-based position in the input.
+        reason: a short stable code (``invalid_sample``, ``routing``, ``teacher_http_400``,
+            ``deadline_exceeded``, ``misaligned_response``, ``capability``, ...).
+        message: a human-readable explanation (never a payload or a secret).
+        attempts: HTTP attempts made before giving up.
+    """
+
+    sample: Sample
+    index: int
+    reason: str
+    message: str
+    attempts: int
+
+
+class PreparedSample(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated sample with everything the pipeline needs, in numpy form."""
+
+    sample: Sample
+    index: int
+    teacher: str
+    tokens: npt.NDArray[np.int64]
+    prompt_length: int
+    response_length: int
+    rollout_logprobs: npt.NDArray[np.float32] | None
+    student_top_ids: npt.NDArray[np.int64] | None
+    student_top_logprobs: npt.NDArray[np.float32] | None
+
+
+def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {tokens.dtype}")
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {tokens.dtype}")
+        arr = tokens
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise InvalidSampleError(
+            "tokens", f"expected a sequence of int token ids, got {type(tokens).__name__}"
+        )
+    else:
+        for i, tok in enumerate(tokens):
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                raise InvalidSampleError(
+                    "tokens", f"element {i} is {type(tok).__name__}, expected int"
+                )
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except OverflowError:
+            raise InvalidSampleError("tokens", "a token id does not fit in 64 bits") from None
+    if arr.ndim != 1:
+        raise InvalidSampleError("tokens", f"expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            raise InvalidSampleError(
+                "tokens", f"negative token id at position {int(np.argmax(arr < 0))}"
+            )
+        if hi > MAX_TOKEN_ID:
+            raise InvalidSampleError(
+                "tokens", f"token id above {MAX_TOKEN_ID} at position {int(np.argmax(arr > MAX_TOKEN_ID))}"
+            )
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _check_response_length(response_length: Any, n_tokens: int) -> int:
+    if isinstance(response_length, bool) or not isinstance(response_length, (int, np.integer)):
+        raise InvalidSampleError(
+            "response_length", f"expected int, got {type(response_length).__name__}"
+        )
+    r = int(response_length)
+    if not 0 <= r <= n_tokens - 1:
+        raise InvalidSampleError(
+            "response_length",
+            f"{r} is out of range for {n_tokens} tokens (need 0 <= R <= len(tokens) - 1, "
+            "so that at least one prompt token precedes the response)",
+        )
+    return r
+
+
+def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise InvalidSampleError(
+            "rollout_logprobs", f"expected a sequence of floats, got {type(values).__name__}"
+        )
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InvalidSampleError("rollout_logprobs", "expected a sequence of floats") from None
+    if arr.ndim != 1 or arr.shape[0] != r:
+        raise InvalidSampleError(
+            "rollout_logprobs", f"expected {r} values (one per response token), got shape {arr.shape}"
+        )
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        raise InvalidSampleError(
+            "rollout_logprobs", f"non-finite value at response position {int(np.argmax(bad))}"
+        )
+    over = arr > _LOGPROB_TOLERANCE
+    if over.any():
+        raise InvalidSampleError(
+            "rollout_logprobs",
+            f"value > 0 at response position {int(np.argmax(over))} is not a logprob",
+        )
+    return arr.astype(np.float32)
+
+
+def prepare_sample(
+    sample: Any, index: int, *, teacher: str, top_k: int, parse_student_topk: Any
+) -> PreparedSample:
+    """Validate ``sample`` and convert it for the pipeline.
+
+    Args:
+        sample: the caller's object; anything but a :class:`Sample` is rejected.
+        index: its position in the input.
+        teacher: the routed teacher name (routing happens before, see ``TeacherRouter``).
+        top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
+        parse_student_topk: ``(rows, r, k) -> (ids, logprobs)``, the wire parser for
+            rollout-engine top-k rows (injected to keep this module free of wire details).
+
+    Raises:
+        InvalidSampleError: naming the offending field.
+    """
+    if not isinstance(sample, Sample):
+        raise InvalidSampleError("sample", f"expected opd_stream.Sample, got {type(sample).__name__}")
+    if not isinstance(sample.metadata, Mapping):
+        raise InvalidSampleError(
+            "metadata", f"expected a mapping, got {type(sample.metadata).__name__}"
+        )
+    tokens = _as_token_array(sample.tokens)
+    if tokens.shape[0] < 1:
+        raise InvalidSampleError("tokens", "empty token list")
+    r = _check_response_length(sample.response_length, tokens.shape[0])
+    rollout = None
+    if sample.rollout_logprobs is not None:
+        rollout = _as_rollout_logprobs(sample.rollout_logprobs, r)
+    top_ids = top_lps = None
+    if top_k > 0 and sample.student_top_logprobs is not None:
+        top_ids, top_lps = parse_student_topk(sample.student_top_logprobs, r, top_k)
+    return PreparedSample(
+        sample=sample,
+        index=index,
+        teacher=teacher,
+        tokens=tokens,
+        prompt_length=tokens.shape[0] - r,
+        response_length=r,
+        rollout_logprobs=rollout,
+        student_top_ids=top_ids,
+        student_top_logprobs=top_lps,
+    )
+
+
+def is_finite_or_neg_inf(values: npt.NDArray[np.floating[Any]]) -> bool:
+    """True when every value is finite or -inf (the only values a logprob may take)."""
+    return bool(np.all(np.isfinite(values) | (values == -math.inf)))

@@ -1,0 +1,154 @@
+"""Counters, gauges and bounded samples behind ``OPDStream.stats()``.
+
+Everything here is plain synchronous bookkeeping, updated from the event loop thread
+only; ``snapshot()`` copies it into a :class:`StreamStats` value. Memory is bounded: the
+latency and loop-lag samples are ring buffers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import msgspec
+import numpy as np
+
+__all__ = ("ChannelStats", "EndpointStats", "StatsRecorder", "StreamStats")
+
+_RING = 4096
+
+
+class ChannelStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One bounded channel between stages: current depth, high-water mark, capacity."""
+
+    depth: int
+    high_water: int
+    capacity: int
+
+
+class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One server URL: requests in flight now, totals, and detected capabilities."""
+
+    in_flight: int
+    requests: int
+    errors: int
+    per_position: bool | None
+    b64_topk: bool | None
+
+
+class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of a stream's state (see ``OPDStream.stats``)."""
+
+    channels: dict[str, ChannelStats]
+    stages: dict[str, int]
+    in_flight: int
+    admitted: int
+    completed: int
+    failed: int
+    retries: int
+    failures: dict[str, int]
+    bytes_received: int
+    requests: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    loop_lag_p99_s: float | None
+    loop_lag_max_s: float
+    endpoints: dict[str, EndpointStats]
+
+
+class _Endpoint:
+    __slots__ = ("b64_topk", "errors", "in_flight", "per_position", "requests")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.requests = 0
+        self.errors = 0
+        self.per_position: bool | None = None
+        self.b64_topk: bool | None = None
+
+
+class StatsRecorder:
+    """Mutable bookkeeping for one stream."""
+
+    def __init__(self) -> None:
+        self.channel_capacity: dict[str, int] = {}
+        self._depth: Counter[str] = Counter()
+        self._high: Counter[str] = Counter()
+        self.stage_active: Counter[str] = Counter()
+        self.in_flight = 0
+        self.admitted = 0
+        self.completed = 0
+        self.failed = 0
+        self.retries = 0
+        self.requests = 0
+        self.bytes_received = 0
+        self.failures: Counter[str] = Counter()
+        self._latency: deque[float] = deque(maxlen=_RING)
+        self._lag: deque[float] = deque(maxlen=_RING)
+        self.lag_max = 0.0
+        self.endpoints: dict[str, _Endpoint] = {}
+
+    # channels ---------------------------------------------------------------------
+    def channel(self, name: str, capacity: int) -> None:
+        self.channel_capacity[name] = capacity
+
+    def put(self, name: str) -> None:
+        self._depth[name] += 1
+        if self._depth[name] > self._high[name]:
+            self._high[name] = self._depth[name]
+
+    def take(self, name: str) -> None:
+        self._depth[name] -= 1
+
+    # endpoints --------------------------------------------------------------------
+    def endpoint(self, url: str) -> _Endpoint:
+        ep = self.endpoints.get(url)
+        if ep is None:
+            ep = self.endpoints[url] = _Endpoint()
+        return ep
+
+    # outcomes ---------------------------------------------------------------------
+    def record_latency(self, seconds: float) -> None:
+        self._latency.append(seconds)
+
+    def record_lag(self, seconds: float) -> None:
+        self._lag.append(seconds)
+        self.lag_max = max(self.lag_max, seconds)
+
+    def record_failure(self, reason: str) -> None:
+        self.failed += 1
+        self.failures[reason] += 1
+
+    def snapshot(self) -> StreamStats:
+        lat = np.fromiter(self._latency, dtype=np.float64)
+        lag = np.fromiter(self._lag, dtype=np.float64)
+        return StreamStats(
+            channels={
+                name: ChannelStats(
+                    depth=self._depth[name], high_water=self._high[name], capacity=cap
+                )
+                for name, cap in self.channel_capacity.items()
+            },
+            stages=dict(self.stage_active),
+            in_flight=self.in_flight,
+            admitted=self.admitted,
+            completed=self.completed,
+            failed=self.failed,
+            retries=self.retries,
+            failures=dict(self.failures),
+            bytes_received=self.bytes_received,
+            requests=self.requests,
+            latency_p50_s=float(np.percentile(lat, 50)) if lat.size else None,
+            latency_p99_s=float(np.percentile(lat, 99)) if lat.size else None,
+            loop_lag_p99_s=float(np.percentile(lag, 99)) if lag.size else None,
+            loop_lag_max_s=self.lag_max,
+            endpoints={
+                url: EndpointStats(
+                    in_flight=ep.in_flight,
+                    requests=ep.requests,
+                    errors=ep.errors,
+                    per_position=ep.per_position,
+                    b64_topk=ep.b64_topk,
+                )
+                for url, ep in self.endpoints.items()
+            },
+        )

@@ -1,0 +1,187 @@
+"""``OPDStream``: the public entry point, and ``Results``, the handle of one run.
+
+::
+
+    async with OPDStream(StreamConfig.from_env()) as stream:
+        async with stream.run(samples) as results:
+            async for item in results:      # ScoredSample | SampleFailure, each input once
+                ...
+
+The stream owns one task group (the pipeline runs and a loop-lag ticker), one transport
+(a pooled aiohttp session by default, created inside the running loop), and the per
+endpoint state (concurrency limiters, detected capabilities). Leaving ``results`` early,
+or cancelling the caller, cancels the run: in-flight HTTP requests are cancelled and no
+task is left behind.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, Self
+
+import anyio
+import structlog
+import torch
+
+from ._config import StreamConfig, resolve_kl_device
+from ._pipeline import Result, RunState, run_pipeline
+from ._router import TeacherRouter
+from ._scorer import SampleScorer
+from ._stats import StatsRecorder, StreamStats
+from ._transport import AiohttpTransport, Transport
+from ._wire import ScoreRequest, ScoreRows, decode_score_response
+
+__all__ = ("OPDStream", "Results")
+
+log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+
+_LAG_INTERVAL_S = 0.01
+_CLOSE_GRACE_S = 10.0
+
+
+class Results:
+    """The results of one :meth:`OPDStream.run`: an async iterator and context manager.
+
+    Iteration yields each input sample exactly once, as a :class:`ScoredSample` or a
+    :class:`SampleFailure`. A pipeline-level error (for instance the caller's own
+    iterable raising) is re-raised from the iteration. Closing (leaving the ``async with``
+    block or calling :meth:`aclose`) stops the run and waits for its tasks to end.
+    """
+
+    def __init__(
+        self,
+        receive: anyio.abc.ObjectReceiveStream[Result],
+        state: RunState,
+        stats: StatsRecorder,
+    ) -> None:
+        self._receive = receive
+        self._state = state
+        self._stats = stats
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Result:
+        try:
+            item = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            await self._state.done.wait()
+            err, self._state.error = self._state.error, None
+            if err is not None:
+                raise err from None
+            raise StopAsyncIteration from None
+        self._stats.take("output")
+        return item
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the run (if still going) and wait until all of its tasks have ended."""
+        self._receive.close()
+        self._state.scope.cancel()
+        with anyio.move_on_after(_CLOSE_GRACE_S, shield=True):
+            await self._state.done.wait()
+
+
+class OPDStream(anyio.AsyncContextManagerMixin):
+    """Streaming teacher scoring for on-policy distillation.
+
+    Args:
+        config: the validated configuration (see :class:`StreamConfig`).
+        transport: the HTTP transport; by default a pooled :class:`AiohttpTransport`
+            (asyncio only). Pass a ``MockTransport`` to run on trio or without sockets.
+        decode: override for the response decoder ``(body, request) -> ScoreRows``
+            (sync or async); by default bodies are decoded on the event loop, or in
+            worker processes when ``decode_workers > 0`` and a body is at least
+            ``decode_offload_bytes`` long.
+    """
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        *,
+        transport: Transport | None = None,
+        decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+    ) -> None:
+        if not isinstance(config, StreamConfig):
+            raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
+        self.config = config
+        self._router = TeacherRouter(config.teachers, config.teacher_key)
+        self._device = torch.device(resolve_kl_device(config))
+        self._transport = transport
+        self._decode = decode
+        self._stats = StatsRecorder()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._scorer: SampleScorer | None = None
+        self._proc_limiter: anyio.CapacityLimiter | None = None
+
+    def __repr__(self) -> str:
+        return f"OPDStream(teachers={sorted(self.config.teachers)}, top_k={self.config.top_k})"
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
+        transport = self._transport or AiohttpTransport(
+            api_key=self.config.api_key.get_secret_value() if self.config.api_key else None,
+            connect_timeout_s=self.config.connect_timeout_s,
+        )
+        if self.config.decode_workers > 0:
+            self._proc_limiter = anyio.CapacityLimiter(self.config.decode_workers)
+        async with transport, anyio.create_task_group() as tg:
+            self._scorer = SampleScorer(
+                self.config, transport, self._stats, decode=self._decode or self._default_decode
+            )
+            self._kl_limiter = anyio.CapacityLimiter(1)
+            self._tg = tg
+            tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
+            log.info("stream_started", **self.config.to_log_dict())
+            try:
+                yield self
+            finally:
+                self._tg = None
+                tg.cancel_scope.cancel()
+
+    async def _default_decode(self, body: bytes, req: ScoreRequest) -> ScoreRows:
+        limiter = self._proc_limiter
+        if limiter is not None and len(body) >= self.config.decode_offload_bytes:
+            return await anyio.to_process.run_sync(
+                decode_score_response, body, req, limiter=limiter
+            )
+        return decode_score_response(body, req)
+
+    async def _lag_ticker(self) -> None:
+        while True:
+            start = anyio.current_time()
+            await anyio.sleep(_LAG_INTERVAL_S)
+            self._stats.record_lag(max(0.0, anyio.current_time() - start - _LAG_INTERVAL_S))
+
+    def run(self, samples: Iterable[Any] | AsyncIterable[Any]) -> Results:
+        """Start scoring ``samples`` (an iterable or async iterable of :class:`Sample`).
+
+        Returns a :class:`Results` handle; use it as ``async with stream.run(xs) as r:``
+        and iterate it. Several runs may share one stream (and its connection pool).
+        """
+        tg, scorer = self._tg, self._scorer
+        if tg is None or scorer is None:
+            raise RuntimeError("OPDStream.run() called outside 'async with OPDStream(...)'")
+        send, receive = anyio.create_memory_object_stream[Result](self.config.channel_capacity)
+        state = RunState()
+        args = (self.config, scorer, self._router, self._stats, self._device, self._kl_limiter)
+        tg.start_soon(run_pipeline, args, samples, send, state, name="opd_stream.run")
+        return Results(receive, state, self._stats)
+
+    def stats(self) -> StreamStats:
+        """A snapshot: channel depths and high-water marks, stage activity, in flight,
+        retries, failures by reason, bytes received, latency and loop-lag percentiles,
+        and per-endpoint load and detected capabilities."""
+        return self._stats.snapshot()

@@ -1,0 +1,214 @@
+"""HTTP transports: the one seam between the pipeline and the network.
+
+A :class:`Transport` has two operations, ``post`` and ``get``, each returning a
+:class:`Response` whose body was read under a byte cap. :class:`AiohttpTransport` is the
+production transport (asyncio only: aiohttp does not run under trio);
+:class:`MockTransport` calls a handler in-process and runs on any anyio backend, so the
+pipeline's logic (routing, deadlines, retries, backpressure) is tested on asyncio and trio
+without sockets.
+
+Errors: connection problems become :class:`ConnectionFailed`; a body over the cap becomes
+:class:`ResponseTooLarge`. HTTP status codes are *not* errors here: the caller decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol, Self
+
+import msgspec
+
+from ._errors import ConfigError, ConnectionFailed, ResponseTooLarge
+
+__all__ = (
+    "AiohttpTransport",
+    "MockTransport",
+    "Response",
+    "Transport",
+)
+
+_READ_CHUNK = 1 << 18
+
+
+class Response(msgspec.Struct, frozen=True):
+    """An HTTP answer: status code and the whole body."""
+
+    status: int
+    body: bytes
+
+
+class Transport(Protocol):
+    """What the pipeline needs from HTTP."""
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None: ...
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer."""
+        ...
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        """GET ``url``; read at most ``max_bytes`` of the answer."""
+        ...
+
+
+Handler = Callable[[str, str, bytes], "Response | Awaitable[Response]"]
+
+
+class MockTransport:
+    """A transport that answers every request by calling ``handler(method, url, body)``.
+
+    The handler may be sync or async and returns a :class:`Response`; it may raise
+    :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
+    on what it returns, like a real transport.
+    """
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self.requests = 0
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        return None
+
+    async def _call(self, method: str, url: str, body: bytes, max_bytes: int) -> Response:
+        self.requests += 1
+        result = self._handler(method, url, body)
+        if inspect.isawaitable(result):
+            result = await result
+        assert isinstance(result, Response)
+        if len(result.body) > max_bytes:
+            raise ResponseTooLarge(max_bytes, url=url)
+        return result
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+        return await self._call("POST", url, body, max_bytes)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._call("GET", url, b"", max_bytes)
+
+
+class AiohttpTransport:
+    """Pooled keep-alive aiohttp transport (asyncio only).
+
+    One ``ClientSession`` is created when the transport is entered (inside the running
+    loop) and closed when it is left. Timing is owned by the caller's anyio cancel scopes;
+    the session keeps only a connect watchdog. Redirects are not followed. The bearer
+    token, when given, is sent on every request and never logged.
+
+    Args:
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        connect_timeout_s: watchdog for establishing a connection.
+        pool_size: the connector's total connection limit (0 = unlimited); per-endpoint
+            concurrency is enforced by the pipeline's own limiters, so this is a backstop.
+    """
+
+    def __init__(
+        self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
+    ) -> None:
+        self._headers: Mapping[str, str] = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
+        self._connect_timeout_s = connect_timeout_s
+        self._pool_size = pool_size
+        self._session: object | None = None
+
+    def __repr__(self) -> str:
+        return f"AiohttpTransport(connect_timeout_s={self._connect_timeout_s})"
+
+    async def __aenter__(self) -> Self:
+        import asyncio
+
+        import aiohttp
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError(
+                "the aiohttp transport requires the asyncio backend; under trio pass a "
+                "transport that supports it (e.g. MockTransport in tests)"
+            ) from None
+        connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=30.0)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=self._connect_timeout_s, sock_read=None
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=self._headers, auto_decompress=True
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        import aiohttp
+
+        session = self._session
+        self._session = None
+        if isinstance(session, aiohttp.ClientSession):
+            await session.close()
+
+    @property
+    def idle(self) -> bool:
+        """True when no pooled connection is checked out (for tests and stats)."""
+        import aiohttp
+
+        session = self._session
+        if not isinstance(session, aiohttp.ClientSession):
+            return True
+        connector = session.connector
+        acquired = getattr(connector, "_acquired", ())
+        return len(acquired) == 0
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+        return await self._request("POST", url, body, max_bytes)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._request("GET", url, None, max_bytes)
+
+    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
+        import asyncio
+
+        import aiohttp
+
+        session = self._session
+        if not isinstance(session, aiohttp.ClientSession):
+            raise RuntimeError("AiohttpTransport used outside its 'async with' block")
+        try:
+            async with session.request(
+                method, url, data=body, allow_redirects=False
+            ) as resp:
+                declared = resp.content_length
+                if declared is not None and declared > max_bytes:
+                    raise ResponseTooLarge(max_bytes, url=url)
+                buf = bytearray()
+                async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+                    buf += chunk
+                    if len(buf) > max_bytes:
+                        raise ResponseTooLarge(max_bytes, url=url)
+                return Response(resp.status, bytes(buf))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
+            # ClientConnectorError, socket timeouts: all below HTTP semantics.
+            detail = str(exc)[:200]
+            raise ConnectionFailed(
+                f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
+                url=url,
+            ) from None

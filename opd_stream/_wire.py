@@ -1,0 +1,348 @@
+"""SGLang ``/generate`` wire format: payload builders, response decoders, error bodies.
+
+Sans-IO: bytes in, bytes or numpy arrays out. The decoders live in :mod:`opd_stream._decode`
+and are re-exported here; this module owns :class:`ScoreRequest` and how it maps to HTTP.
+
+A scoring request asks for, at the ``R`` response positions of ``tokens`` (``L = P + R``,
+``P >= 1``): the sampled token's logprob (always), the top-``top_k`` (optional) and the
+logprobs of caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
+
+``per-position``
+    ``token_ids_logprob_positions`` with exactly ``L`` rows: rows of absolute positions
+    ``< P`` are ``[]``, row ``P + t`` is ``ids[t]`` in request order. Never sent together
+    with the flat field. Needs a patched SGLang (spec §4); an unpatched one silently ignores
+    the field and the decoder raises ``CapabilityError("per_position")``.
+``flat``
+    ``token_ids_logprob`` = the sorted unique union ``U`` of all ids, scored at every
+    position (answer ``O(R·|U|)``); columns are picked by ``searchsorted``.
+``blocked``
+    One SGLang *batch* body. Response positions are cut into blocks of ``block_size`` (B);
+    block ``b`` covers ``[b·B, min((b+1)·B, R))`` and is one item with
+    ``input_ids = tokens[:P + end]``, ``logprob_start_len = P + start - 1`` and
+    ``token_ids_logprob`` = the sorted unique union of ``ids[start:end]``. The answer is
+    ``O(R·k·B)``, works on unpatched releases, and the stitched result equals the
+    per-position one exactly (causal attention: a row depends only on its prefix). The
+    request body carries one prefix per block, i.e. ``O(ceil(R/B)·L)`` token ids.
+
+``start`` picks ``logprob_start_len`` for the single-item forms: ``"prompt"`` sends
+``P - 1`` (answer has ``R + 1`` entries, the prompt prefix stays cacheable), ``"zero"``
+sends 0 (the reference's choice: ``L`` entries, no prefix cache reuse). In the blocked form
+every item uses ``P + start - 1`` regardless, since ``"zero"`` would only add rows. Without
+``ids`` the id form is irrelevant and a single request is sent.
+
+Every scoring body has ``"return_logprob": true``, ``"return_text_in_logprobs": false``,
+``"stream": false`` and ``"sampling_params": {"temperature": 0, "max_new_tokens": 0}``;
+``top_logprobs_num`` and ``logprob_start_len`` are top-level. ``topk_wire="b64"`` (with
+``top_k > 0``) adds ``return_flat_raw_top_logprobs(_b64)``; a server that ignores them
+answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ._decode import (
+    Generation,
+    ScoreRows,
+    Segment,
+    decode_generate_response,
+    decode_segments,
+    parse_student_topk,
+)
+from ._errors import InvalidSampleError
+
+__all__ = (
+    "Generation",
+    "IdForm",
+    "ScoreRequest",
+    "ScoreRows",
+    "build_generate_payload",
+    "build_score_payload",
+    "decode_generate_response",
+    "decode_score_response",
+    "parse_error_message",
+    "parse_student_topk",
+)
+
+IdForm = Literal["per-position", "flat", "blocked"]
+
+_ENCODER = msgspec.json.Encoder()
+_MAX_ID = 2**31  # SGLang ships ids as int32; anything at or above this cannot be a token id
+_MESSAGE_CAP = 500
+_PREFIX_CAP = 200
+
+
+class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """What to ask a server about one sample (see the module docstring for the forms).
+
+    Attributes:
+        tokens: int64 ``[L]``, prompt followed by response.
+        response_length: ``R``, ``1 <= R <= L - 1``.
+        top_k: ``> 0`` asks ``top_logprobs_num = top_k``.
+        ids: int64 ``[R, k]`` (``k >= 1``), ids to score at each response position; no
+            duplicates within a row; ``0 <= id < 2**31``.
+        id_form: how ``ids`` travel: ``"per-position"``, ``"flat"`` or ``"blocked"``.
+        start: ``logprob_start_len`` = ``P - 1`` (``"prompt"``) or ``0`` (``"zero"``).
+        topk_wire: ``"b64"`` asks for the b64 flat top-k fields.
+        block_size: ``B`` for the blocked form.
+    """
+
+    tokens: npt.NDArray[np.int64]
+    response_length: int
+    top_k: int = 0
+    ids: npt.NDArray[np.int64] | None = None
+    id_form: IdForm = "per-position"
+    start: Literal["prompt", "zero"] = "prompt"
+    topk_wire: Literal["b64", "json"] = "json"
+    block_size: int = 8
+
+
+class _Layout(msgspec.Struct, frozen=True, kw_only=True):
+    tokens: npt.NDArray[np.int64]
+    prompt_length: int
+    batch: bool
+    segments: list[Segment]
+    unions: list[npt.NDArray[np.int64]]  # per item, flat / blocked forms only
+
+
+def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
+    tokens = np.asarray(req.tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidSampleError(
+            "tokens", f"expected a 1-D integer array, got {tokens.dtype}{list(tokens.shape)}"
+        )
+    length, r = tokens.shape[0], req.response_length
+    if not 1 <= r <= length - 1:
+        raise InvalidSampleError(
+            "response_length", f"{r} is outside [1, {length - 1}] for {length} tokens (P >= 1)"
+        )
+    if req.top_k < 0:
+        raise InvalidSampleError("top_k", f"{req.top_k} < 0")
+    if req.id_form not in ("per-position", "flat", "blocked"):
+        raise InvalidSampleError("id_form", f"unknown id form {req.id_form!r}")
+    if req.start not in ("prompt", "zero"):
+        raise InvalidSampleError("start", f"unknown start {req.start!r}")
+    if req.topk_wire not in ("b64", "json"):
+        raise InvalidSampleError("topk_wire", f"unknown top-k wire form {req.topk_wire!r}")
+    if req.block_size < 1:
+        raise InvalidSampleError("block_size", f"{req.block_size} < 1")
+    ids = req.ids
+    if ids is not None:
+        if ids.ndim != 2 or ids.shape[0] != r or ids.shape[1] < 1:
+            raise InvalidSampleError("ids", f"shape {list(ids.shape)}, expected [{r}, k >= 1]")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidSampleError("ids", f"dtype {ids.dtype} is not an integer type")
+        if int(ids.min()) < 0 or int(ids.max()) >= _MAX_ID:
+            raise InvalidSampleError("ids", f"an id is outside [0, {_MAX_ID})")
+        s = np.sort(ids, axis=1)
+        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+        if dup.any():
+            raise InvalidSampleError(
+                "ids", f"duplicate id in the row of response position {int(np.argmax(dup))}"
+            )
+    return tokens.astype(np.int64, copy=False), length - r
+
+
+def _layout(req: ScoreRequest) -> _Layout:
+    """Validate ``req`` and derive the items, their layouts and expected ids."""
+    tokens, p = _check_request(req)
+    length, r, ids = tokens.shape[0], req.response_length, req.ids
+    s = p - 1 if req.start == "prompt" else 0
+    if ids is None:
+        seg = Segment(length=length, start=s, rows=r)
+        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
+    ids = ids.astype(np.int64, copy=False)
+    if req.id_form == "per-position":
+        seg = Segment(length=length, start=s, rows=r, expect=ids)
+        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
+    if req.id_form == "flat":
+        union = np.unique(ids)
+        col = np.searchsorted(union, ids)
+        seg = Segment(length=length, start=s, rows=r, expect=union, col=col)
+        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[union])
+    # blocked: per-block unions in one vectorised pass over keys (block, id)
+    b = req.block_size
+    n_blocks = -(-r // b)
+    block_of = np.arange(r, dtype=np.int64) // b
+    span = int(ids.max()) + 1
+    keys = block_of[:, None] * span + ids
+    ukeys = np.unique(keys)
+    bounds = np.searchsorted(ukeys // span, np.arange(n_blocks + 1))
+    cols = np.searchsorted(ukeys, keys) - bounds[block_of][:, None]
+    union_all = ukeys % span
+    segments, unions = [], []
+    for blk in range(n_blocks):
+        lo, hi = blk * b, min((blk + 1) * b, r)
+        union = union_all[bounds[blk] : bounds[blk + 1]]
+        unions.append(union)
+        segments.append(
+            Segment(length=p + hi, start=p + lo - 1, rows=hi - lo, expect=union, col=cols[lo:hi])
+        )
+    return _Layout(tokens=tokens, prompt_length=p, batch=True, segments=segments, unions=unions)
+
+
+def build_score_payload(req: ScoreRequest) -> bytes:
+    """Encode ``req`` as one ``/generate`` JSON body (blocked: one SGLang batch body).
+
+    Keys appear in a fixed order: ``input_ids, sampling_params, return_logprob,
+    logprob_start_len, [top_logprobs_num], [token_ids_logprob |
+    token_ids_logprob_positions], [return_flat_raw_top_logprobs,
+    return_flat_raw_top_logprobs_b64], return_text_in_logprobs, stream``.
+
+    Raises:
+        InvalidSampleError: a malformed request (names the field).
+    """
+    lay = _layout(req)
+    toks: list[int] = lay.tokens.tolist()
+    body: dict[str, Any] = {}
+    if lay.batch:
+        body["input_ids"] = [toks[: seg.length] for seg in lay.segments]
+        body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
+        body["return_logprob"] = True
+        body["logprob_start_len"] = [seg.start for seg in lay.segments]
+    else:
+        body["input_ids"] = toks
+        body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
+        body["return_logprob"] = True
+        body["logprob_start_len"] = lay.segments[0].start
+    if req.top_k > 0:
+        body["top_logprobs_num"] = req.top_k
+    if req.ids is not None:
+        if req.id_form == "per-position":
+            rows: list[list[int]] = [[]] * lay.prompt_length
+            body["token_ids_logprob_positions"] = rows + np.asarray(req.ids).tolist()
+        elif lay.batch:
+            body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
+        else:
+            body["token_ids_logprob"] = lay.unions[0].tolist()
+    if req.top_k > 0 and req.topk_wire == "b64":
+        body["return_flat_raw_top_logprobs"] = True
+        body["return_flat_raw_top_logprobs_b64"] = True
+    body["return_text_in_logprobs"] = False
+    body["stream"] = False
+    return _ENCODER.encode(body)
+
+
+def decode_score_response(body: bytes, req: ScoreRequest) -> ScoreRows:
+    """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
+
+    Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
+    / response position, never payload values): ``finish_reason.type != "abort"``; every
+    requested field present; ``input_token_logprobs`` has ``L - s`` entries and echoes
+    ``tokens[s+1:]``; top-k rows in the response range are non-null with ``top_k`` entries
+    (or the b64 fields are consistent); requested-id rows return exactly the requested ids
+    in order (per-position: ``ids[t]``; flat / blocked: the sorted union); a batch answer has
+    one item per block. Stitched blocked results equal per-position ones exactly.
+
+    Raises:
+        MalformedResponseError: not JSON, truncated, wrong types, missing field, bad b64.
+        MisalignedResponseError: counts, echoed token ids or requested ids differ.
+        ServerAbortError: ``finish_reason.type == "abort"`` (with the server's message).
+        CapabilityError: ``"per_position"`` when a per-position request is answered
+            without ``input_token_ids_logprobs`` (the server ignored the field).
+        InvalidSampleError: ``req`` itself is malformed.
+    """
+    lay = _layout(req)
+    return decode_segments(
+        body,
+        batch=lay.batch,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=req.top_k,
+        per_position=req.ids is not None and req.id_form == "per-position",
+    )
+
+
+def parse_error_message(body: bytes) -> str:
+    """Extract the server's message from an SGLang error body; never raises.
+
+    Tries, in order: ``body["error"]["message"]``, ``body["error"]`` (a string),
+    ``body["message"]``, ``body["detail"]`` (a string, or other JSON re-encoded). Otherwise
+    returns a printable prefix of the body (at most 200 characters, non-printables escaped)
+    or ``"<empty body>"``. Messages are capped at 500 characters.
+    """
+    try:
+        return _parse_error_message(body)
+    except Exception:  # pragma: no cover - defensive: this function must never raise
+        return "<unreadable body>"
+
+
+def _parse_error_message(body: bytes) -> str:
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, TypeError):
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        candidates: list[Any] = [
+            err.get("message") if isinstance(err, dict) else None,
+            err,
+            obj.get("message"),
+        ]
+        for value in candidates:
+            if isinstance(value, str) and value:
+                return _cap(value, _MESSAGE_CAP)
+        detail = obj.get("detail")
+        if isinstance(detail, str) and detail:
+            return _cap(detail, _MESSAGE_CAP)
+        if detail is not None:
+            return _cap(_ENCODER.encode(detail).decode("utf-8", "replace"), _MESSAGE_CAP)
+    text = bytes(body).decode("utf-8", "backslashreplace").strip()
+    if not text:
+        return "<empty body>"
+    return _cap(text, _PREFIX_CAP)
+
+
+def _cap(text: str, limit: int) -> str:
+    cut = text[:limit]
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return out + ("…" if len(text) > limit else "")
+
+
+def build_generate_payload(
+    prompts: list[list[int]] | list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_logprobs_num: int = 0,
+    seed: int | None = None,
+) -> bytes:
+    """Encode a sampling (rollout) ``/generate`` request, single or batch.
+
+    ``sampling_params`` holds ``temperature``, ``max_new_tokens`` and (if given)
+    ``sampling_seed``; ``return_logprob`` is true so that the answer carries
+    ``output_token_logprobs`` (and ``output_top_logprobs`` when ``top_logprobs_num > 0``).
+    No ``logprob_start_len`` is sent (SGLang's -1: no input logprobs).
+
+    Raises:
+        ValueError: empty prompts, a non-int id, ``max_new_tokens < 1``,
+            ``top_logprobs_num < 0``.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    seqs = [prompts] if not isinstance(prompts[0], list) else prompts
+    for n, seq in enumerate(seqs):
+        if not isinstance(seq, list) or not seq:
+            raise ValueError(f"prompt {n} is not a non-empty list of token ids")
+        if not all(type(t) is int and t >= 0 for t in seq):
+            raise ValueError(f"prompt {n} holds an id that is not a non-negative int")
+    sampling: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    body: dict[str, Any] = {
+        "input_ids": prompts,
+        "sampling_params": sampling,
+        "return_logprob": True,
+    }
+    if top_logprobs_num > 0:
+        body["top_logprobs_num"] = top_logprobs_num
+    body["return_text_in_logprobs"] = False
+    body["stream"] = False
+    return _ENCODER.encode(body)

@@ -1,0 +1,87 @@
+"""CLI: ``python -m opd_stream.testing.mock_sglang --port 0 --role teacher --seed 1 ...``.
+
+Every :class:`MockOptions` field is a flag (``--fault-http-503 0.1``, ``--per-position
+unpatched``, ``--api-key KEY``, ``--masked-ids 5,7``, ``--no-info-endpoints``). The first line
+printed is ``listening on http://HOST:PORT``; SIGTERM/SIGINT stop the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from ._app import MockServer
+from ._options import MockOptions
+
+__all__ = ("build_parser", "main")
+
+_NONE_DEFAULT_TYPES: dict[str, Any] = {"api_key": str, "fault_seed": int}
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in text.split(",") if t.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (server flags plus one flag per :class:`MockOptions` field)."""
+    p = argparse.ArgumentParser(
+        prog="python -m opd_stream.testing.mock_sglang", description="Mock SGLang server."
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--role", choices=("teacher", "student"), default="teacher")
+    p.add_argument("--seed", type=int, default=0)
+    default = MockOptions()
+    hints = typing.get_type_hints(MockOptions)
+    for name in MockOptions.__struct_fields__:
+        flag = "--" + name.replace("_", "-")
+        value = getattr(default, name)
+        if name == "masked_ids":
+            p.add_argument(flag, dest=name, type=_int_tuple, default=None, help="comma list")
+        elif isinstance(value, bool):
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=value)
+        elif typing.get_origin(hints[name]) is typing.Literal:
+            p.add_argument(flag, dest=name, choices=typing.get_args(hints[name]), default=value)
+        elif value is None:
+            p.add_argument(flag, dest=name, type=_NONE_DEFAULT_TYPES[name], default=None)
+        else:
+            p.add_argument(flag, dest=name, type=type(value), default=value)
+    return p
+
+
+async def _run(args: argparse.Namespace, options: MockOptions) -> None:
+    server = MockServer(args.role, args.seed, options, host=args.host, port=args.port)
+    url = await server.start()
+    print(f"listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, serve until SIGTERM/SIGINT, return the exit status."""
+    args = build_parser().parse_args(argv)
+    fields = {name: getattr(args, name) for name in MockOptions.__struct_fields__}
+    try:
+        options = msgspec.convert(fields, MockOptions)
+    except (msgspec.ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_run(args, options))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

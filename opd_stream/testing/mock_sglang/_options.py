@@ -1,0 +1,142 @@
+"""Runtime options of a mock SGLang server: model knobs, protocol mode, latency, capacity, faults.
+
+Every field is also a CLI flag (``--field-name VALUE``, generated from this Struct) and can be
+changed at runtime, programmatically (``MockServer.set_options``) or over HTTP
+(``POST /mock/options`` with a JSON object of fields).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ("FAULT_KINDS", "FaultKind", "MockOptions")
+
+FaultKind = Literal[
+    "http_500",
+    "http_503",
+    "http_429",
+    "abort",
+    "hang",
+    "reset",
+    "truncated",
+    "malformed",
+    "misaligned",
+    "missing_rows",
+    "oversized",
+    "slow_drip",
+]
+
+#: Fault kinds in the order their rates are laid out on ``[0, 1)`` (a request hits at most one).
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    "http_500",
+    "http_503",
+    "http_429",
+    "abort",
+    "hang",
+    "reset",
+    "truncated",
+    "malformed",
+    "misaligned",
+    "missing_rows",
+    "oversized",
+    "slow_drip",
+)
+
+
+class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """Options of one mock server (replace with :func:`msgspec.structs.replace`).
+
+    Model (changing one rebuilds the model):
+        vocab_size: full vocabulary size.
+        head_size: explicit candidates per position (see ``MockModel``).
+        divergence: role-noise weight in ``[0, 1]`` (teacher/student top-k overlap knob).
+        masked_ids: ids with logprob ``-inf`` (``None``: the two largest ids).
+
+    Protocol:
+        per_position: ``"patched"`` validates and answers ``token_ids_logprob_positions``;
+            ``"unpatched"`` ignores it silently (like every SGLang release).
+        api_key: when set, every endpoint but ``/health*``, ``/ready``, ``/metrics`` and
+            ``/mock/*`` needs ``Authorization: Bearer <api_key>`` (else 401).
+        weight_version: ``meta_info.weight_version``.
+        context_length: longer inputs (or input + max_new_tokens) are rejected with 400.
+        info_endpoints: serve ``/model_info`` and ``/server_info`` (else 404).
+        startup_delay_s: ``/health`` and ``/generate`` answer 503 for this long after start.
+
+    Latency (seconds) of each ``/generate``: ``latency_fixed_s + latency_per_token_s * tokens +
+    min(latency_tail_cap_s, latency_tail_scale_s * (Pareto(latency_tail_alpha) - 1))``, where
+    ``tokens`` counts input and generated tokens of all items.
+
+    Capacity:
+        max_running: requests served concurrently (0: unlimited).
+        max_queued: requests waiting for a slot beyond which 503 "The request queue is full."
+            is answered (-1: unlimited).
+
+    Faults (``fault_*``: probability per ``/generate`` request; at most one per request,
+    drawn from a RNG seeded with ``fault_seed``, or the server seed when ``None``):
+        http_500 / http_503 / http_429: an error answer in the ErrorResponse shape.
+        abort: HTTP 200 whose ``finish_reason`` is ``{"type": "abort", ...}``.
+        hang: never answers until the client disconnects (counted in ``disconnects``).
+        reset: sends part of the body, then resets the connection (RST).
+        truncated: announces the full Content-Length, sends part, closes cleanly (FIN).
+        malformed: HTTP 200 whose body is invalid JSON (correct Content-Length).
+        misaligned: ``input_token_logprobs`` carries wrong token ids (shifted by one row).
+        missing_rows: every ``input_*`` list has one row fewer.
+        oversized: the body is padded with an unknown field of ``oversized_bytes`` bytes.
+        slow_drip: the body is sent in ``drip_chunk_bytes`` chunks, ``drip_delay_s`` apart.
+    """
+
+    vocab_size: int = 151936
+    head_size: int = 128
+    divergence: float = 0.35
+    masked_ids: tuple[int, ...] | None = None
+
+    per_position: Literal["patched", "unpatched"] = "patched"
+    api_key: str | None = None
+    weight_version: str = "default"
+    context_length: int = 131072
+    info_endpoints: bool = True
+    startup_delay_s: float = 0.0
+
+    latency_fixed_s: float = 0.0
+    latency_per_token_s: float = 0.0
+    latency_tail_scale_s: float = 0.0
+    latency_tail_alpha: float = 1.5
+    latency_tail_cap_s: float = 5.0
+
+    max_running: int = 0
+    max_queued: int = -1
+
+    fault_seed: int | None = None
+    fault_http_500: float = 0.0
+    fault_http_503: float = 0.0
+    fault_http_429: float = 0.0
+    fault_abort: float = 0.0
+    fault_hang: float = 0.0
+    fault_reset: float = 0.0
+    fault_truncated: float = 0.0
+    fault_malformed: float = 0.0
+    fault_misaligned: float = 0.0
+    fault_missing_rows: float = 0.0
+    fault_oversized: float = 0.0
+    fault_slow_drip: float = 0.0
+    oversized_bytes: int = 64 * 1024 * 1024
+    drip_chunk_bytes: int = 4096
+    drip_delay_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        for kind in FAULT_KINDS:
+            rate = getattr(self, f"fault_{kind}")
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"fault_{kind} must be in [0, 1]")
+        if self.max_running < 0:
+            raise ValueError("max_running must be >= 0 (0: unlimited)")
+        if self.max_queued < -1:
+            raise ValueError("max_queued must be >= -1 (-1: unlimited)")
+        if self.per_position not in ("patched", "unpatched"):
+            raise ValueError("per_position must be 'patched' or 'unpatched'")
+
+    def fault_rates(self) -> dict[FaultKind, float]:
+        """The rate of every fault kind, in :data:`FAULT_KINDS` order."""
+        return {kind: float(getattr(self, f"fault_{kind}")) for kind in FAULT_KINDS}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv (torch==2.13.0 CPU first), then
+#   scripts/dev.sh demo [flags]   runs the main job (mock SGLang teacher + student, real scoring)
+#   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite
+#   scripts/dev.sh bench [flags]  runs the benchmarks in bench/
+#   scripts/dev.sh setup          only sets up
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${OPD_STREAM_VENV:-.venv}"
+PY="$VENV/bin/python"
+
+setup() {
+  if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+  fi
+  # torch first: the pinned CPU wheel is local and quick; a bare 'torch' could pull a CUDA build.
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  fi
+  if ! "$PY" -c "import opd_stream, pytest, trio, hypothesis, matplotlib" 2>/dev/null \
+     || [ pyproject.toml -nt "$VENV/.opd_stream_installed" ]; then
+    "$PY" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+    touch "$VENV/.opd_stream_installed"
+  fi
+  # SGLang's own JSON contract (api_types.py needs msgspec only); never imported by the package.
+  local api=".cache/sglang/src/sglang/api/v1/api_types.py"
+  if [ ! -f "$api" ]; then
+    mkdir -p .cache/sglang/src
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps "sglang==0.5.23" -d .cache/sglang
+    "$PY" - <<'PYEOF'
+import glob, zipfile
+whl = sorted(glob.glob(".cache/sglang/sglang-0.5.23-*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    z.extract("sglang/api/v1/api_types.py", ".cache/sglang/src")
+PYEOF
+  fi
+}
+
+cmd="${1:-test}"
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  demo)  setup; exec "$VENV/bin/opd-stream" demo "$@" ;;
+  bench) setup; exec "$VENV/bin/opd-stream" bench "$@" ;;
+  test)
+    setup
+    "$VENV/bin/ruff" check opd_stream tests bench
+    "$VENV/bin/mypy" --strict opd_stream
+    exec "$PY" -m pytest -q "$@"
+    ;;
+  *) echo "usage: scripts/dev.sh {setup|demo|test|bench} [args]" >&2; exit 2 ;;
+esac

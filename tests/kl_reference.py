@@ -1,0 +1,142 @@
+"""Independent float64 reference for the KL math (spec opd-semantics §1-§3).
+
+Plain Python over dicts, one position at a time, written from the spec text only (it imports
+nothing from ``opd_stream._kl``).  The floor ``-1e4`` is the documented constant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = (
+    "FLOOR",
+    "Missing",
+    "RefPosition",
+    "reference_position",
+    "reference_sampled",
+)
+
+FLOOR = -1e4
+
+
+class Missing(Exception):
+    """A selected candidate has no value (NaN) on ``side``."""
+
+    def __init__(self, side: str, token_id: int) -> None:
+        super().__init__(side, token_id)
+        self.side = side
+        self.token_id = token_id
+
+
+class RefPosition:
+    """The reference answer for one position: ``r`` and the selected candidates in order."""
+
+    def __init__(
+        self,
+        r: float,
+        ids: list[int],
+        student: list[float],
+        teacher: list[float],
+        weights: list[float],
+        scale: float,
+    ) -> None:
+        self.r = r
+        self.ids = ids
+        self.student = student
+        self.teacher = teacher
+        self.weights = weights
+        # Sum of |w (s - t)|: the magnitude float32 rounding is relative to.
+        self.scale = scale
+
+
+def _floor(x: float) -> float:
+    return max(float(x), FLOOR)
+
+
+def _as_dict(ids: Sequence[int] | None, values: Sequence[float] | None) -> dict[int, float]:
+    if ids is None or values is None:
+        return {}
+    return {int(i): float(v) for i, v in zip(ids, values, strict=True) if int(i) >= 0}
+
+
+def reference_position(
+    *,
+    strategy: str,
+    weight_mode: str,
+    s_ids: Sequence[int] | None = None,
+    s_lp: Sequence[float] | None = None,
+    t_on_s: Sequence[float] | None = None,
+    t_ids: Sequence[int] | None = None,
+    t_lp: Sequence[float] | None = None,
+    s_on_t: Sequence[float] | None = None,
+) -> RefPosition:
+    """Score one position; negative ids are empty slots.  Raises :class:`Missing` on NaN."""
+    student_top = _as_dict(s_ids, s_lp)  # S with the student's own values (insertion order)
+    teacher_on_s = _as_dict(s_ids, t_on_s)
+    teacher_top = _as_dict(t_ids, t_lp)
+    student_on_t = _as_dict(t_ids, s_on_t)
+
+    if strategy == "only-student":
+        selected = list(student_top)
+        pairs = [(student_top[v], teacher_on_s[v]) for v in selected]
+    elif strategy == "only-teacher":
+        selected = list(teacher_top)
+        pairs = [(student_on_t[v], teacher_top[v]) for v in selected]
+    elif strategy == "intersection":
+        selected = [v for v in student_top if v in teacher_top]
+        pairs = [(student_top[v], teacher_top[v]) for v in selected]
+    elif strategy in ("union", "xor"):
+        s_part = list(student_top)
+        if strategy == "xor":
+            s_part = [v for v in s_part if v not in teacher_top]
+        t_part = [v for v in teacher_top if v not in student_top]
+        selected = s_part + t_part
+        pairs = []
+        for v in selected:
+            s = student_top[v] if v in student_top else student_on_t[v]
+            t = teacher_top[v] if v in teacher_top else teacher_on_s[v]
+            pairs.append((s, t))
+    else:
+        raise AssertionError(strategy)
+
+    for v, (s, t) in zip(selected, pairs, strict=True):
+        if math.isnan(s):
+            raise Missing("student", v)
+        if math.isnan(t):
+            raise Missing("teacher", v)
+    student = [_floor(s) for s, _ in pairs]
+    teacher = [_floor(t) for _, t in pairs]
+
+    n = len(selected)
+    if weight_mode == "none":
+        weights = [1.0 if strategy == "xor" else 1.0 / n for _ in range(n)]
+    else:
+        basis = student if weight_mode == "student_p" else teacher
+        if strategy == "xor":
+            weights = [math.exp(x) for x in basis]
+        elif n:
+            top = max(basis)
+            exps = [math.exp(x - top) for x in basis]
+            total = sum(exps)
+            weights = [e / total for e in exps]
+        else:
+            weights = []
+    r = 0.0
+    scale = 0.0
+    for w, s, t in zip(weights, student, teacher, strict=True):
+        r += w * (s - t)
+        scale += abs(w * (s - t))
+    return RefPosition(r, selected, student, teacher, weights, scale)
+
+
+def reference_sampled(rollout: Sequence[float], teacher: Sequence[float]) -> list[float]:
+    """``rollout - teacher`` per token after the floor; raises :class:`Missing` on NaN."""
+    out = []
+    for s, t in zip(rollout, teacher, strict=True):
+        if math.isnan(s):
+            raise Missing("student", -1)
+        if math.isnan(t):
+            raise Missing("teacher", -1)
+        out.append(_floor(s) - _floor(t))
+    return out

@@ -1,0 +1,34 @@
+"""The public API is exactly what ``opd_stream.__all__`` lists, sorted case-insensitively."""
+
+from __future__ import annotations
+
+import types
+
+import opd_stream
+
+
+def test_all_is_sorted_case_insensitively() -> None:
+    assert opd_stream.__all__ == sorted(opd_stream.__all__, key=str.casefold)
+
+
+def test_all_lists_every_public_name_and_nothing_else() -> None:
+    public = {
+        name
+        for name, value in vars(opd_stream).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        and name != "annotations"
+    }
+    assert set(opd_stream.__all__) - {"__version__"} == public
+
+
+def test_every_exported_name_resolves() -> None:
+    for name in opd_stream.__all__:
+        assert getattr(opd_stream, name) is not None
+
+
+def test_readme_documents_the_headline_api() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in ("OPDStream", "StreamConfig", "Sample", "ScoredSample", "SampleFailure"):
+        assert name in readme

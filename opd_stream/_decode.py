@@ -271,7 +271,7 @@ def _b64_topk(
             )
     if len(shape) != 2 or shape[0] < 0 or shape[1] != top_k or prefix < 0:
         raise MisalignedResponseError(
-            f"`{base}_shape` is {shape} with null_prefix {prefix}, expected [rows, {top_k}]"
+            f"`{base}_shape` is {shape[:4]} with null_prefix {prefix}, expected [rows, {top_k}]"
         )
     rows = shape[0]
     n_entries = seg.length - seg.start
@@ -496,7 +496,7 @@ def _generation(item: _GenResponse, where: str) -> Generation:
 
 # --- student top-k rows from the rollout engine ----------------------------------------
 
-_ROW_IN_PATH = re.compile(r"^\$\[(\d+)\](.*)$")
+_ROW_IN_PATH = re.compile(r" - at `\$\[(\d+)\]")
 
 
 def parse_student_topk(
@@ -531,14 +531,9 @@ def parse_student_topk(
     try:
         parsed = msgspec.convert(rows, list[list[_E]])
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        m = re.search(r" - at `(.*)`$", text)
-        path = _ROW_IN_PATH.match(m.group(1)) if m else None
-        if m is None or path is None:
-            raise InvalidSampleError(field, text) from None
-        raise InvalidSampleError(
-            field, f"row {path.group(1)}: {text[: m.start()]} (at `$row{path.group(2)}`)"
-        ) from None
+        text = str(exc)  # e.g. "Expected `int`, got `bool` - at `$[3][1][1]`"
+        row = _ROW_IN_PATH.search(text)
+        raise InvalidSampleError(field, f"row {row.group(1)}: {text}" if row else text) from None
     short = [n for n, row in enumerate(parsed) if len(row) < k]
     if short:
         n = short[0]

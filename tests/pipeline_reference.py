@@ -1,0 +1,126 @@
+"""Independent expectations for pipeline results, from the mock's closed-form model.
+
+For a sample scored against mock servers, recompute in float64, per position, what the
+teacher and student servers would answer (values rounded to float32 as SGLang sends them)
+and what the scoring math (the independent ``kl_reference``) gives. Nothing here imports
+opd_stream's wire or KL code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kl_reference import reference_position
+from opd_stream.testing.mock_sglang import MockModel
+
+__all__ = ("Expected", "expected_result", "rollout_topk_rows")
+
+
+class Expected:
+    """Expected teacher logprobs, reverse KL and candidates of one sample."""
+
+    def __init__(
+        self,
+        teacher_logprobs: list[float],
+        reverse_kl: list[float] | None,
+        ids: list[list[int]] | None,
+        weights: list[list[float]] | None,
+        scale: list[float],
+    ) -> None:
+        self.teacher_logprobs = teacher_logprobs
+        self.reverse_kl = reverse_kl
+        self.ids = ids
+        self.weights = weights
+        self.scale = scale
+
+
+def _f32(values: Any) -> list[float]:
+    return [float(np.float32(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
+
+
+def rollout_topk_rows(model: MockModel, tokens: list[int], prompt_len: int, k: int) -> list[list[list[Any]]]:
+    """The student top-k a rollout engine would return, as ``[logprob, id]`` rows."""
+    positions = np.arange(prompt_len, len(tokens))
+    ids, lps = model.topk(np.asarray(tokens), positions, k)
+    return [
+        [[float(np.float32(lp)), int(i)] for i, lp in zip(ids[t], lps[t], strict=True)]
+        for t in range(len(positions))
+    ]
+
+
+def expected_result(
+    *,
+    tokens: list[int],
+    response_length: int,
+    teacher: MockModel,
+    student: MockModel,
+    top_k: int,
+    strategy: str,
+    weight_mode: str,
+    rollout_logprobs: list[float] | None = None,
+) -> Expected:
+    """What a correct pipeline must return for this sample (float64, per position)."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    p = len(tokens) - response_length
+    teacher_lp = _f32(teacher.token_logprobs(tok, np.arange(p, len(tokens))))
+    if top_k == 0:
+        rkl = None
+        if rollout_logprobs is not None:
+            rkl = [
+                max(float(np.float32(s)), -1e4) - max(t, -1e4)
+                for s, t in zip(rollout_logprobs, teacher_lp, strict=True)
+            ]
+        return Expected(teacher_lp, rkl, None, None, [1.0] * response_length)
+    rkl_out: list[float] = []
+    ids_out: list[list[int]] = []
+    w_out: list[list[float]] = []
+    scale: list[float] = []
+    for t in range(response_length):
+        pos = np.array([p + t])
+        s_ids, s_lp = student.topk(tok, pos, top_k)
+        t_ids, t_lp = teacher.topk(tok, pos, top_k)
+        t_on_s = teacher.logprobs(tok, pos, s_ids)
+        s_on_t = student.logprobs(tok, pos, t_ids)
+        ref = reference_position(
+            strategy=strategy,
+            weight_mode=weight_mode,
+            s_ids=[int(x) for x in s_ids[0]],
+            s_lp=_f32(s_lp[0]),
+            t_on_s=_f32(t_on_s[0]),
+            t_ids=[int(x) for x in t_ids[0]],
+            t_lp=_f32(t_lp[0]),
+            s_on_t=_f32(s_on_t[0]),
+        )
+        rkl_out.append(ref.r)
+        ids_out.append(ref.ids)
+        w_out.append(ref.weights)
+        scale.append(ref.scale)
+    return Expected(teacher_lp, rkl_out, ids_out, w_out, scale)
+
+
+def assert_matches(result: Any, expected: Expected, *, atol: float = 1e-5) -> None:
+    """Compare a ScoredSample with an :class:`Expected`, position by position."""
+    got_t = result.teacher_logprobs.tolist()
+    assert len(got_t) == len(expected.teacher_logprobs)
+    for g, e in zip(got_t, expected.teacher_logprobs, strict=True):
+        assert g == e or (math.isinf(g) and math.isinf(e)), (g, e)
+    if expected.reverse_kl is None:
+        assert result.reverse_kl is None
+        return
+    got_r = result.reverse_kl.tolist()
+    assert len(got_r) == len(expected.reverse_kl)
+    for t, (g, e) in enumerate(zip(got_r, expected.reverse_kl, strict=True)):
+        tol = atol + 1e-6 * expected.scale[t]
+        assert abs(g - e) <= tol, (t, g, e)
+    if expected.ids is None:
+        return
+    cands = result.candidates
+    for t, ids in enumerate(expected.ids):
+        n = len(ids)
+        assert cands.ids[t, :n].tolist() == ids, t
+        assert cands.mask[t, :n].all() and not cands.mask[t, n:].any(), t
+        for g, e in zip(cands.weights[t, :n].tolist(), expected.weights[t], strict=True):  # type: ignore[index]
+            assert abs(g - e) <= atol, (t, g, e)

@@ -2,22 +2,22 @@
 
 The whole tree::
 
-    OPDStreamError(Exception)                      base of everything below
-    ├── ConfigError(OPDStreamError, ValueError)    bad StreamConfig / OPD_STREAM_* env var; raised at construction
-    ├── InvalidSampleError(OPDStreamError, ValueError)   a Sample field is wrong; fails that sample only
-    ├── RoutingError(OPDStreamError, LookupError)  no teacher for a sample's metadata (and no ``default``)
-    ├── MissingLogprobError(OPDStreamError, ValueError)  a selected token has no logprob on one side
-    ├── DeadlineExceeded(OPDStreamError, TimeoutError)   a logical request ran out of its budget
-    └── ServerError(OPDStreamError)                one request to one SGLang server went wrong
-        ├── ServerHTTPError                        non-2xx answer; ``.status`` and the server's message
-        ├── ServerAbortError                       HTTP 200 with ``finish_reason.type == "abort"``
-        ├── ConnectionFailed                       connect/reset/timeout below HTTP
-        ├── ResponseTooLarge                       body over ``max_response_bytes``
-        └── ProtocolError                          a 200 answer that cannot be used as is
-            ├── MalformedResponseError             not JSON, or JSON of the wrong shape (msgspec path in message)
-            ├── MisalignedResponseError            row counts or token ids differ from what was sent
-            └── CapabilityError                    the server ignored a feature we asked for
-                                                   (``.capability``: ``"per_position"`` or ``"b64_topk"``)
+    OPDStreamError(Exception)               base of everything below
+    ├── ConfigError(ValueError)             bad StreamConfig / OPD_STREAM_* variable
+    ├── InvalidSampleError(ValueError)      a Sample field is wrong; fails that sample only
+    ├── RoutingError(LookupError)           no teacher for a sample's metadata (no ``default``)
+    ├── MissingLogprobError(ValueError)     a selected token has no logprob on one side
+    ├── DeadlineExceeded(TimeoutError)      a logical request ran out of its budget
+    └── ServerError                         one request to one SGLang server went wrong
+        ├── ServerHTTPError                 non-2xx answer: ``.status``, the server's message
+        ├── ServerAbortError                HTTP 200 with ``finish_reason.type == "abort"``
+        ├── ConnectionFailed                connect / reset / timeout below HTTP
+        ├── ResponseTooLarge                body over ``max_response_bytes``
+        └── ProtocolError                   a 200 answer that cannot be used as is
+            ├── MalformedResponseError      not JSON, or the wrong shape (msgspec path)
+            ├── MisalignedResponseError     row counts or token ids differ from the request
+            └── CapabilityError             the server ignored a feature we relied on
+                                            (``.capability``: per_position or b64_topk)
 
 Every error carries ``reason``, a short stable code used in :class:`SampleFailure.reason`
 and in ``stats()["failures"]``, and ``retryable``, which the retry policy consults.
@@ -83,7 +83,8 @@ class MissingLogprobError(OPDStreamError, ValueError):
 
     def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
         super().__init__(
-            f"missing {side} logprob for selected token id {token_id} at response position {position}"
+            f"missing {side} logprob for selected token id {token_id} "
+            f"at response position {position}"
         )
         self.side = side
         self.token_id = token_id

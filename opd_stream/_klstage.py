@@ -62,7 +62,9 @@ def _topk_batch(items: Sequence[Fetched], k: int, device: torch.device) -> TopKB
     )
 
 
-def _result(f: Fetched, reverse_kl: torch.Tensor | None, candidates: Candidates | None) -> ScoredSample:
+def _result(
+    f: Fetched, reverse_kl: torch.Tensor | None, candidates: Candidates | None
+) -> ScoredSample:
     p = f.prepared
     return ScoredSample(
         sample=p.sample,

@@ -15,7 +15,7 @@ intake. All stage tasks live in one task group per run, inside the stream's task
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, Iterable
 from functools import partial
 from typing import Any
 
@@ -49,15 +49,6 @@ class RunState:
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
         self.error: BaseException | None = None
-
-
-async def _aiter(samples: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    if isinstance(samples, AsyncIterable):
-        async for s in samples:
-            yield s
-    else:
-        for s in samples:
-            yield s
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -111,21 +102,46 @@ class _Pipeline:
         emit: MemoryObjectSendStream[Result],
     ) -> None:
         async with work, emit:
-            index = 0
-            async for sample in _aiter(samples):
-                await self.slots.acquire()
-                self.stats.admitted += 1
-                self.stats.in_flight += 1
-                admitted_at = time.monotonic()
+            if isinstance(samples, AsyncIterable):
+                iterator = aiter(samples)
                 try:
-                    prepared = self._prepare(sample, index)
-                except (InvalidSampleError, RoutingError) as exc:
-                    self.stats.put("emit")
-                    await emit.send(self._failure(sample, index, exc, 0))
-                else:
-                    self.stats.put("intake")
-                    await work.send((prepared, admitted_at))
-                index += 1
+                    index = 0
+                    async for sample in iterator:
+                        await self._admit(sample, index, work, emit)
+                        index += 1
+                finally:
+                    # We consumed the caller's async generator; close it here, in its task,
+                    # rather than leaving it to the garbage collector.
+                    aclose = getattr(iterator, "aclose", None)
+                    if aclose is not None:
+                        with anyio.CancelScope(shield=True):
+                            await aclose()
+            else:
+                for index, sample in enumerate(samples):
+                    await self._admit(sample, index, work, emit)
+
+    async def _admit(
+        self,
+        sample: Any,
+        index: int,
+        work: MemoryObjectSendStream[tuple[PreparedSample, float]],
+        emit: MemoryObjectSendStream[Result],
+    ) -> None:
+        await self.slots.acquire()
+        self.stats.admitted += 1
+        self.stats.in_flight += 1
+        admitted_at = time.monotonic()
+        try:
+            prepared = self._prepare(sample, index)
+        except (InvalidSampleError, RoutingError) as exc:
+            await self._send("emit", emit, self._failure(sample, index, exc, 0))
+        else:
+            await self._send("intake", work, (prepared, admitted_at))
+
+    async def _send(self, channel: str, stream: MemoryObjectSendStream[Any], item: Any) -> None:
+        """Send, then count the item as sitting in ``channel`` (for depth/high-water stats)."""
+        await stream.send(item)
+        self.stats.put(channel)
 
     @staticmethod
     def _failure(sample: Any, index: int, exc: OPDStreamError, attempts: int) -> SampleFailure:
@@ -172,21 +188,19 @@ class _Pipeline:
             async for prepared, admitted_at in work:
                 self.stats.take("intake")
                 if prepared.response_length == 0:
-                    self.stats.put("emit")
-                    await emit.send(self._empty_result(prepared, admitted_at))
+                    await self._send("emit", emit, self._empty_result(prepared, admitted_at))
                     continue
                 try:
                     fetched = await self.scorer.fetch(
                         prepared, self.router.urls(prepared.teacher), admitted_at
                     )
                 except ScoreAttemptError as exc:
-                    self.stats.put("emit")
-                    await emit.send(
-                        self._failure(prepared.sample, prepared.index, exc.error, exc.attempts)
+                    failure = self._failure(
+                        prepared.sample, prepared.index, exc.error, exc.attempts
                     )
+                    await self._send("emit", emit, failure)
                     continue
-                self.stats.put("kl")
-                await kl.send(fetched)
+                await self._send("kl", kl, fetched)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:
@@ -195,6 +209,7 @@ class _Pipeline:
             batch = [await kl.receive()]
         except anyio.EndOfStream:
             return []
+        self.stats.take("kl")
         limit = self.cfg.kl_batch_size
         try:
             while len(batch) < limit:
@@ -202,10 +217,12 @@ class _Pipeline:
                     batch.append(kl.receive_nowait())
                 except anyio.WouldBlock:
                     break
+                self.stats.take("kl")
             if len(batch) < limit and self.cfg.kl_batch_wait_s > 0:
                 with anyio.move_on_after(self.cfg.kl_batch_wait_s):
                     while len(batch) < limit:
                         batch.append(await kl.receive())
+                        self.stats.take("kl")
         except anyio.EndOfStream:
             pass
         return batch
@@ -218,8 +235,6 @@ class _Pipeline:
                 batch = await self._next_batch(kl)
                 if not batch:
                     return
-                for _ in batch:
-                    self.stats.take("kl")
                 self.stats.stage_active["kl"] += 1
                 try:
                     results = await anyio.to_thread.run_sync(
@@ -236,13 +251,14 @@ class _Pipeline:
                 finally:
                     self.stats.stage_active["kl"] -= 1
                 for res in results:
-                    self.stats.put("emit")
+                    item: Result
                     if isinstance(res, ScoredSample):
-                        await emit.send(res)
+                        item = res
                     else:
                         fetched, exc = res
                         p = fetched.prepared
-                        await emit.send(self._failure(p.sample, p.index, exc, fetched.attempts))
+                        item = self._failure(p.sample, p.index, exc, fetched.attempts)
+                    await self._send("emit", emit, item)
 
     # stage 4: emit -----------------------------------------------------------------
     def _account(self, item: Result) -> None:
@@ -262,8 +278,7 @@ class _Pipeline:
 
     async def _hand_over(self, item: Result, out: MemoryObjectSendStream[Result]) -> None:
         self._account(item)
-        self.stats.put("output")
-        await out.send(item)
+        await self._send("output", out, item)
         self.slots.release()
 
     async def emitter(
@@ -284,7 +299,14 @@ class _Pipeline:
 
 
 async def run_pipeline(
-    pipeline_args: tuple[StreamConfig, SampleScorer, TeacherRouter, StatsRecorder, torch.device, anyio.CapacityLimiter],
+    pipeline_args: tuple[
+        StreamConfig,
+        SampleScorer,
+        TeacherRouter,
+        StatsRecorder,
+        torch.device,
+        anyio.CapacityLimiter,
+    ],
     samples: Iterable[Any] | AsyncIterable[Any],
     out: MemoryObjectSendStream[Result],
     state: RunState,
@@ -298,7 +320,9 @@ async def run_pipeline(
     try:
         with state.scope, out:
             task_status.started()
-            work_send, work_recv = anyio.create_memory_object_stream[tuple[PreparedSample, float]](cap)
+            work_send, work_recv = anyio.create_memory_object_stream[tuple[PreparedSample, float]](
+                cap
+            )
             kl_send, kl_recv = anyio.create_memory_object_stream[Fetched](cap)
             emit_send, emit_recv = anyio.create_memory_object_stream[Result](cap)
             async with anyio.create_task_group() as tg:
@@ -318,4 +342,3 @@ async def run_pipeline(
             state.error = err
     finally:
         state.done.set()
-

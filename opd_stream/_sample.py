@@ -140,11 +140,15 @@ class PreparedSample(msgspec.Struct, frozen=True, kw_only=True):
 def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {tokens.dtype}")
+            raise InvalidSampleError(
+                "tokens", f"expected integer token ids, got dtype {tokens.dtype}"
+            )
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.dtype.kind not in "iu":
-            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {tokens.dtype}")
+            raise InvalidSampleError(
+                "tokens", f"expected integer token ids, got dtype {tokens.dtype}"
+            )
         arr = tokens
     elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise InvalidSampleError(
@@ -170,7 +174,8 @@ def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
             )
         if hi > MAX_TOKEN_ID:
             raise InvalidSampleError(
-                "tokens", f"token id above {MAX_TOKEN_ID} at position {int(np.argmax(arr > MAX_TOKEN_ID))}"
+                "tokens",
+                f"token id above {MAX_TOKEN_ID} at position {int(np.argmax(arr > MAX_TOKEN_ID))}",
             )
     return np.ascontiguousarray(arr, dtype=np.int64)
 
@@ -203,7 +208,8 @@ def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
         raise InvalidSampleError("rollout_logprobs", "expected a sequence of floats") from None
     if arr.ndim != 1 or arr.shape[0] != r:
         raise InvalidSampleError(
-            "rollout_logprobs", f"expected {r} values (one per response token), got shape {arr.shape}"
+            "rollout_logprobs",
+            f"expected {r} values (one per response token), got shape {arr.shape}",
         )
     bad = ~np.isfinite(arr)
     if bad.any():
@@ -236,7 +242,9 @@ def prepare_sample(
         InvalidSampleError: naming the offending field.
     """
     if not isinstance(sample, Sample):
-        raise InvalidSampleError("sample", f"expected opd_stream.Sample, got {type(sample).__name__}")
+        raise InvalidSampleError(
+            "sample", f"expected opd_stream.Sample, got {type(sample).__name__}"
+        )
     if not isinstance(sample.metadata, Mapping):
         raise InvalidSampleError(
             "metadata", f"expected a mapping, got {type(sample.metadata).__name__}"

@@ -221,6 +221,10 @@ class SampleScorer:
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(resp.body, req)
+        except ServerError as exc:
+            exc.side = side
+            exc.url = url
+            raise
         finally:
             self._stats.stage_active["decode"] -= 1
         if req.top_k > 0:
@@ -282,7 +286,9 @@ class SampleScorer:
             block_size=self._cfg.id_block_size,
         )
 
-    async def fetch(self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float) -> Fetched:
+    async def fetch(
+        self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
+    ) -> Fetched:
         """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure."""
         plan = self.plan(prepared)
         counter = _Counter()

@@ -24,6 +24,7 @@ from typing import Any, Self
 import anyio
 import structlog
 import torch
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import StreamConfig, resolve_kl_device
 from ._pipeline import Result, RunState, run_pipeline
@@ -52,7 +53,7 @@ class Results:
 
     def __init__(
         self,
-        receive: anyio.abc.ObjectReceiveStream[Result],
+        receive: MemoryObjectReceiveStream[Result],
         state: RunState,
         stats: StatsRecorder,
     ) -> None:

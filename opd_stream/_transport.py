@@ -184,7 +184,6 @@ class AiohttpTransport:
         return await self._request("GET", url, None, max_bytes)
 
     async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
-        import asyncio
 
         import aiohttp
 
@@ -192,9 +191,7 @@ class AiohttpTransport:
         if not isinstance(session, aiohttp.ClientSession):
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
         try:
-            async with session.request(
-                method, url, data=body, allow_redirects=False
-            ) as resp:
+            async with session.request(method, url, data=body, allow_redirects=False) as resp:
                 declared = resp.content_length
                 if declared is not None and declared > max_bytes:
                     raise ResponseTooLarge(max_bytes, url=url)
@@ -204,7 +201,7 @@ class AiohttpTransport:
                     if len(buf) > max_bytes:
                         raise ResponseTooLarge(max_bytes, url=url)
                 return Response(resp.status, bytes(buf))
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.
             detail = str(exc)[:200]

@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 import numpy as np
-
 from kl_reference import reference_position
+
 from opd_stream.testing.mock_sglang import MockModel
 
 __all__ = ("Expected", "expected_result", "rollout_topk_rows")
@@ -41,7 +41,9 @@ def _f32(values: Any) -> list[float]:
     return [float(np.float32(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
 
 
-def rollout_topk_rows(model: MockModel, tokens: list[int], prompt_len: int, k: int) -> list[list[list[Any]]]:
+def rollout_topk_rows(
+    model: MockModel, tokens: list[int], prompt_len: int, k: int
+) -> list[list[list[Any]]]:
     """The student top-k a rollout engine would return, as ``[logprob, id]`` rows."""
     positions = np.arange(prompt_len, len(tokens))
     ids, lps = model.topk(np.asarray(tokens), positions, k)

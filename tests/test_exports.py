@@ -15,7 +15,8 @@ def test_all_lists_every_public_name_and_nothing_else() -> None:
     public = {
         name
         for name, value in vars(opd_stream).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
         and name != "annotations"
     }
     assert set(opd_stream.__all__) - {"__version__"} == public

@@ -13,6 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
+from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import (
     OPDStream,
@@ -29,7 +30,6 @@ from opd_stream import (
 )
 from opd_stream._router import generate_url
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 STRATEGIES = ["only-student", "only-teacher", "intersection", "union", "xor"]
 WEIGHT_MODES = ["student_p", "teacher_p", "none"]
@@ -41,7 +41,9 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
 
 
-def _samples(student_model: Any, *, n: int, top_k: int, with_topk: bool, seed: int = 0) -> list[Sample]:
+def _samples(
+    student_model: Any, *, n: int, top_k: int, with_topk: bool, seed: int = 0
+) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -171,7 +173,12 @@ async def test_topk_every_strategy_and_weight_mode_matches_core_and_closed_form(
         async with aiohttp.ClientSession() as session:
             for res, smp in zip(results, samples, strict=True):
                 core_rkl, core_tlp = await _core_result(
-                    session, teacher.url, student.url, smp, strategy=strategy, weight_mode=weight_mode
+                    session,
+                    teacher.url,
+                    student.url,
+                    smp,
+                    strategy=strategy,
+                    weight_mode=weight_mode,
                 )
                 assert torch.equal(res.teacher_logprobs, core_tlp)
                 assert res.reverse_kl is not None
@@ -203,9 +210,10 @@ async def test_every_id_form_gives_the_same_answers(
     id_scoring: str, per_position: str, strategy: str
 ) -> None:
     opts = MockOptions(per_position=per_position)  # type: ignore[arg-type]
-    async with serve_mock("teacher", 7, options=opts) as teacher, serve_mock(
-        "student", 7, options=opts
-    ) as student:
+    async with (
+        serve_mock("teacher", 7, options=opts) as teacher,
+        serve_mock("student", 7, options=opts) as student,
+    ):
         samples = _samples(student.model, n=4, top_k=K, with_topk=False, seed=2)
         cfg = StreamConfig.from_env(
             {},
@@ -220,7 +228,9 @@ async def test_every_id_form_gives_the_same_answers(
         async with OPDStream(cfg) as stream, stream.run(samples) as results:
             out = sorted([r async for r in results], key=lambda r: r.index)
             stats = stream.stats()
-        assert all(isinstance(r, ScoredSample) for r in out), [getattr(r, "message", "") for r in out]
+        assert all(isinstance(r, ScoredSample) for r in out), [
+            getattr(r, "message", "") for r in out
+        ]
         for res, smp in zip(out, samples, strict=True):
             assert isinstance(res, ScoredSample)
             exp = expected_result(
@@ -241,12 +251,17 @@ async def test_every_id_form_gives_the_same_answers(
 
 async def test_auto_against_unpatched_server_probes_once_then_uses_blocked() -> None:
     opts = MockOptions(per_position="unpatched")
-    async with serve_mock("teacher", 9, options=opts) as teacher, serve_mock(
-        "student", 9
-    ) as student:
+    async with (
+        serve_mock("teacher", 9, options=opts) as teacher,
+        serve_mock("student", 9) as student,
+    ):
         samples = _samples(student.model, n=10, top_k=K, with_topk=True, seed=3)
         cfg = StreamConfig.from_env(
-            {}, teachers=teacher.url, student_url=student.url, top_k=K, kl_device="cpu",
+            {},
+            teachers=teacher.url,
+            student_url=student.url,
+            top_k=K,
+            kl_device="cpu",
             max_inflight=1,
         )
         await _score(cfg, samples)
@@ -258,7 +273,9 @@ async def test_api_key_is_sent_as_bearer_and_required() -> None:
     opts = MockOptions(api_key="s3cret-key")
     async with serve_mock("teacher", 1, options=opts) as teacher:
         samples = [Sample([1, 2, 3, 4], 2)]
-        good = StreamConfig.from_env({}, teachers=teacher.url, api_key="s3cret-key", kl_device="cpu")
+        good = StreamConfig.from_env(
+            {}, teachers=teacher.url, api_key="s3cret-key", kl_device="cpu"
+        )
         await _score(good, samples)
         bad = StreamConfig.from_env({}, teachers=teacher.url, kl_device="cpu")
         async with OPDStream(bad) as stream, stream.run(samples) as results:

@@ -1,0 +1,53 @@
+"""The ``opd-stream`` command: ``demo`` (the main job), ``bench``, ``mock``, ``config``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from ._config import render_config_table
+from ._logging import configure_logging
+
+__all__ = ("main",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ._demo import add_demo_arguments
+
+    p = argparse.ArgumentParser(prog="opd-stream", description=__doc__)
+    p.add_argument("--log-level", default="warning", help="structlog level (default warning)")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="score rollouts against embedded mock SGLang servers")
+    add_demo_arguments(demo)
+    bench = sub.add_parser("bench", help="run the benchmarks in bench/ (see bench/README.md)")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("config", help="print the configuration table (fields, env variables)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_level)
+    if args.command == "config":
+        print(render_config_table())
+        return 0
+    if args.command == "bench":
+        try:
+            from bench.run import main as bench_main
+        except ImportError:
+            print(
+                "opd-stream bench must run from a source checkout (bench/ is not installed)",
+                file=sys.stderr,
+            )
+            return 2
+        return bench_main(args.args)
+    from ._demo import run_demo
+
+    return anyio.run(run_demo, args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

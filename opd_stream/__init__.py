@@ -36,6 +36,7 @@ from ._kl import (
     sampled_reverse_kl,
     topk_reverse_kl,
 )
+from ._logging import configure_logging
 from ._retry import RetryPolicy
 from ._router import TeacherRouter, normalize_server_url, parse_teacher_urls
 from ._sample import Candidates, Sample, SampleFailure, ScoredSample
@@ -54,6 +55,7 @@ __all__ = [
     "CapabilityError",
     "ChannelStats",
     "ConfigError",
+    "configure_logging",
     "ConnectionFailed",
     "DeadlineExceeded",
     "decode_score_response",

@@ -35,18 +35,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(render_config_table())
         return 0
     if args.command == "bench":
+        import importlib
+
         try:
-            from bench.run import main as bench_main
+            bench = importlib.import_module("bench.run")
         except ImportError:
             print(
-                "opd-stream bench must run from a source checkout (bench/ is not installed)",
+                "opd-stream bench runs from a source checkout (bench/ is not installed)",
                 file=sys.stderr,
             )
             return 2
-        return bench_main(args.args)
+        code: int = bench.main(args.args)
+        return code
     from ._demo import run_demo
 
-    return anyio.run(run_demo, args)
+    result: int = anyio.run(run_demo, args)
+    return result
 
 
 if __name__ == "__main__":  # pragma: no cover

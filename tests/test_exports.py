@@ -33,3 +33,10 @@ def test_readme_documents_the_headline_api() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for name in ("OPDStream", "StreamConfig", "Sample", "ScoredSample", "SampleFailure"):
         assert name in readme
+
+
+def test_readme_configuration_table_is_the_generated_one() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert opd_stream.render_config_table() in readme

@@ -174,7 +174,7 @@ _MEANINGS: Final[dict[str, str]] = {
     "backoff_max_s": "largest retry backoff ceiling, in seconds (>= backoff_initial_s)",
     "connect_timeout_s": "TCP connect timeout per HTTP request, in seconds (finite, > 0)",
     "decode_workers": (
-        "0 = decode responses on the event loop in chunks; N > 0 = a process pool of N "
+        "0 = decode responses on the event loop; N > 0 = a process pool of N "
         "workers for large bodies"
     ),
     "decode_offload_bytes": (

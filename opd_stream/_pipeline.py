@@ -342,3 +342,12 @@ async def run_pipeline(
             state.error = err
     finally:
         state.done.set()
+        st = pipe.stats
+        log.info(
+            "run_finished",
+            admitted=st.admitted,
+            completed=st.completed,
+            failed=st.failed,
+            retries=st.retries,
+            error=type(state.error).__name__ if state.error is not None else None,
+        )

@@ -1,0 +1,71 @@
+"""The ``opd-stream`` command: the demo (the main job) runs end to end, config prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import opd_stream
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "opd_stream", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_demo_scores_rollouts_against_mock_servers_and_verifies_them() -> None:
+    proc = _run(
+        "demo",
+        "--samples",
+        "12",
+        "--prompt-len",
+        "16",
+        "--response-len",
+        "12",
+        "--top-k",
+        "4",
+        "--strategy",
+        "union",
+        "--teachers",
+        "2",
+        "--no-progress",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "scored 12 samples, 0 failures" in out
+    assert "mean reverse KL, teacher math" in out
+    assert "mean reverse KL, teacher code" in out
+    assert "(OK)" in out
+
+
+def test_demo_in_sampled_token_mode_against_unpatched_teachers() -> None:
+    proc = _run(
+        "demo",
+        "--samples",
+        "6",
+        "--prompt-len",
+        "8",
+        "--response-len",
+        "8",
+        "--top-k",
+        "0",
+        "--teachers",
+        "1",
+        "--per-position",
+        "unpatched",
+        "--no-progress",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mode: sampled-token" in proc.stdout
+    assert "scored 6 samples, 0 failures" in proc.stdout
+
+
+def test_config_prints_the_configuration_table() -> None:
+    proc = _run("config", timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == opd_stream.render_config_table().strip()

@@ -1,0 +1,108 @@
+"""Deadlines and retry backoff, on asyncio (real clock) and trio (virtual clock).
+
+A logical request has one budget, ``request_deadline_s``, that covers all its attempts
+and backoff sleeps; it never runs past it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from trio.testing import MockClock
+
+from opd_stream import MockTransport, OPDStream, Response, Sample, SampleFailure, StreamConfig
+from opd_stream.testing.inprocess import InProcessSGLang
+
+T = "http://teacher:1"
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+        pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+def _cfg(**kw: Any) -> StreamConfig:
+    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu"}
+    base.update(kw)
+    return StreamConfig.from_env({}, **base)
+
+
+async def _run(cfg: StreamConfig, handler: Any, n: int = 3) -> list[Any]:
+    samples = [Sample([1, 2, 3, 4, 5], 2) for _ in range(n)]
+    async with OPDStream(cfg, transport=MockTransport(handler)) as stream:
+        async with stream.run(samples) as results:
+            return [r async for r in results]
+
+
+async def test_a_hanging_server_fails_the_sample_at_its_deadline() -> None:
+    async def hang(method: str, url: str, body: bytes) -> Response:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    start = anyio.current_time()
+    out = await _run(_cfg(request_deadline_s=0.5), hang)
+    elapsed = anyio.current_time() - start
+    assert all(isinstance(f, SampleFailure) and f.reason == "deadline_exceeded" for f in out)
+    assert "0.5 s" in out[0].message
+    assert 0.5 <= elapsed < 2.0
+
+
+async def test_the_deadline_covers_retries_and_backoff() -> None:
+    calls = 0
+
+    async def always_503(method: str, url: str, body: bytes) -> Response:
+        nonlocal calls
+        calls += 1
+        await anyio.sleep(0.2)
+        return Response(503, b'{"object": "error", "message": "queue full", "code": 503}')
+
+    cfg = _cfg(request_deadline_s=1.0, max_attempts=100, backoff_initial_s=0.1, backoff_max_s=0.2)
+    start = anyio.current_time()
+    out = await _run(cfg, always_503, n=1)
+    elapsed = anyio.current_time() - start
+    assert isinstance(out[0], SampleFailure)
+    # either the budget ran out mid-attempt, or no backoff fitted before it: never past it
+    assert out[0].reason in ("deadline_exceeded", "teacher_http_503")
+    assert elapsed <= 1.0 + 0.3
+    assert 2 <= calls < 100
+
+
+async def test_backoff_waits_between_attempts() -> None:
+    times: list[float] = []
+    server = InProcessSGLang("teacher", 1)
+
+    def handler(method: str, url: str, body: bytes) -> Response:
+        times.append(anyio.current_time())
+        if len(times) < 4:
+            return Response(429, b'{"error": "slow down"}')
+        return server.handle(method, "/generate", body)
+
+    cfg = _cfg(max_attempts=4, backoff_initial_s=0.2, backoff_max_s=0.2)
+    out = await _run(cfg, handler, n=1)
+    assert out[0].attempts == 4
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    # full jitter: each sleep lies in [0, 0.2]; in sum they are bounded by 3 x 0.2
+    assert all(g >= 0 for g in gaps)
+    assert sum(gaps) <= 0.6 + 0.2
+
+
+async def test_a_slow_first_request_does_not_consume_the_next_ones_budget() -> None:
+    server = InProcessSGLang("teacher", 1)
+    n = 0
+
+    async def handler(method: str, url: str, body: bytes) -> Response:
+        nonlocal n
+        n += 1
+        await anyio.sleep(0.3)  # each request takes 0.3 s of a 0.5 s budget
+        return server.handle(method, "/generate", body)
+
+    cfg = _cfg(request_deadline_s=0.5, max_inflight=1)
+    out = await _run(cfg, handler, n=3)
+    assert [type(r).__name__ for r in out] == ["ScoredSample"] * 3

@@ -1,0 +1,133 @@
+"""The public OPDStream API: lifecycle errors, transports per backend, decode offload,
+concurrent runs, and the log events it emits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+
+from opd_stream import (
+    AiohttpTransport,
+    ConfigError,
+    OPDStream,
+    Sample,
+    ScoredSample,
+    StreamConfig,
+)
+from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+T = "http://teacher:1"
+S = "http://student:2"
+
+
+def _cfg(**kw: Any) -> StreamConfig:
+    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu"}
+    base.update(kw)
+    return StreamConfig.from_env({}, **base)
+
+
+def _samples(n: int, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    return [Sample(rng.integers(0, 5000, 12).tolist(), 6) for _ in range(n)]
+
+
+def _servers() -> dict[str, InProcessSGLang]:
+    return {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
+
+
+def test_a_config_that_is_not_a_stream_config_is_refused() -> None:
+    with pytest.raises(TypeError, match="StreamConfig"):
+        OPDStream({"teachers": T})  # type: ignore[arg-type]
+
+
+async def test_run_outside_the_stream_context_is_an_error() -> None:
+    stream = OPDStream(_cfg(), transport=mock_transport(_servers()))
+    with pytest.raises(RuntimeError, match="outside"):
+        stream.run([])
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_the_aiohttp_transport_says_it_needs_asyncio_under_trio() -> None:
+    with pytest.raises(ConfigError, match="asyncio"):
+        async with OPDStream(_cfg(), transport=AiohttpTransport()):
+            pass
+
+
+async def test_an_empty_input_gives_an_empty_result() -> None:
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        async with stream.run([]) as results:
+            assert [r async for r in results] == []
+
+
+async def test_runs_can_share_one_stream_concurrently() -> None:
+    outs: dict[int, list[Any]] = {}
+
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+
+        async def one(k: int) -> None:
+            async with stream.run(_samples(10, seed=k)) as results:
+                outs[k] = [r async for r in results]
+
+        async with anyio.create_task_group() as tg:
+            for k in range(3):
+                tg.start_soon(one, k)
+    for k in range(3):
+        assert sorted(r.index for r in outs[k]) == list(range(10))
+        assert all(isinstance(r, ScoredSample) for r in outs[k])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_large_bodies_decoded_in_worker_processes_give_identical_results() -> None:
+    samples = _samples(6, seed=3)
+    cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
+    async with OPDStream(_cfg(**cfg_topk), transport=mock_transport(_servers())) as stream:
+        async with stream.run(samples) as results:
+            inline = sorted([r async for r in results], key=lambda r: r.index)
+    offload = _cfg(**cfg_topk, decode_workers=1, decode_offload_bytes=1)
+    async with OPDStream(offload, transport=mock_transport(_servers())) as stream:
+        async with stream.run(samples) as results:
+            pooled = sorted([r async for r in results], key=lambda r: r.index)
+    for a, b in zip(inline, pooled, strict=True):
+        assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
+        assert a.reverse_kl is not None and b.reverse_kl is not None
+        assert a.reverse_kl.tolist() == b.reverse_kl.tolist()
+        assert a.teacher_logprobs.tolist() == b.teacher_logprobs.tolist()
+
+
+async def test_capability_detection_is_logged_once_per_endpoint() -> None:
+    servers = {
+        T: InProcessSGLang("teacher", 1, per_position="unpatched"),
+        S: InProcessSGLang("student", 1),
+    }
+    cfg = _cfg(top_k=3, student_url=S, strategy="only-student", max_inflight=1)
+    with structlog.testing.capture_logs() as logs:
+        async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+            async with stream.run(_samples(8)) as results:
+                out = [r async for r in results]
+    assert all(isinstance(r, ScoredSample) for r in out)
+    detected = [
+        e
+        for e in logs
+        if e["event"] == "capability_detected"
+        and e["capability"] == "per_position"
+        and e["url"] == T
+    ]
+    assert len(detected) == 1
+    assert detected[0]["supported"] is False
+    finished = [e for e in logs if e["event"] == "run_finished"]
+    assert len(finished) == 1 and finished[0]["completed"] == 8
+
+
+async def test_each_failed_sample_is_logged_once_with_its_reason() -> None:
+    samples: list[Any] = [*_samples(3), Sample([1, 2], 5)]
+    with structlog.testing.capture_logs() as logs:
+        async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+            async with stream.run(samples) as results:
+                [r async for r in results]
+    failed = [e for e in logs if e["event"] == "sample_failed"]
+    assert len(failed) == 1
+    assert failed[0]["reason"] == "invalid_sample" and failed[0]["index"] == 3

@@ -1,0 +1,145 @@
+"""Which requests each strategy sends (opd-semantics §4), in which order, in each id form.
+
+Golden payloads: for a tiny sample (prompt [7, 8, 9], response [5, 6], student top-2
+S = [[4, 1], [3, 2]]) the exact bodies the teacher and student servers receive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream._plan import RequestPlan, plan_requests
+from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+T = "http://teacher:1"
+S = "http://student:2"
+TOKENS = [7, 8, 9, 5, 6]
+S_IDS = [[4, 1], [3, 2]]
+COMMON = {
+    "sampling_params": {"temperature": 0, "max_new_tokens": 0},
+    "return_logprob": True,
+    "return_text_in_logprobs": False,
+    "stream": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "have_s", "expected"),
+    [
+        ("only-student", True, RequestPlan(teacher_scores_student_ids=True)),
+        (
+            "only-student",
+            False,
+            RequestPlan(fetch_student_topk=True, teacher_scores_student_ids=True),
+        ),
+        ("intersection", True, RequestPlan(teacher_topk=True)),
+        ("intersection", False, RequestPlan(fetch_student_topk=True, teacher_topk=True)),
+        ("only-teacher", True, RequestPlan(teacher_topk=True, student_scores_teacher_ids=True)),
+        ("only-teacher", False, RequestPlan(teacher_topk=True, student_scores_teacher_ids=True)),
+        (
+            "union",
+            True,
+            RequestPlan(
+                teacher_topk=True, teacher_scores_student_ids=True, student_scores_teacher_ids=True
+            ),
+        ),
+        (
+            "xor",
+            False,
+            RequestPlan(
+                fetch_student_topk=True,
+                teacher_topk=True,
+                teacher_scores_student_ids=True,
+                student_scores_teacher_ids=True,
+            ),
+        ),
+    ],
+)
+def test_each_strategy_asks_for_exactly_what_it_uses(
+    strategy: str, have_s: bool, expected: RequestPlan
+) -> None:
+    assert plan_requests(16, strategy, have_student_topk=have_s) == expected  # type: ignore[arg-type]
+
+
+def test_sampled_token_mode_needs_only_the_teacher() -> None:
+    plan = plan_requests(0, "only-student", have_student_topk=False)
+    assert plan == RequestPlan()
+    assert not plan.needs_student_server
+
+
+def _ids_fields(form: str, rows: list[list[int]]) -> dict[str, Any]:
+    """The id-scoring fields of the sample above, written out by hand per form."""
+    if form == "per-position":
+        return {
+            "input_ids": TOKENS,
+            "logprob_start_len": 2,
+            "token_ids_logprob_positions": [[], [], [], rows[0], rows[1]],
+        }
+    if form == "flat":
+        return {
+            "input_ids": TOKENS,
+            "logprob_start_len": 2,
+            "token_ids_logprob": sorted({*rows[0], *rows[1]}),
+        }
+    # blocked, one position per block: prefix cut at the block end, start one before it
+    return {
+        "input_ids": [TOKENS[:4], TOKENS],
+        "logprob_start_len": [2, 3],
+        "token_ids_logprob": [sorted(rows[0]), sorted(rows[1])],
+    }
+
+
+def _expected_bodies(
+    strategy: str, form: str, t_ids: list[list[int]]
+) -> tuple[list[Any], list[Any]]:
+    topk = {"top_logprobs_num": 2}
+    plain = {"input_ids": TOKENS, "logprob_start_len": 2}
+    teacher: dict[str, Any]
+    if strategy == "only-student":
+        teacher = _ids_fields(form, S_IDS)
+    elif strategy == "intersection" or strategy == "only-teacher":
+        teacher = {**plain, **topk}
+    else:  # union, xor
+        teacher = {**_ids_fields(form, S_IDS), **topk}
+    student = []
+    if strategy in ("only-teacher", "union", "xor"):
+        student = [{**COMMON, **_ids_fields(form, t_ids)}]
+    return [{**COMMON, **teacher}], student
+
+
+@pytest.mark.parametrize("form", ["per-position", "flat", "blocked"])
+@pytest.mark.parametrize(
+    "strategy", ["only-student", "only-teacher", "intersection", "union", "xor"]
+)
+async def test_golden_payloads_for_every_strategy_and_id_form(strategy: str, form: str) -> None:
+    servers = {T: InProcessSGLang("teacher", 4), S: InProcessSGLang("student", 4)}
+    cfg = StreamConfig.from_env(
+        {},
+        teachers=T,
+        student_url=S,
+        top_k=2,
+        strategy=strategy,
+        id_scoring=form,
+        id_block_size=1,
+        topk_wire="json",
+        kl_device="cpu",
+    )
+    rows = [[[-0.5, S_IDS[t][0]], [-1.5, S_IDS[t][1]]] for t in range(2)]
+    sample = Sample(TOKENS, 2, student_top_logprobs=rows)
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run([sample]) as results:
+            out = [r async for r in results]
+    assert isinstance(out[0], ScoredSample), out
+    tid, _ = servers[T].model.topk(np.asarray(TOKENS), np.array([3, 4]), 2)
+    want_teacher, want_student = _expected_bodies(strategy, form, tid.tolist())
+
+    def decoded(bodies: list[bytes]) -> list[Any]:
+        return [msgspec.json.decode(b) for b in bodies]
+
+    assert decoded(servers[T].bodies) == want_teacher
+    assert decoded(servers[S].bodies) == want_student

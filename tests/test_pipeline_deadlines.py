@@ -42,7 +42,12 @@ async def _run(cfg: StreamConfig, handler: Any, n: int = 3) -> list[Any]:
             return [r async for r in results]
 
 
-async def test_a_hanging_server_fails_the_sample_at_its_deadline() -> None:
+def _slack(backend: str) -> float:
+    """Scheduling slack: exact on trio's virtual clock, generous on a loaded real machine."""
+    return 0.05 if backend == "trio" else 1.0
+
+
+async def test_a_hanging_server_fails_the_sample_at_its_deadline(anyio_backend_name: str) -> None:
     async def hang(method: str, url: str, body: bytes) -> Response:
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
@@ -52,10 +57,10 @@ async def test_a_hanging_server_fails_the_sample_at_its_deadline() -> None:
     elapsed = anyio.current_time() - start
     assert all(isinstance(f, SampleFailure) and f.reason == "deadline_exceeded" for f in out)
     assert "0.5 s" in out[0].message
-    assert 0.5 <= elapsed < 2.0
+    assert 0.5 <= elapsed <= 0.5 + _slack(anyio_backend_name)
 
 
-async def test_the_deadline_covers_retries_and_backoff() -> None:
+async def test_the_deadline_covers_retries_and_backoff(anyio_backend_name: str) -> None:
     calls = 0
 
     async def always_503(method: str, url: str, body: bytes) -> Response:
@@ -71,7 +76,7 @@ async def test_the_deadline_covers_retries_and_backoff() -> None:
     assert isinstance(out[0], SampleFailure)
     # either the budget ran out mid-attempt, or no backoff fitted before it: never past it
     assert out[0].reason in ("deadline_exceeded", "teacher_http_503")
-    assert elapsed <= 1.0 + 0.3
+    assert elapsed <= 1.0 + _slack(anyio_backend_name)
     assert 2 <= calls < 100
 
 

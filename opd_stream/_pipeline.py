@@ -79,6 +79,7 @@ class _Pipeline:
         if config.order == "input":
             slots = min(slots, config.max_reorder)
         self.slots = anyio.Semaphore(slots)
+        self.outstanding = 0  # admitted, result not yet handed over (for stats on cancel)
         cap = config.channel_capacity
         for name in ("intake", "kl", "emit", "output"):
             stats.channel(name, cap)
@@ -130,6 +131,7 @@ class _Pipeline:
         await self.slots.acquire()
         self.stats.admitted += 1
         self.stats.in_flight += 1
+        self.outstanding += 1
         admitted_at = time.monotonic()
         try:
             prepared = self._prepare(sample, index)
@@ -143,14 +145,19 @@ class _Pipeline:
         await stream.send(item)
         self.stats.put(channel)
 
-    @staticmethod
-    def _failure(sample: Any, index: int, exc: OPDStreamError, attempts: int) -> SampleFailure:
+    def _failure(
+        self, sample: Any, index: int, exc: OPDStreamError, attempts: int
+    ) -> SampleFailure:
         from ._sample import Sample
 
         if not isinstance(sample, Sample):
             sample = Sample(tokens=[], response_length=0, sample_id=repr(type(sample)))
+        message = str(exc)
+        if self.cfg.api_key is not None:
+            # A server may echo the Authorization header in its error message.
+            message = message.replace(self.cfg.api_key.get_secret_value(), "***")
         return SampleFailure(
-            sample=sample, index=index, reason=exc.reason, message=str(exc), attempts=attempts
+            sample=sample, index=index, reason=exc.reason, message=message, attempts=attempts
         )
 
     # stage 2: fetch workers --------------------------------------------------------
@@ -263,6 +270,7 @@ class _Pipeline:
     # stage 4: emit -----------------------------------------------------------------
     def _account(self, item: Result) -> None:
         self.stats.in_flight -= 1
+        self.outstanding -= 1
         if isinstance(item, ScoredSample):
             self.stats.completed += 1
             self.stats.record_latency(item.latency_s)
@@ -341,6 +349,9 @@ async def run_pipeline(
         if not isinstance(err, anyio.BrokenResourceError):
             state.error = err
     finally:
+        # a cancelled run leaves samples that will never come out: not in flight any more
+        pipe.stats.in_flight -= pipe.outstanding
+        pipe.outstanding = 0
         state.done.set()
         st = pipe.stats
         log.info(

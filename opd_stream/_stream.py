@@ -56,10 +56,12 @@ class Results:
         receive: MemoryObjectReceiveStream[Result],
         state: RunState,
         stats: StatsRecorder,
+        runs: set[Results] | None = None,
     ) -> None:
         self._receive = receive
         self._state = state
         self._stats = stats
+        self._runs = runs
 
     def __aiter__(self) -> Self:
         return self
@@ -87,9 +89,15 @@ class Results:
     ) -> None:
         await self.aclose()
 
+    def close_receiver(self) -> None:
+        """Close the receiving end (no await): for the stream's exit."""
+        self._receive.close()
+
     async def aclose(self) -> None:
         """Stop the run (if still going) and wait until all of its tasks have ended."""
         self._receive.close()
+        if self._runs is not None:
+            self._runs.discard(self)
         self._state.scope.cancel()
         with anyio.move_on_after(_CLOSE_GRACE_S, shield=True):
             await self._state.done.wait()
@@ -126,6 +134,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._tg: anyio.abc.TaskGroup | None = None
         self._scorer: SampleScorer | None = None
         self._proc_limiter: anyio.CapacityLimiter | None = None
+        # open run handles: a dropped one is closed at the stream's exit
+        self._runs: set[Results] = set()
 
     def __repr__(self) -> str:
         return f"OPDStream(teachers={sorted(self.config.teachers)}, top_k={self.config.top_k})"
@@ -151,6 +161,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             finally:
                 self._tg = None
                 tg.cancel_scope.cancel()
+                for results in list(self._runs):
+                    results.close_receiver()  # handles the caller never closed
 
     async def _default_decode(self, body: bytes, req: ScoreRequest) -> ScoreRows:
         limiter = self._proc_limiter
@@ -179,7 +191,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         state = RunState()
         args = (self.config, scorer, self._router, self._stats, self._device, self._kl_limiter)
         tg.start_soon(run_pipeline, args, samples, send, state, name="opd_stream.run")
-        return Results(receive, state, self._stats)
+        results = Results(receive, state, self._stats, self._runs)
+        self._runs.add(results)
+        return results
 
     def stats(self) -> StreamStats:
         """A snapshot: channel depths and high-water marks, stage activity, in flight,

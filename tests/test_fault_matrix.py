@@ -1,0 +1,142 @@
+"""The fault matrix, asserted: every fault mode of the mock, over real HTTP, mixed workload.
+
+Each mode runs ``bench.reliability.run_fault_mode`` (the function that also writes
+docs/reliability.md) and checks: every sample comes out exactly once; retryable faults
+recover and the retries are counted; non-retryable faults fail their sample alone with the
+right reason; every scored result equals the independent closed-form reference (so none was
+computed from a bad answer); the run stays within its deadline budget; afterwards no task
+is pending and the connection pools are idle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pipeline_reference import assert_matches, expected_result
+
+from bench.reliability import (
+    DEFAULT_N,
+    MODES,
+    TOP_K,
+    FaultMode,
+    FaultRun,
+    run_fault_mode,
+    teacher_model,
+)
+from opd_stream import ScoredSample
+from opd_stream.testing.mock_sglang import FAULT_KINDS
+
+N = DEFAULT_N  # samples per stream: 240 per mode, as in docs/reliability.md
+_BY_KEY = {m.key: m for m in MODES}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    # Real sockets need asyncio; debug mode off to keep a few hundred requests per mode fast.
+    return ("asyncio", {})
+
+
+def _modes(*expects: str) -> list[Any]:
+    return [pytest.param(m, id=m.key) for m in MODES if m.expect in expects]
+
+
+def test_the_matrix_covers_every_fault_kind_of_the_mock() -> None:
+    kinds = {m.fault_kind for m in MODES if m.fault_kind is not None}
+    assert kinds == set(FAULT_KINDS)
+    assert {"unpatched", "restart", "none"} <= set(_BY_KEY)
+
+
+def _assert_invariants(run: FaultRun) -> None:
+    row = run.row
+    assert row.samples_out == row.samples_in == 2 * N
+    assert row.unique_out == row.samples_in  # each index exactly once, per stream
+    assert sorted(r.index for r in run.topk_results) == list(range(N))
+    assert sorted(r.index for r in run.sampled_results) == list(range(N))
+    assert row.scored + sum(row.failures.values()) == row.samples_in
+    assert row.wrong == 0
+    assert row.wall_s <= row.budget_s, (row.wall_s, row.budget_s)
+    assert row.pending_tasks == 0
+    assert row.pool_idle
+    assert row.high_water_ok
+    # top-k results: the whole candidate set and reverse KL against the float64 reference
+    for res in run.topk_results:
+        if not isinstance(res, ScoredSample):
+            continue
+        smp = res.sample
+        exp = expected_result(
+            tokens=smp.tokens,
+            response_length=smp.response_length,
+            teacher=teacher_model(run.workload, smp),
+            student=run.workload.models["student"],
+            top_k=TOP_K,
+            strategy="union",
+            weight_mode="student_p",
+        )
+        assert_matches(res, exp)
+
+
+@pytest.mark.parametrize("mode", _modes("clean"))
+async def test_harmless_modes_score_everything_without_retries(mode: FaultMode) -> None:
+    run = await run_fault_mode(mode, N)
+    _assert_invariants(run)
+    assert run.row.failures == {}
+    assert run.row.retries == 0
+    if mode.fault_kind is not None:
+        assert run.row.injected > 0
+
+
+@pytest.mark.parametrize("mode", _modes("recover"))
+async def test_retryable_faults_recover_and_every_retry_is_counted(mode: FaultMode) -> None:
+    run = await run_fault_mode(mode, N)
+    _assert_invariants(run)
+    row = run.row
+    assert row.injected > 0
+    assert set(row.failures) <= mode.reasons, row.failures
+    # at 10% with 4 attempts a logical request fails about once in 10^4
+    assert sum(row.failures.values()) <= 2
+    # every injected fault cost one attempt: retried, or the last attempt of a failure
+    assert row.retries + sum(row.failures.values()) == row.injected
+
+
+@pytest.mark.parametrize("mode", _modes("fail"))
+async def test_non_retryable_faults_fail_their_sample_alone_with_the_reason(
+    mode: FaultMode,
+) -> None:
+    run = await run_fault_mode(mode, N)
+    _assert_invariants(run)
+    row = run.row
+    assert row.injected > 0
+    (reason,) = mode.reasons
+    assert row.failures == {reason: row.injected}
+    assert row.retries == 0
+
+
+async def test_hangs_fail_at_the_deadline_and_the_server_sees_the_disconnect() -> None:
+    run = await run_fault_mode(_BY_KEY["hang"], N)
+    _assert_invariants(run)
+    row = run.row
+    assert row.injected > 0
+    assert row.failures == {"deadline_exceeded": row.injected}
+    assert row.retries == 0
+    assert row.disconnects >= row.injected
+
+
+async def test_servers_ignoring_per_position_are_detected_and_scored_blocked() -> None:
+    run = await run_fault_mode(_BY_KEY["unpatched"], N)
+    _assert_invariants(run)
+    assert run.row.failures == {} and run.row.retries == 0
+    topk_endpoints = run.stats[0].endpoints
+    assert len(topk_endpoints) == 4  # two math replicas, default, student
+    assert all(ep.per_position is False for ep in topk_endpoints.values())
+
+
+async def test_a_killed_and_restarted_replica_costs_retries_not_samples() -> None:
+    run = await run_fault_mode(_BY_KEY["restart"], N)
+    _assert_invariants(run)
+    row = run.row
+    assert row.failures == {}  # a retry goes to the live replica
+    assert row.retries > 0
+    assert run.restarted_served > 0  # the replica took work again after its restart

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import gc
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import chain, islice
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -55,11 +57,14 @@ _LP = attrgetter("lp")
 _ID = attrgetter("id")
 
 
+_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
 class _E(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One SGLang ``[logprob, token_id, text]`` triple; the text (if any) is ignored."""
 
     lp: float | None
-    id: int
+    id: _Int64  # a larger id would overflow numpy's int64 arrays
 
 
 _Rows = list[list[_E] | None]
@@ -317,6 +322,38 @@ def decode_segments(
         ServerAbortError: ``finish_reason.type == "abort"``.
         CapabilityError: see ``per_position``.
     """
+    with _gc_paused():
+        return _decode_segments(body, batch, segments, tokens, top_k, per_position)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic GC around one decode (re-enabled after, if it was on).
+
+    A decode allocates one list per row; with the default thresholds that triggers many
+    collections, and in a process that holds many live objects (rollouts' Python top-k
+    rows, other answers) each older-generation pass walks all of them: measured 2-5x on
+    decode time (``perf-facts.md`` §2). Nothing the decoder builds is cyclic, so nothing
+    is lost; the allocations are counted and collected at the next regular pass.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _decode_segments(
+    body: bytes,
+    batch: bool,
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    top_k: int,
+    per_position: bool,
+) -> ScoreRows:
     try:
         items = _BATCH.decode(body) if batch else [_SINGLE.decode(body)]
     except msgspec.DecodeError as exc:
@@ -325,13 +362,15 @@ def decode_segments(
         raise MisalignedResponseError(
             f"batch answer has {len(items)} items, expected {len(segments)}"
         )
-    tok_lp: list[npt.NDArray[np.float32]] = []
     top_i: list[npt.NDArray[np.int64]] = []
     top_lp: list[npt.NDArray[np.float32]] = []
-    id_lp: list[npt.NDArray[np.float32]] = []
+    tok_entries: list[list[_E]] = []
+    id_sel: list[_Rows] = []
     used_b64 = top_k > 0
     weight_version: str | None = None
     t0 = 0
+    # Structure is checked item by item; the numbers of all items are then converted and
+    # checked in one vectorised pass (a blocked answer has R/B small items).
     for n, (item, seg) in enumerate(zip(items, segments, strict=True)):
         where = f"$[{n}]" if batch else "$"
         meta = item.meta_info
@@ -349,7 +388,7 @@ def decode_segments(
                     "per-position-patched SGLang, or a router dropped the field",
                 )
             raise _missing(f"{where}.meta_info.input_token_ids_logprobs")
-        tok_lp.append(_token_rows(meta, where, seg, t0, tokens))
+        tok_entries.append(_token_entries(meta, where, seg))
         if top_k > 0:
             got = _b64_topk(meta, where, seg, top_k)
             if got is None:
@@ -365,15 +404,18 @@ def decode_segments(
             top_lp.append(got[1])
         if seg.expect is not None:
             assert meta.input_token_ids_logprobs is not None
-            id_lp.append(_id_rows(meta.input_token_ids_logprobs, where, seg, t0))
+            field = f"{where}.meta_info.input_token_ids_logprobs"
+            width = seg.expect.shape[-1]
+            id_sel.append(_checked_rows(meta.input_token_ids_logprobs, field, seg, t0, width))
         t0 += seg.rows
     p = tokens.shape[0] - t0
+    id_lp = _id_values(id_sel, segments, batch) if id_sel else None
     return ScoreRows(
         token_ids=np.array(tokens[p:], dtype=np.int64),
-        token_logprobs=_cat(tok_lp),
+        token_logprobs=_token_values(tok_entries, segments, tokens, batch, t0),
         top_ids=_cat(top_i) if top_k > 0 else None,
         top_logprobs=_cat(top_lp) if top_k > 0 else None,
-        id_logprobs=_cat(id_lp) if id_lp else None,
+        id_logprobs=id_lp,
         used_b64=used_b64,
         weight_version=weight_version,
     )
@@ -383,9 +425,18 @@ def _cat(parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _token_rows(
-    meta: _Meta, where: str, seg: Segment, t0: int, tokens: npt.NDArray[np.int64]
-) -> npt.NDArray[np.float32]:
+def _item_of(counts: npt.NDArray[np.intp], flat_index: int) -> tuple[int, int]:
+    """(item, index within the item) of a flat index over items of ``counts`` each."""
+    ends = np.cumsum(counts)
+    item = int(np.searchsorted(ends, flat_index, side="right"))
+    return item, flat_index - int(ends[item] - counts[item])
+
+
+def _where(batch: bool, n: int) -> str:
+    return f"$[{n}]" if batch else "$"
+
+
+def _token_entries(meta: _Meta, where: str, seg: Segment) -> list[_E]:
     field = f"{where}.meta_info.input_token_logprobs"
     entries = meta.input_token_logprobs
     if entries is None:
@@ -396,34 +447,122 @@ def _token_rows(
             f"`{field}` has {len(entries)} entries, expected {n_entries} "
             f"(input length {seg.length} - logprob_start_len {seg.start})"
         )
-    got = np.fromiter(map(_ID, islice(entries, 1, None)), dtype=np.int64, count=n_entries - 1)
-    bad = np.flatnonzero(got != tokens[seg.start + 1 : seg.length])
+    return entries
+
+
+def _token_values(
+    entries: list[list[_E]],
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    batch: bool,
+    r: int,
+) -> npt.NDArray[np.float32]:
+    """Check the echoed ids of every item, then the response rows' logprobs, float32 [R]."""
+    echoed = np.array([seg.length - seg.start - 1 for seg in segments], dtype=np.intp)
+    got = np.fromiter(
+        map(_ID, chain.from_iterable(islice(e, 1, None) for e in entries)),
+        dtype=np.int64,
+        count=int(echoed.sum()),
+    )
+    sent = _cat([tokens[seg.start + 1 : seg.length] for seg in segments])
+    bad = np.flatnonzero(got != sent)
     if bad.size:
-        pos = seg.start + 1 + int(bad[0])
+        n, j = _item_of(echoed, int(bad[0]))
+        pos = segments[n].start + 1 + j
         raise MisalignedResponseError(
-            f"`{field}`: the token id at absolute position {pos} differs from the one sent"
+            f"`{_where(batch, n)}.meta_info.input_token_logprobs`: the token id at absolute "
+            f"position {pos} differs from the one sent"
         )
     lps = np.fromiter(
-        map(_LP, islice(entries, n_entries - seg.rows, None)), dtype=np.float64, count=seg.rows
+        map(
+            _LP,
+            chain.from_iterable(
+                islice(e, len(e) - seg.rows, None) for e, seg in zip(entries, segments, strict=True)
+            ),
+        ),
+        dtype=np.float64,
+        count=r,
     )
+    field = "$[*].meta_info.input_token_logprobs" if batch else "$.meta_info.input_token_logprobs"
     return _to_logprobs(lps, field)  # type: ignore[no-any-return]
 
 
-def _id_rows(rows: _Rows, where: str, seg: Segment, t0: int) -> npt.NDArray[np.float32]:
-    assert seg.expect is not None
-    field = f"{where}.meta_info.input_token_ids_logprobs"
-    width = seg.expect.shape[-1]
-    ids, lps = _rows_block(rows, field, seg, t0, width)
-    wrong = (ids != seg.expect).any(axis=1)
-    if wrong.any():
-        r = int(np.argmax(wrong))
+def _checked_rows(rows: _Rows, field: str, seg: Segment, t0: int, width: int) -> _Rows:
+    """The last ``seg.rows`` rows, after checking the entry count, nulls and row widths."""
+    n_entries = seg.length - seg.start
+    if len(rows) != n_entries:
         raise MisalignedResponseError(
-            f"`{field}` row for absolute position {seg.length - seg.rows + r} (response "
-            f"position {t0 + r}) does not return exactly the requested ids in request order"
+            f"`{field}` has {len(rows)} entries, expected {n_entries} "
+            f"(input length {seg.length} - logprob_start_len {seg.start})"
         )
-    if seg.col is not None:
-        lps = np.take_along_axis(lps, seg.col, axis=1)
-    return _to_logprobs(lps, field)  # type: ignore[no-any-return]
+    n = seg.rows
+    first_abs = seg.length - n
+    sel = rows[n_entries - n :]
+    if None in sel:
+        r = sel.index(None)
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {first_abs + r} "
+            f"(response position {t0 + r}) is null or empty"
+        )
+    widths = np.fromiter(map(len, sel), dtype=np.intp, count=n)  # type: ignore[arg-type]
+    bad = np.flatnonzero(widths != width)
+    if bad.size:
+        r = int(bad[0])
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {first_abs + r} (response position {t0 + r}) "
+            f"has {int(widths[r])} entries, expected {width}"
+        )
+    return sel
+
+
+def _id_values(
+    sels: list[_Rows], segments: Sequence[Segment], batch: bool
+) -> npt.NDArray[np.float32]:
+    """Requested-id rows of every item: check the ids, pick the columns, float32 [R, k]."""
+    widths = np.array([seg.expect.shape[-1] for seg in segments if seg.expect is not None])
+    rows = np.array([seg.rows for seg in segments], dtype=np.intp)
+    sizes = rows * widths
+    total = int(sizes.sum())
+    flat_rows = chain.from_iterable(chain.from_iterable(sels))  # type: ignore[arg-type]
+    ids = np.fromiter(map(_ID, flat_rows), dtype=np.int64, count=total)
+    flat_rows = chain.from_iterable(chain.from_iterable(sels))  # type: ignore[arg-type]
+    lps = np.fromiter(map(_LP, flat_rows), dtype=np.float64, count=total)
+    expect = _cat(
+        [
+            np.tile(seg.expect, seg.rows) if seg.expect.ndim == 1 else seg.expect.reshape(-1)
+            for seg in segments
+            if seg.expect is not None
+        ]
+    )
+    bad = np.flatnonzero(ids != expect)
+    if bad.size:
+        n, j = _item_of(sizes, int(bad[0]))
+        seg = segments[n]
+        row = j // int(widths[n])
+        t0 = int(rows[:n].sum())
+        raise MisalignedResponseError(
+            f"`{_where(batch, n)}.meta_info.input_token_ids_logprobs` row for absolute position "
+            f"{seg.length - seg.rows + row} (response position {t0 + row}) does not return "
+            f"exactly the requested ids in request order"
+        )
+    row_width = np.repeat(widths, rows)
+    row_start = np.concatenate(([0], np.cumsum(row_width)[:-1]))
+    cols = _cat(
+        [
+            seg.col
+            if seg.col is not None
+            else np.broadcast_to(np.arange(seg.expect.shape[-1]), (seg.rows, seg.expect.shape[-1]))
+            for seg in segments
+            if seg.expect is not None
+        ]
+    )
+    picked = lps[row_start[:, None] + cols]
+    field = (
+        "$[*].meta_info.input_token_ids_logprobs"
+        if batch
+        else "$.meta_info.input_token_ids_logprobs"
+    )
+    return _to_logprobs(picked, field)  # type: ignore[no-any-return]
 
 
 # --- generation answers ----------------------------------------------------------------
@@ -555,7 +694,7 @@ def _check_student_topk(
     ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
 ) -> None:
     def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
-        rows = mask.reshape(mask.shape[0], -1).any(axis=1)
+        rows = mask.any(axis=1)  # [R, k] -> [R]; reshape(R, -1) fails when R == 0
         return int(np.argmax(rows)) if rows.any() else None
 
     if (r := first_row(ids < 0)) is not None:

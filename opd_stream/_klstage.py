@@ -3,12 +3,19 @@
 Runs in a worker thread (torch releases the GIL in its kernels). Samples are padded to
 ``[B, R_max, K]`` on the configured device, scored by ``_kl``, and sliced back into
 per-sample CPU tensors.
+
+On CPU the batch is scored with one intra-op thread: the KL kernels are small and many, and
+torch's OpenMP pool spends far more CPU spinning at their barriers than it saves (measured
+on 2 cores, ``[32, 1024, 16]`` only-student: 22 ms CPU with one thread, 260 ms with two).
+With torch's OpenMP backend the thread count is a per-thread setting, so this touches only
+the KL worker thread, and it is restored afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -88,6 +95,23 @@ def _score_sampled(f: Fetched) -> ScoredSample:
     return _result(f, rkl, None)
 
 
+_PER_THREAD_POOL = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@contextlib.contextmanager
+def _one_intraop_thread(device: torch.device) -> Iterator[None]:
+    """Run the block with one torch intra-op thread (CPU, OpenMP backend only)."""
+    prev = torch.get_num_threads()
+    if device.type != "cpu" or prev == 1 or not _PER_THREAD_POOL:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def score_batch(
     items: Sequence[Fetched],
     *,
@@ -100,6 +124,17 @@ def score_batch(
 
     The output has one entry per input, in input order.
     """
+    with _one_intraop_thread(device):
+        return _score_batch(items, top_k, strategy, weight_mode, device)
+
+
+def _score_batch(
+    items: Sequence[Fetched],
+    top_k: int,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    device: torch.device,
+) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     if top_k == 0:
         return [_score_sampled(f) for f in items]
     pending = list(items)

@@ -147,6 +147,17 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
     return tokens.astype(np.int64, copy=False), length - r
 
 
+def _sorted_unique(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``np.unique`` by sorting (numpy 2's hash-based unique is ~5x slower here)."""
+    s = np.sort(values)
+    if s.size == 0:
+        return s
+    keep = np.empty(s.shape[0], dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
 def _layout(req: ScoreRequest) -> _Layout:
     """Validate ``req`` and derive the items, their layouts and expected ids."""
     tokens, p = _check_request(req)
@@ -160,7 +171,7 @@ def _layout(req: ScoreRequest) -> _Layout:
         seg = Segment(length=length, start=s, rows=r, expect=ids)
         return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
     if req.id_form == "flat":
-        union = np.unique(ids)
+        union = _sorted_unique(ids.reshape(-1))
         col = np.searchsorted(union, ids)
         seg = Segment(length=length, start=s, rows=r, expect=union, col=col)
         return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[union])
@@ -170,7 +181,7 @@ def _layout(req: ScoreRequest) -> _Layout:
     block_of = np.arange(r, dtype=np.int64) // b
     span = int(ids.max()) + 1
     keys = block_of[:, None] * span + ids
-    ukeys = np.unique(keys)
+    ukeys = _sorted_unique(keys.reshape(-1))
     bounds = np.searchsorted(ukeys // span, np.arange(n_blocks + 1))
     cols = np.searchsorted(ukeys, keys) - bounds[block_of][:, None]
     union_all = ukeys % span
@@ -197,15 +208,15 @@ def build_score_payload(req: ScoreRequest) -> bytes:
         InvalidSampleError: a malformed request (names the field).
     """
     lay = _layout(req)
-    toks: list[int] = lay.tokens.tolist()
     body: dict[str, Any] = {}
     if lay.batch:
-        body["input_ids"] = [toks[: seg.length] for seg in lay.segments]
+        lengths = [seg.length for seg in lay.segments]
+        body["input_ids"] = msgspec.Raw(_prefixes_json(lay.tokens, lengths))
         body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
         body["return_logprob"] = True
         body["logprob_start_len"] = [seg.start for seg in lay.segments]
     else:
-        body["input_ids"] = toks
+        body["input_ids"] = lay.tokens.tolist()
         body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
         body["return_logprob"] = True
         body["logprob_start_len"] = lay.segments[0].start
@@ -225,6 +236,24 @@ def build_score_payload(req: ScoreRequest) -> bytes:
     body["return_text_in_logprobs"] = False
     body["stream"] = False
     return _ENCODER.encode(body)
+
+
+def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
+    """``[[t0..t(n0-1)],[t0..t(n1-1)],...]`` as compact JSON, by slicing one encoding.
+
+    The blocked form re-sends the prefix once per block (``O(R/B * L)`` ids); encoding the
+    sequence once and copying byte ranges of it costs a memcpy per block instead of
+    building and encoding ``O(R/B * L)`` Python ints. Byte-identical to
+    ``msgspec.json.encode([tokens[:n].tolist() for n in lengths])`` for non-negative ids.
+    """
+    whole = _ENCODER.encode(tokens.tolist())  # b"[t0,t1,...]"
+    digits = np.ones(tokens.shape[0], dtype=np.int64)
+    for power in range(1, 19):
+        digits += tokens >= 10**power
+    # end[n] = offset just past element n-1 (before its comma) in ``whole``
+    end = np.concatenate(([1], 1 + np.cumsum(digits + 1))) - 1
+    parts = [whole[: int(end[n])] + b"]" if n else b"[]" for n in lengths]
+    return b"[" + b",".join(parts) + b"]"
 
 
 def decode_score_response(body: bytes, req: ScoreRequest) -> ScoreRows:

@@ -89,6 +89,8 @@ class MockServer:
         self._cond: asyncio.Condition | None = None
         self._request_counter = 0
         self._pad_cache: bytes = b""
+        self._replay: dict[bytes, tuple[bytes, int, int]] = {}
+        self._replay_bytes = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -354,6 +356,10 @@ class MockServer:
         o = self.options
         if self._starting():
             return self._respond(error_response_body("The server is starting.", 503), 503)
+        if o.replay_cache_bytes > 0 and not any(o.fault_rates().values()):
+            hit = self._replay.get(raw)
+            if hit is not None:
+                return await self._replay_hit(hit)
         try:
             spec = parse_generate_request(
                 raw,
@@ -389,7 +395,7 @@ class MockServer:
                 body = error_response_body("The request queue is full.", 503)
                 return self._respond(body, 503)
             try:
-                return await self._serve(request, spec, fault, rids)
+                return await self._serve(request, spec, fault, rids, raw)
             finally:
                 st.running -= 1
                 await self._notify_one()
@@ -428,6 +434,7 @@ class MockServer:
         spec: Any,
         fault: FaultKind | None,
         rids: list[str],
+        raw: bytes = b"",
     ) -> web.StreamResponse:
         st = self.stats
         o = self.options
@@ -437,6 +444,13 @@ class MockServer:
         delay = self._latency(tokens)
         if delay > 0:
             await asyncio.sleep(delay)
+        replayable = (
+            o.replay_cache_bytes > 0
+            and fault is None
+            and not spec.stream
+            and all(it.max_new_tokens == 0 for it in spec.items)
+        )
+
         aborted = (
             fault == "abort"
             or epoch != self._abort_all_epoch
@@ -464,6 +478,8 @@ class MockServer:
         if spec.stream:
             return await self._stream(request, objs, spec.is_batch)
         body = _encoder.encode(objs if spec.is_batch else objs[0])
+        if replayable and not aborted:
+            self._remember(raw, body, tokens, len(spec.items))
         if fault in ("reset", "truncated", "malformed", "oversized", "slow_drip"):
             st.count_fault(fault)
             return await self._faulty_body(request, body, fault)
@@ -505,6 +521,35 @@ class MockServer:
         self.stats.bytes_sent += 14
         await resp.write_eof()
         return resp
+
+    def _remember(self, raw: bytes, body: bytes, tokens: int, items: int) -> None:
+        limit = self.options.replay_cache_bytes
+        size = len(raw) + len(body)
+        if size > limit:
+            return
+        while self._replay and self._replay_bytes + size > limit:
+            old_raw = next(iter(self._replay))
+            self._replay_bytes -= len(old_raw) + len(self._replay.pop(old_raw)[0])
+        self._replay[raw] = (body, tokens, items)
+        self._replay_bytes += size
+
+    async def _replay_hit(self, hit: tuple[bytes, int, int]) -> web.Response:
+        """Answer a repeated scoring request from the replay cache (capacity and latency
+        still apply; parsing and building are skipped)."""
+        st = self.stats
+        body, tokens, items = hit
+        if not await self._acquire_slot():
+            st.rejected_queue_full += 1
+            return self._respond(error_response_body("The request queue is full.", 503), 503)
+        try:
+            delay = self._latency(tokens)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            st.generate_items += items
+            return self._respond(body)
+        finally:
+            st.running -= 1
+            await self._notify_one()
 
     def _padding(self, n: int) -> bytes:
         if len(self._pad_cache) != n:

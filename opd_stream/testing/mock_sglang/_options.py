@@ -73,6 +73,14 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
         max_queued: requests waiting for a slot beyond which 503 "The request queue is full."
             is answered (-1: unlimited).
 
+    Benchmarks:
+        replay_cache_bytes: > 0 keeps the bodies of successful scoring answers (every item
+            with ``max_new_tokens == 0``, not streamed, no fault drawn), keyed by the exact
+            request bytes, up to this many bytes (oldest dropped first); a repeated request
+            is answered from the cache after the usual latency, so a benchmark can take the
+            (Python) mock's CPU out of what it measures. Answers then repeat ``meta_info.id``
+            and ``e2e_latency``. 0: off.
+
     Faults (``fault_*``: probability per ``/generate`` request; at most one per request,
     drawn from a RNG seeded with ``fault_seed``, or the server seed when ``None``):
         http_500 / http_503 / http_429: an error answer in the ErrorResponse shape.
@@ -108,6 +116,8 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
     max_running: int = 0
     max_queued: int = -1
 
+    replay_cache_bytes: int = 0
+
     fault_seed: int | None = None
     fault_http_500: float = 0.0
     fault_http_503: float = 0.0
@@ -132,6 +142,8 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"fault_{kind} must be in [0, 1]")
         if self.max_running < 0:
             raise ValueError("max_running must be >= 0 (0: unlimited)")
+        if self.replay_cache_bytes < 0:
+            raise ValueError("replay_cache_bytes must be >= 0 (0: off)")
         if self.max_queued < -1:
             raise ValueError("max_queued must be >= -1 (-1: unlimited)")
         if self.per_position not in ("patched", "unpatched"):

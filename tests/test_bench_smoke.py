@@ -1,0 +1,44 @@
+"""The bench harness runs end to end on a minuscule size, and its baseline client agrees with
+opd_stream (no timing is asserted: performance is shown by the bench, never by tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.run import main
+
+TINY = (
+    '{"s1_n": 2, "s1_prompt": 8, "s1_response": 24, "s1_floor_samples": 2,'
+    ' "s4_prompt": 8, "s4_lengths": [16]}'
+)
+
+
+def test_bench_runs_and_baseline_equals_opd_stream(tmp_path: Path) -> None:
+    code = main(
+        [
+            "--quick",
+            "--scenario",
+            "1",
+            "--scenario",
+            "4",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+            "--sizes",
+            TINY,
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["errors"] == {}
+    modes = data["results"]["1"]["modes"]
+    assert set(modes) == {"sampled-token", "top-k 16 only-student", "top-k 16 union"}
+    for mode in modes.values():
+        assert mode["equality"]["equal_within_1e-5"] is True
+        assert mode["equality"]["compared"] == 2
+        assert mode["equality"]["failures"] == 0
+    statuses = {t["status"] for t in data["targets"]}
+    assert statuses <= {"MET", "MISSED", "N/A"}
+    assert (tmp_path / "results.md").read_text().startswith("# opd_stream bench")
+    assert (tmp_path / "bytes_per_token.png").stat().st_size > 0

@@ -406,7 +406,9 @@ async def run_fault_mode(mode: FaultMode, n: int = DEFAULT_N, *, seed: int = 0) 
     ):
         math_urls = list(math_srv.urls)
         if mode.expect == "restart":
-            procs = [MockProcess("teacher", SEEDS["math"])]
+            # a little latency, so that requests are in flight on it when it is killed
+            slow = MockOptions(latency_fixed_s=0.1)
+            procs = [MockProcess("teacher", SEEDS["math"], options=slow)]
             math_urls[0] = await anyio.to_thread.run_sync(procs[0].start)
         try:
             run = await _run_streams(

@@ -25,10 +25,12 @@ from typing import Any, Final, Literal, NamedTuple, TypeAlias, get_args
 
 import msgspec
 
+from ._balance import Balance
 from ._errors import ConfigError
 from ._router import normalize_server_url, normalize_teachers
 
 __all__ = (
+    "Balance",
     "CONFIG_FIELDS",
     "ENV_PREFIX",
     "ConfigField",
@@ -181,6 +183,23 @@ _MEANINGS: Final[dict[str, str]] = {
         "bodies at least this big go to the decode pool when decode_workers > 0"
     ),
     "max_reorder": "bound of the input-order reorder buffer, in samples (>= 1)",
+    "balance": (
+        "replica choice within a teacher: least-outstanding (power of two choices) or "
+        "round-robin"
+    ),
+    "eject_after_failures": (
+        "consecutive retryable failures that eject a replica for eject_cooldown_s "
+        "(0 = never eject)"
+    ),
+    "eject_cooldown_s": (
+        "how long an ejected replica stays out before a /health probe may re-admit it, "
+        "in seconds (> 0)"
+    ),
+    "hedge_after_percentile": (
+        "0 = no hedging; p in (0, 100) = after the p-th percentile of recent latencies "
+        "(at least hedge_min_s), send a duplicate to another replica; first answer wins"
+    ),
+    "hedge_min_s": "smallest hedging delay, in seconds (>= 0)",
 }
 
 
@@ -234,6 +253,11 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decode_workers: int = 0
     decode_offload_bytes: int = 4 * _MIB
     max_reorder: int = 1024
+    balance: Balance = "least-outstanding"
+    eject_after_failures: int = 5
+    eject_cooldown_s: float = 10.0
+    hedge_after_percentile: float = 0.0
+    hedge_min_s: float = 0.05
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in self.__struct_fields__}
@@ -420,7 +444,7 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
         if normalised_student != student:
             out["student_url"] = normalised_student
 
-    for name in ("strategy", "weight_mode", "id_scoring", "logprob_start", "topk_wire", "order"):
+    for name in _CHOICES:
         _as_choice(name, values[name], _CHOICES[name])
 
     for name, low, high in _INT_BOUNDS:
@@ -459,6 +483,11 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
             f"strategy {out['strategy']} needs the student server to score the teacher's "
             "top-k ids; set student_url",
         )
+    if out["hedge_after_percentile"] >= 100.0:
+        raise _Invalid(
+            "hedge_after_percentile",
+            f"must be 0 (off) or below 100, got {out['hedge_after_percentile']:g}",
+        )
     if out["backoff_max_s"] < out["backoff_initial_s"]:
         raise _Invalid(
             ("backoff_max_s", "backoff_initial_s"),
@@ -475,6 +504,7 @@ _CHOICES: Final[dict[str, tuple[str, ...]]] = {
     "logprob_start": get_args(LogprobStart),
     "topk_wire": get_args(TopkWire),
     "order": get_args(Order),
+    "balance": get_args(Balance),
 }
 
 # (field, lowest, highest or None)
@@ -490,6 +520,7 @@ _INT_BOUNDS: Final[tuple[tuple[str, int, int | None], ...]] = (
     ("decode_workers", 0, None),
     ("decode_offload_bytes", 0, None),
     ("max_reorder", 1, None),
+    ("eject_after_failures", 0, None),
 )
 
 # (field, lowest, lowest excluded); every float field must also be finite.
@@ -499,6 +530,9 @@ _FLOAT_BOUNDS: Final[tuple[tuple[str, float, bool], ...]] = (
     ("backoff_initial_s", 0.0, True),
     ("backoff_max_s", 0.0, True),
     ("connect_timeout_s", 0.0, True),
+    ("eject_cooldown_s", 0.0, True),
+    ("hedge_after_percentile", 0.0, False),
+    ("hedge_min_s", 0.0, False),
 )
 
 _ENV_COERCED.update({name: int for name, _, _ in _INT_BOUNDS})

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from ._balance import EndpointPool
 from ._config import StreamConfig
 from ._errors import (
     CapabilityError,
@@ -28,7 +29,7 @@ from ._errors import (
 )
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
-from ._router import generate_url
+from ._router import endpoint_url, generate_url
 from ._sample import PreparedSample
 from ._stats import StatsRecorder
 from ._transport import Transport
@@ -75,6 +76,22 @@ class _Counter:
         self.attempts = 0
 
 
+class _Failed(Exception):
+    """Internal: one attempt failed with ``error``; ``url`` and ``req`` say which one."""
+
+    def __init__(self, error: OPDStreamError, url: str, req: ScoreRequest) -> None:
+        super().__init__(error.reason)
+        self.error = error
+        self.url = url
+        self.req = req
+
+
+_PROBE_TIMEOUT_S = 2.0
+"""Longest wait for a re-admission probe's ``/health`` answer."""
+
+_PROBE_MAX_BYTES = 64 * 1024
+
+
 class SampleScorer:
     """Runs a sample's request plan against the configured servers.
 
@@ -95,24 +112,26 @@ class SampleScorer:
         self._transport = transport
         self._stats = stats
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._rng = rng or random.Random()
         self._policy = RetryPolicy(
             max_attempts=config.max_attempts,
             initial_s=config.backoff_initial_s,
             max_s=config.backoff_max_s,
-            rng=rng or random.Random(),
+            rng=self._rng,
         )
         self._decode = decode
-        self._rr = 0
+        self._pool = EndpointPool(
+            lambda url: self._stats.endpoint(url).in_flight,
+            balance=config.balance,
+            eject_after=config.eject_after_failures,
+            cooldown_s=config.eject_cooldown_s,
+            rng=self._rng,
+        )
 
     # replicas and capabilities ------------------------------------------------------
-    def _pick(self, urls: tuple[str, ...]) -> str:
-        """Least outstanding requests; ties broken round-robin."""
-        if len(urls) == 1:
-            return urls[0]
-        self._rr += 1
-        n = len(urls)
-        order = [urls[(self._rr + i) % n] for i in range(n)]
-        return min(order, key=lambda u: self._stats.endpoint(u).in_flight)
+    def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
+        """The replica for the next attempt (see :class:`EndpointPool`)."""
+        return self._pool.pick(urls, exclude)
 
     def _limiter(self, url: str) -> anyio.CapacityLimiter:
         lim = self._limiters.get(url)
@@ -124,7 +143,12 @@ class SampleScorer:
         mode = self._cfg.id_scoring
         if mode != "auto":
             return mode
-        return "blocked" if self._stats.endpoint(url).per_position is False else "per-position"
+        ep = self._stats.endpoint(url)
+        if ep.per_position is not False:
+            return "per-position"
+        # sglang-router 0.3.2 rejects a batch with per-item logprob_start_len (HTTP 422):
+        # the flat form is then the one left that it forwards.
+        return "flat" if ep.blocked_batch is False else "blocked"
 
     def _topk_wire(self, url: str) -> Literal["b64", "json"]:
         wire = self._cfg.topk_wire
@@ -151,41 +175,228 @@ class SampleScorer:
         make: Callable[[str], ScoreRequest],
         counter: _Counter,
     ) -> ScoreRows:
-        """One logical request: retries and capability fallbacks within one deadline."""
+        """One logical request: retries, hedges and capability fallbacks within one deadline.
+
+        Every HTTP request sent (a hedge included) is an attempt; a capability probe
+        (an answer that shows a missing feature, retried in the fallback form at once) is
+        not counted against ``max_attempts``. Nothing outlives the deadline: the probes,
+        the hedges and the backoff sleeps all run inside its cancel scope.
+        """
         deadline = anyio.current_time() + self._cfg.request_deadline_s
-        tries = 0
+        tries = _Counter()
         last: OPDStreamError | None = None
+        failed_url: tuple[str, ...] = ()  # a retry goes elsewhere when a replica is left
         with anyio.move_on_at(deadline):
             while True:
-                url = self._pick(urls)
-                req = make(url)
-                tries += 1
-                counter.attempts += 1
+                await self._maybe_probe(side, urls)
+                url = self._pick(urls, failed_url) or self._pick(urls)
+                assert url is not None  # urls is never empty and nothing is excluded
                 try:
-                    return await self._attempt(side, url, req)
-                except CapabilityError as exc:
-                    if not self._fallback(side, url, req, exc):
-                        raise
-                    tries -= 1  # a capability probe is not a failed attempt
-                    continue
-                except OPDStreamError as exc:
+                    return await self._send(side, urls, url, make, counter, tries)
+                except _Failed as failed:
+                    exc = failed.error
+                    if isinstance(exc, CapabilityError):
+                        if not self._fallback(side, failed.url, failed.req, exc):
+                            raise exc from None
+                        tries.attempts -= 1  # a capability probe is not a failed attempt
+                        continue
+                    if self._batch_rejected(side, failed):
+                        tries.attempts -= 1  # like a capability probe: not a failed attempt
+                        continue
                     last = exc
-                    self._stats.endpoint(url).errors += 1
+                    failed_url = (failed.url,)
                     delay = (
-                        self._policy.delay(tries, anyio.current_time(), deadline)
+                        self._policy.delay(tries.attempts, anyio.current_time(), deadline)
                         if exc.retryable
                         else None
                     )
                     if delay is None:
-                        raise
+                        raise exc from None
                     self._stats.retries += 1
-                    log.debug("retry", side=side, reason=exc.reason, attempt=tries, delay_s=delay)
+                    log.debug(
+                        "retry", side=side, reason=exc.reason, attempt=tries.attempts, delay_s=delay
+                    )
                     await anyio.sleep(delay)
         detail = f" (last error: {last.reason})" if last is not None else ""
         raise DeadlineExceeded(
             f"{side} request did not finish within {self._cfg.request_deadline_s} s "
-            f"after {tries} attempt(s){detail}"
+            f"after {tries.attempts} attempt(s){detail}"
         )
+
+    async def _send(
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        make: Callable[[str], ScoreRequest],
+        counter: _Counter,
+        tries: _Counter,
+    ) -> ScoreRows:
+        """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
+
+        Raises:
+            _Failed: the attempt failed (when hedged: every launched copy failed; the
+                error reported is a capability error if any, else the first attempt's).
+        """
+        req = make(url)
+        tries.attempts += 1
+        counter.attempts += 1
+        delay = self._pool.hedge_delay(
+            urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
+        )
+        if delay is None or tries.attempts >= self._cfg.max_attempts:
+            return await self._one(side, urls, url, req)
+
+        winner: list[ScoreRows] = []
+        won_by: list[str] = []
+        failures: list[_Failed] = []
+        racing: list[str] = [url]
+        finished = 0
+        settled = anyio.Event()
+        changed = [anyio.Event()]  # set when any racing attempt ends
+
+        async def run(target: str, request: ScoreRequest) -> None:
+            nonlocal finished
+            try:
+                rows = await self._one(side, urls, target, request)
+            except _Failed as failed:
+                failures.append(failed)
+            else:
+                if not winner:
+                    winner.append(rows)
+                    won_by.append(target)
+                    if target != url:
+                        self._stats.endpoint(target).hedge_wins += 1
+            finished += 1
+            changed[0].set()
+            if winner or finished == len(racing):
+                settled.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, url, req)
+            with anyio.move_on_after(delay):
+                await settled.wait()
+            # Hedge to a replica not yet racing; when a hedge fails while an earlier
+            # attempt is still running, hedge again (within max_attempts).
+            while not settled.is_set():
+                other = self._pick(urls, exclude=tuple(racing))
+                if other is None or tries.attempts >= self._cfg.max_attempts:
+                    await settled.wait()
+                    break
+                tries.attempts += 1
+                counter.attempts += 1
+                self._stats.endpoint(other).hedges += 1
+                racing.append(other)
+                log.debug("hedge", side=side, after_s=delay)
+                tg.start_soon(run, other, make(other))
+                # Wait for the outcome, or for this hedge to fail (then hedge again).
+                while not settled.is_set() and all(f.url != other for f in failures):
+                    changed[0] = anyio.Event()
+                    await changed[0].wait()
+            for target in racing:
+                if target not in won_by and all(f.url != target for f in failures):
+                    self._stats.endpoint(target).cancelled += 1  # the loser, cancelled now
+            tg.cancel_scope.cancel()
+        if winner:
+            return winner[0]
+        for failed in failures:
+            if isinstance(failed.error, CapabilityError):
+                raise failed
+        first = [f for f in failures if f.url == url]
+        raise (first or failures)[0]
+
+    async def _one(
+        self, side: Side, urls: tuple[str, ...], url: str, req: ScoreRequest
+    ) -> ScoreRows:
+        """One HTTP attempt, with its outcome recorded for passive health and hedging."""
+        start = anyio.current_time()
+        try:
+            rows = await self._attempt(side, url, req)
+        except OPDStreamError as exc:
+            if not isinstance(exc, CapabilityError):
+                self._stats.endpoint(url).errors += 1
+            if exc.retryable and isinstance(exc, ServerError):
+                self._note_failure(side, url, urls)
+            raise _Failed(exc, url, req) from None
+        self._pool.record_success(url, urls, anyio.current_time() - start)
+        return rows
+
+    def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
+        if self._pool.record_failure(url, urls, anyio.current_time()):
+            ep = self._stats.endpoint(url)
+            ep.ejected = True
+            ep.ejections += 1
+            log.warning(
+                "endpoint_ejected",
+                side=side,
+                url=url,
+                after_failures=self._cfg.eject_after_failures,
+                cooldown_s=self._cfg.eject_cooldown_s,
+            )
+
+    async def _maybe_probe(self, side: Side, urls: tuple[str, ...]) -> None:
+        """Probe ``/health`` of one ejected replica whose cool-down is over, if any.
+
+        Done lazily, in the requesting task (so no task outlives the stream), bounded by
+        :data:`_PROBE_TIMEOUT_S` and the request's deadline. A 200 re-admits the replica;
+        anything else ejects it for another cool-down.
+        """
+        url = self._pool.claim_probe(urls, anyio.current_time())
+        if url is None:
+            return
+        healthy: bool | None = None
+        try:
+            with anyio.move_on_after(_PROBE_TIMEOUT_S):
+                try:
+                    resp = await self._transport.get(
+                        endpoint_url(url, "health"), max_bytes=_PROBE_MAX_BYTES
+                    )
+                except OPDStreamError:
+                    healthy = False
+                else:
+                    healthy = resp.status == 200
+            if healthy is None:
+                healthy = False  # the probe timed out
+        finally:
+            if healthy is None:
+                self._pool.release_probe(url)  # cancelled from outside: no verdict
+            else:
+                self._pool.probe_result(url, healthy, anyio.current_time())
+                ep = self._stats.endpoint(url)
+                if healthy:
+                    ep.ejected = False
+                    ep.readmissions += 1
+                else:
+                    ep.ejections += 1
+                log.info("endpoint_probed", side=side, url=url, healthy=healthy)
+
+    def _batch_rejected(self, side: Side, failed: _Failed) -> bool:
+        """True when ``auto`` id scoring should retry a rejected blocked request as flat.
+
+        A proxy in front of SGLang (sglang-router 0.3.2) answers 422 to a batch whose
+        ``logprob_start_len`` is a list, which the blocked form sends; SGLang itself takes
+        it. The endpoint then uses the flat form (logged once).
+        """
+        exc = failed.error
+        if not (
+            isinstance(exc, ServerHTTPError)
+            and exc.status == 422
+            and failed.req.id_form == "blocked"
+            and self._cfg.id_scoring == "auto"
+        ):
+            return False
+        ep = self._stats.endpoint(failed.url)
+        if ep.blocked_batch is False:
+            return True  # detected by a concurrent request already: retry as flat
+        ep.blocked_batch = False
+        log.info(
+            "capability_detected",
+            side=side,
+            url=failed.url,
+            capability="blocked_batch",
+            supported=False,
+        )
+        return True
 
     def _fallback(self, side: Side, url: str, req: ScoreRequest, exc: CapabilityError) -> bool:
         """Record a missing capability; True when an ``auto`` setting can fall back."""
@@ -231,6 +442,8 @@ class SampleScorer:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
             self._note_capability(url, side, "per_position", True)
+        if req.ids is not None and req.id_form == "blocked":
+            ep.blocked_batch = True
         return rows
 
     def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:

@@ -26,13 +26,36 @@ class ChannelStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One server URL: requests in flight now, totals, and detected capabilities."""
+    """One server URL: requests in flight now, totals, detected capabilities, and the
+    replica bookkeeping of client-side balancing.
+
+    Attributes:
+        in_flight: HTTP requests to this URL in flight now (its load).
+        requests: HTTP requests sent, hedges included.
+        errors: attempts that failed (any error).
+        per_position, b64_topk: detected capabilities (``None``: not yet known).
+        blocked_batch: the blocked id form's batch (per-item ``logprob_start_len``) is
+            accepted; ``False`` behind sglang-router 0.3.2, which answers 422.
+        ejected: out of the rotation now (passive health).
+        ejections: times it was ejected (a failed re-admission probe counts again).
+        readmissions: times a ``/health`` probe re-admitted it.
+        hedges: duplicate requests sent to this URL because another replica was slow.
+        hedge_wins: those duplicates that answered first.
+        cancelled: attempts to this URL cancelled because a hedged twin answered first.
+    """
 
     in_flight: int
     requests: int
     errors: int
     per_position: bool | None
     b64_topk: bool | None
+    blocked_batch: bool | None = None
+    ejected: bool = False
+    ejections: int = 0
+    readmissions: int = 0
+    hedges: int = 0
+    hedge_wins: int = 0
+    cancelled: int = 0
 
 
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,7 +79,20 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Endpoint:
-    __slots__ = ("b64_topk", "errors", "in_flight", "per_position", "requests")
+    __slots__ = (
+        "b64_topk",
+        "blocked_batch",
+        "cancelled",
+        "ejected",
+        "ejections",
+        "errors",
+        "hedge_wins",
+        "hedges",
+        "in_flight",
+        "per_position",
+        "readmissions",
+        "requests",
+    )
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -64,6 +100,13 @@ class _Endpoint:
         self.errors = 0
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
+        self.blocked_batch: bool | None = None
+        self.ejected = False
+        self.ejections = 0
+        self.readmissions = 0
+        self.hedges = 0
+        self.hedge_wins = 0
+        self.cancelled = 0
 
 
 class StatsRecorder:
@@ -148,6 +191,13 @@ class StatsRecorder:
                     errors=ep.errors,
                     per_position=ep.per_position,
                     b64_topk=ep.b64_topk,
+                    blocked_batch=ep.blocked_batch,
+                    ejected=ep.ejected,
+                    ejections=ep.ejections,
+                    readmissions=ep.readmissions,
+                    hedges=ep.hedges,
+                    hedge_wins=ep.hedge_wins,
+                    cancelled=ep.cancelled,
                 )
                 for url, ep in self.endpoints.items()
             },

@@ -22,6 +22,10 @@ setup() {
     "$PY" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch "$VENV/.opd_stream_installed"
   fi
+  # sglang-router (SGLang's Rust load balancer, a ~30 MB wheel) for tests/test_sglang_router.py.
+  if ! "$PY" -c "import sglang_router" 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check "sglang-router==0.3.2"
+  fi
   # SGLang's own JSON contract (api_types.py needs msgspec only); never imported by the package.
   local api=".cache/sglang/src/sglang/api/v1/api_types.py"
   if [ ! -f "$api" ]; then

@@ -205,6 +205,11 @@ INVALID: list[tuple[str, Any]] = [
     ("decode_workers", -1),
     ("decode_offload_bytes", -1),
     ("max_reorder", 0),
+    ("balance", "random"),
+    ("eject_after_failures", -1),
+    ("eject_cooldown_s", 0.0),
+    ("hedge_after_percentile", 100.0),
+    ("hedge_min_s", -1.0),
 ]
 
 
@@ -266,6 +271,11 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("decode_workers", "-1"),
     ("decode_offload_bytes", "-1"),
     ("max_reorder", "0"),
+    ("balance", "p2c"),
+    ("eject_after_failures", "some"),
+    ("eject_cooldown_s", "0"),
+    ("hedge_after_percentile", "101"),
+    ("hedge_min_s", "-0.5"),
 ]
 
 
@@ -394,6 +404,11 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_DECODE_WORKERS": "2",
         "OPD_STREAM_DECODE_OFFLOAD_BYTES": "100",
         "OPD_STREAM_MAX_REORDER": "9",
+        "OPD_STREAM_BALANCE": "round-robin",
+        "OPD_STREAM_EJECT_AFTER_FAILURES": "2",
+        "OPD_STREAM_EJECT_COOLDOWN_S": "1.5",
+        "OPD_STREAM_HEDGE_AFTER_PERCENTILE": "90",
+        "OPD_STREAM_HEDGE_MIN_S": "0.2",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -425,6 +440,11 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         decode_workers=2,
         decode_offload_bytes=100,
         max_reorder=9,
+        balance="round-robin",
+        eject_after_failures=2,
+        eject_cooldown_s=1.5,
+        hedge_after_percentile=90.0,
+        hedge_min_s=0.2,
     )
     assert cfg == expected
 
@@ -648,3 +668,35 @@ def test_config_survives_pickling_with_its_secret() -> None:
     assert clone == cfg
     assert clone.api_key is not None
     assert clone.api_key.get_secret_value() == SECRET
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def test_replica_balancing_defaults_are_the_documented_ones() -> None:
+    cfg = StreamConfig.from_env(environ={}, teachers=T)
+    assert cfg.balance == "least-outstanding"
+    assert (cfg.eject_after_failures, cfg.eject_cooldown_s) == (5, 10.0)
+    assert (cfg.hedge_after_percentile, cfg.hedge_min_s) == (0.0, 0.05)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("balance", "random", r"^balance: must be one of least-outstanding, round-robin"),
+        ("eject_after_failures", -1, r"^eject_after_failures: must be >= 0"),
+        ("eject_cooldown_s", 0, r"^eject_cooldown_s: must be > 0"),
+        ("eject_cooldown_s", math.inf, r"^eject_cooldown_s: must be finite"),
+        ("hedge_after_percentile", -1, r"^hedge_after_percentile: must be >= 0"),
+        ("hedge_after_percentile", 100, r"^hedge_after_percentile: must be 0 \(off\) or below 100"),
+        ("hedge_min_s", -0.1, r"^hedge_min_s: must be >= 0"),
+    ],
+)
+def test_replica_balancing_fields_are_validated(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(**{field: value})
+
+
+def test_replica_balancing_env_error_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"OPD_STREAM_EJECT_AFTER_FAILURES"):
+        StreamConfig.from_env(environ={"OPD_STREAM_EJECT_AFTER_FAILURES": "-2"}, teachers=T)

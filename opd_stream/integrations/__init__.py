@@ -1,0 +1,15 @@
+"""Drop-in adapters for RL frameworks.
+
+* :mod:`opd_stream.integrations.miles`: Miles / slime ``reward_func`` and
+  ``post_process_rewards`` (the ``--use-opd --opd-type sglang`` path), streaming through
+  one shared :class:`~opd_stream.OPDStream`.
+* :mod:`opd_stream.integrations.verl`: teacher logprobs from SGLang answers in verl's
+  vLLM ``prompt_logprobs`` contract.
+
+The adapters are imported explicitly (``from opd_stream.integrations import miles``); this
+package imports neither.
+"""
+
+from __future__ import annotations
+
+__all__: tuple[str, ...] = ()

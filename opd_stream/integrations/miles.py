@@ -1,0 +1,448 @@
+"""Miles / slime drop-in: ``reward_func`` and ``post_process_rewards`` backed by one shared
+:class:`~opd_stream.OPDStream`.
+
+Point Miles at this module instead of ``miles.rollout.on_policy_distillation``::
+
+    --use-opd --opd-type sglang --rm-url http://teacher:30000/generate \\
+    --custom-rm-path opd_stream.integrations.miles.reward_func \\
+    --custom-reward-post-process-path opd_stream.integrations.miles.post_process_rewards
+
+The reference flags (``--opd-log-prob-top-k``, ``--opd-top-k-strategy``,
+``--opd-reward-weight-mode``, ``--opd-topk-per-position``, ``--opd-teacher-urls``,
+``--opd-teacher-key``, ``--rm-url``, ``--sglang-router-ip/--sglang-router-port``,
+``--sglang-router-request-timeout-secs``) keep their meaning; see
+:func:`config_from_miles_args`.
+
+How it runs: Miles' rollout loop calls ``reward_func(args, sample)`` once per sample,
+concurrently, on one asyncio loop. The first call starts a :class:`MilesEngine` for that
+loop and configuration: one background task that feeds an anyio memory channel into a
+single ``stream.run()`` and resolves each caller's future when its result comes out, so
+every call shares one connection pool, the per-endpoint limits, the replica balancing and
+the batched KL stage. The engine lives until :func:`close` (or :meth:`MilesEngine.aclose`);
+call it when training ends. A caller that is cancelled simply stops waiting; its sample's
+result is dropped when it arrives.
+
+Results equal the reference's (spec opd-semantics §2-§3): ``reward_func`` returns a dict
+holding ``teacher_log_probs`` (float32 ``[R]``, sampled-token mode) or ``opd_reverse_kl``
+(float32 ``[R]``, top-k mode), and ``post_process_rewards`` sets those attributes on each
+sample and returns ``(rewards, rewards)`` of zeros, like the reference (pure OPD).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import anyio
+import msgspec
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .._config import StreamConfig
+from .._errors import ConfigError, OPDStreamError
+from .._router import parse_teacher_urls
+from .._sample import Sample, SampleFailure, ScoredSample
+from .._stream import OPDStream
+from .._transport import Transport
+
+__all__ = (
+    "MilesEngine",
+    "OPDSampleError",
+    "close",
+    "config_from_miles_args",
+    "engine_for",
+    "post_process_rewards",
+    "reward_func",
+)
+
+_STRATEGIES: Final = ("only-student", "only-teacher", "intersection", "union", "xor")
+_WEIGHT_MODES: Final = ("student_p", "teacher_p", "none")
+_TOP_KEY: Final = "opd_student_top_logprobs"
+_RESULT_KEY: Final = "opd_stream"
+
+# Flag attribute -> the value that means "not set" (argparse defaults of the reference).
+_OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
+    "opd_type": None,
+    "opd_log_prob_top_k": 0,
+    "opd_top_k_strategy": "only-student",
+    "opd_reward_weight_mode": "student_p",
+    "opd_topk_per_position": False,
+    "opd_teacher_urls": None,
+    "opd_teacher_key": "opd_teacher",
+}
+
+
+class OPDSampleError(OPDStreamError):
+    """A sample could not be scored; ``reason`` is the :class:`SampleFailure` reason."""
+
+    def __init__(self, failure: SampleFailure) -> None:
+        super().__init__(f"OPD scoring failed ({failure.reason}): {failure.message}")
+        self.reason = failure.reason
+        self.attempts = failure.attempts
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (list, tuple)) and not value:
+        return False
+    return bool(value != default)
+
+
+def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
+    """Map Miles' reference OPD flags (an ``argparse.Namespace``) to a :class:`StreamConfig`.
+
+    Mapping (spec opd-semantics §7):
+
+    * ``--opd-teacher-urls NAME=URL ...`` (a list, or one comma-separated string) ->
+      ``teachers``; without it ``--rm-url`` is the single teacher ``default``. A URL may end
+      in ``/generate`` (Miles' spelling), or name several replicas joined with ``|``.
+    * ``--opd-teacher-key`` -> ``teacher_key``; ``--opd-log-prob-top-k`` -> ``top_k``;
+      ``--opd-top-k-strategy`` -> ``strategy`` (ignored in sampled-token mode, as in the
+      reference); ``--opd-reward-weight-mode`` -> ``weight_mode``.
+    * ``--opd-topk-per-position`` -> ``id_scoring="per-position"`` (fail loudly on an
+      unpatched server, like the reference); without it ``auto`` (per-position where the
+      server supports it, else position blocks: the same numbers as the reference's flat
+      union, without its quadratic answers).
+    * ``--sglang-router-ip/--sglang-router-port`` -> ``student_url``.
+    * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
+      ``None`` or 0 keeps opd_stream's finite default (the reference would wait forever).
+
+    Args:
+        args: the parsed Miles arguments (any object with those attributes).
+        **overrides: further :class:`StreamConfig` fields (they win).
+
+    Raises:
+        ConfigError: the reference's validation rules (an OPD flag without ``--use-opd``;
+            ``--opd-type`` other than ``sglang``; no teacher), an unknown strategy or weight
+            mode, or any StreamConfig problem; the message names the flag.
+    """
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    if not get("use_opd", False):
+        set_flags = [
+            _flag(name)
+            for name, default in _OPD_FLAG_DEFAULTS.items()
+            if _is_set(get(name), default)
+        ]
+        if set_flags:
+            raise ConfigError(f"{', '.join(set_flags)} given without --use-opd")
+        raise ConfigError("--use-opd is not set: there is nothing for opd_stream to score")
+    opd_type = get("opd_type")
+    if opd_type != "sglang":
+        teacher_note = (
+            " (--opd-teacher-urls is only valid with --opd-type sglang)"
+            if get("opd_teacher_urls")
+            else ""
+        )
+        raise ConfigError(
+            f"--opd-type is {opd_type!r}: opd_stream scores against SGLang teacher servers, "
+            f"so it needs --opd-type sglang{teacher_note}"
+        )
+
+    teacher_urls = get("opd_teacher_urls")
+    teachers: Any
+    if teacher_urls:
+        entries: Iterable[str] = (
+            [e for e in teacher_urls.split(",") if e.strip()]
+            if isinstance(teacher_urls, str)
+            else teacher_urls
+        )
+        try:
+            teachers = parse_teacher_urls(list(entries))
+        except ConfigError as exc:
+            raise ConfigError(f"--opd-teacher-urls: {exc}") from None
+    elif get("rm_url"):
+        teachers = str(get("rm_url"))
+    else:
+        raise ConfigError(
+            "--opd-type sglang needs a teacher: set --rm-url (single teacher) or "
+            "--opd-teacher-urls NAME=URL ..."
+        )
+
+    top_k = int(get("opd_log_prob_top_k", 0) or 0)
+    if top_k < 0:
+        raise ConfigError(f"--opd-log-prob-top-k must be >= 0, got {top_k}")
+    strategy = get("opd_top_k_strategy", "only-student") or "only-student"
+    if strategy not in _STRATEGIES:
+        raise ConfigError(
+            f"--opd-top-k-strategy must be one of {', '.join(_STRATEGIES)}; got {strategy!r}"
+        )
+    weight_mode = get("opd_reward_weight_mode", "student_p") or "student_p"
+    if weight_mode not in _WEIGHT_MODES:
+        raise ConfigError(
+            f"--opd-reward-weight-mode must be one of {', '.join(_WEIGHT_MODES)}; "
+            f"got {weight_mode!r}"
+        )
+
+    fields: dict[str, Any] = {
+        "teachers": teachers,
+        "teacher_key": get("opd_teacher_key") or "opd_teacher",
+        "top_k": top_k,
+        "strategy": strategy if top_k > 0 else "only-student",
+        "weight_mode": weight_mode,
+        "id_scoring": "per-position" if get("opd_topk_per_position", False) else "auto",
+    }
+    ip, port = get("sglang_router_ip"), get("sglang_router_port")
+    if ip and port:
+        host = f"[{ip}]" if ":" in str(ip) else str(ip)
+        fields["student_url"] = f"http://{host}:{int(port)}"
+    timeout = get("sglang_router_request_timeout_secs")
+    if timeout is not None and not isinstance(timeout, bool) and timeout > 0:
+        if not math.isfinite(float(timeout)):
+            raise ConfigError("--sglang-router-request-timeout-secs must be finite")
+        fields["request_deadline_s"] = float(timeout)
+    fields.update(overrides)
+    try:
+        return StreamConfig.from_env({}, **fields)
+    except ConfigError as exc:
+        flag = {
+            "student_url": "--sglang-router-ip/--sglang-router-port",
+            "strategy": "--opd-top-k-strategy",
+            "teachers": "--rm-url/--opd-teacher-urls",
+            "teacher_key": "--opd-teacher-key",
+            "request_deadline_s": "--sglang-router-request-timeout-secs",
+        }
+        named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
+        hints = [flag[name.strip()] for name in named if name.strip() in flag]
+        hint = ", ".join(hints)
+        raise ConfigError(f"{exc}" + (f" (Miles flags: {hint})" if hint else "")) from None
+
+
+def _to_sample(sample: Any, key: int) -> Sample:
+    """A :class:`Sample` from a duck-typed Miles sample (tokens, response_length, metadata)."""
+    response_length = int(sample.response_length)
+    metadata = getattr(sample, "metadata", None)
+    metadata = metadata if isinstance(metadata, Mapping) else {}
+    top = metadata.get(_TOP_KEY)
+    if top is not None:
+        top = list(top)[-response_length:] if response_length > 0 else []
+    rollout = getattr(sample, "rollout_log_probs", None)
+    if rollout is not None and len(rollout) != response_length:
+        rollout = None  # not aligned with the response: the reference does not use it
+    return Sample(
+        list(sample.tokens),
+        response_length,
+        metadata=metadata,
+        rollout_logprobs=rollout,
+        student_top_logprobs=top,
+        sample_id=key,
+    )
+
+
+class MilesEngine:
+    """One long-lived ``stream.run()`` shared by concurrent :meth:`score` calls.
+
+    Bound to the asyncio loop of its first :meth:`score` call. Not reusable after
+    :meth:`aclose`.
+
+    Args:
+        config: the stream configuration.
+        transport: passed to :class:`OPDStream` (default: pooled aiohttp).
+    """
+
+    def __init__(self, config: StreamConfig, *, transport: Transport | None = None) -> None:
+        self.config = config
+        self._transport = transport
+        self._keys = itertools.count()
+        self._pending: dict[int, asyncio.Future[ScoredSample | SampleFailure]] = {}
+        self._send: MemoryObjectSendStream[Sample] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.stream: OPDStream | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the engine runs on (``None`` before the first call)."""
+        return self._loop
+
+    def _start(self) -> MemoryObjectSendStream[Sample]:
+        if self._closed:
+            raise RuntimeError("MilesEngine is closed")
+        if self._error is not None:
+            raise OPDStreamError(
+                f"the shared OPD stream stopped: {type(self._error).__name__}: {self._error}"
+            )
+        loop = asyncio.get_running_loop()
+        if self._send is not None:
+            if loop is not self._loop:
+                raise RuntimeError("MilesEngine used from a different event loop")
+            return self._send
+        send, receive = anyio.create_memory_object_stream[Sample](self.config.max_inflight)
+        self._send, self._loop = send, loop
+        self._task = loop.create_task(self._serve(receive), name="opd_stream.miles")
+        return send
+
+    async def _serve(self, receive: MemoryObjectReceiveStream[Sample]) -> None:
+        try:
+            async with OPDStream(self.config, transport=self._transport) as stream:
+                self.stream = stream
+                async with receive, stream.run(receive) as results:
+                    async for item in results:
+                        future = self._pending.pop(item.sample.sample_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(item)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self.stream = None
+            error = self._error or OPDStreamError("the shared OPD stream ended")
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+
+    async def score(self, sample: Any) -> ScoredSample | SampleFailure:
+        """Score one duck-typed sample through the shared stream; wait for its result."""
+        send = self._start()
+        key = next(self._keys)
+        prepared = _to_sample(sample, key)
+        assert self._loop is not None
+        future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
+        self._pending[key] = future
+        try:
+            await send.send(prepared)
+            return await future
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise OPDStreamError("the shared OPD stream is not running") from None
+        finally:
+            self._pending.pop(key, None)
+
+    async def aclose(self) -> None:
+        """End the input, let samples already sent finish, and wait for the background task."""
+        self._closed = True
+        send, self._send = self._send, None
+        task, self._task = self._task, None
+        if send is not None:
+            await send.aclose()
+        if task is not None:
+            with contextlib.suppress(Exception):  # already delivered to the callers
+                await task
+
+
+_ENGINES: dict[tuple[int, bytes], MilesEngine] = {}
+
+
+def _config_key(config: StreamConfig) -> bytes:
+    values = config.to_log_dict()
+    if config.api_key is not None:
+        values["api_key"] = config.api_key.get_secret_value()  # in-memory key only
+    return msgspec.json.encode(values)
+
+
+def engine_for(args: Any, *, transport: Transport | None = None) -> MilesEngine:
+    """The shared engine for ``args`` on the running loop (created on first use).
+
+    Args:
+        args: Miles' arguments (see :func:`config_from_miles_args`).
+        transport: used only when the engine is created here (tests pass a fake one).
+    """
+    loop = asyncio.get_running_loop()
+    for stale in [k for k, e in _ENGINES.items() if e.loop is not None and e.loop.is_closed()]:
+        del _ENGINES[stale]
+    config = config_from_miles_args(args)
+    key = (id(loop), _config_key(config))
+    engine = _ENGINES.get(key)
+    if engine is None or engine.loop not in (None, loop):
+        engine = _ENGINES[key] = MilesEngine(config, transport=transport)
+    return engine
+
+
+async def close() -> None:
+    """Close every engine of the running loop (call once when rollouts are over)."""
+    loop = asyncio.get_running_loop()
+    for key in [k for k in _ENGINES if k[0] == id(loop)]:
+        await _ENGINES.pop(key).aclose()
+
+
+def _as_float32(values: torch.Tensor) -> torch.Tensor:
+    return values.detach().to(device="cpu", dtype=torch.float32)
+
+
+async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
+    """Score one sample (Miles' ``reward_func`` signature).
+
+    Returns:
+        ``{"teacher_log_probs": float32 [R]}`` in sampled-token mode, or
+        ``{"opd_reverse_kl": float32 [R]}`` in top-k mode, plus ``"opd_stream"``: the
+        teacher name, attempts and latency.
+
+    Raises:
+        OPDSampleError: the sample failed (its ``reason`` says why); the reference raises
+            on any failed request too.
+        ConfigError: the flags are invalid.
+    """
+    del kwargs
+    engine = engine_for(args)
+    result = await engine.score(sample)
+    if isinstance(result, SampleFailure):
+        raise OPDSampleError(result)
+    out: dict[str, Any] = {
+        _RESULT_KEY: {
+            "teacher": result.teacher,
+            "attempts": result.attempts,
+            "latency_s": result.latency_s,
+        }
+    }
+    if engine.config.top_k > 0:
+        assert result.reverse_kl is not None
+        out["opd_reverse_kl"] = _as_float32(result.reverse_kl)
+    else:
+        out["teacher_log_probs"] = _as_float32(result.teacher_logprobs)
+    return out
+
+
+def _reward_of(args: Any, sample: Any) -> Mapping[str, Any]:
+    getter = getattr(sample, "get_reward_value", None)
+    value = getter(args) if callable(getter) else getattr(sample, "reward", None)
+    if not (isinstance(value, Mapping) and _RESULT_KEY in value):
+        value = getattr(sample, "reward", None)
+    if not (isinstance(value, Mapping) and _RESULT_KEY in value):
+        raise ValueError(
+            "post_process_rewards: a sample's reward is not an opd_stream reward_func "
+            "result (set --custom-rm-path opd_stream.integrations.miles.reward_func)"
+        )
+    return value
+
+
+def post_process_rewards(
+    args: Any, samples: Sequence[Any], **kwargs: Any
+) -> tuple[list[float], list[float]]:
+    """Attach the OPD signal to each sample (Miles' ``post_process_rewards`` signature).
+
+    Sets ``sample.opd_reverse_kl`` (top-k mode) or ``sample.teacher_log_probs``
+    (sampled-token mode), float32 ``[R]``, from the dict :func:`reward_func` returned
+    (read with ``sample.get_reward_value(args)`` when the sample has it, else
+    ``sample.reward``). Returns ``(raw, processed)`` scalar rewards: zeros, as the
+    reference (pure OPD).
+
+    Raises:
+        ValueError: a sample's reward is not a :func:`reward_func` result, or its signal
+            length is not the sample's ``response_length``.
+    """
+    del kwargs
+    for sample in samples:
+        reward = _reward_of(args, sample)
+        name = "opd_reverse_kl" if "opd_reverse_kl" in reward else "teacher_log_probs"
+        values = reward[name]
+        if int(values.shape[0]) != int(sample.response_length):
+            raise ValueError(
+                f"post_process_rewards: {name} has {int(values.shape[0])} values for a "
+                f"response of {int(sample.response_length)} tokens"
+            )
+        setattr(sample, name, values)
+    zeros = [0.0] * len(samples)
+    return zeros, list(zeros)

@@ -1,0 +1,359 @@
+"""Teacher fleets: replica choice, passive health (ejection, probe re-admission) and hedging.
+
+The sans-IO rules of ``EndpointPool`` first, then the pipeline against replicas with injected
+slowness and failures: in-process replicas (asyncio and trio) and real aiohttp mock servers.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from pipeline_reference import assert_matches, expected_result
+
+from opd_stream import (
+    MockTransport,
+    OPDStream,
+    Response,
+    Sample,
+    SampleFailure,
+    ScoredSample,
+    StreamConfig,
+)
+from opd_stream._balance import HEDGE_MIN_SAMPLES, EndpointPool
+from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
+
+A, B, C, D = (f"http://replica-{i}:1" for i in range(4))
+
+
+# --- sans-IO rules ---------------------------------------------------------------------
+def _pool(load: dict[str, int] | None = None, **kw: Any) -> EndpointPool:
+    loads = load if load is not None else {}
+    return EndpointPool(lambda u: loads.get(u, 0), rng=random.Random(0), **kw)
+
+
+def test_least_outstanding_of_two_replicas_always_takes_the_less_loaded() -> None:
+    loads = {A: 3, B: 1}
+    pool = _pool(loads)
+    assert {pool.pick((A, B)) for _ in range(50)} == {B}
+
+
+def test_power_of_two_choices_never_takes_the_most_loaded_of_four() -> None:
+    loads = {A: 0, B: 1, C: 2, D: 9}
+    pool = _pool(loads)
+    picks = [pool.pick((A, B, C, D)) for _ in range(400)]
+    assert D not in picks
+    # A wins every draw it is in: 3 of the 6 pairs.
+    assert picks.count(A) > 400 * 0.35
+
+
+def test_round_robin_cycles_through_the_replicas() -> None:
+    pool = _pool({A: 5}, balance="round-robin")
+    assert [pool.pick((A, B, C)) for _ in range(6)] == [A, B, C, A, B, C]
+
+
+def test_pick_with_every_replica_excluded_is_none() -> None:
+    assert _pool().pick((A, B), exclude=(A, B)) is None
+    assert _pool().pick((A, B), exclude=(A,)) == B
+
+
+def test_consecutive_failures_eject_a_replica_and_a_success_resets_the_count() -> None:
+    pool = _pool(eject_after=3, cooldown_s=10)
+    urls = (A, B)
+    assert not pool.record_failure(A, urls, now=0)
+    assert not pool.record_failure(A, urls, now=0)
+    pool.record_success(A, urls, 0.01)
+    assert not pool.record_failure(A, urls, now=0)
+    assert not pool.record_failure(A, urls, now=0)
+    assert pool.record_failure(A, urls, now=0)
+    assert pool.health(A).ejected and pool.health(A).ejections == 1
+    assert {pool.pick(urls) for _ in range(20)} == {B}
+
+
+def test_a_single_replica_or_eject_after_zero_never_ejects() -> None:
+    single = _pool(eject_after=1)
+    assert not any(single.record_failure(A, (A,), now=0) for _ in range(5))
+    off = _pool(eject_after=0)
+    assert not any(off.record_failure(A, (A, B), now=0) for _ in range(5))
+
+
+def test_when_every_replica_is_ejected_the_choice_fails_open() -> None:
+    pool = _pool({A: 2, B: 0}, eject_after=1)
+    pool.record_failure(A, (A, B), now=0)
+    pool.record_failure(B, (A, B), now=0)
+    assert pool.pick((A, B)) == B
+
+
+def test_probe_is_claimed_once_after_the_cool_down_and_readmits_on_success() -> None:
+    pool = _pool(eject_after=1, cooldown_s=5)
+    pool.record_failure(A, (A, B), now=100)
+    assert pool.claim_probe((A, B), now=104.9) is None
+    assert pool.claim_probe((A, B), now=105) == A
+    assert pool.claim_probe((A, B), now=106) is None  # already being probed
+    assert pool.health(A).ejected
+    pool.probe_result(A, healthy=True, now=106)
+    assert not pool.health(A).ejected and pool.health(A).readmissions == 1
+
+
+def test_failed_probe_ejects_for_another_cool_down_and_a_released_claim_can_be_retaken() -> None:
+    pool = _pool(eject_after=1, cooldown_s=5)
+    pool.record_failure(A, (A, B), now=0)
+    assert pool.claim_probe((A, B), now=5) == A
+    pool.probe_result(A, healthy=False, now=6)
+    assert pool.health(A).ejections == 2
+    assert pool.claim_probe((A, B), now=10.9) is None
+    assert pool.claim_probe((A, B), now=11) == A
+    pool.release_probe(A)
+    assert pool.claim_probe((A, B), now=11) == A
+
+
+def _linear_percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def test_hedge_delay_is_the_latency_percentile_floored_at_the_minimum() -> None:
+    pool = _pool()
+    urls = (A, B)
+    lat = [0.01 * (i + 1) for i in range(HEDGE_MIN_SAMPLES + 4)]
+    for x in lat[: HEDGE_MIN_SAMPLES - 1]:
+        pool.record_success(A, urls, x)
+    assert pool.hedge_delay(urls, 90, 0.0) is None  # not enough latencies yet
+    for x in lat[HEDGE_MIN_SAMPLES - 1 :]:
+        pool.record_success(B, urls, x)
+    got = pool.hedge_delay(urls, 90, 0.0)
+    assert got is not None and abs(got - _linear_percentile(lat, 90)) < 1e-12
+    assert pool.hedge_delay(urls, 90, 5.0) == 5.0
+    assert pool.hedge_delay(urls, 0, 0.0) is None
+    assert pool.hedge_delay((A,), 90, 0.0) is None
+
+
+# --- pipeline, in-process replicas (asyncio and trio) -------------------------------------
+def _samples(n: int, *, seed: int = 0, p: int = 5, r: int = 4) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    return [Sample(rng.integers(0, 3000, p + r).tolist(), r, sample_id=i) for i in range(n)]
+
+
+class _Fleet:
+    """In-process teacher replicas (same model) with per-replica latency and 503 faults."""
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self.servers = {u: InProcessSGLang("teacher", 1) for u in urls}
+        self.latency = dict.fromkeys(urls, 0.0)
+        self.fail = dict.fromkeys(urls, False)
+        self.healthy = dict.fromkeys(urls, True)
+        self.generate = dict.fromkeys(urls, 0)
+        self.health_probes = dict.fromkeys(urls, 0)
+        self.cancelled = dict.fromkeys(urls, 0)
+        self.transport = MockTransport(self.handle)
+
+    async def handle(self, method: str, url: str, body: bytes) -> Response:
+        base = next(b for b in self.servers if url.startswith(b))
+        path = url[len(base) :]
+        if path == "/health":
+            self.health_probes[base] += 1
+            return Response(200 if self.healthy[base] else 503, b"")
+        self.generate[base] += 1
+        try:
+            await anyio.sleep(self.latency[base])
+        except anyio.get_cancelled_exc_class():
+            self.cancelled[base] += 1
+            raise
+        if self.fail[base]:
+            return Response(503, b'{"error": {"message": "overloaded"}}')
+        return self.servers[base].handle(method, path, body)
+
+
+def _cfg(urls: tuple[str, ...], **kw: Any) -> StreamConfig:
+    base: dict[str, Any] = {
+        "teachers": {"default": list(urls)},
+        "kl_device": "cpu",
+        "backoff_initial_s": 0.001,
+        "backoff_max_s": 0.002,
+    }
+    base.update(kw)
+    return StreamConfig.from_env({}, **base)
+
+
+async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | SampleFailure]:
+    async with stream.run(samples) as results:
+        out = [r async for r in results]
+    assert sorted(r.index for r in out) == list(range(len(samples)))
+    return out
+
+
+def _check_scored(out: list[Any], model: MockModel) -> None:
+    for item in out:
+        assert isinstance(item, ScoredSample), (item.reason, item.message)
+        exp = expected_result(
+            tokens=list(item.sample.tokens),
+            response_length=item.sample.response_length,
+            teacher=model,
+            student=model,
+            top_k=0,
+            strategy="only-student",
+            weight_mode="student_p",
+        )
+        assert_matches(item, exp)
+
+
+async def test_failing_replica_is_ejected_and_every_sample_is_still_scored() -> None:
+    urls = (A, B, C, D)
+    fleet = _Fleet(urls)
+    fleet.fail[A] = True
+    cfg = _cfg(urls, eject_after_failures=2, eject_cooldown_s=60, max_inflight=4)
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        out = await _run(stream, _samples(40))
+        st = stream.stats().endpoints
+    _check_scored(out, fleet.servers[B].model)
+    assert st[A].ejected and st[A].ejections == 1
+    assert st[A].errors == fleet.generate[A] == st[A].requests
+    # Two failures eject it; requests already on their way when it was ejected may add a few.
+    assert fleet.generate[A] <= 2 + cfg.max_inflight
+    assert sum(st[u].requests for u in urls) == sum(fleet.generate.values())
+    assert all(not st[u].ejected for u in (B, C, D))
+
+
+async def test_ejected_replica_is_readmitted_only_after_health_answers_200() -> None:
+    urls = (A, B)
+    fleet = _Fleet(urls)
+    fleet.fail[A] = True
+    fleet.healthy[A] = False
+    cfg = _cfg(urls, eject_after_failures=1, eject_cooldown_s=0.05, max_inflight=2)
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        await _run(stream, _samples(6))
+        assert stream.stats().endpoints[A].ejected
+        fleet.fail[A] = False
+        await anyio.sleep(0.06)
+        before = fleet.generate[A]
+        await _run(stream, _samples(6, seed=1))
+        st = stream.stats().endpoints[A]
+        probes = fleet.health_probes[A]
+        assert probes >= 1  # at most one per cool-down, each answered 503
+        assert st.ejected and st.ejections == 1 + probes and st.readmissions == 0
+        assert fleet.generate[A] == before  # never used while ejected
+        fleet.healthy[A] = True
+        await anyio.sleep(0.06)
+        out = await _run(stream, _samples(20, seed=2))
+        st = stream.stats().endpoints[A]
+    assert fleet.health_probes[A] == probes + 1
+    assert not st.ejected and st.readmissions == 1
+    assert fleet.generate[A] > before  # back in the rotation
+    _check_scored(out, fleet.servers[B].model)
+
+
+async def _warm_up(stream: OPDStream) -> None:
+    out = await _run(stream, _samples(HEDGE_MIN_SAMPLES + 4, seed=9))
+    assert all(isinstance(r, ScoredSample) for r in out)
+
+
+async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> None:
+    urls = (A, B, C, D)
+    fleet = _Fleet(urls)
+    for u in urls:
+        fleet.latency[u] = 0.002
+    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.02, max_inflight=4)
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        await _warm_up(stream)
+        fleet.latency[D] = 5.0
+        warm = stream.stats().endpoints
+        with anyio.fail_after(4.0):  # not one request waits for the slow replica
+            out = await _run(stream, _samples(30))
+        st = stream.stats().endpoints
+    _check_scored(out, fleet.servers[A].model)
+    hedged = [r for r in out if isinstance(r, ScoredSample) and r.attempts == 2]
+    assert hedged and all(r.latency_s < 1.0 for r in out if isinstance(r, ScoredSample))
+    assert fleet.cancelled[D] == st[D].cancelled > warm[D].cancelled
+    assert sum(st[u].hedges - warm[u].hedges for u in urls) == len(hedged)
+    assert sum(st[u].hedge_wins - warm[u].hedge_wins for u in urls) == len(hedged)
+
+
+async def test_hedging_never_runs_past_the_deadline() -> None:
+    urls = (A, B)
+    fleet = _Fleet(urls)
+    for u in urls:
+        fleet.latency[u] = 0.001
+    cfg = _cfg(
+        urls, hedge_after_percentile=50, hedge_min_s=0.01, request_deadline_s=0.3, max_inflight=2
+    )
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        await _warm_up(stream)
+        fleet.latency[A] = fleet.latency[B] = 5.0
+        cancelled_before = fleet.cancelled[A] + fleet.cancelled[B]
+        start = anyio.current_time()
+        out = await _run(stream, _samples(2))
+        elapsed = anyio.current_time() - start
+    assert all(isinstance(r, SampleFailure) and r.reason == "deadline_exceeded" for r in out)
+    assert all(r.attempts == 2 for r in out)  # the hedge counts as an attempt
+    assert elapsed < 1.0
+    assert fleet.cancelled[A] + fleet.cancelled[B] - cancelled_before == 4
+
+
+async def test_no_hedge_is_sent_when_max_attempts_leaves_no_room() -> None:
+    urls = (A, B)
+    fleet = _Fleet(urls)
+    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.01, max_attempts=1)
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        await _warm_up(stream)
+        fleet.latency[A] = fleet.latency[B] = 0.05
+        out = await _run(stream, _samples(4))
+        st = stream.stats().endpoints
+    assert all(isinstance(r, ScoredSample) and r.attempts == 1 for r in out)
+    assert st[A].hedges == st[B].hedges == 0
+
+
+# --- pipeline over real HTTP: aiohttp mock replicas ---------------------------------------
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
+async def test_balancing_sends_less_work_to_a_slow_replica_than_round_robin() -> None:
+    counts: dict[str, int] = {}
+    n = 64
+    async with serve_mock(
+        "teacher", 3, replicas=4, options=MockOptions(latency_fixed_s=0.01)
+    ) as fleet:
+        fleet.set_options(3, latency_fixed_s=0.25)
+        for balance in ("round-robin", "least-outstanding"):
+            before = fleet.stats[3].generate_requests
+            cfg = _cfg(tuple(fleet.urls), balance=balance, max_inflight=12)
+            async with OPDStream(cfg) as stream:
+                out = await _run(stream, _samples(n))
+                st = stream.stats().endpoints
+            _check_scored(out, fleet.model)
+            counts[balance] = fleet.stats[3].generate_requests - before
+            assert st[fleet.urls[3]].requests == counts[balance]
+    assert counts["round-robin"] == n // 4
+    assert counts["least-outstanding"] < 0.75 * counts["round-robin"]
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
+async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_ejected() -> None:
+    async with serve_mock("teacher", 4, replicas=3) as fleet:
+        urls = tuple(fleet.urls)
+        cfg = _cfg(
+            urls,
+            hedge_after_percentile=50,
+            hedge_min_s=0.03,
+            eject_after_failures=1,
+            eject_cooldown_s=60,
+            max_inflight=3,
+        )
+        async with OPDStream(cfg) as stream:
+            await _warm_up(stream)
+            warm = stream.stats().endpoints
+            disconnects = fleet.stats[1].disconnects
+            fleet.set_options(1, latency_fixed_s=3.0)
+            await fleet.stop(2)
+            with anyio.fail_after(2.5):
+                out = await _run(stream, _samples(12))
+            st = stream.stats().endpoints
+            await anyio.sleep(0.05)  # let the server notice the disconnects
+        _check_scored(out, fleet.model)
+        assert st[urls[2]].ejected and st[urls[2]].ejections == 1
+        assert st[urls[1]].cancelled > warm[urls[1]].cancelled
+        assert fleet.stats[1].disconnects > disconnects

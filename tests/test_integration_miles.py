@@ -1,0 +1,281 @@
+"""Miles / slime drop-in: flag mapping, and reward_func + post_process_rewards against the
+spec §3 vectors (a fake SGLang answering exactly those numbers) and the mock servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from argparse import Namespace
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_reference import expected_result, rollout_topk_rows
+
+from opd_stream import ConfigError, MockTransport, Response
+from opd_stream.integrations import miles
+from opd_stream.testing.mock_sglang import serve_mock
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return ("asyncio", {"debug": True})
+
+
+def _args(**kw: Any) -> Namespace:
+    base: dict[str, Any] = {"use_opd": True, "opd_type": "sglang", "rm_url": "http://t:1/generate"}
+    base.update(kw)
+    return Namespace(**base)
+
+
+class _MilesSample:
+    """Duck-typed Miles sample: tokens, response_length, metadata, reward."""
+
+    def __init__(self, tokens: list[int], r: int, metadata: dict[str, Any] | None = None) -> None:
+        self.tokens = tokens
+        self.response_length = r
+        self.metadata = metadata or {}
+        self.reward: Any = None
+
+    def get_reward_value(self, args: Any) -> Any:
+        return self.reward
+
+
+# --- flag mapping ------------------------------------------------------------------------
+def test_reference_flags_map_to_a_stream_config() -> None:
+    cfg = miles.config_from_miles_args(
+        _args(
+            opd_teacher_urls=["math=http://m:1/generate", "default=http://d:2"],
+            opd_teacher_key="domain",
+            opd_log_prob_top_k=16,
+            opd_top_k_strategy="union",
+            opd_reward_weight_mode="teacher_p",
+            opd_topk_per_position=True,
+            sglang_router_ip="10.0.0.5",
+            sglang_router_port=3000,
+            sglang_router_request_timeout_secs=120,
+        )
+    )
+    assert cfg.teachers == {"math": ("http://m:1",), "default": ("http://d:2",)}
+    assert (cfg.teacher_key, cfg.top_k, cfg.strategy, cfg.weight_mode) == (
+        "domain",
+        16,
+        "union",
+        "teacher_p",
+    )
+    assert cfg.id_scoring == "per-position"
+    assert cfg.student_url == "http://10.0.0.5:3000"
+    assert cfg.request_deadline_s == 120.0
+
+
+def test_rm_url_is_the_single_teacher_and_sampled_mode_ignores_the_strategy() -> None:
+    cfg = miles.config_from_miles_args(_args(opd_top_k_strategy="xor", opd_log_prob_top_k=0))
+    assert cfg.teachers == {"default": ("http://t:1",)}
+    assert (cfg.top_k, cfg.strategy, cfg.id_scoring) == (0, "only-student", "auto")
+
+
+def test_a_missing_or_zero_router_timeout_keeps_a_finite_deadline() -> None:
+    for value in (None, 0):
+        cfg = miles.config_from_miles_args(_args(sglang_router_request_timeout_secs=value))
+        assert math.isfinite(cfg.request_deadline_s) and cfg.request_deadline_s > 0
+
+
+def test_an_opd_flag_without_use_opd_is_an_error_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"--opd-log-prob-top-k given without --use-opd"):
+        miles.config_from_miles_args(Namespace(use_opd=False, opd_log_prob_top_k=4))
+
+
+def test_teacher_urls_need_opd_type_sglang() -> None:
+    with pytest.raises(
+        ConfigError, match=r"--opd-teacher-urls is only valid with --opd-type sglang"
+    ):
+        miles.config_from_miles_args(
+            _args(opd_type="megatron", opd_teacher_urls=["default=http://d:2"])
+        )
+
+
+def test_no_teacher_is_an_error_naming_both_flags() -> None:
+    with pytest.raises(ConfigError, match=r"--rm-url .* --opd-teacher-urls"):
+        miles.config_from_miles_args(_args(rm_url=None))
+
+
+def test_unknown_strategy_and_malformed_teacher_entry_are_errors() -> None:
+    with pytest.raises(ConfigError, match=r"--opd-top-k-strategy must be one of"):
+        miles.config_from_miles_args(_args(opd_log_prob_top_k=2, opd_top_k_strategy="both"))
+    with pytest.raises(ConfigError, match=r"--opd-teacher-urls: .*NAME=URL"):
+        miles.config_from_miles_args(_args(opd_teacher_urls=["http://no-name:1"]))
+
+
+def test_strategy_needing_the_student_without_router_flags_names_them() -> None:
+    with pytest.raises(ConfigError, match=r"sglang-router-ip"):
+        miles.config_from_miles_args(_args(opd_log_prob_top_k=2, opd_top_k_strategy="union"))
+
+
+# --- spec §3 vectors ----------------------------------------------------------------------
+TEACHER, STUDENT = "http://teacher:1", "http://student:2"
+S_TOP = [{1: 0.6, 2: 0.4}, {4: 0.7, 5: 0.3}]
+T_TOP = [{2: 0.5, 3: 0.5}, {4: 0.8, 6: 0.2}]
+T_ON_S = [{1: 0.3, 2: 0.7}, {4: 0.4, 5: 0.6}]
+S_ON_T = [{2: 0.4, 3: 0.2}, {4: 0.7, 6: 0.1}]
+TOKENS, R = [10, 11, 12], 2
+
+
+def _triples(table: dict[int, float], ids: list[int] | None = None) -> list[list[Any]]:
+    keys = list(table) if ids is None else ids
+    return [[math.log(table[i]), i, None] for i in keys]
+
+
+def _vector_server(method: str, url: str, body: bytes) -> Response:
+    """A fake SGLang answering the spec vectors (P = 1, so entry j is response t = j - 1)."""
+    req = json.loads(body)
+    ids, start = req["input_ids"], req["logprob_start_len"]
+    teacher = url.startswith(TEACHER)
+    top_table, id_table = (T_TOP, T_ON_S) if teacher else (None, S_ON_T)
+    k = req.get("top_logprobs_num", 0)
+    positions, flat = req.get("token_ids_logprob_positions"), req.get("token_ids_logprob")
+    tok, top, idl = [], [], []
+    for j in range(start, len(ids)):
+        tok.append([None if j == 0 else -1.0, ids[j], None])
+        if j == 0:
+            top.append(None)
+            idl.append(None)
+            continue
+        if k:
+            assert top_table is not None
+            top.append(_triples(top_table[j - 1]))
+        want = positions[j] if positions is not None else flat
+        idl.append(_triples(id_table[j - 1], want) if want else None)
+    meta: dict[str, Any] = {
+        "finish_reason": {"type": "length", "length": 0},
+        "input_token_logprobs": tok,
+    }
+    if k:
+        meta["input_top_logprobs"] = top
+    if positions is not None or flat is not None:
+        meta["input_token_ids_logprobs"] = idl
+    return Response(200, json.dumps({"text": "", "meta_info": meta}).encode())
+
+
+def _xlnx(p: float, q: float) -> float:
+    return math.log(p / q)
+
+
+SPEC_EXPECTED = {
+    ("only-student", "student_p"): [
+        0.6 * _xlnx(0.6, 0.3) + 0.4 * _xlnx(0.4, 0.7),
+        0.7 * _xlnx(0.7, 0.4) + 0.3 * _xlnx(0.3, 0.6),
+    ],
+    ("intersection", "none"): [_xlnx(0.4, 0.5), _xlnx(0.7, 0.8)],
+    ("only-teacher", "student_p"): [
+        (2 / 3) * _xlnx(0.4, 0.5) + (1 / 3) * _xlnx(0.2, 0.5),
+        (7 / 8) * _xlnx(0.7, 0.8) + (1 / 8) * _xlnx(0.1, 0.2),
+    ],
+    ("xor", "none"): [_xlnx(0.6, 0.3) + _xlnx(0.2, 0.5), _xlnx(0.3, 0.6) + _xlnx(0.1, 0.2)],
+}
+
+
+@pytest.mark.parametrize(("strategy", "weight_mode"), list(SPEC_EXPECTED))
+async def test_reward_func_and_post_process_give_the_spec_vectors(
+    strategy: str, weight_mode: str
+) -> None:
+    args = _args(
+        rm_url=TEACHER + "/generate",
+        opd_log_prob_top_k=2,
+        opd_top_k_strategy=strategy,
+        opd_reward_weight_mode=weight_mode,
+        sglang_router_ip="student",
+        sglang_router_port=2,
+    )
+    miles.engine_for(args, transport=MockTransport(_vector_server))
+    rows = [[[math.log(p), i, None] for i, p in pos.items()] for pos in S_TOP]
+    sample = _MilesSample(TOKENS, R, {"opd_student_top_logprobs": [[], *rows][-R:]})
+    try:
+        sample.reward = await miles.reward_func(args, sample)
+    finally:
+        await miles.close()
+    raw, processed = miles.post_process_rewards(args, [sample])
+    assert raw == processed == [0.0]
+    got = sample.opd_reverse_kl  # type: ignore[attr-defined]
+    assert got.dtype.is_floating_point and str(got.dtype) == "torch.float32"
+    for g, e in zip(got.tolist(), SPEC_EXPECTED[(strategy, weight_mode)], strict=True):
+        assert abs(g - e) < 1e-5, (g, e)
+
+
+# --- mock servers -------------------------------------------------------------------------
+def _mock_samples(student: Any, n: int, k: int, seed: int = 0) -> list[_MilesSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        p, r = int(rng.integers(2, 9)), int(rng.integers(1, 8))
+        tokens = rng.integers(0, 5000, p + r).tolist()
+        meta: dict[str, Any] = {}
+        if k:
+            meta["opd_student_top_logprobs"] = rollout_topk_rows(student, tokens, p, k)
+        out.append(_MilesSample(tokens, r, meta))
+    return out
+
+
+@pytest.mark.parametrize(("k", "strategy"), [(0, "only-student"), (3, "union")])
+async def test_concurrent_reward_funcs_share_one_stream_and_match_the_reference(
+    k: int, strategy: str
+) -> None:
+    async with serve_mock("teacher", 1, replicas=2) as teacher, serve_mock("student", 1) as student:
+        host, port = student.url.removeprefix("http://").rsplit(":", 1)
+        args = _args(
+            rm_url="|".join(u + "/generate" for u in teacher.urls),
+            opd_log_prob_top_k=k,
+            opd_top_k_strategy=strategy,
+            sglang_router_ip=host,
+            sglang_router_port=int(port),
+        )
+        samples = _mock_samples(student.model, 12, k)
+        try:
+            rewards = await asyncio.gather(*(miles.reward_func(args, s) for s in samples))
+            engine = miles.engine_for(args)
+            assert engine.stream is not None
+            assert engine.stream.stats().admitted == len(samples)  # one shared run
+        finally:
+            await miles.close()
+        assert engine.stream is None
+        for s, reward in zip(samples, rewards, strict=True):
+            s.reward = reward
+        miles.post_process_rewards(args, samples)
+        name = "opd_reverse_kl" if k else "teacher_log_probs"
+        for s in samples:
+            exp = expected_result(
+                tokens=s.tokens,
+                response_length=s.response_length,
+                teacher=teacher.model,
+                student=student.model,
+                top_k=k,
+                strategy=strategy,
+                weight_mode="student_p",
+            )
+            got = getattr(s, name).tolist()
+            want = exp.reverse_kl if k else exp.teacher_logprobs
+            assert want is not None and len(got) == s.response_length
+            for t, (g, e) in enumerate(zip(got, want, strict=True)):
+                assert abs(g - e) <= 1e-5 + 1e-6 * exp.scale[t], (t, g, e)
+
+
+async def test_a_failed_sample_raises_with_its_reason() -> None:
+    args = _args(rm_url="http://teacher:1")
+
+    def refuse(method: str, url: str, body: bytes) -> Response:
+        return Response(400, b'{"error": {"message": "bad input"}}')
+
+    miles.engine_for(args, transport=MockTransport(refuse))
+    try:
+        with pytest.raises(miles.OPDSampleError, match="teacher_http_400") as info:
+            await miles.reward_func(args, _MilesSample([1, 2, 3], 1))
+    finally:
+        await miles.close()
+    assert info.value.reason == "teacher_http_400"
+
+
+def test_post_process_rejects_a_reward_that_is_not_ours() -> None:
+    sample = _MilesSample([1, 2], 1)
+    sample.reward = {"meta_info": {}}
+    with pytest.raises(ValueError, match="not an opd_stream reward_func result"):
+        miles.post_process_rewards(_args(), [sample])

@@ -200,6 +200,10 @@ _MEANINGS: Final[dict[str, str]] = {
         "(at least hedge_min_s), send a duplicate to another replica; first answer wins"
     ),
     "hedge_min_s": "smallest hedging delay, in seconds (>= 0)",
+    "attempt_timeout_s": (
+        "0 = off; > 0 = an attempt with no answer after this long is abandoned and "
+        "retried (on another replica when there is one), within request_deadline_s"
+    ),
 }
 
 
@@ -250,14 +254,15 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
     connect_timeout_s: float = 10.0
-    decode_workers: int = 0
-    decode_offload_bytes: int = 4 * _MIB
+    decode_workers: int = 2
+    decode_offload_bytes: int = 1 * _MIB
     max_reorder: int = 1024
     balance: Balance = "least-outstanding"
     eject_after_failures: int = 5
     eject_cooldown_s: float = 10.0
     hedge_after_percentile: float = 0.0
     hedge_min_s: float = 0.05
+    attempt_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in self.__struct_fields__}
@@ -533,6 +538,7 @@ _FLOAT_BOUNDS: Final[tuple[tuple[str, float, bool], ...]] = (
     ("eject_cooldown_s", 0.0, True),
     ("hedge_after_percentile", 0.0, False),
     ("hedge_min_s", 0.0, False),
+    ("attempt_timeout_s", 0.0, False),
 )
 
 _ENV_COERCED.update({name: int for name, _, _ in _INT_BOUNDS})

@@ -47,11 +47,28 @@ __all__ = (
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
+def _rebuild(
+    cls: type[OPDStreamError], args: tuple[object, ...], state: dict[str, object]
+) -> OPDStreamError:
+    """Unpickle an error without calling its ``__init__`` (whose signature varies)."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class OPDStreamError(Exception):
-    """Base class of every error raised by opd_stream."""
+    """Base class of every error raised by opd_stream.
+
+    Errors pickle faithfully (every attribute kept), so that they survive the trip back
+    from a decode worker process.
+    """
 
     reason: str = "error"
     retryable: bool = False
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(OPDStreamError, ValueError):

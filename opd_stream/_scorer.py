@@ -22,6 +22,7 @@ from ._balance import EndpointPool
 from ._config import StreamConfig
 from ._errors import (
     CapabilityError,
+    ConnectionFailed,
     DeadlineExceeded,
     OPDStreamError,
     ServerError,
@@ -311,7 +312,7 @@ class SampleScorer:
         """One HTTP attempt, with its outcome recorded for passive health and hedging."""
         start = anyio.current_time()
         try:
-            rows = await self._attempt(side, url, req)
+            rows = await self._watched_attempt(side, url, req)
         except OPDStreamError as exc:
             if not isinstance(exc, CapabilityError):
                 self._stats.endpoint(url).errors += 1
@@ -320,6 +321,22 @@ class SampleScorer:
             raise _Failed(exc, url, req) from None
         self._pool.record_success(url, urls, anyio.current_time() - start)
         return rows
+
+    async def _watched_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
+
+        A hung server would otherwise use up the whole ``request_deadline_s`` of the
+        logical request; with the watchdog the attempt is abandoned (its connection is
+        closed) and becomes a retryable :class:`ConnectionFailed`.
+        """
+        limit = self._cfg.attempt_timeout_s
+        if limit <= 0:
+            return await self._attempt(side, url, req)
+        with anyio.move_on_after(limit):
+            return await self._attempt(side, url, req)
+        raise ConnectionFailed(
+            f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
+        )
 
     def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
         if self._pool.record_failure(url, urls, anyio.current_time()):
@@ -473,6 +490,32 @@ class SampleScorer:
         return decode_score_response(body, req)
 
     # a whole sample ------------------------------------------------------------------
+    async def _both(
+        self,
+        first: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
+        second: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
+        counter: _Counter,
+    ) -> tuple[ScoreRows, ScoreRows]:
+        """Two independent logical requests at once; the first failure cancels the other."""
+        rows: dict[int, ScoreRows] = {}
+        errors: list[OPDStreamError] = []
+
+        async def one(
+            i: int, spec: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]]
+        ) -> None:
+            try:
+                rows[i] = await self._request(spec[0], spec[1], spec[2], counter)
+            except OPDStreamError as exc:
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0, first)
+            tg.start_soon(one, 1, second)
+        if errors:
+            raise errors[0]
+        return rows[0], rows[1]
+
     def plan(self, prepared: PreparedSample) -> RequestPlan:
         return plan_requests(
             self._cfg.top_k,
@@ -511,24 +554,31 @@ class SampleScorer:
         )
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
+
+        def student_topk(url: str) -> ScoreRequest:
+            return self._score_request(prepared, url, top_k=k, ids=None)
+
+        def teacher_request(ids: npt.NDArray[np.int64] | None) -> Callable[[str], ScoreRequest]:
+            top = k if plan.teacher_topk else 0
+            return lambda url: self._score_request(prepared, url, top_k=top, ids=ids)
+
         try:
-            if plan.fetch_student_topk:
-                fetched = await self._request(
-                    "student",
-                    student_urls,
-                    lambda url: self._score_request(prepared, url, top_k=k, ids=None),
+            if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
+                # independent requests (intersection without the rollout's top-k): together
+                fetched, teacher_rows = await self._both(
+                    ("student", student_urls, student_topk),
+                    ("teacher", teacher_urls, teacher_request(None)),
                     counter,
                 )
                 s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
-            teacher_ids = s_ids if plan.teacher_scores_student_ids else None
-            teacher_rows = await self._request(
-                "teacher",
-                teacher_urls,
-                lambda url: self._score_request(
-                    prepared, url, top_k=k if plan.teacher_topk else 0, ids=teacher_ids
-                ),
-                counter,
-            )
+            else:
+                if plan.fetch_student_topk:
+                    fetched = await self._request("student", student_urls, student_topk, counter)
+                    s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
+                teacher_ids = s_ids if plan.teacher_scores_student_ids else None
+                teacher_rows = await self._request(
+                    "teacher", teacher_urls, teacher_request(teacher_ids), counter
+                )
             if plan.student_scores_teacher_ids:
                 t_ids = teacher_rows.top_ids
                 student_rows = await self._request(

@@ -58,8 +58,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.backoff_initial_s == 0.05
     assert cfg.backoff_max_s == 2.0
     assert cfg.connect_timeout_s == 10.0
-    assert cfg.decode_workers == 0
-    assert cfg.decode_offload_bytes == 4 << 20
+    assert cfg.decode_workers == 2
+    assert cfg.decode_offload_bytes == 1 << 20
     assert cfg.max_reorder == 1024
 
 
@@ -210,6 +210,8 @@ INVALID: list[tuple[str, Any]] = [
     ("eject_cooldown_s", 0.0),
     ("hedge_after_percentile", 100.0),
     ("hedge_min_s", -1.0),
+    ("attempt_timeout_s", -1.0),
+    ("attempt_timeout_s", math.inf),
 ]
 
 
@@ -276,6 +278,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("eject_cooldown_s", "0"),
     ("hedge_after_percentile", "101"),
     ("hedge_min_s", "-0.5"),
+    ("attempt_timeout_s", "soon"),
 ]
 
 
@@ -409,6 +412,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_EJECT_COOLDOWN_S": "1.5",
         "OPD_STREAM_HEDGE_AFTER_PERCENTILE": "90",
         "OPD_STREAM_HEDGE_MIN_S": "0.2",
+        "OPD_STREAM_ATTEMPT_TIMEOUT_S": "2.5",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -445,6 +449,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         eject_cooldown_s=1.5,
         hedge_after_percentile=90.0,
         hedge_min_s=0.2,
+        attempt_timeout_s=2.5,
     )
     assert cfg == expected
 
@@ -591,7 +596,7 @@ def test_table_defaults_match_the_struct_defaults() -> None:
     assert shown["teachers"] == "required"
     assert shown["student_url"] == "none"
     assert shown["max_response_bytes"] == "1 GiB"
-    assert shown["decode_offload_bytes"] == "4 MiB"
+    assert shown["decode_offload_bytes"] == "1 MiB"
     assert shown["top_k"] == "0"
     assert shown["strategy"] == "only-student"
     assert shown["request_deadline_s"] == "60"

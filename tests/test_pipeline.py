@@ -392,3 +392,48 @@ async def test_stats_report_bytes_latency_and_loop_lag() -> None:
     assert st.latency_p50_s is not None and st.latency_p99_s is not None
     assert st.loop_lag_p99_s is not None
     assert T1 in st.endpoints and st.endpoints[T1].requests == 10
+
+
+async def test_independent_requests_run_concurrently() -> None:
+    servers = _servers()
+    live = peak = 0
+
+    async def handler(method: str, url: str, body: bytes) -> Response:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        try:
+            await anyio.sleep(0.05)
+            base = ST if url.startswith(ST) else T1
+            return servers[base].handle(method, "/generate", body)
+        finally:
+            live -= 1
+
+    # intersection without the rollout's top-k: student top-k and teacher top-k are independent
+    cfg = _cfg(top_k=3, student_url=ST, strategy="intersection", max_inflight=1)
+    async with OPDStream(cfg, transport=MockTransport(handler)) as stream:
+        out = await _collect(stream, _samples(3))
+    assert all(isinstance(r, ScoredSample) for r in out)
+    assert peak == 2
+
+
+async def test_a_failing_independent_request_fails_the_sample_and_cancels_the_other() -> None:
+    servers = _servers()
+    cancelled = 0
+
+    async def handler(method: str, url: str, body: bytes) -> Response:
+        nonlocal cancelled
+        if url.startswith(ST):
+            return Response(400, b'{"error": {"message": "bad student request"}}')
+        try:
+            await anyio.sleep(10)
+        except anyio.get_cancelled_exc_class():
+            cancelled += 1
+            raise
+        return servers[T1].handle(method, "/generate", body)
+
+    cfg = _cfg(top_k=3, student_url=ST, strategy="intersection")
+    async with OPDStream(cfg, transport=MockTransport(handler)) as stream:
+        out = await _collect(stream, _samples(2))
+    assert all(isinstance(f, SampleFailure) and f.reason == "student_http_400" for f in out)
+    assert cancelled == 2

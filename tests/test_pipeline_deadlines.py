@@ -112,3 +112,31 @@ async def test_a_slow_first_request_does_not_consume_the_next_ones_budget() -> N
     cfg = _cfg(request_deadline_s=0.5, max_inflight=1)
     out = await _run(cfg, handler, n=3)
     assert [type(r).__name__ for r in out] == ["ScoredSample"] * 3
+
+
+async def test_the_attempt_watchdog_retries_a_hung_attempt_within_the_deadline() -> None:
+    server = InProcessSGLang("teacher", 1)
+    calls = 0
+
+    async def hang_once(method: str, url: str, body: bytes) -> Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await anyio.sleep_forever()
+        return server.handle(method, "/generate", body)
+
+    cfg = _cfg(request_deadline_s=5.0, attempt_timeout_s=0.3, backoff_initial_s=0.01)
+    out = await _run(cfg, hang_once, n=1)
+    # without the watchdog the hung first attempt would have used the whole 5 s budget
+    assert type(out[0]).__name__ == "ScoredSample"
+    assert out[0].attempts == 2
+
+
+async def test_without_the_watchdog_a_hung_attempt_uses_the_whole_budget() -> None:
+    async def hang(method: str, url: str, body: bytes) -> Response:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    out = await _run(_cfg(request_deadline_s=0.4), hang, n=1)
+    assert isinstance(out[0], SampleFailure)
+    assert out[0].reason == "deadline_exceeded" and out[0].attempts == 1

@@ -131,3 +131,30 @@ async def test_each_failed_sample_is_logged_once_with_its_reason() -> None:
     failed = [e for e in logs if e["event"] == "sample_failed"]
     assert len(failed) == 1
     assert failed[0]["reason"] == "invalid_sample" and failed[0]["index"] == 3
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_errors_raised_in_a_decode_worker_fail_only_their_sample() -> None:
+    import msgspec
+
+    teacher = InProcessSGLang("teacher", 1)
+
+    def misalign(n: int, body: bytes) -> Any:
+        if n % 2:
+            return None
+        teacher.fault = None
+        good = msgspec.json.decode(teacher.handle("POST", "/generate", body).body)
+        teacher.fault = misalign
+        teacher.requests -= 1
+        good["meta_info"]["input_token_logprobs"][-1][1] += 1
+        from opd_stream import Response
+
+        return Response(200, msgspec.json.encode(good))
+
+    teacher.fault = misalign
+    cfg = _cfg(decode_workers=1, decode_offload_bytes=1, max_inflight=1)
+    async with OPDStream(cfg, transport=mock_transport({T: teacher})) as stream:
+        async with stream.run(_samples(4)) as results:
+            out = sorted([r async for r in results], key=lambda r: r.index)
+    reasons = [getattr(r, "reason", "ok") for r in out]
+    assert reasons == ["ok", "misaligned_response", "ok", "misaligned_response"]

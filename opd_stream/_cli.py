@@ -22,14 +22,19 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="score rollouts against embedded mock SGLang servers")
     add_demo_arguments(demo)
-    bench = sub.add_parser("bench", help="run the benchmarks in bench/ (see bench/README.md)")
+    bench = sub.add_parser(
+        "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
+    )
     bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("config", help="print the configuration table (fields, env variables)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(args.log_level)
     if args.command == "config":
         print(render_config_table())
@@ -45,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        code: int = bench.main(args.args)
+        code: int = bench.main([*extra, *args.args])
         return code
     from ._demo import run_demo
 

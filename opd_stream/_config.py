@@ -184,12 +184,10 @@ _MEANINGS: Final[dict[str, str]] = {
     ),
     "max_reorder": "bound of the input-order reorder buffer, in samples (>= 1)",
     "balance": (
-        "replica choice within a teacher: least-outstanding (power of two choices) or "
-        "round-robin"
+        "replica choice within a teacher: least-outstanding (power of two choices) or round-robin"
     ),
     "eject_after_failures": (
-        "consecutive retryable failures that eject a replica for eject_cooldown_s "
-        "(0 = never eject)"
+        "consecutive retryable failures that eject a replica for eject_cooldown_s (0 = never eject)"
     ),
     "eject_cooldown_s": (
         "how long an ejected replica stays out before a /health probe may re-admit it, "

@@ -69,3 +69,9 @@ def test_config_prints_the_configuration_table() -> None:
     proc = _run("config", timeout=60)
     assert proc.returncode == 0
     assert proc.stdout.strip() == opd_stream.render_config_table().strip()
+
+
+def test_bench_passes_its_own_flags_through() -> None:
+    proc = _run("bench", "--help", timeout=60)
+    assert proc.returncode == 0
+    assert "--quick" in proc.stdout

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import gc
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import chain, islice
 from operator import attrgetter
 from typing import Annotated, Any, NamedTuple
@@ -42,6 +40,7 @@ from ._errors import (
     MisalignedResponseError,
     ServerAbortError,
 )
+from ._gc import gc_paused
 
 __all__ = (
     "Generation",
@@ -322,28 +321,8 @@ def decode_segments(
         ServerAbortError: ``finish_reason.type == "abort"``.
         CapabilityError: see ``per_position``.
     """
-    with _gc_paused():
+    with gc_paused():
         return _decode_segments(body, batch, segments, tokens, top_k, per_position)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic GC around one decode (re-enabled after, if it was on).
-
-    A decode allocates one list per row; with the default thresholds that triggers many
-    collections, and in a process that holds many live objects (rollouts' Python top-k
-    rows, other answers) each older-generation pass walks all of them: measured 2-5x on
-    decode time (``perf-facts.md`` §2). Nothing the decoder builds is cyclic, so nothing
-    is lost; the allocations are counted and collected at the next regular pass.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _decode_segments(

@@ -19,6 +19,7 @@ import numpy.typing as npt
 import torch
 
 from ._errors import InvalidSampleError
+from ._gc import gc_paused
 
 __all__ = (
     "MAX_TOKEN_ID",
@@ -258,7 +259,8 @@ def prepare_sample(
         rollout = _as_rollout_logprobs(sample.rollout_logprobs, r)
     top_ids = top_lps = None
     if top_k > 0 and sample.student_top_logprobs is not None:
-        top_ids, top_lps = parse_student_topk(sample.student_top_logprobs, r, top_k)
+        with gc_paused():
+            top_ids, top_lps = parse_student_topk(sample.student_top_logprobs, r, top_k)
     return PreparedSample(
         sample=sample,
         index=index,

@@ -54,6 +54,7 @@ from ._decode import (
     parse_student_topk,
 )
 from ._errors import InvalidSampleError
+from ._gc import gc_paused
 
 __all__ = (
     "Generation",
@@ -207,6 +208,11 @@ def build_score_payload(req: ScoreRequest) -> bytes:
     Raises:
         InvalidSampleError: a malformed request (names the field).
     """
+    with gc_paused():
+        return _build(req)
+
+
+def _build(req: ScoreRequest) -> bytes:
     lay = _layout(req)
     body: dict[str, Any] = {}
     if lay.batch:

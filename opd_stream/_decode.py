@@ -207,29 +207,8 @@ def _rows_block(
 
     Returns ids int64 ``[rows, width]`` and logprobs float64 ``[rows, width]`` (NaN = null).
     """
-    n_entries = seg.length - seg.start
-    if len(rows) != n_entries:
-        raise MisalignedResponseError(
-            f"`{field}` has {len(rows)} entries, expected {n_entries} "
-            f"(input length {seg.length} - logprob_start_len {seg.start})"
-        )
+    sel = _checked_rows(rows, field, seg, t0, width)
     n = seg.rows
-    first_abs = seg.length - n
-    sel = rows[n_entries - n :]
-    if None in sel:
-        r = sel.index(None)
-        raise MisalignedResponseError(
-            f"`{field}` row for absolute position {first_abs + r} "
-            f"(response position {t0 + r}) is null or empty"
-        )
-    widths = np.fromiter(map(len, sel), dtype=np.intp, count=n)  # type: ignore[arg-type]
-    bad = np.flatnonzero(widths != width)
-    if bad.size:
-        r = int(bad[0])
-        raise MisalignedResponseError(
-            f"`{field}` row for absolute position {first_abs + r} (response position {t0 + r}) "
-            f"has {int(widths[r])} entries, expected {width}"
-        )
     total = n * width
     ids = np.fromiter(map(_ID, chain.from_iterable(sel)), dtype=np.int64, count=total)  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, chain.from_iterable(sel)), dtype=np.float64, count=total)  # type: ignore[arg-type]

@@ -381,15 +381,8 @@ async def s3_long(sz: Sizes, progress: Progress) -> dict[str, Any]:
             ("baseline", None),
             ("opd_stream (defaults)", _config(teacher, student, top_k=k, strategy=strategy)),
             (
-                "opd_stream (decode_workers=2, offload >= 1 MiB)",
-                _config(
-                    teacher,
-                    student,
-                    top_k=k,
-                    strategy=strategy,
-                    decode_workers=2,
-                    decode_offload_bytes=2**20,
-                ),
+                "opd_stream (decode_workers=0: everything on the event loop)",
+                _config(teacher, student, top_k=k, strategy=strategy, decode_workers=0),
             ),
         ]
         base = None

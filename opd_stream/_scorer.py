@@ -107,6 +107,7 @@ class SampleScorer:
         stats: StatsRecorder,
         *,
         decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+        build: Callable[[ScoreRequest], Any] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._cfg = config
@@ -121,6 +122,7 @@ class SampleScorer:
             rng=self._rng,
         )
         self._decode = decode
+        self._build = build
         self._pool = EndpointPool(
             lambda url: self._stats.endpoint(url).in_flight,
             balance=config.balance,
@@ -426,7 +428,7 @@ class SampleScorer:
         return False
 
     async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
-        body = build_score_payload(req)
+        body = await self._build_body(req)
         ep = self._stats.endpoint(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep.in_flight += 1
@@ -479,6 +481,15 @@ class SampleScorer:
                 side=side,
                 url=url,
             )
+
+    async def _build_body(self, req: ScoreRequest) -> bytes:
+        if self._build is None:
+            return build_score_payload(req)
+        body = self._build(req)
+        if not isinstance(body, bytes):
+            body = await body
+        assert isinstance(body, bytes)
+        return body
 
     async def _decode_body(self, body: bytes, req: ScoreRequest) -> ScoreRows:
         if self._decode is not None:

@@ -32,7 +32,7 @@ from ._router import TeacherRouter
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
-from ._wire import ScoreRequest, ScoreRows, decode_score_response
+from ._wire import ScoreRequest, ScoreRows, build_score_payload, decode_score_response
 
 __all__ = ("OPDStream", "Results")
 
@@ -40,6 +40,15 @@ log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
 
 _LAG_INTERVAL_S = 0.01
 _CLOSE_GRACE_S = 10.0
+
+
+def _request_bytes(req: ScoreRequest) -> int:
+    """A cheap upper estimate of a request body's size (about 7 bytes per id sent)."""
+    ids = 0 if req.ids is None else int(req.ids.size)
+    tokens = int(req.tokens.size)
+    if req.id_form == "blocked" and req.ids is not None:
+        tokens *= -(-req.response_length // req.block_size)  # the prefix once per block
+    return 7 * (tokens + ids)
 
 
 class Results:
@@ -150,7 +159,11 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             self._proc_limiter = anyio.CapacityLimiter(self.config.decode_workers)
         async with transport, anyio.create_task_group() as tg:
             self._scorer = SampleScorer(
-                self.config, transport, self._stats, decode=self._decode or self._default_decode
+                self.config,
+                transport,
+                self._stats,
+                decode=self._decode or self._default_decode,
+                build=self._default_build,
             )
             self._kl_limiter = anyio.CapacityLimiter(1)
             self._tg = tg
@@ -163,6 +176,14 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.cancel_scope.cancel()
                 for results in list(self._runs):
                     results.close_receiver()  # handles the caller never closed
+
+    async def _default_build(self, req: ScoreRequest) -> bytes:
+        """Payloads as big as a large answer are encoded in the decode pool too."""
+        limiter = self._proc_limiter
+        if limiter is not None and _request_bytes(req) >= self.config.decode_offload_bytes:
+            body: bytes = await anyio.to_process.run_sync(build_score_payload, req, limiter=limiter)
+            return body
+        return build_score_payload(req)
 
     async def _default_decode(self, body: bytes, req: ScoreRequest) -> ScoreRows:
         limiter = self._proc_limiter

@@ -93,6 +93,16 @@ class _Pipeline:
             top_k=self.cfg.top_k,
             parse_student_topk=parse_student_topk,
         )
+        if (
+            self.cfg.student_url is None
+            and prepared.response_length > 0
+            and self.scorer.plan(prepared).needs_student_server
+        ):
+            raise InvalidSampleError(
+                "student_top_logprobs",
+                f"required: strategy {self.cfg.strategy!r} needs the student's top-k and no "
+                "student_url is configured to fetch it",
+            )
         teacher = self.router.resolve(prepared.sample.metadata)
         return msgspec.structs.replace(prepared, teacher=teacher)
 
@@ -160,6 +170,19 @@ class _Pipeline:
             sample=sample, index=index, reason=exc.reason, message=message, attempts=attempts
         )
 
+    def _internal_failure(
+        self, prepared: PreparedSample, exc: Exception, attempts: int = 0
+    ) -> SampleFailure:
+        """An unexpected error (a bug) fails only its sample, with reason ``internal_error``."""
+        log.error("internal_error", index=prepared.index, error=type(exc).__name__, exc_info=exc)
+        return SampleFailure(
+            sample=prepared.sample,
+            index=prepared.index,
+            reason="internal_error",
+            message=f"internal error ({type(exc).__name__}); please report it: {exc}"[:500],
+            attempts=attempts,
+        )
+
     # stage 2: fetch workers --------------------------------------------------------
     def _empty_result(self, prepared: PreparedSample, admitted_at: float) -> ScoredSample:
         """R = 0: nothing to ask; an empty result of the right shapes."""
@@ -207,6 +230,9 @@ class _Pipeline:
                     )
                     await self._send("emit", emit, failure)
                     continue
+                except Exception as exc:  # a bug: fail this sample, keep the others going
+                    await self._send("emit", emit, self._internal_failure(prepared, exc))
+                    continue
                 await self._send("kl", kl, fetched)
 
     # stage 3: KL -------------------------------------------------------------------
@@ -243,6 +269,7 @@ class _Pipeline:
                 if not batch:
                     return
                 self.stats.stage_active["kl"] += 1
+                results: list[Any]
                 try:
                     results = await anyio.to_thread.run_sync(
                         partial(
@@ -255,11 +282,13 @@ class _Pipeline:
                         ),
                         limiter=self.kl_limiter,
                     )
+                except Exception as bug:  # a bug: fail this batch's samples, keep going
+                    results = [self._internal_failure(f.prepared, bug, f.attempts) for f in batch]
                 finally:
                     self.stats.stage_active["kl"] -= 1
                 for res in results:
                     item: Result
-                    if isinstance(res, ScoredSample):
+                    if isinstance(res, ScoredSample | SampleFailure):
                         item = res
                     else:
                         fetched, exc = res

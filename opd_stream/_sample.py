@@ -51,8 +51,9 @@ class Sample(msgspec.Struct, kw_only=False):
             reverse KL estimate.
         student_top_logprobs: one row per response token of ``[logprob, token_id]`` pairs
             (or SGLang ``[logprob, token_id, text]`` triples), best first, at least ``top_k``
-            per row. When top-k mode needs it and it is None, it is fetched from the
-            student server.
+            per row; or, cheaper, a pair ``(ids, logprobs)`` of numpy arrays or torch
+            tensors of shape ``[R, >= top_k]`` (e.g. SGLang's b64 flat top-k decoded).
+            When top-k mode needs it and it is None, it is fetched from the student server.
         sample_id: anything the caller wants back on the result.
     """
 
@@ -226,6 +227,59 @@ def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
     return arr.astype(np.float32)
 
 
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray | torch.Tensor)
+
+
+def _topk_arrays(
+    ids: Any, logprobs: Any, r: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """The array form of ``student_top_logprobs``: ``(ids [R, >=k], logprobs [R, >=k])``.
+
+    Validated like the row form, vectorised: integer ids in ``[0, MAX_TOKEN_ID]``, no
+    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``.
+    """
+    field = "student_top_logprobs"
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    if isinstance(logprobs, torch.Tensor):
+        logprobs = logprobs.detach().cpu().float().numpy()
+    if ids.dtype.kind not in "iu":
+        raise InvalidSampleError(field, f"ids must be an integer array, got dtype {ids.dtype}")
+    if logprobs.dtype.kind != "f":
+        raise InvalidSampleError(
+            field, f"logprobs must be a float array, got dtype {logprobs.dtype}"
+        )
+    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != r or ids.shape[1] < k:
+        raise InvalidSampleError(
+            field,
+            f"(ids, logprobs) must both have shape [R={r}, >= k={k}], "
+            f"got {ids.shape} and {logprobs.shape}",
+        )
+    ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
+    lps = np.asarray(logprobs[:, :k], dtype=np.float64)
+
+    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
+        rows = mask.any(axis=1)
+        return int(np.argmax(rows)) if rows.any() else None
+
+    checks = (
+        (ids < 0, "a negative token id"),
+        (ids > MAX_TOKEN_ID, f"a token id above {MAX_TOKEN_ID}"),
+        (np.isnan(lps), "a NaN logprob"),
+        (np.isposinf(lps), "a +inf logprob"),
+        (lps > _LOGPROB_TOLERANCE, "a value > 0, which is not a logprob"),
+    )
+    for mask, what in checks:
+        if (row := first_row(mask)) is not None:
+            raise InvalidSampleError(field, f"row {row} holds {what}")
+    if k > 1:
+        srt = np.sort(ids, axis=1)
+        if (row := first_row(srt[:, 1:] == srt[:, :-1])) is not None:
+            raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
+    return ids, lps.astype(np.float32)
+
+
 def prepare_sample(
     sample: Any, index: int, *, teacher: str, top_k: int, parse_student_topk: Any
 ) -> PreparedSample:
@@ -258,9 +312,13 @@ def prepare_sample(
     if sample.rollout_logprobs is not None:
         rollout = _as_rollout_logprobs(sample.rollout_logprobs, r)
     top_ids = top_lps = None
-    if top_k > 0 and sample.student_top_logprobs is not None:
-        with gc_paused():
-            top_ids, top_lps = parse_student_topk(sample.student_top_logprobs, r, top_k)
+    given = sample.student_top_logprobs
+    if top_k > 0 and given is not None:
+        if isinstance(given, tuple) and len(given) == 2 and all(map(_is_array, given)):
+            top_ids, top_lps = _topk_arrays(given[0], given[1], r, top_k)
+        else:
+            with gc_paused():
+                top_ids, top_lps = parse_student_topk(given, r, top_k)
     return PreparedSample(
         sample=sample,
         index=index,

@@ -437,3 +437,28 @@ async def test_a_failing_independent_request_fails_the_sample_and_cancels_the_ot
         out = await _collect(stream, _samples(2))
     assert all(isinstance(f, SampleFailure) and f.reason == "student_http_400" for f in out)
     assert cancelled == 2
+
+
+async def test_an_unexpected_error_fails_only_its_sample_with_internal_error() -> None:
+    servers = _servers()
+
+    def decode(body: bytes, req: Any) -> Any:
+        if req.tokens[0] == 7:  # a decoder bug that strikes one sample
+            raise KeyError("boom")
+        from opd_stream import decode_score_response
+
+        return decode_score_response(body, req)
+
+    samples = _samples(4)
+    samples[2] = Sample([7, *samples[2].tokens[1:]], samples[2].response_length)
+    async with OPDStream(_cfg(), transport=mock_transport(servers), decode=decode) as stream:
+        out = sorted(await _collect(stream, samples), key=lambda r: r.index)
+    assert [type(r).__name__ for r in out] == [
+        "ScoredSample",
+        "ScoredSample",
+        "SampleFailure",
+        "ScoredSample",
+    ]
+    failure = out[2]
+    assert isinstance(failure, SampleFailure)
+    assert failure.reason == "internal_error" and "KeyError" in failure.message

@@ -81,7 +81,7 @@ async def test_runs_can_share_one_stream_concurrently() -> None:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_payloads_built_and_bodies_decoded_in_worker_processes_give_identical_results() -> None:
+async def test_payloads_and_decodes_in_worker_processes_give_identical_results() -> None:
     samples = _samples(6, seed=3)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
     async with OPDStream(_cfg(**cfg_topk), transport=mock_transport(_servers())) as stream:

@@ -7,7 +7,7 @@ changed at runtime, programmatically (``MockServer.set_options``) or over HTTP
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -29,20 +29,7 @@ FaultKind = Literal[
 ]
 
 #: Fault kinds in the order their rates are laid out on ``[0, 1)`` (a request hits at most one).
-FAULT_KINDS: tuple[FaultKind, ...] = (
-    "http_500",
-    "http_503",
-    "http_429",
-    "abort",
-    "hang",
-    "reset",
-    "truncated",
-    "malformed",
-    "misaligned",
-    "missing_rows",
-    "oversized",
-    "slow_drip",
-)
+FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 
 
 class MockOptions(msgspec.Struct, kw_only=True, frozen=True):

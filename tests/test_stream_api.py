@@ -80,7 +80,6 @@ async def test_runs_can_share_one_stream_concurrently() -> None:
         assert all(isinstance(r, ScoredSample) for r in outs[k])
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_payloads_and_decodes_in_worker_processes_give_identical_results() -> None:
     samples = _samples(6, seed=3)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
@@ -133,7 +132,6 @@ async def test_each_failed_sample_is_logged_once_with_its_reason() -> None:
     assert failed[0]["reason"] == "invalid_sample" and failed[0]["index"] == 3
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_errors_raised_in_a_decode_worker_fail_only_their_sample() -> None:
     import msgspec
 

@@ -1,0 +1,333 @@
+"""One HTTP attempt at a time: send to a replica (hedged to another when it is slow),
+check the status, decode, and keep per-endpoint health; re-admission probes.
+
+The retry loop and the request plan live in ``_scorer``; replica choice and health
+bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import structlog
+
+from ._balance import EndpointPool
+from ._capabilities import Capabilities, Side
+from ._config import StreamConfig
+from ._errors import (
+    CapabilityError,
+    ConnectionFailed,
+    OPDStreamError,
+    ServerError,
+    ServerHTTPError,
+)
+from ._router import endpoint_url, generate_url
+from ._stats import StatsRecorder
+from ._transport import Transport
+from ._wire import (
+    ScoreRequest,
+    ScoreRows,
+    build_score_payload,
+    decode_score_response,
+    parse_error_message,
+)
+
+__all__ = ("AttemptSender", "Counter", "Failed")
+
+log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+
+_PROBE_TIMEOUT_S = 2.0
+"""Longest wait for a re-admission probe's ``/health`` answer."""
+
+_PROBE_MAX_BYTES = 64 * 1024
+
+
+class Counter:
+    """Attempts made (a mutable count shared by the requests of one sample)."""
+
+    __slots__ = ("attempts",)
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+
+class Failed(Exception):
+    """One attempt failed with ``error``; ``url`` and ``req`` say which one."""
+
+    def __init__(self, error: OPDStreamError, url: str, req: ScoreRequest) -> None:
+        super().__init__(error.reason)
+        self.error = error
+        self.url = url
+        self.req = req
+
+
+class AttemptSender:
+    """Sends attempts for one stream: per-endpoint concurrency limits, hedging, health."""
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        transport: Transport,
+        stats: StatsRecorder,
+        pool: EndpointPool,
+        capabilities: Capabilities,
+        *,
+        decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+        build: Callable[[ScoreRequest], Any] | None = None,
+    ) -> None:
+        self._cfg = config
+        self._transport = transport
+        self._stats = stats
+        self._pool = pool
+        self._caps = capabilities
+        self._decode = decode
+        self._build = build
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+
+    def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
+        """The replica for the next attempt (see :class:`EndpointPool`)."""
+        return self._pool.pick(urls, exclude)
+
+    def _limiter(self, url: str) -> anyio.CapacityLimiter:
+        lim = self._limiters.get(url)
+        if lim is None:
+            lim = self._limiters[url] = anyio.CapacityLimiter(self._cfg.max_inflight_per_endpoint)
+        return lim
+
+    async def send(
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        make: Callable[[str], ScoreRequest],
+        counter: Counter,
+        tries: Counter,
+    ) -> ScoreRows:
+        """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
+
+        Raises:
+            Failed: the attempt failed (when hedged: every launched copy failed; the
+                error reported is a capability error if any, else the first attempt's).
+        """
+        req = make(url)
+        tries.attempts += 1
+        counter.attempts += 1
+        delay = self._pool.hedge_delay(
+            urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
+        )
+        if delay is None or tries.attempts >= self._cfg.max_attempts:
+            return await self._one(side, urls, url, req)
+
+        winner: list[ScoreRows] = []
+        won_by: list[str] = []
+        failures: list[Failed] = []
+        racing: list[str] = [url]
+        finished = 0
+        settled = anyio.Event()
+        changed = [anyio.Event()]  # set when any racing attempt ends
+
+        async def run(target: str, request: ScoreRequest) -> None:
+            nonlocal finished
+            try:
+                rows = await self._one(side, urls, target, request)
+            except Failed as failed:
+                failures.append(failed)
+            else:
+                if not winner:
+                    winner.append(rows)
+                    won_by.append(target)
+                    if target != url:
+                        self._stats.endpoint(target).hedge_wins += 1
+            finished += 1
+            changed[0].set()
+            if winner or finished == len(racing):
+                settled.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, url, req)
+            with anyio.move_on_after(delay):
+                await settled.wait()
+            # Hedge to a replica not yet racing; when a hedge fails while an earlier
+            # attempt is still running, hedge again (within max_attempts).
+            while not settled.is_set():
+                other = self._pick(urls, exclude=tuple(racing))
+                if other is None or tries.attempts >= self._cfg.max_attempts:
+                    await settled.wait()
+                    break
+                tries.attempts += 1
+                counter.attempts += 1
+                self._stats.endpoint(other).hedges += 1
+                racing.append(other)
+                log.debug("hedge", side=side, after_s=delay)
+                tg.start_soon(run, other, make(other))
+                # Wait for the outcome, or for this hedge to fail (then hedge again).
+                while not settled.is_set() and all(f.url != other for f in failures):
+                    changed[0] = anyio.Event()
+                    await changed[0].wait()
+            for target in racing:
+                if target not in won_by and all(f.url != target for f in failures):
+                    self._stats.endpoint(target).cancelled += 1  # the loser, cancelled now
+            tg.cancel_scope.cancel()
+        if winner:
+            return winner[0]
+        for failed in failures:
+            if isinstance(failed.error, CapabilityError):
+                raise failed
+        first = [f for f in failures if f.url == url]
+        raise (first or failures)[0]
+
+    async def _one(
+        self, side: Side, urls: tuple[str, ...], url: str, req: ScoreRequest
+    ) -> ScoreRows:
+        """One HTTP attempt, with its outcome recorded for passive health and hedging."""
+        start = anyio.current_time()
+        try:
+            rows = await self._watched_attempt(side, url, req)
+        except OPDStreamError as exc:
+            if not isinstance(exc, CapabilityError):
+                self._stats.endpoint(url).errors += 1
+            if exc.retryable and isinstance(exc, ServerError):
+                self._note_failure(side, url, urls)
+            raise Failed(exc, url, req) from None
+        self._pool.record_success(url, urls, anyio.current_time() - start)
+        return rows
+
+    async def _watched_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
+
+        A hung server would otherwise use up the whole ``request_deadline_s`` of the
+        logical request; with the watchdog the attempt is abandoned (its connection is
+        closed) and becomes a retryable :class:`ConnectionFailed`.
+        """
+        limit = self._cfg.attempt_timeout_s
+        if limit <= 0:
+            return await self._attempt(side, url, req)
+        with anyio.move_on_after(limit):
+            return await self._attempt(side, url, req)
+        raise ConnectionFailed(
+            f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
+        )
+
+    def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
+        if self._pool.record_failure(url, urls, anyio.current_time()):
+            ep = self._stats.endpoint(url)
+            ep.ejected = True
+            ep.ejections += 1
+            log.warning(
+                "endpoint_ejected",
+                side=side,
+                url=url,
+                after_failures=self._cfg.eject_after_failures,
+                cooldown_s=self._cfg.eject_cooldown_s,
+            )
+
+    async def maybe_probe(self, side: Side, urls: tuple[str, ...]) -> None:
+        """Probe ``/health`` of one ejected replica whose cool-down is over, if any.
+
+        Done lazily, in the requesting task (so no task outlives the stream), bounded by
+        :data:`_PROBE_TIMEOUT_S` and the request's deadline. A 200 re-admits the replica;
+        anything else ejects it for another cool-down.
+        """
+        url = self._pool.claim_probe(urls, anyio.current_time())
+        if url is None:
+            return
+        healthy: bool | None = None
+        try:
+            with anyio.move_on_after(_PROBE_TIMEOUT_S):
+                try:
+                    resp = await self._transport.get(
+                        endpoint_url(url, "health"), max_bytes=_PROBE_MAX_BYTES
+                    )
+                except OPDStreamError:
+                    healthy = False
+                else:
+                    healthy = resp.status == 200
+            if healthy is None:
+                healthy = False  # the probe timed out
+        finally:
+            if healthy is None:
+                self._pool.release_probe(url)  # cancelled from outside: no verdict
+            else:
+                self._pool.probe_result(url, healthy, anyio.current_time())
+                ep = self._stats.endpoint(url)
+                if healthy:
+                    ep.ejected = False
+                    ep.readmissions += 1
+                else:
+                    ep.ejections += 1
+                log.info("endpoint_probed", side=side, url=url, healthy=healthy)
+
+    async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        body = await self._build_body(req)
+        ep = self._stats.endpoint(url)
+        self._stats.stage_active[f"{side}_fetch"] += 1
+        ep.in_flight += 1
+        try:
+            async with self._limiter(url):
+                ep.requests += 1
+                self._stats.requests += 1
+                resp = await self._transport.post(
+                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes
+                )
+        except ServerError as exc:
+            exc.side = side
+            raise
+        finally:
+            ep.in_flight -= 1
+            self._stats.stage_active[f"{side}_fetch"] -= 1
+        self._stats.bytes_received += len(resp.body)
+        if resp.status != 200:
+            raise ServerHTTPError(resp.status, parse_error_message(resp.body), side=side, url=url)
+        self._stats.stage_active["decode"] += 1
+        try:
+            rows = await self._decode_body(resp.body, req)
+        except ServerError as exc:
+            exc.side = side
+            exc.url = url
+            raise
+        finally:
+            self._stats.stage_active["decode"] -= 1
+        if req.top_k > 0:
+            self._after_topk(side, url, req, rows)
+        if req.ids is not None and req.id_form == "per-position":
+            self._caps.note(url, side, "per_position", True)
+        if req.ids is not None and req.id_form == "blocked":
+            ep.blocked_batch = True
+        return rows
+
+    def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:
+        if req.topk_wire != "b64":
+            return
+        if rows.used_b64:
+            self._caps.note(url, side, "b64_topk", True)
+            return
+        # The server ignored the b64 flags (an SGLang release older than 0.5.23).
+        self._caps.note(url, side, "b64_topk", False)
+        if self._cfg.topk_wire == "b64":
+            raise CapabilityError(
+                "b64_topk",
+                "topk_wire='b64' but the server answered nested JSON top-k "
+                "(it does not support return_flat_raw_top_logprobs_b64)",
+                side=side,
+                url=url,
+            )
+
+    async def _build_body(self, req: ScoreRequest) -> bytes:
+        if self._build is None:
+            return build_score_payload(req)
+        body = self._build(req)
+        if not isinstance(body, bytes):
+            body = await body
+        assert isinstance(body, bytes)
+        return body
+
+    async def _decode_body(self, body: bytes, req: ScoreRequest) -> ScoreRows:
+        if self._decode is not None:
+            result = self._decode(body, req)
+            if not isinstance(result, ScoreRows):
+                result = await result
+            assert isinstance(result, ScoreRows)
+            return result
+        return decode_score_response(body, req)

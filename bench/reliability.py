@@ -432,10 +432,22 @@ async def run_fault_mode(mode: FaultMode, n: int = DEFAULT_N, *, seed: int = 0) 
 
 
 async def _restart_mid_run(proc: MockProcess, kill: anyio.Event, restarted: anyio.Event) -> None:
-    """Kill ``proc`` once ``kill`` is set, start it again, then set ``restarted``."""
+    """Kill ``proc`` once ``kill`` is set and it has requests in flight (so that the kill
+    costs something to recover from), start it again, then set ``restarted``."""
     await kill.wait()
+    with anyio.move_on_after(5.0):
+        while await _in_flight(proc.url) == 0:
+            await anyio.sleep(0.005)
     await anyio.to_thread.run_sync(proc.restart)
     restarted.set()
+
+
+async def _in_flight(url: str) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/mock/stats") as resp:
+        stats = msgspec.json.decode(await resp.read())
+    return int(stats["in_flight"])
 
 
 async def _gated(samples: list[Sample], half: int, gate: anyio.Event) -> AsyncIterator[Sample]:

@@ -88,6 +88,7 @@ class FaultMode:
         reasons: the failure reasons this fault may produce (when attempts run out, or
             at once for a non-retryable fault).
         fault_kind: the mock's counter in ``MockStats.faults`` (None: not counted there).
+        client: StreamConfig changes for this row (e.g. ``attempt_timeout_s``).
     """
 
     key: str
@@ -97,6 +98,7 @@ class FaultMode:
     expect: Expect
     reasons: frozenset[str] = frozenset()
     fault_kind: str | None = None
+    client: dict[str, Any] = field(default_factory=dict)
 
 
 def _rate(kind: str, rate: float = 0.1, **extra: Any) -> dict[str, Any]:
@@ -135,6 +137,16 @@ MODES: tuple[FaultMode, ...] = (
         "deadline",
         frozenset({"deadline_exceeded"}),
         "hang",
+    ),
+    FaultMode(
+        "hang_watchdog",
+        "hang, with attempt_timeout_s=0.3 (the watchdog)",
+        0.1,
+        _rate("hang"),
+        "recover",
+        frozenset({"connection_error", "deadline_exceeded"}),
+        "hang",
+        client={"attempt_timeout_s": 0.3},
     ),
     FaultMode(
         "reset",
@@ -313,7 +325,7 @@ def closed_form_ok(workload: Workload, res: ScoredSample) -> bool:
     return True
 
 
-def _config(teachers: dict[str, Any], student: str, *, top_k: int) -> StreamConfig:
+def _config(teachers: dict[str, Any], student: str, *, top_k: int, **client: Any) -> StreamConfig:
     extra: dict[str, Any] = (
         {"top_k": top_k, "strategy": "union", "student_url": student} if top_k else {}
     )
@@ -331,7 +343,7 @@ def _config(teachers: dict[str, Any], student: str, *, top_k: int) -> StreamConf
         connect_timeout_s=1.0,
         kl_device="cpu",
         **extra,
-        **_balance_options(),
+        **{**_balance_options(), **client},
     )
 
 
@@ -476,8 +488,8 @@ async def _run_streams(
     procs: list[MockProcess],
 ) -> FaultRun:
     teachers = {"math": math_urls, "default": default_url}
-    cfg_a = _config(teachers, student_url, top_k=TOP_K)
-    cfg_b = _config(teachers, student_url, top_k=0)
+    cfg_a = _config(teachers, student_url, top_k=TOP_K, **mode.client)
+    cfg_b = _config(teachers, student_url, top_k=0, **mode.client)
     tr_a, tr_b = AiohttpTransport(connect_timeout_s=1.0), AiohttpTransport(connect_timeout_s=1.0)
     out_a: list[ScoredSample | SampleFailure] = []
     out_b: list[ScoredSample | SampleFailure] = []
@@ -620,6 +632,8 @@ def render_markdown(rows: Sequence[MatrixRow], n: int) -> str:
         "  (one failure per injected fault);",
         "* a hang holds the request until its deadline, then fails the sample with",
         "  `deadline_exceeded`; the request is cancelled and the server sees the disconnect;",
+        "  with `attempt_timeout_s` set, the silent attempt is abandoned and retried instead",
+        "  (on the other replica when there is one), and the sample is scored;",
         "* a server that ignores `token_ids_logprob_positions` is detected once per endpoint",
         "  and the stream falls back to blocked id scoring: same answers, no failures;",
         "* a killed replica resets its in-flight requests and refuses new ones until it is",

@@ -16,56 +16,44 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from ._errors import MissingLogprobError
-from ._kl import Strategy, TopKBatch, WeightMode, sampled_reverse_kl, topk_reverse_kl
+from ._kl import (
+    Strategy,
+    TopKBatch,
+    WeightMode,
+    pad_topk_batch,
+    sampled_reverse_kl,
+    topk_reverse_kl,
+)
 from ._sample import Candidates, ScoredSample
 from ._scorer import Fetched
 
 __all__ = ("score_batch",)
 
 
-def _pad(
-    arrays: Sequence[npt.NDArray[np.generic] | None],
-    r_max: int,
-    k: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor | None:
-    if any(a is None for a in arrays):
-        return None
-    out = torch.zeros((len(arrays), r_max, k), dtype=dtype)
-    for i, a in enumerate(arrays):
-        assert a is not None
-        if a.shape[0]:
-            out[i, : a.shape[0]] = torch.from_numpy(np.ascontiguousarray(a))
-    return out.to(device)
+def _topk_batch(items: Sequence[Fetched], device: torch.device) -> TopKBatch:
+    """Pad the batch's per-sample ``[R_i, K]`` arrays (a field is left out when a sample
+    lacks it: all samples of a stream share one request plan)."""
 
+    def field(arrays: list[npt.NDArray[Any] | None]) -> list[npt.NDArray[Any]] | None:
+        return None if any(a is None for a in arrays) else arrays  # type: ignore[return-value]
 
-def _topk_batch(items: Sequence[Fetched], k: int, device: torch.device) -> TopKBatch:
-    r_max = max(f.prepared.response_length for f in items)
-    valid = torch.zeros((len(items), r_max), dtype=torch.bool)
-    for i, f in enumerate(items):
-        valid[i, : f.prepared.response_length] = True
-    i64, f32 = torch.int64, torch.float32
-    return TopKBatch(
-        student_ids=_pad([f.student_ids for f in items], r_max, k, i64, device),
-        student_lp=_pad([f.student_lps for f in items], r_max, k, f32, device),
-        teacher_on_student=_pad([f.teacher_rows.id_logprobs for f in items], r_max, k, f32, device),
-        teacher_ids=_pad([f.teacher_rows.top_ids for f in items], r_max, k, i64, device),
-        teacher_lp=_pad([f.teacher_rows.top_logprobs for f in items], r_max, k, f32, device),
-        student_on_teacher=_pad(
-            [f.student_rows.id_logprobs if f.student_rows is not None else None for f in items],
-            r_max,
-            k,
-            f32,
-            device,
+    return pad_topk_batch(
+        student_ids=field([f.student_ids for f in items]),
+        student_lp=field([f.student_lps for f in items]),
+        teacher_on_student=field([f.teacher_rows.id_logprobs for f in items]),
+        teacher_ids=field([f.teacher_rows.top_ids for f in items]),
+        teacher_lp=field([f.teacher_rows.top_logprobs for f in items]),
+        student_on_teacher=field(
+            [f.student_rows.id_logprobs if f.student_rows is not None else None for f in items]
         ),
-        valid=valid.to(device),
+        device=device,
     )
 
 
@@ -145,7 +133,7 @@ def _score_batch(
         if not todo:
             break
         try:
-            res = topk_reverse_kl(_topk_batch(todo, top_k, device), strategy, weight_mode)
+            res = topk_reverse_kl(_topk_batch(todo, device), strategy, weight_mode)
         except MissingLogprobError as exc:
             failed[todo[exc.batch_index].prepared.index] = exc
             continue

@@ -9,7 +9,6 @@ the stream goes on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -330,8 +329,3 @@ def prepare_sample(
         student_top_ids=top_ids,
         student_top_logprobs=top_lps,
     )
-
-
-def is_finite_or_neg_inf(values: npt.NDArray[np.floating[Any]]) -> bool:
-    """True when every value is finite or -inf (the only values a logprob may take)."""
-    return bool(np.all(np.isfinite(values) | (values == -math.inf)))

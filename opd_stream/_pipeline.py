@@ -30,7 +30,14 @@ from ._config import StreamConfig
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
 from ._klstage import score_batch
 from ._router import TeacherRouter
-from ._sample import Candidates, PreparedSample, SampleFailure, ScoredSample, prepare_sample
+from ._sample import (
+    Candidates,
+    PreparedSample,
+    Sample,
+    SampleFailure,
+    ScoredSample,
+    prepare_sample,
+)
 from ._scorer import Fetched, SampleScorer, ScoreAttemptError
 from ._stats import StatsRecorder
 from ._wire import parse_student_topk
@@ -158,8 +165,6 @@ class _Pipeline:
     def _failure(
         self, sample: Any, index: int, exc: OPDStreamError, attempts: int
     ) -> SampleFailure:
-        from ._sample import Sample
-
         if not isinstance(sample, Sample):
             sample = Sample(tokens=[], response_length=0, sample_id=repr(type(sample)))
         message = str(exc)

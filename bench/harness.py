@@ -166,6 +166,23 @@ async def run_opd(
     return out
 
 
+def kl_stage_summary(stats: Any) -> dict[str, Any]:
+    """The KL stage's device and cost per batch, from ``OPDStream.stats().kl``."""
+    kl = stats.kl
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v * 1000
+
+    return {
+        "device": kl.device,
+        "batches": kl.batches,
+        "samples_per_batch": kl.samples / kl.batches if kl.batches else None,
+        "total_s": kl.seconds,
+        "ms_per_batch_p50": ms(kl.batch_p50_s),
+        "ms_per_batch_p99": ms(kl.batch_p99_s),
+    }
+
+
 def compare(opd: OpdOutcome, base: BaselineOutcome, tol: float = 1e-5) -> dict[str, Any]:
     """Max |difference| of teacher logprobs and reverse KL over the samples both finished."""
     worst_t = worst_k = 0.0

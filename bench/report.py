@@ -184,6 +184,32 @@ def _header() -> list[str]:
     return ["| run | " + " | ".join(_HEAD) + " | baseline / opd |", "|" + "---|" * (len(_HEAD) + 2)]
 
 
+def _kl_stage_lines(res: dict[str, Any]) -> list[str]:
+    """The KL stage apart from the network: device and time per batch (scenarios 1, 3)."""
+    runs: list[tuple[str, dict[str, Any]]] = []
+    for label, m in res.get("1", {}).get("modes", {}).items():
+        if "kl_stage" in m:
+            runs.append((f"1. {label}", m["kl_stage"]))
+    for name, r in res.get("3", {}).get("runs", {}).items():
+        if "kl_stage" in r:
+            runs.append((f"3. {name}", r["kl_stage"]))
+    if not runs:
+        return []
+    lines = [
+        "## KL stage (opd_stream, apart from the network)",
+        "",
+        "| run | device | batches | samples / batch | ms / batch p50 | ms / batch p99 | total s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, k in runs:
+        lines.append(
+            f"| {label} | {k['device']} | {k['batches']} | {_fmt(k['samples_per_batch'])} "
+            f"| {_fmt(k['ms_per_batch_p50'])} | {_fmt(k['ms_per_batch_p99'])} "
+            f"| {_fmt(k['total_s'], digits=3)} |"
+        )
+    return [*lines, ""]
+
+
 def render_markdown(
     res: dict[str, Any], targets: list[dict[str, Any]], meta: dict[str, Any]
 ) -> str:
@@ -217,6 +243,7 @@ def render_markdown(
         for label, m in res["1"]["modes"].items():
             lines.append(f"- {label}: equality {m['equality']}")
         lines.append("")
+    lines += _kl_stage_lines(res)
     if "2" in res:
         s = res["2"]
         lines += ["## 2. Streaming arrivals (Poisson)", "", f"sizes: {s['sizes']}", ""]

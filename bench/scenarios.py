@@ -29,7 +29,16 @@ from opd_stream._wire import (
 from opd_stream.testing.mock_sglang import MockOptions
 
 from .baseline import baseline_score
-from .harness import ClientMeter, LagTicker, Measurement, compare, mocks, pid_list, run_opd
+from .harness import (
+    ClientMeter,
+    LagTicker,
+    Measurement,
+    compare,
+    kl_stage_summary,
+    mocks,
+    pid_list,
+    run_opd,
+)
 from .workload import STUDENT_SEED, TEACHER_SEED, iter_samples, make_samples
 
 __all__ = ("SCENARIOS", "Sizes", "sizes_for")
@@ -104,7 +113,7 @@ def sizes_for(quick: bool) -> Sizes:
 
 def _config(teacher: str, student: str | None = None, **kw: Any) -> StreamConfig:
     return StreamConfig.from_env(
-        teachers=teacher, student_url=student, kl_device="cpu", request_deadline_s=600, **kw
+        teachers=teacher, student_url=student, request_deadline_s=600, **kw
     )
 
 
@@ -259,6 +268,7 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 "cpu_ratio_baseline_over_opd": b["cpu_s_per_1m_tokens"] / o["cpu_s_per_1m_tokens"],
                 "wall_ratio_baseline_over_opd": b["wall_s"] / o["wall_s"],
                 "opd_cpu_over_floor": o["cpu_s_per_1m_tokens"] / floor_per_1m,
+                "kl_stage": kl_stage_summary(opd.stats),
             }
             out["_latencies"][f"{label} opd_stream"] = list(om.latencies_s)
             out["_latencies"][f"{label} baseline"] = list(bm.latencies_s)
@@ -423,6 +433,8 @@ async def s3_long(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 lag.summary(),
             )
             out["runs"][name] = {**meas.as_dict(), "equality": check}
+            if cfg is not None:
+                out["runs"][name]["kl_stage"] = kl_stage_summary(opd.stats)
     return out
 
 

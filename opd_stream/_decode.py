@@ -631,12 +631,12 @@ def parse_student_topk(
         text = str(exc)  # e.g. "Expected `int`, got `bool` - at `$[3][1][1]`"
         row = _ROW_IN_PATH.search(text)
         raise InvalidSampleError(field, f"row {row.group(1)}: {text}" if row else text) from None
-    short = [n for n, row in enumerate(parsed) if len(row) < k]
-    if short:
-        n = short[0]
+    widths = set(map(len, parsed))
+    if widths and min(widths) < k:
+        n = next(n for n, row in enumerate(parsed) if len(row) < k)
         raise InvalidSampleError(field, f"row {n} has {len(parsed[n])} entries, expected >= {k}")
     total = response_length * k
-    kept = [row[:k] for row in parsed]
+    kept = parsed if widths <= {k} else [row[:k] for row in parsed]
     ids = np.fromiter(map(_ID, chain.from_iterable(kept)), dtype=np.int64, count=total)
     lps = np.fromiter(map(_LP, chain.from_iterable(kept)), dtype=np.float64, count=total)
     ids, lps = ids.reshape(response_length, k), lps.reshape(response_length, k)

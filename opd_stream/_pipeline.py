@@ -58,6 +58,21 @@ class RunState:
         self.error: BaseException | None = None
 
 
+def _timed_score_batch(
+    batch: list[Fetched], cfg: StreamConfig, device: torch.device
+) -> tuple[list[Any], float]:
+    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``."""
+    start = time.perf_counter()
+    results = score_batch(
+        batch,
+        top_k=cfg.top_k,
+        strategy=cfg.strategy,
+        weight_mode=cfg.weight_mode,
+        device=device,
+    )
+    return results, time.perf_counter() - start
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
@@ -276,17 +291,11 @@ class _Pipeline:
                 self.stats.stage_active["kl"] += 1
                 results: list[Any]
                 try:
-                    results = await anyio.to_thread.run_sync(
-                        partial(
-                            score_batch,
-                            batch,
-                            top_k=self.cfg.top_k,
-                            strategy=self.cfg.strategy,
-                            weight_mode=self.cfg.weight_mode,
-                            device=self.kl_device,
-                        ),
+                    results, seconds = await anyio.to_thread.run_sync(
+                        partial(_timed_score_batch, batch, self.cfg, self.kl_device),
                         limiter=self.kl_limiter,
                     )
+                    self.stats.record_kl_batch(len(batch), seconds)
                 except Exception as bug:  # a bug: fail this batch's samples, keep going
                     results = [self._internal_failure(f.prepared, bug, f.attempts) for f in batch]
                 finally:

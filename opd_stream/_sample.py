@@ -156,11 +156,14 @@ def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
             "tokens", f"expected a sequence of int token ids, got {type(tokens).__name__}"
         )
     else:
-        for i, tok in enumerate(tokens):
-            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-                raise InvalidSampleError(
-                    "tokens", f"element {i} is {type(tok).__name__}, expected int"
-                )
+        # One C-level pass over the element types (a list of plain ints is the common case);
+        # only an unexpected type pays for the Python loop that names the element.
+        if not set(map(type, tokens)) <= {int}:
+            for i, tok in enumerate(tokens):
+                if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                    raise InvalidSampleError(
+                        "tokens", f"element {i} is {type(tok).__name__}, expected int"
+                    )
         try:
             arr = np.asarray(tokens, dtype=np.int64)
         except OverflowError:

@@ -12,7 +12,7 @@ from collections import Counter, deque
 import msgspec
 import numpy as np
 
-__all__ = ("ChannelStats", "EndpointStats", "StatsRecorder", "StreamStats")
+__all__ = ("ChannelStats", "EndpointStats", "KLStageStats", "StatsRecorder", "StreamStats")
 
 _RING = 4096
 
@@ -58,6 +58,27 @@ class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
     cancelled: int = 0
 
 
+class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The KL stage, apart from the network: where it runs and what its batches cost.
+
+    Attributes:
+        device: the torch device the KL math runs on (``"cpu"``, ``"cuda:0"``, ...).
+        batches: KL batches scored.
+        samples: samples in those batches.
+        seconds: total time inside the KL function (padding, transfer to the device,
+            the math, and the copy of the results back to the CPU), summed over batches.
+        batch_p50_s, batch_p99_s: per-batch time percentiles (recent batches; None before
+            the first batch).
+    """
+
+    device: str
+    batches: int
+    samples: int
+    seconds: float
+    batch_p50_s: float | None
+    batch_p99_s: float | None
+
+
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of a stream's state (see ``OPDStream.stats``)."""
 
@@ -76,6 +97,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_lag_p99_s: float | None
     loop_lag_max_s: float
     endpoints: dict[str, EndpointStats]
+    kl: KLStageStats
 
 
 class _Endpoint:
@@ -129,6 +151,11 @@ class StatsRecorder:
         self._lag: deque[float] = deque(maxlen=_RING)
         self.lag_max = 0.0
         self.endpoints: dict[str, _Endpoint] = {}
+        self.kl_device = "cpu"
+        self.kl_batches = 0
+        self.kl_samples = 0
+        self.kl_seconds = 0.0
+        self._kl_batch: deque[float] = deque(maxlen=_RING)
 
     # channels ---------------------------------------------------------------------
     def channel(self, name: str, capacity: int) -> None:
@@ -157,6 +184,12 @@ class StatsRecorder:
         self._lag.append(seconds)
         self.lag_max = max(self.lag_max, seconds)
 
+    def record_kl_batch(self, samples: int, seconds: float) -> None:
+        self.kl_batches += 1
+        self.kl_samples += samples
+        self.kl_seconds += seconds
+        self._kl_batch.append(seconds)
+
     def record_failure(self, reason: str) -> None:
         self.failed += 1
         self.failures[reason] += 1
@@ -164,6 +197,7 @@ class StatsRecorder:
     def snapshot(self) -> StreamStats:
         lat = np.fromiter(self._latency, dtype=np.float64)
         lag = np.fromiter(self._lag, dtype=np.float64)
+        klb = np.fromiter(self._kl_batch, dtype=np.float64)
         return StreamStats(
             channels={
                 name: ChannelStats(
@@ -201,4 +235,12 @@ class StatsRecorder:
                 )
                 for url, ep in self.endpoints.items()
             },
+            kl=KLStageStats(
+                device=self.kl_device,
+                batches=self.kl_batches,
+                samples=self.kl_samples,
+                seconds=self.kl_seconds,
+                batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
+                batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
+            ),
         )

@@ -140,6 +140,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._transport = transport
         self._decode = decode
         self._stats = StatsRecorder()
+        self._stats.kl_device = str(self._device)
         self._tg: anyio.abc.TaskGroup | None = None
         self._scorer: SampleScorer | None = None
         self._proc_limiter: anyio.CapacityLimiter | None = None

@@ -394,6 +394,19 @@ async def test_stats_report_bytes_latency_and_loop_lag() -> None:
     assert T1 in st.endpoints and st.endpoints[T1].requests == 10
 
 
+async def test_stats_report_the_kl_stage_device_batches_and_time() -> None:
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        before = stream.stats().kl
+        await _collect(stream, _samples(10))
+        st = stream.stats().kl
+    assert before.batches == 0 and before.batch_p50_s is None
+    assert st.device == "cpu"
+    assert 1 <= st.batches <= 10 and st.samples == 10
+    assert st.seconds > 0
+    assert st.batch_p50_s is not None and st.batch_p99_s is not None
+    assert 0 < st.batch_p50_s <= st.batch_p99_s <= st.seconds
+
+
 async def test_independent_requests_run_concurrently() -> None:
     servers = _servers()
     live = peak = 0

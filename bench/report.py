@@ -83,11 +83,19 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             )
             blk = row.get("blocked_default", row["blocked_B8"])
             ratio = blk / pp
+            b = row.get("default_block_size", 8)
+            total = (blk + row.get("blocked_default_request", 0.0)) / (
+                pp + row.get("per_position_request", 0.0)
+            )
             out.append(
                 _t(
                     f"S4 blocked (default B) <= 3x per-position (R={r})",
                     ratio <= 3,
-                    f"{ratio:.2f}x",
+                    f"{ratio:.2f}x (auto B = {b}; request + answer {total:.2f}x)",
+                    ""
+                    if ratio <= 3
+                    else "a smaller B shrinks the answer but re-sends the prefix more "
+                    "often; auto minimises request + answer bytes",
                 )
             )
             out.append(
@@ -283,9 +291,9 @@ def render_markdown(
             "",
             f"k = {s['k']}, prompt {s['prompt']}",
             "",
-            "| R | per-position | blocked B=2 | B=4 | B=8 | blocked default | "
+            "| R | per-position | blocked B=1 | B=2 | B=4 | B=8 | blocked auto (B) | "
             "b64 top-k | b64 B/candidate | json top-k | flat union | flat / pp |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in s["rows"]:
             flat = _fmt(row["flat_union"], "", 0) + (
@@ -293,8 +301,10 @@ def render_markdown(
             )
             lines.append(
                 f"| {row['response_length']} | {_fmt(row['per_position'])} | "
+                f"{_fmt(row.get('blocked_B1'))} | "
                 f"{_fmt(row['blocked_B2'])} | {_fmt(row['blocked_B4'])} | "
-                f"{_fmt(row['blocked_B8'])} | {_fmt(row.get('blocked_default'))} | "
+                f"{_fmt(row['blocked_B8'])} | {_fmt(row.get('blocked_default'))} "
+                f"({row.get('default_block_size')}) | "
                 f"{_fmt(row['b64_topk'])} | {_fmt(row['b64_topk_per_candidate'])} | "
                 f"{_fmt(row['json_topk'])} | {flat} | "
                 f"{row['flat_union'] / row['per_position']:.1f}x |"
@@ -304,8 +314,10 @@ def render_markdown(
             "Request bytes per response token: "
             + ", ".join(
                 f"R={row['response_length']}: pp {row['per_position_request']:.0f}, "
+                f"B1 {row.get('blocked_B1_request', float('nan')):.0f}, "
                 f"B2 {row['blocked_B2_request']:.0f}, B4 {row['blocked_B4_request']:.0f}, "
-                f"B8 {row['blocked_B8_request']:.0f}"
+                f"B8 {row['blocked_B8_request']:.0f}, "
+                f"auto {row.get('blocked_default_request', float('nan')):.0f}"
                 for row in s["rows"]
             ),
             "",

@@ -22,6 +22,7 @@ import numpy as np
 from opd_stream import Sample, StreamConfig
 from opd_stream._wire import (
     ScoreRequest,
+    auto_block_size,
     build_score_payload,
     decode_score_response,
     parse_student_topk,
@@ -469,11 +470,10 @@ async def s4_wire(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 pp, pp_req = await size_of(patched_url, ScoreRequest(**base, ids=ids))
                 row["per_position"] = pp / r
                 row["per_position_request"] = pp_req / r
-                default_b = StreamConfig.__struct_defaults__[
-                    StreamConfig.__struct_fields__.index("id_block_size")
-                    - (len(StreamConfig.__struct_fields__) - len(StreamConfig.__struct_defaults__))
-                ]
-                for bsz in sorted({2, 4, 8, int(default_b)}):
+                default_b = StreamConfig.from_env({}, teachers="http://t").id_block_size
+                if default_b == 0:  # auto: what the pipeline resolves for this sample
+                    default_b = auto_block_size(tokens, r, ids)
+                for bsz in sorted({1, 2, 4, 8, default_b}):
                     blk, blk_req = await size_of(
                         unpatched_url,
                         ScoreRequest(**base, ids=ids, id_form="blocked", block_size=bsz),
@@ -481,6 +481,7 @@ async def s4_wire(sz: Sizes, progress: Progress) -> dict[str, Any]:
                     row[f"blocked_B{bsz}"] = blk / r
                     row[f"blocked_B{bsz}_request"] = blk_req / r
                 row["blocked_default"] = row[f"blocked_B{default_b}"]
+                row["blocked_default_request"] = row[f"blocked_B{default_b}_request"]
                 row["default_block_size"] = int(default_b)
                 b64, _ = await size_of(patched_url, ScoreRequest(**base, top_k=k, topk_wire="b64"))
                 js, _ = await size_of(patched_url, ScoreRequest(**base, top_k=k, topk_wire="json"))

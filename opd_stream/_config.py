@@ -169,7 +169,10 @@ _MEANINGS: Final[dict[str, str]] = {
     "order": "result order: completed (as they finish) or input (bounded reorder buffer)",
     "api_key": "sent as 'Authorization: Bearer'; never printed by repr, logs or errors",
     "channel_capacity": "capacity of each bounded channel between pipeline stages (>= 1)",
-    "id_block_size": "response positions per block in blocked id scoring (>= 1)",
+    "id_block_size": (
+        "response positions per block in blocked id scoring; 0 = auto (per sample, the size "
+        "that minimises request + answer bytes)"
+    ),
     "kl_batch_size": "most samples in one KL batch (>= 1)",
     "kl_batch_wait_s": "how long the KL stage waits to fill a batch, in seconds (>= 0)",
     "backoff_initial_s": "first retry backoff ceiling, in seconds (> 0); doubles per attempt",
@@ -247,7 +250,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     order: Order = "completed"
     api_key: Secret | None = None
     channel_capacity: int = 64
-    id_block_size: int = 8
+    id_block_size: int = 0
     kl_batch_size: int = 32
     kl_batch_wait_s: float = 0.002
     backoff_initial_s: float = 0.05
@@ -519,7 +522,7 @@ _INT_BOUNDS: Final[tuple[tuple[str, int, int | None], ...]] = (
     ("max_inflight_per_endpoint", 1, None),
     ("max_response_bytes", _KIB, None),
     ("channel_capacity", 1, None),
-    ("id_block_size", 1, None),
+    ("id_block_size", 0, None),
     ("kl_batch_size", 1, None),
     ("decode_workers", 0, None),
     ("decode_offload_bytes", 0, None),

@@ -29,7 +29,7 @@ from ._retry import RetryPolicy
 from ._sample import PreparedSample
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import ScoreRequest, ScoreRows
+from ._wire import ScoreRequest, ScoreRows, auto_block_size
 
 __all__ = ("Fetched", "SampleScorer", "ScoreAttemptError")
 
@@ -193,15 +193,20 @@ class SampleScorer:
         top_k: int,
         ids: npt.NDArray[np.int64] | None,
     ) -> ScoreRequest:
+        id_form = self._caps.id_form(url)
+        block_size = self._cfg.id_block_size
+        if block_size == 0 and id_form == "blocked" and ids is not None:
+            # resolved once here, not by every later user of the request
+            block_size = auto_block_size(prepared.tokens, prepared.response_length, ids)
         return ScoreRequest(
             tokens=prepared.tokens,
             response_length=prepared.response_length,
             top_k=top_k,
             ids=ids,
-            id_form=self._caps.id_form(url),
+            id_form=id_form,
             start=self._cfg.logprob_start,
             topk_wire=self._caps.topk_wire(url) if top_k > 0 else "json",
-            block_size=self._cfg.id_block_size,
+            block_size=block_size,
         )
 
     async def fetch(

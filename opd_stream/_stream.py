@@ -32,7 +32,13 @@ from ._router import TeacherRouter
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
-from ._wire import ScoreRequest, ScoreRows, build_score_payload, decode_score_response
+from ._wire import (
+    ScoreRequest,
+    ScoreRows,
+    build_score_payload,
+    decode_score_response,
+    resolved_block_size,
+)
 
 __all__ = ("OPDStream", "Results")
 
@@ -47,7 +53,7 @@ def _request_bytes(req: ScoreRequest) -> int:
     ids = 0 if req.ids is None else int(req.ids.size)
     tokens = int(req.tokens.size)
     if req.id_form == "blocked" and req.ids is not None:
-        tokens *= -(-req.response_length // req.block_size)  # the prefix once per block
+        tokens *= -(-req.response_length // resolved_block_size(req))  # a prefix per block
     return 7 * (tokens + ids)
 
 

@@ -23,6 +23,8 @@ logprobs of caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
     ``O(R·k·B)``, works on unpatched releases, and the stitched result equals the
     per-position one exactly (causal attention: a row depends only on its prefix). The
     request body carries one prefix per block, i.e. ``O(ceil(R/B)·L)`` token ids.
+    ``block_size = 0`` (auto) picks B per sample to minimise the estimated bytes on the
+    wire, request and answer together (see :func:`auto_block_size`).
 
 ``start`` picks ``logprob_start_len`` for the single-item forms: ``"prompt"`` sends
 ``P - 1`` (answer has ``R + 1`` entries, the prompt prefix stays cacheable), ``"zero"``
@@ -61,12 +63,14 @@ __all__ = (
     "IdForm",
     "ScoreRequest",
     "ScoreRows",
+    "auto_block_size",
     "build_generate_payload",
     "build_score_payload",
     "decode_generate_response",
     "decode_score_response",
     "parse_error_message",
     "parse_student_topk",
+    "resolved_block_size",
 )
 
 IdForm = Literal["per-position", "flat", "blocked"]
@@ -89,7 +93,7 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
         id_form: how ``ids`` travel: ``"per-position"``, ``"flat"`` or ``"blocked"``.
         start: ``logprob_start_len`` = ``P - 1`` (``"prompt"``) or ``0`` (``"zero"``).
         topk_wire: ``"b64"`` asks for the b64 flat top-k fields.
-        block_size: ``B`` for the blocked form.
+        block_size: ``B`` for the blocked form; 0 = auto (:func:`auto_block_size`).
     """
 
     tokens: npt.NDArray[np.int64]
@@ -99,7 +103,7 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
     id_form: IdForm = "per-position"
     start: Literal["prompt", "zero"] = "prompt"
     topk_wire: Literal["b64", "json"] = "json"
-    block_size: int = 8
+    block_size: int = 0
 
 
 class _Layout(msgspec.Struct, frozen=True, kw_only=True):
@@ -129,8 +133,8 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
         raise InvalidSampleError("start", f"unknown start {req.start!r}")
     if req.topk_wire not in ("b64", "json"):
         raise InvalidSampleError("topk_wire", f"unknown top-k wire form {req.topk_wire!r}")
-    if req.block_size < 1:
-        raise InvalidSampleError("block_size", f"{req.block_size} < 1")
+    if req.block_size < 0:
+        raise InvalidSampleError("block_size", f"{req.block_size} < 0")
     ids = req.ids
     if ids is not None:
         if ids.ndim != 2 or ids.shape[0] != r or ids.shape[1] < 1:
@@ -159,6 +163,70 @@ def _sorted_unique(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return s[keep]
 
 
+#: Block sizes ``auto`` chooses from.
+AUTO_BLOCK_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+_ENTRY_BYTES = 33  # one ``[lp,id,null]`` answer entry (spec: ~33 B)
+_ITEM_BYTES = 450  # one batch item's fixed answer fields (id, finish_reason, counts, ...)
+
+
+def _json_int_bytes(values: npt.NDArray[np.int64]) -> float:
+    """Mean bytes of one non-negative id in a compact JSON list (digits + comma)."""
+    if values.size == 0:
+        return 0.0
+    digits = np.ones(values.shape, dtype=np.int64)
+    for power in range(1, 10):
+        digits += values >= 10**power
+    return float(digits.mean()) + 1.0
+
+
+def auto_block_size(tokens: npt.NDArray[np.int64], response_length: int, ids: Any) -> int:
+    """The blocked form's block size that minimises the estimated bytes on the wire.
+
+    Small blocks make small answers (each block answers ``(B + 1)`` rows of its union of
+    ids) but re-send the prefix once per block; large blocks do the opposite. For each
+    candidate ``B`` in :data:`AUTO_BLOCK_SIZES` (up to ``R``) this estimates the answer,
+    ``(R + blocks) · U_B · 33 + 450 · blocks`` bytes (each block's rows and its output row
+    hold its union's ids), and the request, every block's prefix at the measured bytes per
+    token id plus its union, where the union size ``U_B`` grows by
+    the measured overlap of adjacent rows: ``U_B = min(B·k, k + (B - 1)·d)`` with
+    ``d = mean |union(ids[t], ids[t+1])| - k``. Deterministic in its inputs, so the decoder
+    re-derives the same layout.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[0] != response_length or ids.shape[1] < 1:
+        raise InvalidSampleError(
+            "ids", f"shape {list(ids.shape)}, expected [{response_length}, k >= 1]"
+        )
+    r, k = ids.shape
+    if r < 2:
+        return 1
+    pair = np.sort(np.concatenate((ids[:-1], ids[1:]), axis=1), axis=1)
+    pair_union = k * 2 - (pair[:, 1:] == pair[:, :-1]).sum(axis=1)
+    d = float(pair_union.mean()) - k
+    p = tokens.shape[0] - r
+    tok_b, id_b = _json_int_bytes(tokens), _json_int_bytes(ids[: min(r, 64)])
+    best, best_cost = 1, np.inf
+    for b in AUTO_BLOCK_SIZES:
+        if b > r:
+            break
+        n_blocks = -(-r // b)
+        u = min(b * k, k + (b - 1) * d)
+        # every block answers its rows plus one output row, each with its union's ids
+        answer = (r + n_blocks) * u * _ENTRY_BYTES + n_blocks * _ITEM_BYTES
+        ends = np.minimum(np.arange(1, n_blocks + 1) * b, r)
+        request = (n_blocks * p + int(ends.sum())) * tok_b + n_blocks * (u * id_b + 16)
+        if answer + request < best_cost:
+            best, best_cost = b, answer + request
+    return best
+
+
+def resolved_block_size(req: ScoreRequest) -> int:
+    """``req.block_size``, or the automatic choice when it is 0 (blocked form with ids)."""
+    if req.block_size > 0 or req.ids is None:
+        return max(req.block_size, 1)
+    return auto_block_size(np.asarray(req.tokens), req.response_length, req.ids)
+
+
 def _layout(req: ScoreRequest) -> _Layout:
     """Validate ``req`` and derive the items, their layouts and expected ids."""
     tokens, p = _check_request(req)
@@ -177,7 +245,7 @@ def _layout(req: ScoreRequest) -> _Layout:
         seg = Segment(length=length, start=s, rows=r, expect=union, col=col)
         return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[union])
     # blocked: per-block unions in one vectorised pass over keys (block, id)
-    b = req.block_size
+    b = resolved_block_size(req)
     n_blocks = -(-r // b)
     block_of = np.arange(r, dtype=np.int64) // b
     span = int(ids.max()) + 1

@@ -52,7 +52,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.order == "completed"
     assert cfg.api_key is None
     assert cfg.channel_capacity == 64
-    assert cfg.id_block_size == 8
+    assert cfg.id_block_size == 0
     assert cfg.kl_batch_size == 32
     assert cfg.kl_batch_wait_s == 0.002
     assert cfg.backoff_initial_s == 0.05
@@ -188,7 +188,7 @@ INVALID: list[tuple[str, Any]] = [
     ("api_key", "tab\there"),
     ("api_key", "newline\n"),
     ("channel_capacity", 0),
-    ("id_block_size", 0),
+    ("id_block_size", -1),
     ("kl_batch_size", 0),
     ("kl_batch_wait_s", -0.1),
     ("kl_batch_wait_s", math.inf),
@@ -264,7 +264,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("order", "x"),
     ("api_key", "has space"),
     ("channel_capacity", "0"),
-    ("id_block_size", "0"),
+    ("id_block_size", "-1"),
     ("kl_batch_size", "0"),
     ("kl_batch_wait_s", "-1"),
     ("backoff_initial_s", "0"),

@@ -193,7 +193,7 @@ def samples(draw: st.DrawFn) -> dict[str, Any]:
         "response_length": r,
         "ids": ids,
         "top_k": draw(st.integers(0, 3)),
-        "block_size": draw(st.integers(1, 6)),
+        "block_size": draw(st.integers(0, 6)),  # 0 = auto
         "start": draw(st.sampled_from(["prompt", "zero"])),
         "topk_wire": draw(st.sampled_from(["json", "b64"])),
     }

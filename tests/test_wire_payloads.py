@@ -191,7 +191,7 @@ def test_payload_is_identical_for_equal_requests() -> None:
         ({"response_length": 0}, "response_length"),
         ({"response_length": 8}, "response_length"),  # P would be 0
         ({"top_k": -1}, "top_k"),
-        ({"block_size": 0}, "block_size"),
+        ({"block_size": -1}, "block_size"),
         ({"ids": IDS[:4]}, "ids"),
         ({"ids": np.zeros((R, 0), dtype=np.int64)}, "ids"),
         ({"ids": np.array([[1, 1]] * R, dtype=np.int64)}, "ids"),

@@ -1,4 +1,5 @@
-"""The ``opd-stream`` command: ``demo`` (the main job), ``bench``, ``mock``, ``config``."""
+"""The ``opd-stream`` command: ``demo`` (the main job), ``score``, ``bench``, ``mock``,
+``config``."""
 
 from __future__ import annotations
 
@@ -16,12 +17,21 @@ __all__ = ("main",)
 
 def _parser() -> argparse.ArgumentParser:
     from ._demo import add_demo_arguments
+    from ._scorefile import add_score_arguments
 
     p = argparse.ArgumentParser(prog="opd-stream", description=__doc__)
     p.add_argument("--log-level", default="warning", help="structlog level (default warning)")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="score rollouts against embedded mock SGLang servers")
     add_demo_arguments(demo)
+    score = sub.add_parser(
+        "score",
+        help="score a JSON Lines file of rollouts against real SGLang servers",
+        description="Score a JSON Lines file of rollouts against real SGLang servers "
+        "(one output line per input line; see the README for both line schemas). Every "
+        "StreamConfig field not set by a flag comes from its OPD_STREAM_* variable.",
+    )
+    add_score_arguments(score)
     bench = sub.add_parser(
         "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
     )
@@ -52,6 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         code: int = bench.main([*extra, *args.args])
         return code
+    if args.command == "score":
+        from ._scorefile import run_score
+
+        try:
+            score_code: int = anyio.run(run_score, args)
+        except KeyboardInterrupt:
+            print("opd-stream score: interrupted", file=sys.stderr)
+            return 130
+        return score_code
     from ._demo import run_demo
 
     result: int = anyio.run(run_demo, args)

@@ -1,0 +1,746 @@
+"""``opd-stream score``: score a JSON Lines file of rollouts against real SGLang servers.
+
+Sans-IO part (plain functions, usable and testable without a server):
+
+* :class:`InputLine`: the schema of one input line (a JSON object; unknown keys are errors);
+* :func:`decode_line`: one input line (bytes) -> a :class:`Sample` whose ``sample_id`` is a
+  :class:`LineRef`, or :class:`InvalidSampleError` with a message that names the field and
+  never repeats the line's contents;
+* :class:`ScoredLine` / :class:`FailedLine`: the schema of one output line;
+* :func:`render_result`: a :class:`ScoredSample` or :class:`SampleFailure` -> one output line.
+
+Async runner: :func:`run_score` (the ``score`` sub-command; :func:`add_score_arguments`
+declares its options). Input is read incrementally in a worker thread (``read1`` chunks,
+lines split here, decoded in that thread), so memory stays bounded by the pipeline's
+capacities (plus the longest line) however large the file; every non-blank input line
+gives exactly one output line. Output is rendered and written in a worker thread, in batches.
+
+Order: by default output lines come in completion order. With ``--ordered`` (or
+``OPD_STREAM_ORDER=input``) they come in input order: the stream runs with
+``order="input"`` (its reorder buffer holds at most ``max_reorder`` results) and lines
+that fail to decode are merged back in at their place through a bounded queue of
+``max_inflight + max_reorder`` tickets.
+
+Non-finite floats: JSON has no ``-inf``; msgspec writes every non-finite float as ``null``.
+The only non-finite value that can reach an output line is a ``-inf`` teacher (or, in
+candidates, student) logprob, a token the model gives probability 0; the library never
+emits NaN, and ``reverse_kl`` and ``weights`` are always finite (logprobs are clamped to
+``LOGPROB_FLOOR = -1e4`` before any arithmetic). So ``null`` inside a logprob list means
+``-inf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, BinaryIO, cast, get_args
+
+import anyio
+import msgspec
+import numpy as np
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._config import IdScoring, Strategy, StreamConfig, WeightMode
+from ._errors import ConfigError, InvalidSampleError
+from ._pipeline import Result
+from ._progress import Progress
+from ._router import parse_teacher_urls
+from ._sample import MAX_TOKEN_ID, Sample, SampleFailure, ScoredSample
+from ._stream import OPDStream
+
+__all__ = (
+    "CandidatesLine",
+    "FailedLine",
+    "InputLine",
+    "LineRef",
+    "ScoredLine",
+    "add_score_arguments",
+    "decode_line",
+    "render_result",
+    "run_score",
+)
+
+log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+
+_PROG = "opd-stream score"
+_READ_CHUNK = 1 << 20  # bytes asked of the input per read
+_WRITE_BATCH = 256  # most results rendered and written per worker-thread call
+_MAX_MESSAGE = 300  # characters of a decode error message kept
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+"""A token id as the input schema accepts it: an integer in ``[0, 2**31 - 1]``."""
+
+
+# --- input schema -------------------------------------------------------------------------
+
+
+class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One input line: a JSON object with these keys (any other key is an error).
+
+    Attributes:
+        id: any JSON value, copied verbatim to the output line; default: the 0-based
+            index of the line among the non-blank lines.
+        prompt_ids: prompt token ids (non-empty); with ``response_ids``.
+        response_ids: response token ids (may be empty); with ``prompt_ids``.
+        tokens: prompt + response token ids; with ``response_length`` (instead of
+            ``prompt_ids`` + ``response_ids``).
+        response_length: R, the number of trailing ``tokens`` that are the response.
+        teacher: the teacher name (stored in ``metadata[teacher_key]``); default: the
+            default teacher.
+        rollout_logprobs: the student's logprob of each response token (R finite floats).
+        student_top_logprobs: one row per response token of ``[logprob, token_id]`` pairs
+            (or SGLang ``[logprob, token_id, text]`` triples), best first; ``null`` logprob
+            means ``-inf``.
+        metadata: an object, passed on as ``Sample.metadata``.
+    """
+
+    id: msgspec.Raw = msgspec.Raw()
+    prompt_ids: list[TokenId] | None = None
+    response_ids: list[TokenId] | None = None
+    tokens: list[TokenId] | None = None
+    response_length: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    teacher: str | None = None
+    rollout_logprobs: list[float] | None = None
+    student_top_logprobs: list[list[Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class _IdOnly(msgspec.Struct):
+    """Lenient view of a line that failed the schema: only its ``id``, if it is JSON."""
+
+    id: msgspec.Raw = msgspec.Raw()
+
+
+class LineRef(msgspec.Struct, frozen=True):
+    """Where a sample came from; carried as ``Sample.sample_id`` through the stream.
+
+    Attributes:
+        seq: 0-based index among the non-blank input lines.
+        line: 1-based line number in the input (blank lines counted).
+        id: the output ``id``, as raw JSON.
+    """
+
+    seq: int
+    line: int
+    id: msgspec.Raw
+
+
+_DECODER = msgspec.json.Decoder(InputLine)
+_ID_DECODER = msgspec.json.Decoder(_IdOnly)
+_PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def _default_id(seq: int) -> msgspec.Raw:
+    return msgspec.Raw(str(seq).encode())
+
+
+def _line_id(data: bytes, seq: int) -> msgspec.Raw:
+    """The ``id`` of a line that failed the schema, when it is readable, else the default."""
+    try:
+        raw = _ID_DECODER.decode(data).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _default_id(seq)
+    return raw.copy() if len(raw) else _default_id(seq)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def decode_line(
+    data: bytes,
+    *,
+    line: int,
+    seq: int,
+    teacher_key: str = "opd_teacher",
+    default_teacher: str | None = None,
+) -> Sample:
+    """Turn one input line into a :class:`Sample` (``sample_id`` = :class:`LineRef`).
+
+    Only the line's own shape is checked here (JSON, schema, which token keys are given);
+    the rest (``response_length`` range, rollout and top-k values, routing) is checked by
+    the stream at intake, where it fails the sample alone like any other sample.
+
+    Args:
+        data: the line, without its newline (surrounding whitespace is allowed).
+        line: its 1-based line number (for :class:`LineRef`).
+        seq: its 0-based index among non-blank lines (the default ``id``).
+        teacher_key: the metadata key that names the teacher.
+        default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
+
+    Raises:
+        InvalidSampleError: not JSON (field ``json``), not the schema (the field named by
+            the error path, or ``schema``), a missing or conflicting token key, an empty
+            ``prompt_ids``, or ``teacher`` disagreeing with ``metadata[teacher_key]``.
+            Messages carry field names, positions and types, never values.
+    """
+    try:
+        parsed = _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH_FIELD.search(text)
+        raise InvalidSampleError(match.group(1) if match else "schema", _clip(text)) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidSampleError("json", _clip(str(exc))) from None
+
+    split = parsed.prompt_ids is not None or parsed.response_ids is not None
+    joined = parsed.tokens is not None or parsed.response_length is not None
+    if split and joined:
+        raise InvalidSampleError(
+            "tokens", "give prompt_ids + response_ids or tokens + response_length, not both"
+        )
+    if split:
+        if parsed.prompt_ids is None:
+            raise InvalidSampleError("prompt_ids", "required with response_ids")
+        if parsed.response_ids is None:
+            raise InvalidSampleError("response_ids", "required with prompt_ids")
+        if not parsed.prompt_ids:
+            raise InvalidSampleError(
+                "prompt_ids", "must not be empty (at least one prompt token precedes the response)"
+            )
+        tokens = np.array(parsed.prompt_ids + parsed.response_ids, dtype=np.int64)
+        response_length = len(parsed.response_ids)
+    elif joined:
+        if parsed.tokens is None:
+            raise InvalidSampleError("tokens", "required with response_length")
+        if parsed.response_length is None:
+            raise InvalidSampleError("response_length", "required with tokens")
+        tokens = np.array(parsed.tokens, dtype=np.int64)
+        response_length = parsed.response_length
+    else:
+        raise InvalidSampleError(
+            "prompt_ids", "required: give prompt_ids + response_ids (or tokens + response_length)"
+        )
+
+    metadata = dict(parsed.metadata) if parsed.metadata is not None else {}
+    if parsed.teacher is not None:
+        given = metadata.get(teacher_key)
+        if given is not None and str(given) != parsed.teacher:
+            raise InvalidSampleError("teacher", f"disagrees with metadata[{teacher_key!r}]")
+        metadata[teacher_key] = parsed.teacher
+    elif metadata.get(teacher_key) is None and default_teacher is not None:
+        metadata[teacher_key] = default_teacher
+
+    rollout = None
+    if parsed.rollout_logprobs is not None:
+        rollout = np.asarray(parsed.rollout_logprobs, dtype=np.float64)
+    ident = parsed.id.copy() if len(parsed.id) else _default_id(seq)
+    return Sample(
+        tokens,
+        response_length,
+        metadata=metadata,
+        rollout_logprobs=rollout,
+        student_top_logprobs=parsed.student_top_logprobs,
+        sample_id=LineRef(seq, line, ident),
+    )
+
+
+def _line_failure(data: bytes, *, line: int, seq: int, error: InvalidSampleError) -> SampleFailure:
+    """The failure of a line that did not decode, in the stream's result type."""
+    ref = LineRef(seq, line, _line_id(data, seq))
+    return SampleFailure(
+        sample=Sample([], 0, sample_id=ref),
+        index=seq,
+        reason=error.reason,
+        message=str(error),
+        attempts=0,
+    )
+
+
+# --- output schema ------------------------------------------------------------------------
+
+
+class CandidatesLine(msgspec.Struct, kw_only=True):
+    """Top-k candidate arrays of one sample, each ``[R][C]`` (``--with-candidates``).
+
+    ``ids`` is -1 and the values are 0 where ``mask`` is false (unused slots).
+    """
+
+    ids: list[list[int]]
+    student_logprobs: list[list[float | None]]
+    teacher_logprobs: list[list[float | None]]
+    weights: list[list[float]]
+    mask: list[list[bool]]
+
+
+class ScoredLine(msgspec.Struct, kw_only=True):
+    """An output line for a scored sample (``ok`` is true).
+
+    ``teacher_logprobs`` may hold ``null`` (-inf); ``reverse_kl`` is null in sampled-token
+    mode without ``rollout_logprobs``; ``candidates`` is present only in top-k mode with
+    ``--with-candidates``.
+    """
+
+    id: msgspec.Raw
+    line: int
+    ok: bool
+    teacher: str
+    response_length: int
+    teacher_logprobs: list[float | None]
+    reverse_kl: list[float] | None
+    attempts: int
+    latency_s: float
+    candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+
+
+class FailedLine(msgspec.Struct, kw_only=True):
+    """An output line for a sample that could not be scored (``ok`` is false)."""
+
+    id: msgspec.Raw
+    line: int
+    ok: bool
+    reason: str
+    message: str
+    attempts: int
+
+
+def _ref_of(item: Result) -> LineRef:
+    ref = item.sample.sample_id
+    if not isinstance(ref, LineRef):
+        raise TypeError(f"expected a sample from decode_line, got sample_id {type(ref).__name__}")
+    return ref
+
+
+def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
+    """Render one result as an output line: a JSON object followed by ``\\n``.
+
+    Float32 values become the Python floats they equal (so reading them back as float32
+    is exact); non-finite floats are written as ``null`` (see the module docstring).
+
+    Args:
+        item: a result of a sample made by :func:`decode_line` (its ``sample_id`` is a
+            :class:`LineRef`), or a line failure.
+        with_candidates: include ``candidates`` (top-k mode only; they are large).
+
+    Raises:
+        TypeError: the sample's ``sample_id`` is not a :class:`LineRef`.
+    """
+    ref = _ref_of(item)
+    out: ScoredLine | FailedLine
+    if isinstance(item, ScoredSample):
+        candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+        if with_candidates and item.candidates is not None:
+            c = item.candidates
+            candidates = CandidatesLine(
+                ids=c.ids.tolist(),
+                student_logprobs=c.student_logprobs.tolist(),
+                teacher_logprobs=c.teacher_logprobs.tolist(),
+                weights=c.weights.tolist(),
+                mask=c.mask.tolist(),
+            )
+        out = ScoredLine(
+            id=ref.id,
+            line=ref.line,
+            ok=True,
+            teacher=item.teacher,
+            response_length=item.sample.response_length,
+            teacher_logprobs=item.teacher_logprobs.tolist(),
+            reverse_kl=None if item.reverse_kl is None else item.reverse_kl.tolist(),
+            attempts=item.attempts,
+            latency_s=item.latency_s,
+            candidates=candidates,
+        )
+    else:
+        out = FailedLine(
+            id=ref.id,
+            line=ref.line,
+            ok=False,
+            reason=item.reason,
+            message=item.message,
+            attempts=item.attempts,
+        )
+    return msgspec.json.encode(out) + b"\n"
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+class _LineReader:
+    """Reads and decodes input lines in chunks (called from a worker thread)."""
+
+    def __init__(self, fh: BinaryIO, decode: Callable[[bytes, int, int], Sample]) -> None:
+        read1 = getattr(fh, "read1", None)
+        self._read: Callable[[int], bytes] = read1 if read1 is not None else fh.read
+        self._decode = decode
+        self._parts: list[bytes] = []
+        self._eof = False
+        self.lines = 0  # physical lines seen
+        self.seq = 0  # non-blank lines seen
+
+    def _take(self, data: bytes, out: list[Sample | SampleFailure]) -> None:
+        self.lines += 1
+        if not data.strip():
+            return
+        seq = self.seq
+        self.seq += 1
+        try:
+            out.append(self._decode(data, self.lines, seq))
+        except InvalidSampleError as exc:
+            out.append(_line_failure(data, line=self.lines, seq=seq, error=exc))
+
+    def read_batch(self) -> list[Sample | SampleFailure] | None:
+        """The next decoded lines (at least one), or None at the end of the input.
+
+        Reads at most one chunk more than it needs; a line longer than a chunk is
+        gathered in parts and joined once.
+        """
+        out: list[Sample | SampleFailure] = []
+        while not out and not self._eof:
+            chunk = self._read(_READ_CHUNK)
+            if not chunk:
+                self._eof = True
+                if self._parts:
+                    last, self._parts = b"".join(self._parts), []
+                    self._take(last, out)
+                break
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
+                piece = chunk[start:end]
+                if self._parts:
+                    self._parts.append(piece)
+                    piece, self._parts = b"".join(self._parts), []
+                self._take(piece, out)
+                start = end + 1
+            if start < len(chunk):
+                self._parts.append(chunk[start:])
+        return out or None
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_score_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare the options of ``opd-stream score`` on ``p``."""
+    p.add_argument(
+        "--teacher",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="a teacher server (repeatable, at least one); replicas joined with '|'",
+    )
+    p.add_argument(
+        "--default-teacher",
+        metavar="NAME",
+        help="teacher of lines that name none (default: the first --teacher)",
+    )
+    p.add_argument("--student-url", metavar="URL", help="student scoring server")
+    p.add_argument("--input", required=True, metavar="PATH", help="JSON Lines input ('-': stdin)")
+    p.add_argument(
+        "--output", required=True, metavar="PATH", help="JSON Lines output ('-': stdout)"
+    )
+    p.add_argument("--top-k", type=int, help="0 = sampled-token mode; > 0 = top-k mode")
+    p.add_argument("--strategy", choices=get_args(Strategy), help="top-k candidate set")
+    p.add_argument("--weight-mode", choices=get_args(WeightMode), help="candidate weights")
+    p.add_argument("--id-scoring", choices=get_args(IdScoring), help="how ids are scored")
+    p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
+    p.add_argument(
+        "--request-deadline-s", type=float, help="budget of one logical request, in seconds"
+    )
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="read the API key from environment variable VAR (never from the command line)",
+    )
+    p.add_argument("--ordered", action="store_true", help="write results in input order")
+    p.add_argument(
+        "--with-candidates",
+        action="store_true",
+        help="include the per-candidate arrays in top-k mode (large)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fail-on-error", action="store_true", help="exit 1 when any sample failed")
+
+
+class _UsageError(Exception):
+    """A problem with the command line, the configuration or the files (exit code 2)."""
+
+
+# StreamConfig fields with a flag of the same name (``--top-k`` -> ``top_k``); unset = env.
+_FLAG_FIELDS = (
+    "student_url",
+    "top_k",
+    "strategy",
+    "weight_mode",
+    "id_scoring",
+    "max_inflight",
+    "request_deadline_s",
+)
+
+
+def _config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
+    """The configuration (env, then flags) and the default teacher's name."""
+    try:
+        teachers = parse_teacher_urls(list(args.teacher))
+    except ConfigError as exc:
+        raise _UsageError(f"--teacher: {exc}") from None
+    default = args.default_teacher if args.default_teacher is not None else next(iter(teachers))
+    if default not in teachers:
+        raise _UsageError(
+            f"--default-teacher {default!r} is not a configured teacher "
+            f"(known: {', '.join(sorted(teachers))})"
+        )
+    overrides: dict[str, Any] = {"teachers": teachers}
+    for field in _FLAG_FIELDS:
+        value = getattr(args, field)
+        if value is not None:
+            overrides[field] = value
+    if args.ordered:
+        overrides["order"] = "input"
+    if args.api_key_env is not None:
+        key = os.environ.get(args.api_key_env, "")
+        if not key.strip():
+            raise _UsageError(
+                f"--api-key-env: environment variable {args.api_key_env} is not set or empty"
+            )
+        overrides["api_key"] = key.strip()
+    try:
+        cfg = StreamConfig.from_env(**overrides)
+    except ConfigError as exc:
+        raise _UsageError(f"configuration: {exc}") from None
+    if args.with_candidates and cfg.top_k == 0:
+        raise _UsageError("--with-candidates needs top-k mode (--top-k > 0)")
+    return cfg, default
+
+
+def _open(path: str, mode: str) -> BinaryIO:
+    """Open ``path`` (``-``: stdin or stdout, not to be closed) in binary ``mode``."""
+    std = sys.stdin if mode == "rb" else sys.stdout
+    if path == "-":
+        return std.buffer
+    what = "input" if mode == "rb" else "output"
+    try:
+        fh = open(path, mode)  # noqa: SIM115 (closed by run_score)
+    except OSError as exc:
+        raise _UsageError(f"cannot open {what} {path!r}: {exc.strerror or exc}") from None
+    return cast(BinaryIO, fh)
+
+
+def _close(fh: BinaryIO, path: str) -> str | None:
+    """Close a file opened by :func:`_open` (flush stdout); the error text, if any."""
+    try:
+        if path == "-":
+            fh.flush()
+        else:
+            fh.close()
+    except (OSError, ValueError) as exc:
+        return f"cannot write output: {getattr(exc, 'strerror', None) or exc}"
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class _Run:
+    """One ``score`` run: reader -> stream -> (merge) -> writer, and the counts."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        stream: OPDStream,
+        default_teacher: str,
+        source: BinaryIO,
+        sink: BinaryIO,
+    ) -> None:
+        cfg = self.cfg = stream.config
+        self.stream = stream
+        self.source = source
+        self.sink = sink
+        self.with_candidates = bool(args.with_candidates)
+        self.ordered = cfg.order == "input"
+        self.progress = Progress(sys.stderr, enabled=not args.no_progress)
+        self.ok = 0
+        self.failed: Counter[str] = Counter()
+        self.input_error: str | None = None
+        self.output_error: str | None = None
+        self._teacher_key = cfg.teacher_key
+        self._default_teacher = default_teacher
+        # input order: one ticket per non-blank line (its seq, or its failure)
+        self._tickets_send, self._tickets_recv = anyio.create_memory_object_stream[
+            int | SampleFailure
+        ](cfg.max_inflight + cfg.max_reorder)
+
+    def _decode(self, data: bytes, line: int, seq: int) -> Sample:
+        return decode_line(
+            data,
+            line=line,
+            seq=seq,
+            teacher_key=self._teacher_key,
+            default_teacher=self._default_teacher,
+        )
+
+    async def _samples(self, out: MemoryObjectSendStream[Result]) -> AsyncIterator[Sample]:
+        """The valid samples, for the stream; line failures go to ``out`` (or the tickets)."""
+        reader = _LineReader(self.source, self._decode)
+        try:
+            while True:
+                try:
+                    batch = await anyio.to_thread.run_sync(
+                        reader.read_batch, abandon_on_cancel=True
+                    )
+                except OSError as exc:
+                    self.input_error = (
+                        f"cannot read input after line {reader.lines}: {exc.strerror or exc}"
+                    )
+                    break
+                if batch is None:
+                    break
+                for item in batch:
+                    if isinstance(item, Sample):
+                        if self.ordered:
+                            await self._tickets_send.send(item.sample_id.seq)
+                        yield item
+                        continue
+                    log.warning(
+                        "sample_failed",
+                        line=_ref_of(item).line,
+                        reason=item.reason,
+                        message=item.message,
+                    )
+                    if self.ordered:
+                        await self._tickets_send.send(item)
+                    else:
+                        await out.send(item)
+            self.progress.set_total(reader.seq)
+        finally:
+            self._tickets_send.close()
+
+    async def _pump(self, stream: OPDStream, out: MemoryObjectSendStream[Result]) -> None:
+        """Completion order: results go to the writer as they come."""
+        async with out, stream.run(self._samples(out)) as results:
+            async for item in results:
+                await out.send(item)
+
+    async def _merge(self, stream: OPDStream, out: MemoryObjectSendStream[Result]) -> None:
+        """Input order: follow the tickets; a valid line's result is the stream's next one."""
+        async with out, self._tickets_recv, stream.run(self._samples(out)) as results:
+            async for ticket in self._tickets_recv:
+                if isinstance(ticket, SampleFailure):
+                    await out.send(ticket)
+                    continue
+                item = await anext(results, None)
+                if item is None or _ref_of(item).seq != ticket:
+                    raise RuntimeError(f"results out of input order at sample {ticket}")
+                await out.send(item)
+            if await anext(results, None) is not None:
+                raise RuntimeError("a result without an input line")
+
+    def _write_batch(self, batch: list[Result]) -> list[str | None]:
+        """Render and write ``batch`` (worker thread); the failure reason of each, or None."""
+        lines = [render_result(item, with_candidates=self.with_candidates) for item in batch]
+        self.sink.write(b"".join(lines))
+        self.sink.flush()
+        return [None if isinstance(item, ScoredSample) else item.reason for item in batch]
+
+    async def _writer(
+        self, results: MemoryObjectReceiveStream[Result], scope: anyio.CancelScope
+    ) -> None:
+        async with results:
+            while True:
+                try:
+                    batch = [await results.receive()]
+                except anyio.EndOfStream:
+                    return
+                while len(batch) < _WRITE_BATCH:
+                    try:
+                        batch.append(results.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                try:
+                    reasons = await anyio.to_thread.run_sync(self._write_batch, batch)
+                except OSError as exc:
+                    self.output_error = f"cannot write output: {exc.strerror or exc}"
+                    scope.cancel()
+                    return
+                failed = [r for r in reasons if r is not None]
+                self.failed.update(failed)
+                self.ok += len(reasons) - len(failed)
+                self.progress.update(ok=len(reasons) - len(failed), failed=len(failed))
+
+    async def run(self) -> None:
+        send, receive = anyio.create_memory_object_stream[Result](self.cfg.channel_capacity)
+        with self._tickets_send, self._tickets_recv, send, receive:
+            async with self.stream as stream, anyio.create_task_group() as tg:
+                tg.start_soon(self._writer, receive, tg.cancel_scope)
+                tg.start_soon(self._merge if self.ordered else self._pump, stream, send)
+
+
+async def run_score(args: argparse.Namespace) -> int:
+    """Run ``opd-stream score`` with parsed ``args``; return the exit code.
+
+    Returns:
+        0 when the run completed (whatever failed per sample); 1 with ``--fail-on-error``
+        when a sample failed; 2 on a usage, configuration or file error (the message goes
+        to stderr, no traceback).
+    """
+    start = time.perf_counter()
+    try:
+        cfg, default = _config(args)
+        stream = OPDStream(cfg)  # resolves kl_device (a ConfigError is a usage error)
+        if args.input != "-" and args.output != "-" and _same_file(args.input, args.output):
+            raise _UsageError("--output is the same file as --input")
+        source = _open(args.input, "rb")
+    except ConfigError as exc:
+        return _fail(f"configuration: {exc}")
+    except _UsageError as exc:
+        return _fail(str(exc))
+    try:
+        try:
+            sink = _open(args.output, "wb")
+        except _UsageError as exc:
+            return _fail(str(exc))
+        run = _Run(args, stream, default, source, sink)
+        log.info(
+            "score_started",
+            teachers=sorted(cfg.teachers),
+            default_teacher=default,
+            top_k=cfg.top_k,
+            order=cfg.order,
+        )
+        try:
+            await run.run()
+        finally:
+            run.progress.close()
+            closed = _close(sink, args.output)
+            run.output_error = run.output_error or closed
+    finally:
+        if args.input != "-":
+            source.close()
+    wall = time.perf_counter() - start
+    total_failed = sum(run.failed.values())
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(run.failed.items()))
+    print(
+        f"{_PROG}: {run.ok + total_failed} samples, {run.ok} ok, {total_failed} failed"
+        f"{f' ({reasons})' if reasons else ''} in {wall:.2f} s",
+        file=sys.stderr,
+    )
+    log.info("score_finished", ok=run.ok, failed=total_failed, wall_s=round(wall, 3))
+    error = run.output_error or run.input_error
+    if error is not None:
+        if run.output_error is not None and args.output == "-":
+            _silence_stdout()
+        return _fail(error)
+    return 1 if args.fail_on_error and total_failed else 0
+
+
+def _fail(message: str) -> int:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _silence_stdout() -> None:
+    """After a broken stdout, point it at /dev/null so that the exit flush is quiet."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -472,7 +472,7 @@ async def s4_wire(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 row["per_position_request"] = pp_req / r
                 default_b = StreamConfig.from_env({}, teachers="http://t").id_block_size
                 if default_b == 0:  # auto: what the pipeline resolves for this sample
-                    default_b = auto_block_size(tokens, r, ids)
+                    default_b = auto_block_size(tokens, r, ids, top_k=0)
                 for bsz in sorted({1, 2, 4, 8, default_b}):
                     blk, blk_req = await size_of(
                         unpatched_url,

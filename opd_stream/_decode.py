@@ -82,6 +82,7 @@ class _Meta(msgspec.Struct, gc=False, frozen=True):
     input_token_logprobs: list[_E] | None = None
     input_top_logprobs: _Rows | None = None
     input_token_ids_logprobs: _Rows | None = None
+    output_token_ids_logprobs: _Rows | None = None
     input_top_logprobs_shape: list[int] | None = None
     input_top_logprobs_null_prefix: int | None = None
     input_top_logprobs_val_flat_b64: str | None = None
@@ -165,6 +166,12 @@ class Segment(NamedTuple):
             ``None`` when no ids were requested.
         col: ``[rows, k]`` column of ``ids[t, j]`` within row ``t`` (flat / blocked);
             ``None`` means the identity (per-position).
+        tail_col: ``-1``, or (blocked id-only items) the item's last row is not an input
+            row but ``output_token_ids_logprobs[0]`` (the distribution after the whole
+            ``input_ids``, which then stop one token short of the row's target), and the
+            target token's logprob is that row's entry at column ``tail_col`` of
+            ``expect``. This saves the output row SGLang always answers with
+            ``max_new_tokens = 0``, which would otherwise be wasted.
     """
 
     length: int
@@ -172,6 +179,7 @@ class Segment(NamedTuple):
     rows: int
     expect: npt.NDArray[np.int64] | None = None
     col: npt.NDArray[np.intp] | None = None
+    tail_col: int = -1
 
 
 # --- small helpers -------------------------------------------------------------------
@@ -364,13 +372,19 @@ def _decode_segments(
             assert meta.input_token_ids_logprobs is not None
             field = f"{where}.meta_info.input_token_ids_logprobs"
             width = seg.expect.shape[-1]
-            id_sel.append(_checked_rows(meta.input_token_ids_logprobs, field, seg, t0, width))
+            sel = _checked_rows(meta.input_token_ids_logprobs, field, seg, t0, width)
+            if seg.tail_col >= 0:
+                sel = [*sel, _output_row(meta, where, seg, t0, width)]
+            id_sel.append(sel)
         t0 += seg.rows
     p = tokens.shape[0] - t0
     id_lp = _id_values(id_sel, segments, batch) if id_sel else None
+    token_lp = _token_values(tok_entries, segments, tokens, batch, t0)
+    if any(seg.tail_col >= 0 for seg in segments):
+        token_lp = _with_tail_values(token_lp, id_sel, segments, batch)
     return ScoreRows(
         token_ids=np.array(tokens[p:], dtype=np.int64),
-        token_logprobs=_token_values(tok_entries, segments, tokens, batch, t0),
+        token_logprobs=token_lp,
         top_ids=_cat(top_i) if top_k > 0 else None,
         top_logprobs=_cat(top_lp) if top_k > 0 else None,
         id_logprobs=id_lp,
@@ -415,7 +429,8 @@ def _token_values(
     batch: bool,
     r: int,
 ) -> npt.NDArray[np.float32]:
-    """Check the echoed ids of every item, then the response rows' logprobs, float32 [R]."""
+    """Check the echoed ids of every item, then the logprobs of the response rows answered
+    in ``input_token_logprobs`` (all ``R`` but output-row tails), float32."""
     echoed = np.array([seg.length - seg.start - 1 for seg in segments], dtype=np.intp)
     got = np.fromiter(
         map(_ID, chain.from_iterable(islice(e, 1, None) for e in entries)),
@@ -435,11 +450,12 @@ def _token_values(
         map(
             _LP,
             chain.from_iterable(
-                islice(e, len(e) - seg.rows, None) for e, seg in zip(entries, segments, strict=True)
+                islice(e, len(e) - _input_rows(seg), None)
+                for e, seg in zip(entries, segments, strict=True)
             ),
         ),
         dtype=np.float64,
-        count=r,
+        count=r - sum(seg.tail_col >= 0 for seg in segments),
     )
     field = "$[*].meta_info.input_token_logprobs" if batch else "$.meta_info.input_token_logprobs"
     return _to_logprobs(lps, field)  # type: ignore[no-any-return]
@@ -453,7 +469,7 @@ def _checked_rows(rows: _Rows, field: str, seg: Segment, t0: int, width: int) ->
             f"`{field}` has {len(rows)} entries, expected {n_entries} "
             f"(input length {seg.length} - logprob_start_len {seg.start})"
         )
-    n = seg.rows
+    n = _input_rows(seg)
     first_abs = seg.length - n
     sel = rows[n_entries - n :]
     if None in sel:
@@ -471,6 +487,62 @@ def _checked_rows(rows: _Rows, field: str, seg: Segment, t0: int, width: int) ->
             f"has {int(widths[r])} entries, expected {width}"
         )
     return sel
+
+
+def _input_rows(seg: Segment) -> int:
+    """The rows of ``seg`` answered in ``input_*`` fields (all but an output-row tail)."""
+    return seg.rows - (seg.tail_col >= 0)
+
+
+def _output_row(meta: _Meta, where: str, seg: Segment, t0: int, width: int) -> list[_E]:
+    """``output_token_ids_logprobs[0]``: the tail row of a blocked id-only item."""
+    field = f"{where}.meta_info.output_token_ids_logprobs"
+    rows = meta.output_token_ids_logprobs
+    if rows is None:
+        raise _missing(field)
+    pos = t0 + seg.rows - 1
+    if len(rows) < 1 or rows[0] is None:
+        raise MisalignedResponseError(
+            f"`{field}` has no row for absolute position {seg.length} (response position {pos})"
+        )
+    row = rows[0]
+    if len(row) != width:
+        raise MisalignedResponseError(
+            f"`{field}` row for absolute position {seg.length} (response position {pos}) "
+            f"has {len(row)} entries, expected {width}"
+        )
+    return row
+
+
+def _with_tail_values(
+    token_lp: npt.NDArray[np.float32],
+    id_sel: list[_Rows],
+    segments: Sequence[Segment],
+    batch: bool,
+) -> npt.NDArray[np.float32]:
+    """Token logprobs of all ``R`` rows: the input rows' ones with each tail row's inserted.
+
+    A tail row's target logprob is its requested-id entry at ``tail_col`` (the ids were
+    checked against ``expect``, whose ``tail_col`` element is the target token).
+    """
+    tails = [(n, seg) for n, seg in enumerate(segments) if seg.tail_col >= 0]
+    values = np.array(
+        [id_sel[n][-1][seg.tail_col].lp for n, seg in tails],  # type: ignore[index]
+        dtype=np.float64,
+    )
+    field = (
+        "$[*].meta_info.output_token_ids_logprobs"
+        if batch
+        else "$.meta_info.output_token_ids_logprobs"
+    )
+    tail_lp = _to_logprobs(values, field)
+    ends = np.cumsum([seg.rows for seg in segments]) - 1
+    is_tail = np.zeros(int(ends[-1]) + 1, dtype=bool)
+    is_tail[ends[[n for n, _ in tails]]] = True
+    out = np.empty(is_tail.shape[0], dtype=np.float32)
+    out[is_tail] = tail_lp
+    out[~is_tail] = token_lp
+    return out
 
 
 def _id_values(

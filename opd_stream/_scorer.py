@@ -197,7 +197,9 @@ class SampleScorer:
         block_size = self._cfg.id_block_size
         if block_size == 0 and id_form == "blocked" and ids is not None:
             # resolved once here, not by every later user of the request
-            block_size = auto_block_size(prepared.tokens, prepared.response_length, ids)
+            block_size = auto_block_size(
+                prepared.tokens, prepared.response_length, ids, top_k=top_k
+            )
         return ScoreRequest(
             tokens=prepared.tokens,
             response_length=prepared.response_length,

@@ -19,8 +19,11 @@ logprobs of caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
     One SGLang *batch* body. Response positions are cut into blocks of ``block_size`` (B);
     block ``b`` covers ``[b·B, min((b+1)·B, R))`` and is one item with
     ``input_ids = tokens[:P + end]``, ``logprob_start_len = P + start - 1`` and
-    ``token_ids_logprob`` = the sorted unique union of ``ids[start:end]``. The answer is
-    ``O(R·k·B)``, works on unpatched releases, and the stitched result equals the
+    ``token_ids_logprob`` = the sorted unique union of ``ids[start:end]``. Without top-k
+    the item stops one token earlier (``tokens[:P + end - 1]``) and its last row is the
+    ``output_token_ids_logprobs`` row SGLang answers anyway for ``max_new_tokens = 0``
+    (that row's target token joins the union, for its logprob), so no row is wasted.
+    The answer is ``O(R·k·B)``, works on unpatched releases, and the stitched result equals the
     per-position one exactly (causal attention: a row depends only on its prefix). The
     request body carries one prefix per block, i.e. ``O(ceil(R/B)·L)`` token ids.
     ``block_size = 0`` (auto) picks B per sample to minimise the estimated bytes on the
@@ -179,15 +182,18 @@ def _json_int_bytes(values: npt.NDArray[np.int64]) -> float:
     return float(digits.mean()) + 1.0
 
 
-def auto_block_size(tokens: npt.NDArray[np.int64], response_length: int, ids: Any) -> int:
+def auto_block_size(
+    tokens: npt.NDArray[np.int64], response_length: int, ids: Any, *, top_k: int = 0
+) -> int:
     """The blocked form's block size that minimises the estimated bytes on the wire.
 
     Small blocks make small answers (each block answers ``(B + 1)`` rows of its union of
     ids) but re-send the prefix once per block; large blocks do the opposite. For each
     candidate ``B`` in :data:`AUTO_BLOCK_SIZES` (up to ``R``) this estimates the answer,
-    ``(R + blocks) · U_B · 33 + 450 · blocks`` bytes (each block's rows and its output row
-    hold its union's ids), and the request, every block's prefix at the measured bytes per
-    token id plus its union, where the union size ``U_B`` grows by
+    ``R · U_B · 33 + 450 · blocks`` bytes (``(R + blocks) · ...`` with ``top_k > 0``, where
+    each block's output row is an extra row rather than its last one), and the request,
+    every block's prefix at the measured bytes per token id plus its union, where the
+    union size ``U_B`` grows by
     the measured overlap of adjacent rows: ``U_B = min(B·k, k + (B - 1)·d)`` with
     ``d = mean |union(ids[t], ids[t+1])| - k``. Deterministic in its inputs, so the decoder
     re-derives the same layout.
@@ -211,8 +217,9 @@ def auto_block_size(tokens: npt.NDArray[np.int64], response_length: int, ids: An
             break
         n_blocks = -(-r // b)
         u = min(b * k, k + (b - 1) * d)
-        # every block answers its rows plus one output row, each with its union's ids
-        answer = (r + n_blocks) * u * _ENTRY_BYTES + n_blocks * _ITEM_BYTES
+        # every row answers the block's union; with top-k the output row is one more
+        rows = r + (n_blocks if top_k > 0 else 0)
+        answer = rows * u * _ENTRY_BYTES + n_blocks * _ITEM_BYTES
         ends = np.minimum(np.arange(1, n_blocks + 1) * b, r)
         request = (n_blocks * p + int(ends.sum())) * tok_b + n_blocks * (u * id_b + 16)
         if answer + request < best_cost:
@@ -224,7 +231,7 @@ def resolved_block_size(req: ScoreRequest) -> int:
     """``req.block_size``, or the automatic choice when it is 0 (blocked form with ids)."""
     if req.block_size > 0 or req.ids is None:
         return max(req.block_size, 1)
-    return auto_block_size(np.asarray(req.tokens), req.response_length, req.ids)
+    return auto_block_size(np.asarray(req.tokens), req.response_length, req.ids, top_k=req.top_k)
 
 
 def _layout(req: ScoreRequest) -> _Layout:
@@ -248,19 +255,36 @@ def _layout(req: ScoreRequest) -> _Layout:
     b = resolved_block_size(req)
     n_blocks = -(-r // b)
     block_of = np.arange(r, dtype=np.int64) // b
-    span = int(ids.max()) + 1
+    ends = np.minimum(np.arange(1, n_blocks + 1) * b, r)
+    # id-only: each block's last row is SGLang's output row (see Segment.tail_col), so the
+    # block's last target token joins its union and its prefix stops one token short
+    tail = req.top_k == 0
+    last_tokens = tokens[p + ends - 1]
+    span = max(int(ids.max()), int(last_tokens.max()) if tail else 0) + 1
     keys = block_of[:, None] * span + ids
-    ukeys = _sorted_unique(keys.reshape(-1))
+    all_keys = keys.reshape(-1)
+    if tail:
+        tail_keys = np.arange(n_blocks, dtype=np.int64) * span + last_tokens
+        all_keys = np.concatenate((all_keys, tail_keys))
+    ukeys = _sorted_unique(all_keys)
     bounds = np.searchsorted(ukeys // span, np.arange(n_blocks + 1))
     cols = np.searchsorted(ukeys, keys) - bounds[block_of][:, None]
+    tail_cols = np.searchsorted(ukeys, tail_keys) - bounds[:-1] if tail else None
     union_all = ukeys % span
     segments, unions = [], []
     for blk in range(n_blocks):
-        lo, hi = blk * b, min((blk + 1) * b, r)
+        lo, hi = blk * b, int(ends[blk])
         union = union_all[bounds[blk] : bounds[blk + 1]]
         unions.append(union)
         segments.append(
-            Segment(length=p + hi, start=p + lo - 1, rows=hi - lo, expect=union, col=cols[lo:hi])
+            Segment(
+                length=p + hi - tail,
+                start=p + lo - 1,
+                rows=hi - lo,
+                expect=union,
+                col=cols[lo:hi],
+                tail_col=int(tail_cols[blk]) if tail_cols is not None else -1,
+            )
         )
     return _Layout(tokens=tokens, prompt_length=p, batch=True, segments=segments, unions=unions)
 

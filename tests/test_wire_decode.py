@@ -453,18 +453,45 @@ def test_blocked_request_answered_with_a_single_object_is_malformed() -> None:
 def test_blocked_item_errors_name_the_item_path() -> None:
     req = make(ids=IDS, id_form="blocked", block_size=2)
     items = fake(req)
-    items[1]["meta_info"]["input_token_logprobs"][2][1] = 39
+    items[1]["meta_info"]["input_token_logprobs"][1][1] = 39
     with pytest.raises(MisalignedResponseError, match=r"`\$\[1\]\.meta_info") as info:
         decode(req, items)
-    assert "absolute position 6" in str(info.value)
+    assert "absolute position 5" in str(info.value)
+
+
+def test_blocked_id_only_item_asks_its_last_row_from_the_output_row() -> None:
+    # block [2, 4): input_ids stop before position P + 3, whose row is the output row
+    req = make(ids=IDS, id_form="blocked", block_size=2)
+    body = json.loads(build_score_payload(req))
+    p = len(TOK) - R
+    assert [len(x) for x in body["input_ids"]] == [p + 1, p + 3, p + 4]
+    assert body["logprob_start_len"] == [p - 1, p + 1, p + 3]
+    for union, end in zip(body["token_ids_logprob"], (2, 4, 5), strict=True):
+        assert int(TOK[p + end - 1]) in union  # the tail row's target token
+
+
+def test_blocked_id_only_item_without_its_output_row_is_malformed() -> None:
+    req = make(ids=IDS, id_form="blocked", block_size=2)
+    items = fake(req)
+    del items[1]["meta_info"]["output_token_ids_logprobs"]
+    with pytest.raises(MalformedResponseError, match=r"\$\[1\]\.meta_info\.output_token_ids"):
+        decode(req, items)
+
+
+def test_blocked_id_only_output_row_with_a_missing_id_is_misaligned() -> None:
+    req = make(ids=IDS, id_form="blocked", block_size=2)
+    items = fake(req)
+    items[0]["meta_info"]["output_token_ids_logprobs"][0].pop()
+    with pytest.raises(MisalignedResponseError, match=r"output_token_ids.*response position 1"):
+        decode(req, items)
 
 
 def test_blocked_item_with_a_wrong_union_is_misaligned() -> None:
     req = make(ids=IDS, id_form="blocked", block_size=2)
     items = fake(req)
-    for row in items[2]["meta_info"]["input_token_ids_logprobs"][1:]:
+    for row in items[1]["meta_info"]["input_token_ids_logprobs"][1:]:
         row.pop()
-    with pytest.raises(MisalignedResponseError, match=r"\$\[2\].*response position 4"):
+    with pytest.raises(MisalignedResponseError, match=r"\$\[1\].*response position 2"):
         decode(req, items)
 
 

@@ -110,12 +110,14 @@ def test_union_style_flat_with_b64() -> None:
 
 
 BLOCKED_B2 = {
-    # blocks of B=2 over R=5: [0,2), [2,4), [4,5) -> input ends P+2, P+4, P+5
-    "input_ids": [TOKENS[:5].tolist(), TOKENS[:7].tolist(), TOKENS.tolist()],
+    # blocks of B=2 over R=5: [0,2), [2,4), [4,5). Id-only, so each block's last row is the
+    # output row: input ends P+1, P+3, P+4, and each union gains that row's target token
+    # (response tokens 8, 10, 11).
+    "input_ids": [TOKENS[:4].tolist(), TOKENS[:6].tolist(), TOKENS[:7].tolist()],
     "sampling_params": SCORING,
     "return_logprob": True,
     "logprob_start_len": [2, 4, 6],
-    "token_ids_logprob": [[2, 5, 9], [1, 4, 7, 8], [3, 5]],
+    "token_ids_logprob": [[2, 5, 8, 9], [1, 4, 7, 8, 10], [3, 5, 11]],
     **TAIL,
 }
 
@@ -145,9 +147,9 @@ def test_blocked_with_topk_and_b64_broadcasts_scalars() -> None:
 
 def test_blocked_with_one_block_is_still_a_batch_of_one() -> None:
     got = payload(ids=IDS, id_form="blocked", block_size=8)
-    assert got["input_ids"] == [TOKENS.tolist()]
+    assert got["input_ids"] == [TOKENS[:-1].tolist()]
     assert got["logprob_start_len"] == [2]
-    assert got["token_ids_logprob"] == [[1, 2, 3, 4, 5, 7, 8, 9]]
+    assert got["token_ids_logprob"] == [[1, 2, 3, 4, 5, 7, 8, 9, 11]]
 
 
 def test_blocked_without_ids_is_a_single_request() -> None:

@@ -75,6 +75,12 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+async def _score(tmp_path: Path, teacher: str, *extra: str) -> int:
+    """``opd-stream score --teacher TEACHER --input in.jsonl --output out.jsonl *extra``."""
+    files = ("--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"))
+    return await _run("--teacher", teacher, *files, *extra)
+
+
 async def _run(*argv: str, log_level: str = "warning") -> int:
     """``opd-stream score ...`` in-process, in a worker thread (it runs its own loop)."""
     code: int = await anyio.to_thread.run_sync(main, ["--log-level", log_level, "score", *argv])
@@ -335,15 +341,7 @@ async def test_sampled_token_mode_lines_equal_the_mock_closed_form(tmp_path: Pat
             )
         )
         _write_lines(tmp_path / "in.jsonl", lines)
-        code = await _run(
-            "--teacher",
-            f"math={teacher.url}",
-            "--input",
-            str(tmp_path / "in.jsonl"),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-            "--no-progress",
-        )
+        code = await _score(tmp_path, f"math={teacher.url}", "--no-progress")
     assert code == 0
     out = {line["id"]: line for line in _read_lines(tmp_path / "out.jsonl")}
     assert len(out) == len(lines)
@@ -503,15 +501,7 @@ async def test_bad_lines_each_fail_alone_with_one_output_line(
     ]
     async with serve_mock("teacher", 1) as teacher:
         _write_lines(tmp_path / "in.jsonl", lines)
-        code = await _run(
-            "--teacher",
-            f"math={teacher.url}",
-            "--input",
-            str(tmp_path / "in.jsonl"),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-            "--no-progress",
-        )
+        code = await _score(tmp_path, f"math={teacher.url}", "--no-progress")
     assert code == 0
     out = sorted(_read_lines(tmp_path / "out.jsonl"), key=lambda x: x["line"])
     assert [x["line"] for x in out] == [1, 2, 4, 5, 6, 7, 8]  # line 3 is blank
@@ -570,16 +560,7 @@ _SLOW_PER_TOKEN = MockOptions(latency_per_token_s=0.001)
 async def test_ordered_writes_results_in_input_order(tmp_path: Path) -> None:
     _ordering_input(tmp_path / "in.jsonl")
     async with serve_mock("teacher", 1, options=_SLOW_PER_TOKEN) as teacher:
-        code = await _run(
-            "--teacher",
-            f"math={teacher.url}",
-            "--input",
-            str(tmp_path / "in.jsonl"),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-            "--ordered",
-            "--no-progress",
-        )
+        code = await _score(tmp_path, f"math={teacher.url}", "--ordered", "--no-progress")
     assert code == 0
     out = _read_lines(tmp_path / "out.jsonl")
     assert [x["line"] for x in out] == [1, 2, 3, 4, 5, 6]
@@ -589,15 +570,7 @@ async def test_ordered_writes_results_in_input_order(tmp_path: Path) -> None:
 async def test_default_order_is_completion_order(tmp_path: Path) -> None:
     _ordering_input(tmp_path / "in.jsonl")
     async with serve_mock("teacher", 1, options=_SLOW_PER_TOKEN) as teacher:
-        code = await _run(
-            "--teacher",
-            f"math={teacher.url}",
-            "--input",
-            str(tmp_path / "in.jsonl"),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-            "--no-progress",
-        )
+        code = await _score(tmp_path, f"math={teacher.url}", "--no-progress")
     assert code == 0
     out = _read_lines(tmp_path / "out.jsonl")
     assert sorted(x["line"] for x in out) == [1, 2, 3, 4, 5, 6]

@@ -69,7 +69,8 @@ def _compare(a: dict[int, ScoredSample], b: dict[int, ScoredSample]) -> float:
             assert torch.equal(x.candidates.mask, y.candidates.mask), f"mask differs, sample {i}"
             pairs += [(getattr(x.candidates, f), getattr(y.candidates, f)) for f in _FIELDS]
         for p, q in pairs:
-            assert p.device.type == "cpu" and q.device.type == "cpu", "results live on the CPU"
+            assert p.device.type == "cpu", "results live on the CPU"
+            assert q.device.type == "cpu", "results live on the CPU"
             both = torch.isfinite(p) & torch.isfinite(q)
             assert torch.equal(torch.isfinite(p), torch.isfinite(q)), f"infinities, sample {i}"
             if both.any():

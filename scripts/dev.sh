@@ -48,7 +48,7 @@ case "$cmd" in
   bench) setup; exec "$VENV/bin/opd-stream" bench "$@" ;;
   test)
     setup
-    "$VENV/bin/ruff" check opd_stream tests bench
+    "$VENV/bin/ruff" check opd_stream tests bench scripts
     "$VENV/bin/mypy" --strict opd_stream
     exec "$PY" -m pytest -q "$@"
     ;;

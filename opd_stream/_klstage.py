@@ -1,8 +1,27 @@
 """The KL stage's synchronous core: a batch of fetched samples in, scored samples out.
 
-Runs in a worker thread (torch releases the GIL in its kernels). Samples are padded to
-``[B, R_max, K]`` on the configured device, scored by ``_kl``, and sliced back into
-per-sample CPU tensors.
+Runs in a worker thread. The samples' response positions are concatenated, not padded: the
+math is per position, so a batch is scored as one ``[1, sum(R_i), K]``
+:class:`~opd_stream._kl.TopKBatch` (no padding rows, every position valid), and each
+sample's result is the row range of its positions.
+
+The GIL: the worker thread shares it with the event loop. Every torch call (views and
+reshapes included) and every numpy call on a large array releases it, and getting it back
+can mean waiting for whatever the loop thread is doing (a response decode holds it for
+milliseconds). In the pipeline the stage's wall time is mostly such waits, not CPU (bench
+scenario 1 quick, batches of 8 x 1024 tokens, only-student, top-k 16: ~48 ms wall per
+batch for ~6 ms of CPU before this layout, ~15 ms for ~2 ms now). So the stage keeps the
+number of such calls low and independent of the batch size: the per-sample arrays are
+joined and the results split with plain memory copies (``memoryview``/``bytearray``, which
+keep the GIL), not one numpy/torch call per sample and array.
+
+Results: every tensor of a :class:`~opd_stream._sample.ScoredSample` owns its memory (a
+copy of the sample's rows of the batch result). Views into the batch tensors would save
+that copy, but they would be observable: ``torch.save``, pickling (Ray, multiprocessing)
+and ``untyped_storage()`` of one sample's tensor would carry the whole batch (``B`` times
+the bytes), and one kept sample would pin the batch's memory. (Like ``teacher_logprobs``,
+which wraps the decoded array, these CPU tensors wrap numpy memory: ``resize_`` on them
+raises.)
 
 On CPU the batch is scored with one intra-op thread: the KL kernels are small and many, and
 torch's OpenMP pool spends far more CPU spinning at their barriers than it saves (measured
@@ -13,6 +32,7 @@ the KL worker thread, and it is restored afterwards.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +47,7 @@ from ._kl import (
     Strategy,
     TopKBatch,
     WeightMode,
-    pad_topk_batch,
+    needed_inputs,
     sampled_reverse_kl,
     topk_reverse_kl,
 )
@@ -37,24 +57,80 @@ from ._scorer import Fetched
 __all__ = ("score_batch",)
 
 
-def _topk_batch(items: Sequence[Fetched], device: torch.device) -> TopKBatch:
-    """Pad the batch's per-sample ``[R_i, K]`` arrays (a field is left out when a sample
-    lacks it: all samples of a stream share one request plan)."""
+def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
+    """The per-sample array behind a :class:`TopKBatch` field (``[R, K]``), if fetched."""
+    rows = f.teacher_rows
+    if field == "student_ids":
+        return f.student_ids
+    if field == "student_lp":
+        return f.student_lps
+    if field == "teacher_ids":
+        return rows.top_ids
+    if field == "teacher_lp":
+        return rows.top_logprobs
+    if field == "teacher_on_student":
+        return rows.id_logprobs
+    return f.student_rows.id_logprobs if f.student_rows is not None else None
 
-    def field(arrays: list[npt.NDArray[Any] | None]) -> list[npt.NDArray[Any]] | None:
-        return None if any(a is None for a in arrays) else arrays  # type: ignore[return-value]
 
-    return pad_topk_batch(
-        student_ids=field([f.student_ids for f in items]),
-        student_lp=field([f.student_lps for f in items]),
-        teacher_on_student=field([f.teacher_rows.id_logprobs for f in items]),
-        teacher_ids=field([f.teacher_rows.top_ids for f in items]),
-        teacher_lp=field([f.teacher_rows.top_logprobs for f in items]),
-        student_on_teacher=field(
-            [f.student_rows.id_logprobs if f.student_rows is not None else None for f in items]
-        ),
-        device=device,
-    )
+def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.device) -> TopKBatch:
+    """The batch as one ``[1, N, K]`` TopKBatch, ``N = sum(R_i)``.
+
+    The fields are views of one host allocation (an allocator reuses one block from batch
+    to batch; fresh ones cost page faults), filled with plain memory copies (see the module
+    doc); with one sample, its arrays are used as they are when they can be. A field is None
+    when a sample lacks its array (all samples of a stream share one request plan, so that
+    is a bug, and ``topk_reverse_kl`` names the field).
+
+    Raises:
+        ValueError: The samples' arrays of a field do not have ``R_i`` rows of one width.
+    """
+    lengths = [f.prepared.response_length for f in items]
+    n = sum(lengths)
+    fields: dict[str, torch.Tensor | None] = dict.fromkeys(TopKBatch._fields)
+    todo: list[tuple[str, list[npt.NDArray[Any]], np.dtype[Any], int]] = []
+    for name in sorted(needed_inputs(strategy)):
+        maybe = [_source(f, name) for f in items]
+        arrays = [a for a in maybe if a is not None]
+        if len(arrays) < len(maybe):
+            continue
+        dtype = np.dtype(np.int64 if name.endswith("_ids") else np.float32)
+        shapes = {a.shape[1:] for a in arrays}
+        if len(shapes) != 1 or any(
+            a.ndim != 2 or a.shape[0] != r for a, r in zip(arrays, lengths, strict=True)
+        ):
+            raise ValueError(f"KL stage: {name} arrays do not have R rows of one width each")
+        (width,) = shapes.pop()
+        a = arrays[0]
+        if len(arrays) == 1 and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+            fields[name] = torch.from_numpy(a)
+        else:
+            todo.append((name, arrays, dtype, width))
+    # int64 fields first, so that every view is aligned.
+    todo.sort(key=lambda t: -t[2].itemsize)
+    block = np.empty(sum(n * w * d.itemsize for _, _, d, w in todo), dtype=np.uint8)
+    dst = block.data
+    offset = 0
+    for name, arrays, dtype, width in todo:
+        start = offset
+        for a in arrays:
+            if a.size:
+                src = np.ascontiguousarray(a, dtype=dtype).data.cast("B")
+                dst[offset : offset + src.nbytes] = src
+                offset += src.nbytes
+        host = block[start:offset].view(dtype).reshape(n, width)
+        fields[name] = torch.from_numpy(host)
+    for name, tensor in fields.items():
+        if tensor is not None:
+            fields[name] = (tensor if device.type == "cpu" else tensor.to(device))[None]
+    fields["valid"] = torch.ones((1, n), dtype=torch.bool, device=device)
+    return TopKBatch(**fields)  # type: ignore[arg-type]
+
+
+def _own(a: npt.NDArray[Any]) -> torch.Tensor:
+    """A CPU tensor holding a copy of the C-contiguous ``a`` (a plain memory copy that keeps
+    the GIL; see the module doc)."""
+    return torch.from_numpy(np.frombuffer(bytearray(a.data), dtype=a.dtype).reshape(a.shape))
 
 
 def _result(
@@ -110,7 +186,9 @@ def score_batch(
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     """Score fetched samples; a sample with a missing logprob comes back as its error.
 
-    The output has one entry per input, in input order.
+    The output has one entry per input, in input order. A sample's error names the first
+    selected candidate with a missing logprob, its response position in that sample, and the
+    sample's index among the samples scored together; the others are scored again without it.
     """
     with _one_intraop_thread(device):
         return _score_batch(items, top_k, strategy, weight_mode, device)
@@ -125,31 +203,51 @@ def _score_batch(
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     if top_k == 0:
         return [_score_sampled(f) for f in items]
-    pending = list(items)
     failed: dict[int, MissingLogprobError] = {}
     scored: dict[int, ScoredSample] = {}
-    while True:
-        todo = [f for f in pending if f.prepared.index not in failed]
-        if not todo:
-            break
+    todo = list(items)
+    while todo:
         try:
-            res = topk_reverse_kl(_topk_batch(todo, device), strategy, weight_mode)
+            res = topk_reverse_kl(_joined_batch(todo, strategy, device), strategy, weight_mode)
         except MissingLogprobError as exc:
-            failed[todo[exc.batch_index].prepared.index] = exc
+            f, err = _locate(todo, exc)
+            failed[f.prepared.index] = err
+            todo = [g for g in todo if g is not f]
             continue
-        for i, f in enumerate(todo):
-            r = f.prepared.response_length
+        # One device-to-host copy per array, then each sample's rows, as its own copy.
+        on_host = device.type == "cpu"
+        rkl, ids, s_lp, t_lp, weights, mask = (
+            (x[0] if on_host else x[0].cpu()).numpy() for x in res
+        )
+        row = 0
+        for f in todo:
+            end = row + f.prepared.response_length
             cands = Candidates(
-                ids=res.ids[i, :r].cpu().clone(),
-                student_logprobs=res.student_lp[i, :r].cpu().clone(),
-                teacher_logprobs=res.teacher_lp[i, :r].cpu().clone(),
-                weights=res.weights[i, :r].cpu().clone(),
-                mask=res.mask[i, :r].cpu().clone(),
+                ids=_own(ids[row:end]),
+                student_logprobs=_own(s_lp[row:end]),
+                teacher_logprobs=_own(t_lp[row:end]),
+                weights=_own(weights[row:end]),
+                mask=_own(mask[row:end]),
             )
-            scored[f.prepared.index] = _result(f, res.reverse_kl[i, :r].cpu().clone(), cands)
+            scored[f.prepared.index] = _result(f, _own(rkl[row:end]), cands)
+            row = end
         break
     out: list[ScoredSample | tuple[Fetched, MissingLogprobError]] = []
     for f in items:
         idx = f.prepared.index
         out.append((f, failed[idx]) if idx in failed else scored[idx])
     return out
+
+
+def _locate(
+    todo: Sequence[Fetched], exc: MissingLogprobError
+) -> tuple[Fetched, MissingLogprobError]:
+    """The sample of a batch-wide error (its position is a row of the joined batch) and the
+    error as that sample's: its response position, its index among ``todo``."""
+    starts = [0]
+    for f in todo:
+        starts.append(starts[-1] + f.prepared.response_length)
+    # The last sample starting at or before the row (samples with R = 0 own no rows).
+    j = bisect.bisect_right(starts, exc.position) - 1
+    err = MissingLogprobError(exc.side, exc.token_id, exc.position - starts[j], j)
+    return todo[j], err

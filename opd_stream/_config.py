@@ -184,7 +184,7 @@ _MEANINGS: Final[dict[str, str]] = {
     ),
     "decode_offload_bytes": (
         "bodies at least this big go to the decode pool when decode_workers > 0 (smaller "
-        "ones decode inline: cheaper in CPU, each blocks the loop ~5 ms per MiB)"
+        "ones decode inline: cheaper in CPU, each blocks the loop ~10 ms per MiB)"
     ),
     "max_reorder": "bound of the input-order reorder buffer, in samples (>= 1)",
     "balance": (
@@ -257,7 +257,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     backoff_max_s: float = 2.0
     connect_timeout_s: float = 10.0
     decode_workers: int = 2
-    decode_offload_bytes: int = 4 * _MIB
+    decode_offload_bytes: int = 1 * _MIB
     max_reorder: int = 1024
     balance: Balance = "least-outstanding"
     eject_after_failures: int = 5

@@ -336,16 +336,19 @@ def _decode_segments(
     weight_version: str | None = None
     t0 = 0
     # Structure is checked item by item; the numbers of all items are then converted and
-    # checked in one vectorised pass (a blocked answer has R/B small items).
+    # checked in one vectorised pass (a blocked answer has R/B small items). Error
+    # messages (field paths) are only built on the error paths.
     for n, (item, seg) in enumerate(zip(items, segments, strict=True)):
-        where = f"$[{n}]" if batch else "$"
         meta = item.meta_info
         if meta is None:
-            raise _missing(f"{where}.meta_info")
-        _check_abort(meta.finish_reason, where, "teacher")
+            raise _missing(f"{_where(batch, n)}.meta_info")
+        fr = meta.finish_reason
+        if fr is not None and fr.type == "abort":
+            _check_abort(fr, _where(batch, n), "teacher")
         if n == 0:
             weight_version = meta.weight_version
-        if seg.expect is not None and meta.input_token_ids_logprobs is None:
+        id_rows = meta.input_token_ids_logprobs
+        if seg.expect is not None and id_rows is None:
             if per_position:
                 raise CapabilityError(
                     "per_position",
@@ -353,9 +356,13 @@ def _decode_segments(
                     "meta_info.input_token_ids_logprobs in the answer): it is not a "
                     "per-position-patched SGLang, or a router dropped the field",
                 )
-            raise _missing(f"{where}.meta_info.input_token_ids_logprobs")
-        tok_entries.append(_token_entries(meta, where, seg))
+            raise _missing(f"{_where(batch, n)}.meta_info.input_token_ids_logprobs")
+        entries = meta.input_token_logprobs
+        if entries is None or len(entries) != seg.length - seg.start:
+            _token_entries(meta, _where(batch, n), seg)  # raises, naming the field
+        tok_entries.append(entries)  # type: ignore[arg-type]
         if top_k > 0:
+            where = _where(batch, n)
             got = _b64_topk(meta, where, seg, top_k)
             if got is None:
                 used_b64 = False
@@ -369,14 +376,20 @@ def _decode_segments(
             top_i.append(got[0])
             top_lp.append(got[1])
         if seg.expect is not None:
-            assert meta.input_token_ids_logprobs is not None
-            field = f"{where}.meta_info.input_token_ids_logprobs"
-            width = seg.expect.shape[-1]
-            sel = _checked_rows(meta.input_token_ids_logprobs, field, seg, t0, width)
+            assert id_rows is not None
+            n_entries, n_in = len(id_rows), _input_rows(seg)
+            if n_entries != seg.length - seg.start:
+                _checked_rows(id_rows, _id_field(batch, n), seg, t0, seg.expect.shape[-1])
+            sel = id_rows[n_entries - n_in :]
             if seg.tail_col >= 0:
-                sel = [*sel, _output_row(meta, where, seg, t0, width)]
+                out = meta.output_token_ids_logprobs
+                if not out or out[0] is None:
+                    _output_row(meta, _where(batch, n), seg, t0, seg.expect.shape[-1])
+                sel.append(out[0])  # type: ignore[index]
             id_sel.append(sel)
         t0 += seg.rows
+    if id_sel and not _rows_are_well_formed(id_sel, segments):
+        _raise_row_error(items, id_sel, segments, batch)
     p = tokens.shape[0] - t0
     id_lp = _id_values(id_sel, segments, batch) if id_sel else None
     token_lp = _token_values(tok_entries, segments, tokens, batch, t0)
@@ -487,6 +500,41 @@ def _checked_rows(rows: _Rows, field: str, seg: Segment, t0: int, width: int) ->
             f"has {int(widths[r])} entries, expected {width}"
         )
     return sel
+
+
+def _id_field(batch: bool, n: int) -> str:
+    return f"{_where(batch, n)}.meta_info.input_token_ids_logprobs"
+
+
+def _rows_are_well_formed(id_sel: list[_Rows], segments: Sequence[Segment]) -> bool:
+    """Every selected requested-id row (all items at once) is non-null with its width."""
+    flat = list(chain.from_iterable(id_sel))
+    if None in flat:
+        return False
+    widths = np.fromiter(map(len, flat), dtype=np.intp, count=len(flat))  # type: ignore[arg-type]
+    want = np.repeat(
+        [seg.expect.shape[-1] for seg in segments if seg.expect is not None],
+        [seg.rows for seg in segments if seg.expect is not None],
+    )
+    return widths.shape == want.shape and bool((widths == want).all())
+
+
+def _raise_row_error(
+    items: list[_Response], id_sel: list[_Rows], segments: Sequence[Segment], batch: bool
+) -> None:
+    """The precise error for rows that failed :func:`_rows_are_well_formed` (item by item)."""
+    t0 = 0
+    for n, (item, seg) in enumerate(zip(items, segments, strict=True)):
+        if seg.expect is not None:
+            meta = item.meta_info
+            assert meta is not None
+            assert meta.input_token_ids_logprobs is not None
+            width = seg.expect.shape[-1]
+            _checked_rows(meta.input_token_ids_logprobs, _id_field(batch, n), seg, t0, width)
+            if seg.tail_col >= 0:
+                _output_row(meta, _where(batch, n), seg, t0, width)
+        t0 += seg.rows
+    raise AssertionError("unreachable: a malformed row was not found again")  # pragma: no cover
 
 
 def _input_rows(seg: Segment) -> int:

@@ -72,7 +72,7 @@ def test_sampled_token_mode_needs_only_the_teacher() -> None:
     assert not plan.needs_student_server
 
 
-def _ids_fields(form: str, rows: list[list[int]]) -> dict[str, Any]:
+def _ids_fields(form: str, rows: list[list[int]], *, topk: bool = False) -> dict[str, Any]:
     """The id-scoring fields of the sample above, written out by hand per form."""
     if form == "per-position":
         return {
@@ -86,11 +86,19 @@ def _ids_fields(form: str, rows: list[list[int]]) -> dict[str, Any]:
             "logprob_start_len": 2,
             "token_ids_logprob": sorted({*rows[0], *rows[1]}),
         }
-    # blocked, one position per block: prefix cut at the block end, start one before it
+    # blocked, one position per block, start one before it
+    if topk:  # prefix cut at the block end
+        return {
+            "input_ids": [TOKENS[:4], TOKENS],
+            "logprob_start_len": [2, 3],
+            "token_ids_logprob": [sorted(rows[0]), sorted(rows[1])],
+        }
+    # id-only: the row comes from the output row, so the prefix stops before the target,
+    # which joins the ids (for its logprob)
     return {
-        "input_ids": [TOKENS[:4], TOKENS],
+        "input_ids": [TOKENS[:3], TOKENS[:4]],
         "logprob_start_len": [2, 3],
-        "token_ids_logprob": [sorted(rows[0]), sorted(rows[1])],
+        "token_ids_logprob": [sorted({*rows[0], TOKENS[3]}), sorted({*rows[1], TOKENS[4]})],
     }
 
 
@@ -105,7 +113,7 @@ def _expected_bodies(
     elif strategy == "intersection" or strategy == "only-teacher":
         teacher = {**plain, **topk}
     else:  # union, xor
-        teacher = {**_ids_fields(form, S_IDS), **topk}
+        teacher = {**_ids_fields(form, S_IDS, topk=True), **topk}
     student = []
     if strategy in ("only-teacher", "union", "xor"):
         student = [{**COMMON, **_ids_fields(form, t_ids)}]

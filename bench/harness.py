@@ -223,6 +223,32 @@ class Measurement:
     lag: dict[str, float | None] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def metered(
+        cls,
+        name: str,
+        meter: ClientMeter,
+        samples: int,
+        response_tokens: int,
+        bytes_received: int,
+        latencies_s: Sequence[float] = (),
+        lag: dict[str, float | None] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Measurement:
+        """A run's numbers, with wall, CPU and peak RSS read from its :class:`ClientMeter`."""
+        return cls(
+            name,
+            samples,
+            response_tokens,
+            meter.wall_s,
+            meter.cpu_s,
+            meter.peak_rss / 2**20,
+            bytes_received,
+            latencies_s,
+            lag or {},
+            extra or {},
+        )
+
     def as_dict(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_s, dtype=np.float64)
         toks = max(self.response_tokens, 1)

@@ -226,13 +226,11 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
                     strategy=strategy,
                     id_form="per-position",
                 )
-            bm = Measurement(
+            bm = Measurement.metered(
                 "baseline",
+                mb,
                 len(samples),
                 toks,
-                mb.wall_s,
-                mb.cpu_s,
-                mb.peak_rss / 2**20,
                 base.bytes_received,
                 [base.done_at - t0] * len(samples),
             )
@@ -241,13 +239,11 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
             with ClientMeter(pids) as mo:
                 t0 = time.perf_counter()
                 opd = await run_opd(cfg, samples)
-            om = Measurement(
+            om = Measurement.metered(
                 "opd_stream",
+                mo,
                 len(samples),
                 toks,
-                mo.wall_s,
-                mo.cpu_s,
-                mo.peak_rss / 2**20,
                 opd.stats.bytes_received,
                 [t - t0 for t in opd.done_at.values()],
             )
@@ -321,13 +317,11 @@ async def s2_streaming(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 id_form="per-position",
             )
         b_last = base.done_at - arr_b[-1]
-        bm = Measurement(
+        bm = Measurement.metered(
             "baseline",
+            mb,
             len(samples),
             toks,
-            mb.wall_s,
-            mb.cpu_s,
-            mb.peak_rss / 2**20,
             base.bytes_received,
             [base.done_at - a for a in arr_b],
             extra={"last_arrival_to_its_result_s": b_last, "last_arrival_to_all_results_s": b_last},
@@ -338,13 +332,11 @@ async def s2_streaming(sz: Sizes, progress: Progress) -> dict[str, Any]:
         with ClientMeter(pids) as mo:
             opd = await run_opd(cfg, _poisson(samples, sz.s2_rate, arr_o))
         last = len(samples) - 1
-        om = Measurement(
+        om = Measurement.metered(
             "opd_stream",
+            mo,
             len(samples),
             toks,
-            mo.wall_s,
-            mo.cpu_s,
-            mo.peak_rss / 2**20,
             opd.stats.bytes_received,
             [opd.done_at[i] - arr_o[i] for i in opd.done_at],
             extra={
@@ -422,13 +414,11 @@ async def s3_long(sz: Sizes, progress: Progress) -> dict[str, Any]:
                         assert base is not None
                         check = compare(opd, base)
                         check["failures"] = len(opd.failures)
-            meas = Measurement(
+            meas = Measurement.metered(
                 name,
+                m,
                 len(samples),
                 toks,
-                m.wall_s,
-                m.cpu_s,
-                m.peak_rss / 2**20,
                 nbytes,
                 [d - t0 for d in done],
                 lag.summary(),
@@ -529,13 +519,11 @@ async def s5_concurrency(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 opd = await run_opd(cfg, batch)
             busy = psutil.cpu_percent()
-            meas = Measurement(
+            meas = Measurement.metered(
                 f"opd_stream max_inflight={mi}",
+                m,
                 len(batch),
                 _tokens(batch),
-                m.wall_s,
-                m.cpu_s,
-                m.peak_rss / 2**20,
                 opd.stats.bytes_received,
                 [t - t0 for t in opd.done_at.values()],
             )
@@ -553,13 +541,11 @@ async def s5_concurrency(sz: Sizes, progress: Progress) -> dict[str, Any]:
         with ClientMeter(pids) as m:
             t0 = time.perf_counter()
             base = await baseline_score(samples, teacher)
-        bm = Measurement(
+        bm = Measurement.metered(
             "baseline (unbounded)",
+            m,
             len(samples),
             toks,
-            m.wall_s,
-            m.cpu_s,
-            m.peak_rss / 2**20,
             base.bytes_received,
             [t - t0 for t in base.answered_at.values()],
         ).as_dict()
@@ -603,13 +589,11 @@ async def s6_soak(sz: Sizes, progress: Progress) -> dict[str, Any]:
     at = {c: rss for c, _, rss in curve}
     rss_check = at.get(sz.s6_checkpoint)
     rss_end = curve[-1][2] if curve else None
-    meas = Measurement(
+    meas = Measurement.metered(
         "opd_stream soak",
+        m,
         sz.s6_n,
         sz.s6_n * 64,
-        m.wall_s,
-        m.cpu_s,
-        m.peak_rss / 2**20,
         opd.stats.bytes_received,
         extra={"failures": len(opd.failures)},
     ).as_dict()
@@ -653,13 +637,11 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     opd = await run_opd(cfg, samples)
                 res[name] = opd
-                d = Measurement(
+                d = Measurement.metered(
                     name,
+                    m,
                     len(samples),
                     toks,
-                    m.wall_s,
-                    m.cpu_s,
-                    m.peak_rss / 2**20,
                     opd.stats.bytes_received,
                     [t - t0 for t in opd.done_at.values()],
                 ).as_dict()
@@ -690,13 +672,11 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
                         id_form="flat",
                         cap_s=sz.s7_cap_s,
                     )
-                d = Measurement(
+                d = Measurement.metered(
                     "baseline flat union",
+                    m,
                     base.finished,
                     sum(s.response_length for i, s in enumerate(samples) if i in base.results),
-                    m.wall_s,
-                    m.cpu_s,
-                    m.peak_rss / 2**20,
                     base.bytes_received,
                 ).as_dict()
                 d["timed_out"] = base.timed_out

@@ -87,6 +87,26 @@ async def _run(*argv: str, log_level: str = "warning") -> int:
     return code
 
 
+def _expected_sampled(
+    tokens: list[int],
+    response_length: int,
+    teacher: Any,
+    student: Any,
+    rollout_logprobs: list[float] | None = None,
+) -> Expected:
+    """The reference result of a sampled-token (top_k = 0) sample."""
+    return expected_result(
+        tokens=tokens,
+        response_length=response_length,
+        teacher=teacher,
+        student=student,
+        top_k=0,
+        strategy="only-student",
+        weight_mode="student_p",
+        rollout_logprobs=rollout_logprobs,
+    )
+
+
 def _assert_sampled(line: dict[str, Any], expected: Expected) -> None:
     got = [-math.inf if v is None else v for v in line["teacher_logprobs"]]
     assert got == expected.teacher_logprobs
@@ -315,31 +335,18 @@ async def test_sampled_token_mode_lines_equal_the_mock_closed_form(tmp_path: Pat
             line["id"] = f"r{i}"
             lines.append(line)
             expected.append(
-                expected_result(
-                    tokens=prompt + response,
-                    response_length=len(response),
-                    teacher=teacher.model,
-                    student=student,
-                    top_k=0,
-                    strategy="only-student",
-                    weight_mode="student_p",
+                _expected_sampled(
+                    prompt + response,
+                    len(response),
+                    teacher.model,
+                    student,
                     rollout_logprobs=lps if with_rollout else None,
                 )
             )
         # a response token the teacher gives probability 0: its logprob is written as null
         masked = {"prompt_ids": [3, 4], "response_ids": [MASKED_ID, 5], "id": "masked"}
         lines.append(masked)
-        expected.append(
-            expected_result(
-                tokens=[3, 4, MASKED_ID, 5],
-                response_length=2,
-                teacher=teacher.model,
-                student=student,
-                top_k=0,
-                strategy="only-student",
-                weight_mode="student_p",
-            )
-        )
+        expected.append(_expected_sampled([3, 4, MASKED_ID, 5], 2, teacher.model, student))
         _write_lines(tmp_path / "in.jsonl", lines)
         code = await _score(tmp_path, f"math={teacher.url}", "--no-progress")
     assert code == 0
@@ -688,15 +695,8 @@ async def test_console_script_scores_stdin_to_stdout(tmp_path: Path) -> None:
             prompt, response, lps = _rollout(rng, student, 3, 2 + i)
             lines.append({"prompt_ids": prompt, "response_ids": response, "rollout_logprobs": lps})
             expected.append(
-                expected_result(
-                    tokens=prompt + response,
-                    response_length=len(response),
-                    teacher=teacher.model,
-                    student=student,
-                    top_k=0,
-                    strategy="only-student",
-                    weight_mode="student_p",
-                    rollout_logprobs=lps,
+                _expected_sampled(
+                    prompt + response, len(response), teacher.model, student, rollout_logprobs=lps
                 )
             )
         env = {k: v for k, v in os.environ.items() if not k.startswith("OPD_STREAM_")}

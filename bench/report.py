@@ -20,12 +20,14 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     s1 = res.get("1")
     if s1:
-        m = s1["modes"].get("top-k 16 only-student")
-        if m:
+        for label in ("top-k 16 only-student", "top-k 16 only-student, array rows"):
+            m = s1["modes"].get(label)
+            if not m:
+                continue
             r = m["cpu_ratio_baseline_over_opd"]
             out.append(
                 _t(
-                    "S1 client CPU/token >= 10x lower than baseline (top-k 16 only-student)",
+                    f"S1 client CPU/token >= 10x lower than baseline ({label})",
                     r >= 10,
                     f"{r:.1f}x",
                 )
@@ -33,7 +35,7 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             f = m["opd_cpu_over_floor"]
             out.append(
                 _t(
-                    "S1 client CPU/token within 1.5x of the decode-only floor",
+                    f"S1 client CPU/token within 1.5x of the decode-only floor ({label})",
                     f <= 1.5,
                     f"{f:.2f}x of floor",
                 )

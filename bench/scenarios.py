@@ -50,6 +50,9 @@ Progress = Callable[[str], None]
 #: each client the measured pass costs the (Python) mock almost no CPU: on 2 cores the mock
 #: would otherwise compete with the client it serves.
 REPLAY = MockOptions(replay_cache_bytes=3 * 2**30)
+#: Scenario 1's mode whose rollouts carry the student top-k as ``(ids, logprobs)`` arrays
+#: (the baseline turns them into Python rows, as the reference needs them).
+ARRAY_ROWS = "top-k 16 only-student, array rows"
 
 
 class Sizes(msgspec.Struct, kw_only=True):
@@ -122,6 +125,13 @@ def _tokens(samples: list[Sample]) -> int:
     return sum(s.response_length for s in samples)
 
 
+def _student_ids(s: Sample, k: int) -> Any:
+    top = s.student_top_logprobs
+    if isinstance(top, tuple):  # the array form
+        return np.asarray(top[0])[:, :k]
+    return parse_student_topk(top, s.response_length, k)[0]
+
+
 def _settle() -> None:
     gc.collect()
     time.sleep(0.2)
@@ -148,7 +158,7 @@ async def _fetch_bodies(
             r = s.response_length
             s_ids = None
             if top_k > 0 and strategy in ("only-student", "union", "xor"):
-                s_ids, _ = parse_student_topk(s.student_top_logprobs, r, top_k)
+                s_ids = _student_ids(s, top_k)
             t_topk = top_k if top_k > 0 and strategy != "only-student" else 0
             treq = ScoreRequest(
                 tokens=tokens, response_length=r, top_k=t_topk, ids=s_ids, topk_wire="b64"
@@ -189,6 +199,7 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
         ("sampled-token", 0, "only-student"),
         ("top-k 16 only-student", 16, "only-student"),
         ("top-k 16 union", 16, "union"),
+        (ARRAY_ROWS, 16, "only-student"),
     ]
     out: dict[str, Any] = {
         "sizes": {"n": sz.s1_n, "prompt": sz.s1_prompt, "response": sz.s1_response},
@@ -200,7 +211,9 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
         pids = pid_list(procs)
         for label, k, strategy in modes:
             progress(f"s1 {label}: samples")
-            samples = make_samples(sz.s1_n, sz.s1_prompt, sz.s1_response, k)
+            samples = make_samples(
+                sz.s1_n, sz.s1_prompt, sz.s1_response, k, topk_arrays=label == ARRAY_ROWS
+            )
             toks = _tokens(samples)
             cfg = _config(teacher, student, top_k=k, strategy=strategy)
             # unmeasured warm pass of both clients (imports, the mocks' replay caches)

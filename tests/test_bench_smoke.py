@@ -33,7 +33,12 @@ def test_bench_runs_and_baseline_equals_opd_stream(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["meta"]["errors"] == {}
     modes = data["results"]["1"]["modes"]
-    assert set(modes) == {"sampled-token", "top-k 16 only-student", "top-k 16 union"}
+    assert set(modes) == {
+        "sampled-token",
+        "top-k 16 only-student",
+        "top-k 16 union",
+        "top-k 16 only-student, array rows",
+    }
     for mode in modes.values():
         assert mode["equality"]["equal_within_1e-5"] is True
         assert mode["equality"]["compared"] == 2

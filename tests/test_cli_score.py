@@ -29,7 +29,8 @@ from pipeline_reference import Expected, expected_result, rollout_topk_rows
 from opd_stream import InvalidSampleError, Sample
 from opd_stream._cli import main
 from opd_stream._progress import Progress
-from opd_stream._scorefile import LineRef, _LineReader, decode_line
+from opd_stream._scorefile import _LineReader
+from opd_stream._scorefile_schema import LineRef, decode_line
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 
 K = 4

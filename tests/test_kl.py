@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kl_reference import Missing, reference_position, reference_sampled
 
-from opd_stream import _kl
+from opd_stream import _klselect
 from opd_stream._errors import MissingLogprobError
 from opd_stream._kl import (
     LOGPROB_FLOOR,
@@ -331,11 +331,11 @@ def test_membership_paths_agree_with_reference(
     monkeypatch: pytest.MonkeyPatch, path: str, k: int, device: str
 ) -> None:
     if path == "sort-searchsorted":
-        monkeypatch.setattr(_kl, "_BROADCAST_MAX_K", 1)
+        monkeypatch.setattr(_klselect, "_BROADCAST_MAX_K", 1)
     else:
-        monkeypatch.setattr(_kl, "_BROADCAST_MAX_K", 1000)
+        monkeypatch.setattr(_klselect, "_BROADCAST_MAX_K", 1000)
     if path == "broadcast-chunked":
-        monkeypatch.setattr(_kl, "_EQ_CHUNK_ELEMENTS", 3 * k * k)  # 3 rows per chunk
+        monkeypatch.setattr(_klselect, "_EQ_CHUNK_ELEMENTS", 3 * k * k)  # 3 rows per chunk
     rng = np.random.default_rng(k)
     samples = [
         random_sample(rng, r, k, k, overlap=0.6, p_inf=0.1, p_hole=0.05, nan_unused_for="xor")

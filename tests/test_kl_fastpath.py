@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kl_reference import reference_position
 
 import opd_stream._kl as kl
+import opd_stream._klselect as klselect
 from opd_stream import Sample
 from opd_stream._errors import MissingLogprobError
 from opd_stream._kl import STRATEGIES, WEIGHT_MODES, Strategy, TopKBatch, WeightMode
@@ -50,24 +51,24 @@ BATCH_FIELDS = (
 @contextlib.contextmanager
 def index_backend(name: str) -> Iterator[None]:
     """Run the candidate selection on ``name`` ("numpy": CPU default, "torch": other devices)."""
-    before = kl._CPU_INDEX_BACKEND
-    kl._CPU_INDEX_BACKEND = name
+    before = klselect._CPU_INDEX_BACKEND
+    klselect._CPU_INDEX_BACKEND = name
     try:
         yield
     finally:
-        kl._CPU_INDEX_BACKEND = before
+        klselect._CPU_INDEX_BACKEND = before
 
 
 @contextlib.contextmanager
 def broadcast_below(k: int, chunk: int | None = None) -> Iterator[None]:
-    before = kl._BROADCAST_MAX_K, kl._EQ_CHUNK_ELEMENTS
-    kl._BROADCAST_MAX_K = k
+    before = klselect._BROADCAST_MAX_K, klselect._EQ_CHUNK_ELEMENTS
+    klselect._BROADCAST_MAX_K = k
     if chunk is not None:
-        kl._EQ_CHUNK_ELEMENTS = chunk
+        klselect._EQ_CHUNK_ELEMENTS = chunk
     try:
         yield
     finally:
-        kl._BROADCAST_MAX_K, kl._EQ_CHUNK_ELEMENTS = before
+        klselect._BROADCAST_MAX_K, klselect._EQ_CHUNK_ELEMENTS = before
 
 
 # ------------------------------------------------------------------------------- inputs

@@ -1,0 +1,339 @@
+"""The JSON Lines schemas of ``opd-stream score`` and the sans-IO line codecs.
+
+Plain functions and msgspec Structs, usable and testable without a server or an event loop:
+
+* :class:`InputLine`: the schema of one input line (a JSON object; unknown keys are errors);
+* :func:`decode_line`: one input line (bytes) -> a :class:`Sample` whose ``sample_id`` is a
+  :class:`LineRef`, or :class:`InvalidSampleError` with a message that names the field and
+  never repeats the line's contents; :func:`line_failure`: the result of a line that did
+  not decode;
+* :class:`ScoredLine` / :class:`FailedLine`: the schema of one output line;
+* :func:`render_result`: a :class:`ScoredSample` or :class:`SampleFailure` -> one output line.
+
+The runner that reads, scores and writes the lines is :mod:`opd_stream._scorefile`.
+
+Non-finite floats: JSON has no ``-inf``; msgspec writes every non-finite float as ``null``.
+The only non-finite value that can reach an output line is a ``-inf`` teacher (or, in
+candidates, student) logprob, a token the model gives probability 0; the library never
+emits NaN, and ``reverse_kl`` and ``weights`` are always finite (logprobs are clamped to
+``LOGPROB_FLOOR = -1e4`` before any arithmetic). So ``null`` inside a logprob list means
+``-inf``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+import numpy as np
+
+from ._errors import InvalidSampleError
+from ._sample import MAX_TOKEN_ID, Sample, SampleFailure, ScoredSample
+
+if TYPE_CHECKING:
+    from ._pipeline import Result
+
+__all__ = (
+    "CandidatesLine",
+    "FailedLine",
+    "InputLine",
+    "LineRef",
+    "ScoredLine",
+    "decode_line",
+    "line_failure",
+    "line_ref_of",
+    "render_result",
+)
+
+_MAX_MESSAGE = 300  # characters of a decode error message kept
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+"""A token id as the input schema accepts it: an integer in ``[0, 2**31 - 1]``."""
+
+
+# --- input schema -------------------------------------------------------------------------
+
+
+class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One input line: a JSON object with these keys (any other key is an error).
+
+    Attributes:
+        id: any JSON value, copied verbatim to the output line; default: the 0-based
+            index of the line among the non-blank lines.
+        prompt_ids: prompt token ids (non-empty); with ``response_ids``.
+        response_ids: response token ids (may be empty); with ``prompt_ids``.
+        tokens: prompt + response token ids; with ``response_length`` (instead of
+            ``prompt_ids`` + ``response_ids``).
+        response_length: R, the number of trailing ``tokens`` that are the response.
+        teacher: the teacher name (stored in ``metadata[teacher_key]``); default: the
+            default teacher.
+        rollout_logprobs: the student's logprob of each response token (R finite floats).
+        student_top_logprobs: one row per response token of ``[logprob, token_id]`` pairs
+            (or SGLang ``[logprob, token_id, text]`` triples), best first; ``null`` logprob
+            means ``-inf``.
+        metadata: an object, passed on as ``Sample.metadata``.
+    """
+
+    id: msgspec.Raw = msgspec.Raw()
+    prompt_ids: list[TokenId] | None = None
+    response_ids: list[TokenId] | None = None
+    tokens: list[TokenId] | None = None
+    response_length: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    teacher: str | None = None
+    rollout_logprobs: list[float] | None = None
+    student_top_logprobs: list[list[Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class _IdOnly(msgspec.Struct):
+    """Lenient view of a line that failed the schema: only its ``id``, if it is JSON."""
+
+    id: msgspec.Raw = msgspec.Raw()
+
+
+class LineRef(msgspec.Struct, frozen=True):
+    """Where a sample came from; carried as ``Sample.sample_id`` through the stream.
+
+    Attributes:
+        seq: 0-based index among the non-blank input lines.
+        line: 1-based line number in the input (blank lines counted).
+        id: the output ``id``, as raw JSON.
+    """
+
+    seq: int
+    line: int
+    id: msgspec.Raw
+
+
+_DECODER = msgspec.json.Decoder(InputLine)
+_ID_DECODER = msgspec.json.Decoder(_IdOnly)
+_PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def _default_id(seq: int) -> msgspec.Raw:
+    return msgspec.Raw(str(seq).encode())
+
+
+def _line_id(data: bytes, seq: int) -> msgspec.Raw:
+    """The ``id`` of a line that failed the schema, when it is readable, else the default."""
+    try:
+        raw = _ID_DECODER.decode(data).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _default_id(seq)
+    return raw.copy() if len(raw) else _default_id(seq)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def decode_line(
+    data: bytes,
+    *,
+    line: int,
+    seq: int,
+    teacher_key: str = "opd_teacher",
+    default_teacher: str | None = None,
+) -> Sample:
+    """Turn one input line into a :class:`Sample` (``sample_id`` = :class:`LineRef`).
+
+    Only the line's own shape is checked here (JSON, schema, which token keys are given);
+    the rest (``response_length`` range, rollout and top-k values, routing) is checked by
+    the stream at intake, where it fails the sample alone like any other sample.
+
+    Args:
+        data: the line, without its newline (surrounding whitespace is allowed).
+        line: its 1-based line number (for :class:`LineRef`).
+        seq: its 0-based index among non-blank lines (the default ``id``).
+        teacher_key: the metadata key that names the teacher.
+        default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
+
+    Raises:
+        InvalidSampleError: not JSON (field ``json``), not the schema (the field named by
+            the error path, or ``schema``), a missing or conflicting token key, an empty
+            ``prompt_ids``, or ``teacher`` disagreeing with ``metadata[teacher_key]``.
+            Messages carry field names, positions and types, never values.
+    """
+    try:
+        parsed = _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH_FIELD.search(text)
+        raise InvalidSampleError(match.group(1) if match else "schema", _clip(text)) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidSampleError("json", _clip(str(exc))) from None
+
+    split = parsed.prompt_ids is not None or parsed.response_ids is not None
+    joined = parsed.tokens is not None or parsed.response_length is not None
+    if split and joined:
+        raise InvalidSampleError(
+            "tokens", "give prompt_ids + response_ids or tokens + response_length, not both"
+        )
+    if split:
+        if parsed.prompt_ids is None:
+            raise InvalidSampleError("prompt_ids", "required with response_ids")
+        if parsed.response_ids is None:
+            raise InvalidSampleError("response_ids", "required with prompt_ids")
+        if not parsed.prompt_ids:
+            raise InvalidSampleError(
+                "prompt_ids", "must not be empty (at least one prompt token precedes the response)"
+            )
+        tokens = np.array(parsed.prompt_ids + parsed.response_ids, dtype=np.int64)
+        response_length = len(parsed.response_ids)
+    elif joined:
+        if parsed.tokens is None:
+            raise InvalidSampleError("tokens", "required with response_length")
+        if parsed.response_length is None:
+            raise InvalidSampleError("response_length", "required with tokens")
+        tokens = np.array(parsed.tokens, dtype=np.int64)
+        response_length = parsed.response_length
+    else:
+        raise InvalidSampleError(
+            "prompt_ids", "required: give prompt_ids + response_ids (or tokens + response_length)"
+        )
+
+    metadata = dict(parsed.metadata) if parsed.metadata is not None else {}
+    if parsed.teacher is not None:
+        given = metadata.get(teacher_key)
+        if given is not None and str(given) != parsed.teacher:
+            raise InvalidSampleError("teacher", f"disagrees with metadata[{teacher_key!r}]")
+        metadata[teacher_key] = parsed.teacher
+    elif metadata.get(teacher_key) is None and default_teacher is not None:
+        metadata[teacher_key] = default_teacher
+
+    rollout = None
+    if parsed.rollout_logprobs is not None:
+        rollout = np.asarray(parsed.rollout_logprobs, dtype=np.float64)
+    ident = parsed.id.copy() if len(parsed.id) else _default_id(seq)
+    return Sample(
+        tokens,
+        response_length,
+        metadata=metadata,
+        rollout_logprobs=rollout,
+        student_top_logprobs=parsed.student_top_logprobs,
+        sample_id=LineRef(seq, line, ident),
+    )
+
+
+def line_failure(data: bytes, *, line: int, seq: int, error: InvalidSampleError) -> SampleFailure:
+    """The failure of a line that did not decode, in the stream's result type."""
+    ref = LineRef(seq, line, _line_id(data, seq))
+    return SampleFailure(
+        sample=Sample([], 0, sample_id=ref),
+        index=seq,
+        reason=error.reason,
+        message=str(error),
+        attempts=0,
+    )
+
+
+# --- output schema ------------------------------------------------------------------------
+
+
+class CandidatesLine(msgspec.Struct, kw_only=True):
+    """Top-k candidate arrays of one sample, each ``[R][C]`` (``--with-candidates``).
+
+    ``ids`` is -1 and the values are 0 where ``mask`` is false (unused slots).
+    """
+
+    ids: list[list[int]]
+    student_logprobs: list[list[float | None]]
+    teacher_logprobs: list[list[float | None]]
+    weights: list[list[float]]
+    mask: list[list[bool]]
+
+
+class ScoredLine(msgspec.Struct, kw_only=True):
+    """An output line for a scored sample (``ok`` is true).
+
+    ``teacher_logprobs`` may hold ``null`` (-inf); ``reverse_kl`` is null in sampled-token
+    mode without ``rollout_logprobs``; ``candidates`` is present only in top-k mode with
+    ``--with-candidates``.
+    """
+
+    id: msgspec.Raw
+    line: int
+    ok: bool
+    teacher: str
+    response_length: int
+    teacher_logprobs: list[float | None]
+    reverse_kl: list[float] | None
+    attempts: int
+    latency_s: float
+    candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+
+
+class FailedLine(msgspec.Struct, kw_only=True):
+    """An output line for a sample that could not be scored (``ok`` is false)."""
+
+    id: msgspec.Raw
+    line: int
+    ok: bool
+    reason: str
+    message: str
+    attempts: int
+
+
+def line_ref_of(item: Result) -> LineRef:
+    """The :class:`LineRef` of a result whose sample :func:`decode_line` (or
+    :func:`line_failure`) made.
+
+    Raises:
+        TypeError: the sample's ``sample_id`` is not a :class:`LineRef`.
+    """
+    ref = item.sample.sample_id
+    if not isinstance(ref, LineRef):
+        raise TypeError(f"expected a sample from decode_line, got sample_id {type(ref).__name__}")
+    return ref
+
+
+def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
+    """Render one result as an output line: a JSON object followed by ``\\n``.
+
+    Float32 values become the Python floats they equal (so reading them back as float32
+    is exact); non-finite floats are written as ``null`` (see the module docstring).
+
+    Args:
+        item: a result of a sample made by :func:`decode_line` (its ``sample_id`` is a
+            :class:`LineRef`), or a line failure.
+        with_candidates: include ``candidates`` (top-k mode only; they are large).
+
+    Raises:
+        TypeError: the sample's ``sample_id`` is not a :class:`LineRef`.
+    """
+    ref = line_ref_of(item)
+    out: ScoredLine | FailedLine
+    if isinstance(item, ScoredSample):
+        candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+        if with_candidates and item.candidates is not None:
+            c = item.candidates
+            candidates = CandidatesLine(
+                ids=c.ids.tolist(),
+                student_logprobs=c.student_logprobs.tolist(),
+                teacher_logprobs=c.teacher_logprobs.tolist(),
+                weights=c.weights.tolist(),
+                mask=c.mask.tolist(),
+            )
+        out = ScoredLine(
+            id=ref.id,
+            line=ref.line,
+            ok=True,
+            teacher=item.teacher,
+            response_length=item.sample.response_length,
+            teacher_logprobs=item.teacher_logprobs.tolist(),
+            reverse_kl=None if item.reverse_kl is None else item.reverse_kl.tolist(),
+            attempts=item.attempts,
+            latency_s=item.latency_s,
+            candidates=candidates,
+        )
+    else:
+        out = FailedLine(
+            id=ref.id,
+            line=ref.line,
+            ok=False,
+            reason=item.reason,
+            message=item.message,
+            attempts=item.attempts,
+        )
+    return msgspec.json.encode(out) + b"\n"

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
-import msgspec
 
 from opd_stream import Sample
 
@@ -136,19 +135,6 @@ async def _score_one(
     out.answered_at[index] = time.perf_counter()
 
 
-def _student_rows(sample: Sample) -> Any:
-    """The rollout's student top-k rows as Python ``[[logprob, id], ...]`` lists.
-
-    The reference works on Python rows only; the ``(ids, logprobs)`` array form is turned
-    into them here (``tolist``), a cost the reference would pay too.
-    """
-    top = sample.student_top_logprobs
-    if isinstance(top, tuple) and len(top) == 2 and hasattr(top[0], "tolist"):
-        ids, lps = top[0].tolist(), top[1].tolist()
-        return [list(zip(lr, ir, strict=True)) for lr, ir in zip(lps, ids, strict=True)]
-    return top
-
-
 def _rows_as_dicts(rows: list[Any], r: int) -> list[dict[int, float]]:
     return [{int(e[1]): _lp(e[0]) for e in row} for row in rows[1:][-r:]]
 
@@ -252,10 +238,6 @@ async def baseline_score(
         await asyncio.gather(*tasks)
 
     async def _go(s: Sample, i: int) -> None:
-        rows = _student_rows(s)
-        if rows is not s.student_top_logprobs:  # the array form, as Python rows once
-            s = msgspec.structs.replace(s, student_top_logprobs=rows)
-            kept[i] = s
         await _score_one(s, i, teacher_url, student_url, top_k, strategy, id_form, answers, out)
 
     try:

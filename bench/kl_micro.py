@@ -327,7 +327,7 @@ def _wall_ms_contended(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _load_baseline(rev: str) -> ScoreFn | None:
-    """``score_batch`` of ``opd_stream/_kl{,stage}.py`` at git ``rev`` (None if unavailable)."""
+    """``score_batch`` of ``opd_stream/_kl{,select,stage}.py`` at git ``rev`` (None if absent)."""
 
     def show(path: str) -> str:
         return subprocess.run(
@@ -342,9 +342,17 @@ def _load_baseline(rev: str) -> ScoreFn | None:
         stage_src = show("opd_stream/_klstage.py")
     except (OSError, subprocess.CalledProcessError):
         return None
+    try:  # since the split, selection lives in _klselect.py: take that revision's too
+        select_src: str | None = show("opd_stream/_klselect.py")
+    except subprocess.CalledProcessError:
+        select_src = None
+    kl_src = kl_src.replace("from ._klselect import", "from ._klselect_baseline import")
     stage_src = stage_src.replace("from ._kl import", "from ._kl_baseline import")
+    sources = [("_kl_baseline", kl_src), ("_klstage_baseline", stage_src)]
+    if select_src is not None:
+        sources.insert(0, ("_klselect_baseline", select_src))
     mods = {}
-    for name, src in (("_kl_baseline", kl_src), ("_klstage_baseline", stage_src)):
+    for name, src in sources:
         spec = importlib.util.spec_from_loader(f"opd_stream.{name}", loader=None)
         assert spec is not None
         mod = importlib.util.module_from_spec(spec)

@@ -50,8 +50,8 @@ Progress = Callable[[str], None]
 #: each client the measured pass costs the (Python) mock almost no CPU: on 2 cores the mock
 #: would otherwise compete with the client it serves.
 REPLAY = MockOptions(replay_cache_bytes=3 * 2**30)
-#: Scenario 1's mode whose rollouts carry the student top-k as ``(ids, logprobs)`` arrays
-#: (the baseline turns them into Python rows, as the reference needs them).
+#: Scenario 1's mode whose rollouts give opd_stream the student top-k as ``(ids, logprobs)``
+#: arrays (the baseline gets the same values as Python rows, the reference's input).
 ARRAY_ROWS = "top-k 16 only-student, array rows"
 
 
@@ -125,13 +125,6 @@ def _tokens(samples: list[Sample]) -> int:
     return sum(s.response_length for s in samples)
 
 
-def _student_ids(s: Sample, k: int) -> Any:
-    top = s.student_top_logprobs
-    if isinstance(top, tuple):  # the array form
-        return np.asarray(top[0])[:, :k]
-    return parse_student_topk(top, s.response_length, k)[0]
-
-
 def _settle() -> None:
     gc.collect()
     time.sleep(0.2)
@@ -158,7 +151,7 @@ async def _fetch_bodies(
             r = s.response_length
             s_ids = None
             if top_k > 0 and strategy in ("only-student", "union", "xor"):
-                s_ids = _student_ids(s, top_k)
+                s_ids, _ = parse_student_topk(s.student_top_logprobs, r, top_k)
             t_topk = top_k if top_k > 0 and strategy != "only-student" else 0
             treq = ScoreRequest(
                 tokens=tokens, response_length=r, top_k=t_topk, ids=s_ids, topk_wire="b64"
@@ -211,14 +204,19 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
         pids = pid_list(procs)
         for label, k, strategy in modes:
             progress(f"s1 {label}: samples")
-            samples = make_samples(
-                sz.s1_n, sz.s1_prompt, sz.s1_response, k, topk_arrays=label == ARRAY_ROWS
-            )
+            samples = make_samples(sz.s1_n, sz.s1_prompt, sz.s1_response, k)
+            # the array-rows mode: the same rollouts, the top-k as arrays for opd_stream (the
+            # baseline, like the reference, takes Python rows)
+            opd_samples = samples
+            if label == ARRAY_ROWS:
+                opd_samples = make_samples(
+                    sz.s1_n, sz.s1_prompt, sz.s1_response, k, topk_arrays=True
+                )
             toks = _tokens(samples)
             cfg = _config(teacher, student, top_k=k, strategy=strategy)
             # unmeasured warm pass of both clients (imports, the mocks' replay caches)
             progress(f"s1 {label}: warm pass")
-            await run_opd(cfg, samples)
+            await run_opd(cfg, opd_samples)
             await baseline_score(
                 samples,
                 teacher,
@@ -251,7 +249,7 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
             progress(f"s1 {label}: opd_stream")
             with ClientMeter(pids) as mo:
                 t0 = time.perf_counter()
-                opd = await run_opd(cfg, samples)
+                opd = await run_opd(cfg, opd_samples)
             om = Measurement.metered(
                 "opd_stream",
                 mo,
@@ -282,7 +280,7 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
             }
             out["_latencies"][f"{label} opd_stream"] = list(om.latencies_s)
             out["_latencies"][f"{label} baseline"] = list(bm.latencies_s)
-            del samples, opd
+            del samples, opd_samples, opd
     return out
 
 

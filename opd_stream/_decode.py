@@ -38,6 +38,7 @@ from ._errors import (
     InvalidSampleError,
     MalformedResponseError,
     MisalignedResponseError,
+    ProtocolError,
     ServerAbortError,
 )
 from ._gc import gc_paused
@@ -52,6 +53,7 @@ __all__ = (
 )
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_MAX_DIM = 2**31  # flat top-k shapes: SGLang's arrays are int32-indexed
 _LP = attrgetter("lp")
 _ID = attrgetter("id")
 
@@ -77,6 +79,10 @@ class _FinishReason(msgspec.Struct, gc=False, frozen=True):
 class _Meta(msgspec.Struct, gc=False, frozen=True):
     # Every field optional, so that an absent one is reported by name (and an abort
     # answer, which may lack the logprob fields, is still recognised as an abort).
+    # The output top-k (``output_top_logprobs`` or its flat ``output_top_logprobs_*``
+    # fields, nested, JSON flat or b64) is deliberately not declared: no scoring layout
+    # uses that row (top-k segments never have a ``tail_col``), so msgspec skips it
+    # unparsed in whichever form the server sent it, or none.
     finish_reason: _FinishReason | None = None
     weight_version: str | None = None
     input_token_logprobs: list[_E] | None = None
@@ -99,6 +105,16 @@ class _GenMeta(msgspec.Struct, gc=False, frozen=True):
     finish_reason: _FinishReason | None = None
     output_token_logprobs: list[_E] | None = None
     output_top_logprobs: _Rows | None = None
+    # SGLang >= 0.5.23 ``return_flat_raw_output_top_logprobs`` (+ ``_b64``): the output
+    # top-k as flat arrays instead of ``output_top_logprobs`` (see ``_flat_topk``)
+    output_top_logprobs_shape: list[int] | None = None
+    output_top_logprobs_null_prefix: int | None = None
+    output_top_logprobs_val_flat_b64: str | None = None
+    output_top_logprobs_idx_flat_b64: str | None = None
+    output_top_logprobs_val_flat_b64_dtype: str | None = None
+    output_top_logprobs_idx_flat_b64_dtype: str | None = None
+    output_top_logprobs_val_flat: list[float | None] | None = None
+    output_top_logprobs_idx_flat: list[_Int64] | None = None
 
 
 class _GenResponse(msgspec.Struct, gc=False, frozen=True):
@@ -141,8 +157,9 @@ class Generation(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         output_ids: int64 ``[n]``.
         output_logprobs: float32 ``[n]``, the sampled tokens' logprobs (``-inf`` for null).
-        output_top_ids: int64 ``[n, k]`` best first, or ``None`` if top-k was not returned.
-        output_top_logprobs: float32 ``[n, k]``, or ``None``.
+        output_top_ids: int64 ``[n, k]`` best first, or ``None`` if top-k was not returned
+            (from the nested rows or the flat / b64 fields, whichever the server sent).
+        output_top_logprobs: float32 ``[n, k]`` (``-inf`` for null / NaN), or ``None``.
     """
 
     output_ids: npt.NDArray[np.int64]
@@ -646,14 +663,150 @@ def _id_values(
 # --- generation answers ----------------------------------------------------------------
 
 
+class _FlatTopK(NamedTuple):
+    """The flat top-k fields of one side (``{side}_top_logprobs_*``), as decoded."""
+
+    shape: list[int] | None
+    null_prefix: int | None
+    val_b64: str | None
+    idx_b64: str | None
+    val_b64_dtype: str | None
+    idx_b64_dtype: str | None
+    val: list[float | None] | None
+    idx: list[int] | None
+
+
+def _flat_topk(
+    f: _FlatTopK, base: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], int] | None:
+    """Decode SGLang's flat top-k fields named ``{base}_*`` (``base`` is the field path of
+    the nested ``{side}_top_logprobs``), or ``None`` when neither flat form is present.
+
+    The b64 form (``_val_flat_b64`` little-endian float32, ``_idx_flat_b64`` int32, the
+    ``_dtype`` markers optional but checked when present) wins over the JSON form
+    (``_val_flat`` numbers or null, ``_idx_flat`` ints); both need ``_shape`` ``[rows, k]``
+    and ``_null_prefix``, and hold ``rows * k`` entries, row-major, for the positions after
+    the null prefix. Returns ``(ids int64 [rows, k], logprobs float32 [rows, k],
+    null_prefix)``; null / NaN logprobs become ``-inf``.
+
+    Raises:
+        MalformedResponseError: a missing companion field, a shape that is not two ints
+            in ``[0, 2**31)``, a negative null prefix, a wrong dtype marker, bad base64, or
+            a value count that is not the shape's product (sizes only in the message).
+    """
+    val_b64, idx_b64, val, idx = f.val_b64, f.idx_b64, f.val, f.idx
+    if val_b64 is not None or idx_b64 is not None:
+        if val_b64 is None:
+            raise _missing(f"{base}_val_flat_b64")
+        if idx_b64 is None:
+            raise _missing(f"{base}_idx_flat_b64")
+        rows, k, prefix = _flat_layout(f, base)
+        for marker, want, name in (
+            (f.val_b64_dtype, "float32", "val"),
+            (f.idx_b64_dtype, "int32", "idx"),
+        ):
+            if marker is not None and marker != want:
+                raise MalformedResponseError(
+                    f"`{base}_{name}_flat_b64_dtype` is {marker[:20]!r}, expected {want!r}"
+                )
+        v = _b64_array(val_b64, "<f4", rows * k, f"{base}_val_flat_b64")
+        i = _b64_array(idx_b64, "<i4", rows * k, f"{base}_idx_flat_b64")
+        lps = _to_logprobs(v, f"{base}_val_flat_b64")
+        ids = i.astype(np.int64)
+    elif val is not None or idx is not None:
+        if val is None:
+            raise _missing(f"{base}_val_flat")
+        if idx is None:
+            raise _missing(f"{base}_idx_flat")
+        rows, k, prefix = _flat_layout(f, base)
+        for name, got in (("val", len(val)), ("idx", len(idx))):
+            if got != rows * k:
+                raise MalformedResponseError(
+                    f"`{base}_{name}_flat` has {got} values, expected {rows * k} "
+                    f"(shape [{rows}, {k}])"
+                )
+        lps = _to_logprobs(np.array(val, dtype=np.float64), f"{base}_val_flat")
+        ids = np.array(idx, dtype=np.int64)
+    else:
+        return None
+    return ids.reshape(rows, k), lps.reshape(rows, k), prefix
+
+
+def _flat_layout(f: _FlatTopK, base: str) -> tuple[int, int, int]:
+    """``(rows, k, null_prefix)`` of flat top-k fields, checked (see :func:`_flat_topk`)."""
+    shape, prefix = f.shape, f.null_prefix
+    if shape is None:
+        raise _missing(f"{base}_shape")
+    if prefix is None:
+        raise _missing(f"{base}_null_prefix")
+    if len(shape) != 2:
+        raise MalformedResponseError(
+            f"`{base}_shape` has {len(shape)} elements, expected 2 ([rows, k])"
+        )
+    rows, k = shape
+    if not (0 <= rows < _MAX_DIM and 0 <= k < _MAX_DIM):
+        raise MalformedResponseError(
+            f"`{base}_shape` [{rows}, {k}] has a dimension outside [0, 2**31)"
+        )
+    if prefix < 0:
+        raise MalformedResponseError(f"`{base}_null_prefix` is {prefix}, expected >= 0")
+    return rows, k, prefix
+
+
+def _generation_flat_topk(
+    meta: _GenMeta, where: str, n: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
+    """The output top-k from the flat fields, checked like the nested rows: one row per
+    output token, none of them null (a null prefix is a null row)."""
+    base = f"{where}.meta_info.output_top_logprobs"
+    got = _flat_topk(
+        _FlatTopK(
+            meta.output_top_logprobs_shape,
+            meta.output_top_logprobs_null_prefix,
+            meta.output_top_logprobs_val_flat_b64,
+            meta.output_top_logprobs_idx_flat_b64,
+            meta.output_top_logprobs_val_flat_b64_dtype,
+            meta.output_top_logprobs_idx_flat_b64_dtype,
+            meta.output_top_logprobs_val_flat,
+            meta.output_top_logprobs_idx_flat,
+        ),
+        base,
+    )
+    if got is None:
+        return None
+    ids, lps, prefix = got
+    rows = ids.shape[0]
+    if prefix + rows != n:
+        raise MisalignedResponseError(
+            f"`{base}_shape` covers null_prefix {prefix} + {rows} rows, expected {n} "
+            f"(one per output token)"
+        )
+    if prefix:
+        raise MisalignedResponseError(
+            f"`{base}_null_prefix` is {prefix}: the rows of output positions 0..{prefix - 1} "
+            f"are null or empty"
+        )
+    return ids, lps
+
+
 def decode_generate_response(body: bytes) -> list[Generation]:
     """Decode a sampling ``/generate`` answer (single object or batch array).
 
+    The output top-k is read from whichever form the server sent: the b64 flat fields
+    (``output_top_logprobs_{val,idx}_flat_b64`` + ``_shape`` / ``_null_prefix``, asked by
+    ``build_generate_payload(..., topk_wire="b64")`` of SGLang >= 0.5.23), else the JSON flat
+    fields (``output_top_logprobs_{val,idx}_flat``), else the nested
+    ``output_top_logprobs`` rows; none of them gives ``None``. All forms decode to the same
+    arrays (b64 values are the float32 the server computed, as are the JSON ones) and are
+    checked alike: one row per output token, no null row, ``k`` entries per row.
+
     Raises:
         MalformedResponseError: bad JSON / types / a missing ``meta_info`` or
-            ``meta_info.output_token_logprobs``.
+            ``meta_info.output_token_logprobs``; flat top-k fields that are inconsistent
+            (a missing companion field, a bad shape or null prefix, a wrong dtype marker,
+            bad base64, a value count other than the shape's product).
         MisalignedResponseError: ``output_ids`` differ from the logprob entries' ids,
-            or ``output_top_logprobs`` rows do not match the tokens or are ragged.
+            or the top-k rows do not match the tokens (count, null rows) or are ragged.
         ServerAbortError: ``finish_reason.type == "abort"``.
 
     All errors carry ``side="student"``.
@@ -688,8 +841,15 @@ def _generation(item: _GenResponse, where: str) -> Generation:
         )
     lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=n)
     top_ids = top_lps = None
+    try:
+        flat = _generation_flat_topk(meta, where, n)
+    except ProtocolError as exc:
+        exc.side = "student"
+        raise
     rows = meta.output_top_logprobs
-    if rows is not None:
+    if flat is not None:
+        top_ids, top_lps = flat
+    elif rows is not None:
         tfield = f"{where}.meta_info.output_top_logprobs"
         if len(rows) != n:
             raise MisalignedResponseError(

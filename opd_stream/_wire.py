@@ -38,7 +38,9 @@ every item uses ``P + start - 1`` regardless, since ``"zero"`` would only add ro
 Every scoring body has ``"return_logprob": true``, ``"return_text_in_logprobs": false``,
 ``"stream": false`` and ``"sampling_params": {"temperature": 0, "max_new_tokens": 0}``;
 ``top_logprobs_num`` and ``logprob_start_len`` are top-level. ``topk_wire="b64"`` (with
-``top_k > 0``) adds ``return_flat_raw_top_logprobs(_b64)``; a server that ignores them
+``top_k > 0``) adds ``return_flat_raw_top_logprobs``, ``return_flat_raw_output_top_logprobs``
+and ``return_flat_raw_top_logprobs_b64`` (SGLang >= 0.5.23: the input top-k, and the one
+unused output row of ``max_new_tokens = 0``, as b64 arrays); a server that ignores them
 answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
 """
 
@@ -295,7 +297,10 @@ def build_score_payload(req: ScoreRequest) -> bytes:
     Keys appear in a fixed order: ``input_ids, sampling_params, return_logprob,
     logprob_start_len, [top_logprobs_num], [token_ids_logprob |
     token_ids_logprob_positions], [return_flat_raw_top_logprobs,
-    return_flat_raw_top_logprobs_b64], return_text_in_logprobs, stream``.
+    return_flat_raw_output_top_logprobs, return_flat_raw_top_logprobs_b64],
+    return_text_in_logprobs, stream``. The three flat flags (``topk_wire="b64"`` with
+    ``top_k > 0``) ask SGLang >= 0.5.23 for both the input and the output top-k as b64 flat
+    arrays; servers that do not know them ignore them and answer nested JSON.
 
     Raises:
         InvalidSampleError: a malformed request (names the field).
@@ -329,7 +334,10 @@ def _build(req: ScoreRequest) -> bytes:
         else:
             body["token_ids_logprob"] = lay.unions[0].tolist()
     if req.top_k > 0 and req.topk_wire == "b64":
+        # output side too: the one (unused) output top-k row SGLang answers for
+        # max_new_tokens = 0 is ~23% smaller in b64 than as nested triples (417 vs 543 B at k=16)
         body["return_flat_raw_top_logprobs"] = True
+        body["return_flat_raw_output_top_logprobs"] = True
         body["return_flat_raw_top_logprobs_b64"] = True
     body["return_text_in_logprobs"] = False
     body["stream"] = False
@@ -350,8 +358,15 @@ def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
         digits += tokens >= 10**power
     # end[n] = offset just past element n-1 (before its comma) in ``whole``
     end = np.concatenate(([1], 1 + np.cumsum(digits + 1))) - 1
-    parts = [whole[: int(end[n])] + b"]" if n else b"[]" for n in lengths]
-    return b"[" + b",".join(parts) + b"]"
+    # one copy of each prefix, straight into the result (memoryview slices copy nothing)
+    view = memoryview(whole)
+    parts: list[bytes | memoryview] = [b"["]
+    for i, n in enumerate(lengths):
+        if i:
+            parts.append(b",")
+        parts += (view[: int(end[n])], b"]") if n else (b"[]",)
+    parts.append(b"]")
+    return b"".join(parts)
 
 
 def decode_score_response(body: bytes, req: ScoreRequest) -> ScoreRows:
@@ -436,18 +451,29 @@ def build_generate_payload(
     temperature: float = 1.0,
     top_logprobs_num: int = 0,
     seed: int | None = None,
+    *,
+    topk_wire: Literal["b64", "json"] = "json",
 ) -> bytes:
     """Encode a sampling (rollout) ``/generate`` request, single or batch.
 
     ``sampling_params`` holds ``temperature``, ``max_new_tokens`` and (if given)
     ``sampling_seed``; ``return_logprob`` is true so that the answer carries
-    ``output_token_logprobs`` (and ``output_top_logprobs`` when ``top_logprobs_num > 0``).
+    ``output_token_logprobs`` (and the output top-k when ``top_logprobs_num > 0``).
     No ``logprob_start_len`` is sent (SGLang's -1: no input logprobs).
+
+    ``topk_wire="b64"`` (with ``top_logprobs_num > 0``) also sends
+    ``return_flat_raw_output_top_logprobs`` and ``return_flat_raw_top_logprobs_b64``
+    (after ``top_logprobs_num``): SGLang >= 0.5.23 then answers the output top-k as b64
+    float32 / int32 flat arrays instead of nested triples (about 3x smaller). Servers that do
+    not know the flags ignore them and answer nested rows; :func:`decode_generate_response`
+    accepts both. The default stays ``"json"``, which every server version answers alike.
 
     Raises:
         ValueError: empty prompts, a non-int id, ``max_new_tokens < 1``,
-            ``top_logprobs_num < 0``.
+            ``top_logprobs_num < 0``, an unknown ``topk_wire``.
     """
+    if topk_wire not in ("b64", "json"):
+        raise ValueError(f"topk_wire must be 'b64' or 'json', got {topk_wire!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if top_logprobs_num < 0:
@@ -470,6 +496,9 @@ def build_generate_payload(
     }
     if top_logprobs_num > 0:
         body["top_logprobs_num"] = top_logprobs_num
+        if topk_wire == "b64":
+            body["return_flat_raw_output_top_logprobs"] = True
+            body["return_flat_raw_top_logprobs_b64"] = True
     body["return_text_in_logprobs"] = False
     body["stream"] = False
     return _ENCODER.encode(body)

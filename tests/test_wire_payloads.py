@@ -53,11 +53,12 @@ def test_topk_only_sends_top_logprobs_num_at_top_level() -> None:
     assert payload(top_k=4) == single(2, top_logprobs_num=4)
 
 
-def test_topk_b64_adds_both_flat_raw_flags() -> None:
+def test_topk_b64_adds_the_input_output_and_b64_flat_raw_flags() -> None:
     assert payload(top_k=4, topk_wire="b64") == single(
         2,
         top_logprobs_num=4,
         return_flat_raw_top_logprobs=True,
+        return_flat_raw_output_top_logprobs=True,
         return_flat_raw_top_logprobs_b64=True,
     )
 
@@ -105,6 +106,7 @@ def test_union_style_flat_with_b64() -> None:
         top_logprobs_num=3,
         token_ids_logprob=[1, 2, 3, 4, 5, 7, 8, 9],
         return_flat_raw_top_logprobs=True,
+        return_flat_raw_output_top_logprobs=True,
         return_flat_raw_top_logprobs_b64=True,
     )
 
@@ -140,6 +142,7 @@ def test_blocked_with_topk_and_b64_broadcasts_scalars() -> None:
         "top_logprobs_num": 2,
         "token_ids_logprob": [[1, 2, 4, 5, 9], [3, 5, 7, 8]],
         "return_flat_raw_top_logprobs": True,
+        "return_flat_raw_output_top_logprobs": True,
         "return_flat_raw_top_logprobs_b64": True,
         **TAIL,
     }
@@ -167,6 +170,7 @@ def test_keys_come_in_a_fixed_order() -> None:
         "top_logprobs_num",
         "token_ids_logprob_positions",
         "return_flat_raw_top_logprobs",
+        "return_flat_raw_output_top_logprobs",
         "return_flat_raw_top_logprobs_b64",
         "return_text_in_logprobs",
         "stream",

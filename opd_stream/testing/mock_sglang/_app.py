@@ -369,11 +369,13 @@ class MockServer:
             )
             dup = [it.rid for it in spec.items if it.rid in self._in_flight_rids]
             if dup:
-                raise RequestError("value", f"Duplicate request ID detected: {dup[0]}")
+                exc = RequestError("value", f"Duplicate request ID detected: {dup[0]}")
+                exc.in_stream = spec.stream
+                raise exc
         except RequestError as exc:
-            if exc.status < 500:
+            if exc.error_status < 500:
                 st.rejected_invalid += 1
-            return self._respond(exc.body, exc.status)
+            return self._respond(exc.body, exc.status, content_type=exc.content_type)
         fault = self._draw_fault()
         if fault in ("http_500", "http_503", "http_429"):
             status = int(fault[5:])

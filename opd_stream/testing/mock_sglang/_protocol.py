@@ -8,7 +8,16 @@ Independent of ``opd_stream``'s client code. Semantics follow
   ``token_ids_logprob`` is set and the request generates);
 * every ``input_*`` list has ``L - s`` entries, entry ``j`` about absolute position ``s + j``,
   entry 0 always empty (``[null, ids[s], null]`` / ``null``); empty rows and ``-inf`` are ``null``;
-* values are float64 model logprobs rounded to float32, emitted as Python floats.
+* values are float64 model logprobs rounded to float32, emitted as Python floats;
+* ``return_flat_raw_top_logprobs`` / ``return_flat_raw_output_top_logprobs`` replace the nested
+  ``input_top_logprobs`` / ``output_top_logprobs`` by ``{side}_top_logprobs_val_flat``,
+  ``_idx_flat``, ``_shape`` (``[rows, k]``) and ``_null_prefix`` (leading null rows, not in the
+  arrays); ``return_flat_raw_top_logprobs_b64`` sends the arrays as base64 little-endian
+  float32 / int32 (``..._flat_b64`` plus ``..._flat_b64_dtype`` markers) (SGLang 0.5.23
+  ``tokenizer_manager._build_flat_top_logprobs_fields``);
+* with ``stream: true``, SGLang's ValueErrors (tokenizer-manager checks, ``"value"`` kind) are
+  answered in the event stream (HTTP 200, ``data: {"error": {...}}`` then ``data: [DONE]``),
+  as 0.5.23's ``/generate`` does; only the body and contract checks answer HTTP 400.
 """
 
 from __future__ import annotations
@@ -61,16 +70,37 @@ class RequestError(Exception):
 
     ``kind`` is ``"validation"`` (ErrorResponse shape), ``"contract"`` (``{"error": str}``),
     ``"value"`` (``{"error": {"message": str}}``) or ``"crash"`` (500, ErrorResponse shape).
+    ``in_stream`` (``"value"`` errors of a ``stream: true`` request) makes the answer an HTTP
+    200 event stream carrying the error, as SGLang's streaming ``/generate`` does.
     """
 
     def __init__(self, kind: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
-        self.status = status
+        self.error_status = status
+        self.in_stream = False
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of the answer (200 for an in-stream error)."""
+        return 200 if self.in_stream else self.error_status
+
+    @property
+    def content_type(self) -> str:
+        """The answer's content type."""
+        return "text/event-stream" if self.in_stream else "application/json"
 
     @property
     def body(self) -> bytes:
+        if self.in_stream:
+            err = {
+                "message": self.message,
+                "type": "invalid_request_error",
+                "code": self.error_status,
+                "retryable": False,
+            }
+            return b"data: " + _encoder.encode({"error": err}) + b"\n\ndata: [DONE]\n\n"
         if self.kind == "contract":
             return _encoder.encode({"error": self.message})
         if self.kind == "value":
@@ -122,12 +152,48 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+#: ``GenerateReqInput`` fields typed ``bool`` (not Optional) that the contract check skips.
+_FLAT_FLAGS = (
+    "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs_b64",
+)
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_bool(body: dict[str, Any], key: str) -> bool:
+    """Pydantic's lax ``bool`` of a non-Optional field (absent: False).
+
+    Accepts booleans, the integers / floats 0 and 1, and the strings pydantic accepts
+    (case-insensitive); other ints and strings are ``bool_parsing`` errors, ``null`` and
+    everything else ``bool_type`` errors (pydantic 2's messages).
+    """
+    if key not in body:
+        return False
+    v = body[key]
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int | float) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in _TRUE_STRINGS | _FALSE_STRINGS:
+        return v.lower() in _TRUE_STRINGS
+    if isinstance(v, int | str):
+        raise _validation(
+            f"'{key}'", "Input should be a valid boolean, unable to interpret input", "bool_parsing"
+        )
+    raise _validation(f"'{key}'", "Input should be a valid boolean", "bool_type")
+
+
 def _check_pydantic(body: Any) -> None:
-    """The FastAPI/pydantic layer: the body must be an object, ids must be ints."""
+    """The FastAPI/pydantic layer: the body must be an object, ids must be ints, the flat
+    top-k flags must be (lax) booleans."""
     if not isinstance(body, dict):
         raise RequestError(
             "validation", "1 validation error: Input should be a valid dictionary or object"
         )
+    for flag in _FLAT_FLAGS:
+        _lax_bool(body, flag)
     for field in ("input_ids", "token_ids_logprob"):
         v = body.get(field)
         if v is None:
@@ -183,10 +249,31 @@ def parse_generate_request(
     except ContractError as exc:
         raise RequestError("contract", str(exc)) from None
 
-    b64 = bool(body.get("return_flat_raw_top_logprobs_b64"))
-    flat_input = bool(body.get("return_flat_raw_top_logprobs"))
-    flat_output = bool(body.get("return_flat_raw_output_top_logprobs"))
     stream = bool(body.get("stream") or False)
+    try:
+        return _normalise(body, stream, vocab_size, context_length, per_position)
+    except RequestError as exc:
+        # SGLang runs these checks inside the response generator: a streaming request gets
+        # them as an in-stream error (the per-position patch's checks keep their HTTP 400).
+        if stream and exc.kind == "value" and not exc.message.startswith(_PER_POSITION):
+            exc.in_stream = True
+        raise
+
+
+_PER_POSITION = "token_ids_logprob_positions: "
+
+
+def _normalise(
+    body: dict[str, Any],
+    stream: bool,
+    vocab_size: int,
+    context_length: int,
+    per_position: Literal["patched", "unpatched"],
+) -> GenerateRequestSpec:
+    """SGLang's ``normalize_batch_and_arguments`` and tokenizer-manager checks, per item."""
+    b64 = _lax_bool(body, "return_flat_raw_top_logprobs_b64")
+    flat_input = _lax_bool(body, "return_flat_raw_top_logprobs")
+    flat_output = _lax_bool(body, "return_flat_raw_output_top_logprobs")
     input_ids = body.get("input_ids")
     if input_ids is None:
         if body.get("text") is not None:
@@ -359,7 +446,7 @@ def _check_per_position(
     """Validation of ``token_ids_logprob_positions`` (patched server, PR #38119)."""
 
     def bad(msg: str) -> RequestError:
-        return RequestError("value", f"token_ids_logprob_positions: {msg}")
+        return RequestError("value", f"{_PER_POSITION}{msg}")
 
     if is_batch:
         raise bad("Per-position scoring accepts one input sequence per HTTP request")

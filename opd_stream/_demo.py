@@ -80,6 +80,7 @@ async def _rollouts(
             temperature=1.0,
             top_logprobs_num=args.top_k,
             seed=args.seed + start,
+            topk_wire="b64",
         )
         async with session.post(generate_url(student_url), data=body) as resp:
             payload = await resp.read()
@@ -90,12 +91,8 @@ async def _rollouts(
         ):
             top = None
             if gen.output_top_ids is not None and gen.output_top_logprobs is not None:
-                top = [
-                    [[float(lp), int(tid)] for lp, tid in zip(lps, ids, strict=True)]
-                    for lps, ids in zip(
-                        gen.output_top_logprobs.tolist(), gen.output_top_ids.tolist(), strict=True
-                    )
-                ]
+                # the array form: no per-entry Python objects between the two servers
+                top = (gen.output_top_ids, gen.output_top_logprobs)
             idx = start + i
             yield Sample(
                 prompt + gen.output_ids.tolist(),

@@ -622,13 +622,7 @@ def _id_values(
     ids = np.fromiter(map(_ID, flat_rows), dtype=np.int64, count=total)
     flat_rows = chain.from_iterable(chain.from_iterable(sels))  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, flat_rows), dtype=np.float64, count=total)
-    expect = _cat(
-        [
-            np.tile(seg.expect, seg.rows) if seg.expect.ndim == 1 else seg.expect.reshape(-1)
-            for seg in segments
-            if seg.expect is not None
-        ]
-    )
+    expect = _expected_ids(segments, widths, rows, total)
     bad = np.flatnonzero(ids != expect)
     if bad.size:
         n, j = _item_of(sizes, int(bad[0]))
@@ -658,6 +652,37 @@ def _id_values(
         else "$.meta_info.input_token_ids_logprobs"
     )
     return _to_logprobs(picked, field)  # type: ignore[no-any-return]
+
+
+def _expected_ids(
+    segments: Sequence[Segment],
+    widths: npt.NDArray[np.intp],
+    rows: npt.NDArray[np.intp],
+    total: int,
+) -> npt.NDArray[np.int64]:
+    """The ids every requested-id entry must return, flat, in answer order (``total``).
+
+    A 1-D ``expect`` is repeated for each of its segment's rows, a 2-D one is taken row by
+    row. All-1-D layouts (flat, blocked: one small segment per block) are gathered in one
+    vectorised pass rather than one ``np.tile`` per segment.
+    """
+    expects = [seg.expect for seg in segments if seg.expect is not None]
+    if any(e.ndim != 1 for e in expects):
+        return _cat(  # type: ignore[no-any-return]
+            [
+                np.tile(e, r) if e.ndim == 1 else e.reshape(-1)
+                for e, r in zip(expects, rows, strict=True)
+            ]
+        )
+    union = _cat(expects)
+    row_width = np.repeat(widths, rows)
+    # entry j of a row starting at flat offset f, of a segment whose ids start at u in
+    # ``union``, expects union[u + (j - f)]
+    shift = np.repeat(
+        np.cumsum(row_width) - row_width - np.repeat(np.cumsum(widths) - widths, rows), row_width
+    )
+    out: npt.NDArray[np.int64] = union[np.arange(total, dtype=np.intp) - shift]
+    return out
 
 
 # --- generation answers ----------------------------------------------------------------

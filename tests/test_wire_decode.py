@@ -495,6 +495,18 @@ def test_blocked_item_with_a_wrong_union_is_misaligned() -> None:
         decode(req, items)
 
 
+@pytest.mark.parametrize("item", [0, 1])
+def test_blocked_row_with_its_ids_swapped_is_misaligned_at_its_own_item(item: int) -> None:
+    req = make(ids=IDS, id_form="blocked", block_size=2)
+    items = fake(req)
+    row = items[item]["meta_info"]["input_token_ids_logprobs"][-1]
+    row[0], row[1] = row[1], row[0]
+    with pytest.raises(MisalignedResponseError, match="request order") as info:
+        decode(req, items)
+    assert f"$[{item}]" in str(info.value)
+    assert f"response position {2 * item}" in str(info.value)
+
+
 def test_abort_in_one_batch_item_fails_the_answer() -> None:
     req = make(ids=IDS, id_form="blocked", block_size=2)
     items = fake(req)

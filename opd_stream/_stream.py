@@ -27,6 +27,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import StreamConfig, resolve_kl_device
+from ._offload import run_in_worker
 from ._pipeline import Result, RunState, run_pipeline
 from ._router import TeacherRouter
 from ._scorer import SampleScorer
@@ -188,16 +189,13 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         """Payloads as big as a large answer are encoded in the decode pool too."""
         limiter = self._proc_limiter
         if limiter is not None and _request_bytes(req) >= self.config.decode_offload_bytes:
-            body: bytes = await anyio.to_process.run_sync(build_score_payload, req, limiter=limiter)
-            return body
+            return await run_in_worker(build_score_payload, req, limiter=limiter)
         return build_score_payload(req)
 
     async def _default_decode(self, body: bytes, req: ScoreRequest) -> ScoreRows:
         limiter = self._proc_limiter
         if limiter is not None and len(body) >= self.config.decode_offload_bytes:
-            return await anyio.to_process.run_sync(
-                decode_score_response, body, req, limiter=limiter
-            )
+            return await run_in_worker(decode_score_response, body, req, limiter=limiter)
         return decode_score_response(body, req)
 
     async def _lag_ticker(self) -> None:

@@ -74,7 +74,7 @@ class AttemptSender:
         pool: EndpointPool,
         capabilities: Capabilities,
         *,
-        decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
         build: Callable[[ScoreRequest], Any] | None = None,
     ) -> None:
         self._cfg = config
@@ -323,7 +323,7 @@ class AttemptSender:
         assert isinstance(body, bytes)
         return body
 
-    async def _decode_body(self, body: bytes, req: ScoreRequest) -> ScoreRows:
+    async def _decode_body(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
         if self._decode is not None:
             result = self._decode(body, req)
             if not isinstance(result, ScoreRows):

@@ -299,7 +299,7 @@ def _b64_topk(
 
 
 def decode_segments(
-    body: bytes,
+    body: bytes | bytearray,
     *,
     batch: bool,
     segments: Sequence[Segment],
@@ -330,7 +330,7 @@ def decode_segments(
 
 
 def _decode_segments(
-    body: bytes,
+    body: bytes | bytearray,
     batch: bool,
     segments: Sequence[Segment],
     tokens: npt.NDArray[np.int64],

@@ -70,7 +70,7 @@ class SampleScorer:
         transport: Transport,
         stats: StatsRecorder,
         *,
-        decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
         build: Callable[[ScoreRequest], Any] | None = None,
         rng: random.Random | None = None,
     ) -> None:

@@ -137,7 +137,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         config: StreamConfig,
         *,
         transport: Transport | None = None,
-        decode: Callable[[bytes, ScoreRequest], Any] | None = None,
+        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
     ) -> None:
         if not isinstance(config, StreamConfig):
             raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
@@ -192,7 +192,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             return await run_in_worker(build_score_payload, req, limiter=limiter)
         return build_score_payload(req)
 
-    async def _default_decode(self, body: bytes, req: ScoreRequest) -> ScoreRows:
+    async def _default_decode(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
         limiter = self._proc_limiter
         if limiter is not None and len(body) >= self.config.decode_offload_bytes:
             return await run_in_worker(decode_score_response, body, req, limiter=limiter)

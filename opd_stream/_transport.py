@@ -33,10 +33,15 @@ _READ_CHUNK = 1 << 18
 
 
 class Response(msgspec.Struct, frozen=True):
-    """An HTTP answer: status code and the whole body."""
+    """An HTTP answer: status code and the whole body.
+
+    ``body`` is ``bytes`` or (from :class:`AiohttpTransport`) the ``bytearray`` it was
+    read into: copying a 36 MB answer into ``bytes`` would hold the event loop ~30 ms.
+    Treat it as read-only.
+    """
 
     status: int
-    body: bytes
+    body: bytes | bytearray
 
 
 class Transport(Protocol):
@@ -200,7 +205,7 @@ class AiohttpTransport:
                     buf += chunk
                     if len(buf) > max_bytes:
                         raise ResponseTooLarge(max_bytes, url=url)
-                return Response(resp.status, bytes(buf))
+                return Response(resp.status, buf)  # no copy: see Response
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.

@@ -369,7 +369,7 @@ def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
     return b"".join(parts)
 
 
-def decode_score_response(body: bytes, req: ScoreRequest) -> ScoreRows:
+def decode_score_response(body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
     Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
@@ -399,7 +399,7 @@ def decode_score_response(body: bytes, req: ScoreRequest) -> ScoreRows:
     )
 
 
-def parse_error_message(body: bytes) -> str:
+def parse_error_message(body: bytes | bytearray) -> str:
     """Extract the server's message from an SGLang error body; never raises.
 
     Tries, in order: ``body["error"]["message"]``, ``body["error"]`` (a string),
@@ -413,7 +413,7 @@ def parse_error_message(body: bytes) -> str:
         return "<unreadable body>"
 
 
-def _parse_error_message(body: bytes) -> str:
+def _parse_error_message(body: bytes | bytearray) -> str:
     try:
         obj = msgspec.json.decode(body)
     except (msgspec.DecodeError, TypeError):

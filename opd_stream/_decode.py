@@ -256,43 +256,33 @@ def _b64_topk(
     meta: _Meta, where: str, seg: Segment, top_k: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
     """Top-k from the b64 flat fields, or ``None`` when the server answered without them."""
-    val, idx = meta.input_top_logprobs_val_flat_b64, meta.input_top_logprobs_idx_flat_b64
-    if val is None and idx is None:
-        return None
     base = f"{where}.meta_info.input_top_logprobs"
-    shape, prefix = meta.input_top_logprobs_shape, meta.input_top_logprobs_null_prefix
-    if val is None:
-        raise _missing(f"{base}_val_flat_b64")
-    if idx is None:
-        raise _missing(f"{base}_idx_flat_b64")
-    if shape is None:
-        raise _missing(f"{base}_shape")
-    if prefix is None:
-        raise _missing(f"{base}_null_prefix")
-    for marker, want in (
-        (meta.input_top_logprobs_val_flat_b64_dtype, "float32"),
-        (meta.input_top_logprobs_idx_flat_b64_dtype, "int32"),
-    ):
-        if marker is not None and marker != want:
-            raise MalformedResponseError(
-                f"`{base}_*_flat_b64_dtype` is {marker!r}, expected {want!r}"
-            )
-    if len(shape) != 2 or shape[0] < 0 or shape[1] != top_k or prefix < 0:
+    flat = _FlatTopK(
+        meta.input_top_logprobs_shape,
+        meta.input_top_logprobs_null_prefix,
+        meta.input_top_logprobs_val_flat_b64,
+        meta.input_top_logprobs_idx_flat_b64,
+        meta.input_top_logprobs_val_flat_b64_dtype,
+        meta.input_top_logprobs_idx_flat_b64_dtype,
+        None,  # scoring asks for the b64 form only
+        None,
+    )
+    got = _flat_topk(flat, base)
+    if got is None:
+        return None
+    ids, lps, prefix = got
+    rows, k = ids.shape
+    if k != top_k:
         raise MisalignedResponseError(
-            f"`{base}_shape` is {shape[:4]} with null_prefix {prefix}, expected [rows, {top_k}]"
+            f"`{base}_shape` is [{rows}, {k}] with null_prefix {prefix}, expected [rows, {top_k}]"
         )
-    rows = shape[0]
     n_entries = seg.length - seg.start
     if prefix + rows != n_entries or rows < seg.rows:
         raise MisalignedResponseError(
             f"`{base}_shape` covers null_prefix {prefix} + {rows} rows, expected "
             f"{n_entries} entries (input length {seg.length} - logprob_start_len {seg.start})"
         )
-    count = rows * top_k
-    v = _b64_array(val, "<f4", count, f"{base}_val_flat_b64").reshape(rows, top_k)
-    i = _b64_array(idx, "<i4", count, f"{base}_idx_flat_b64").reshape(rows, top_k)
-    keep = slice(rows - seg.rows, rows)
-    return i[keep].astype(np.int64), _to_logprobs(v[keep], f"{base}_val_flat_b64")
+    return ids[rows - seg.rows :], lps[rows - seg.rows :]
 
 
 # --- scoring answers -------------------------------------------------------------------

@@ -91,8 +91,11 @@ def alias_of(data: Any) -> Any:
 def _workers() -> list[int]:
     pids: list[int] = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            continue  # the thread ended since listdir: it has no children to report
     return pids
 
 

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -578,6 +579,10 @@ async def run_matrix(n: int = DEFAULT_N, keys: Sequence[str] | None = None) -> l
 COMMAND = "python -m bench.reliability --out docs/reliability.md"
 
 
+HOSTILE_SECTION = Path(__file__).with_name("reliability_hostile.md").read_text()
+"""The hostile-server rows (asserted by tests/test_hostile.py, not run by this matrix)."""
+
+
 def render_markdown(rows: Sequence[MatrixRow], n: int) -> str:
     """The ``docs/reliability.md`` document with the matrix as a table."""
     lines = [
@@ -639,10 +644,11 @@ def render_markdown(rows: Sequence[MatrixRow], n: int) -> str:
         "* a killed replica resets its in-flight requests and refuses new ones until it is",
         "  back: those attempts are retried (on the other replica or after the restart).",
         "",
+        *HOSTILE_SECTION.splitlines(),
         "The unit-level checks (bad input, fuzzed decoders, cancellation, backpressure,",
-        "the RSS soak, secrets and logs) are in `tests/test_samples.py`,",
-        "`tests/test_fuzz_decode.py`, `tests/test_cancellation.py`, `tests/test_reliability.py`",
-        "and `tests/test_security.py`.",
+        "the RSS soak, secrets and logs, hostile servers) are in `tests/test_samples.py`,",
+        "`tests/test_fuzz_decode.py`, `tests/test_cancellation.py`, `tests/test_reliability.py`,",
+        "`tests/test_security.py` and `tests/test_hostile.py`.",
         "",
     ]
     return "\n".join(lines)

@@ -75,7 +75,6 @@ class AttemptSender:
         capabilities: Capabilities,
         *,
         decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
-        build: Callable[[ScoreRequest], Any] | None = None,
     ) -> None:
         self._cfg = config
         self._transport = transport
@@ -83,7 +82,6 @@ class AttemptSender:
         self._pool = pool
         self._caps = capabilities
         self._decode = decode
-        self._build = build
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
     def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
@@ -260,7 +258,7 @@ class AttemptSender:
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
-        body = await self._build_body(req)
+        body = build_score_payload(req)
         ep = self._stats.endpoint(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep.in_flight += 1
@@ -313,15 +311,6 @@ class AttemptSender:
                 side=side,
                 url=url,
             )
-
-    async def _build_body(self, req: ScoreRequest) -> bytes:
-        if self._build is None:
-            return build_score_payload(req)
-        body = self._build(req)
-        if not isinstance(body, bytes):
-            body = await body
-        assert isinstance(body, bytes)
-        return body
 
     async def _decode_body(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
         if self._decode is not None:

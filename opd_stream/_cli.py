@@ -1,5 +1,4 @@
-"""The ``opd-stream`` command: ``demo`` (the main job), ``score``, ``bench``, ``mock``,
-``config``."""
+"""The ``opd-stream`` command: ``demo`` (the main job), ``score``, ``bench``, ``config``."""
 
 from __future__ import annotations
 
@@ -10,19 +9,39 @@ from collections.abc import Sequence
 import anyio
 
 from ._config import render_config_table
-from ._logging import configure_logging
+from ._errors import ConfigError
+from ._logging import LOG_LEVELS, configure_logging
 
 __all__ = ("main",)
 
+_DESCRIPTION = (
+    "Streaming teacher scoring for on-policy distillation against SGLang servers. "
+    "demo: score rollouts against embedded mock SGLang servers (the main job); "
+    "score: score a JSON Lines file of rollouts against real servers; "
+    "bench: run the benchmarks; config: print the configuration table."
+)
+
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
     from ._demo import add_demo_arguments
     from ._scorefile import add_score_arguments
 
-    p = argparse.ArgumentParser(prog="opd-stream", description=__doc__)
-    p.add_argument("--log-level", default="warning", help="structlog level (default warning)")
+    p = argparse.ArgumentParser(prog="opd-stream", description=_DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"opd-stream {__version__}")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=LOG_LEVELS,
+        help="structlog level (default warning)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="score rollouts against embedded mock SGLang servers")
+    demo = sub.add_parser(
+        "demo",
+        help="score rollouts against embedded mock SGLang servers",
+        description="Score rollouts against mock SGLang servers started by the command "
+        "(subprocesses), and check a few results against the mock's closed form.",
+    )
     add_demo_arguments(demo)
     score = sub.add_parser(
         "score",
@@ -45,7 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    configure_logging(args.log_level)
+    # score writes every failure to its output, and names its line in its own event
+    configure_logging(
+        args.log_level, drop_events=("sample_failed",) if args.command == "score" else ()
+    )
     if args.command == "config":
         print(render_config_table())
         return 0
@@ -73,7 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return score_code
     from ._demo import run_demo
 
-    result: int = anyio.run(run_demo, args)
+    try:
+        result: int = anyio.run(run_demo, args)
+    except ConfigError as exc:
+        print(f"opd-stream demo: error: configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("opd-stream demo: interrupted", file=sys.stderr)
+        return 130
     return result
 
 

@@ -44,6 +44,7 @@ from ._errors import (
 from ._gc import gc_paused
 
 __all__ = (
+    "PAD_ID",
     "Generation",
     "ScoreRows",
     "Segment",
@@ -53,6 +54,9 @@ __all__ = (
 )
 
 _F32_MAX = float(np.finfo(np.float32).max)
+#: The id of a padding slot in student top-k arrays: a row with fewer than ``k`` entries
+#: is padded at its end with it (logprob ``-inf``).
+PAD_ID = -1
 _MAX_DIM = 2**31  # flat top-k shapes: SGLang's arrays are int32-indexed
 _LP = attrgetter("lp")
 _ID = attrgetter("id")
@@ -451,21 +455,12 @@ def _token_values(
 ) -> npt.NDArray[np.float32]:
     """Check the echoed ids of every item, then the logprobs of the response rows answered
     in ``input_token_logprobs`` (all ``R`` but output-row tails), float32."""
-    echoed = np.array([seg.length - seg.start - 1 for seg in segments], dtype=np.intp)
+    echoed = sum(seg.length - seg.start - 1 for seg in segments)
     got = np.fromiter(
         map(_ID, chain.from_iterable(islice(e, 1, None) for e in entries)),
         dtype=np.int64,
-        count=int(echoed.sum()),
+        count=echoed,
     )
-    sent = _cat([tokens[seg.start + 1 : seg.length] for seg in segments])
-    bad = np.flatnonzero(got != sent)
-    if bad.size:
-        n, j = _item_of(echoed, int(bad[0]))
-        pos = segments[n].start + 1 + j
-        raise MisalignedResponseError(
-            f"`{_where(batch, n)}.meta_info.input_token_logprobs`: the token id at absolute "
-            f"position {pos} differs from the one sent"
-        )
     lps = np.fromiter(
         map(
             _LP,
@@ -477,6 +472,37 @@ def _token_values(
         dtype=np.float64,
         count=r - sum(seg.tail_col >= 0 for seg in segments),
     )
+    return token_values(got, lps, segments, tokens, batch)
+
+
+def token_values(
+    echoed_ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.float64],
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    batch: bool,
+) -> npt.NDArray[np.float32]:
+    """The sampled tokens' side of an answer, from flat arrays (shared by both parsers).
+
+    Args:
+        echoed_ids: the ids of every item's ``input_token_logprobs`` entries but the first,
+            items concatenated in order.
+        lps: the logprobs of every item's last ``_input_rows(seg)`` entries (NaN = null).
+
+    Raises:
+        MisalignedResponseError: an echoed id differs from the one sent (names the item
+            and the absolute position).
+    """
+    echoed = np.array([seg.length - seg.start - 1 for seg in segments], dtype=np.intp)
+    sent = _cat([tokens[seg.start + 1 : seg.length] for seg in segments])
+    bad = np.flatnonzero(echoed_ids != sent)
+    if bad.size:
+        n, j = _item_of(echoed, int(bad[0]))
+        pos = segments[n].start + 1 + j
+        raise MisalignedResponseError(
+            f"`{_where(batch, n)}.meta_info.input_token_logprobs`: the token id at absolute "
+            f"position {pos} differs from the one sent"
+        )
     field = "$[*].meta_info.input_token_logprobs" if batch else "$.meta_info.input_token_logprobs"
     return _to_logprobs(lps, field)  # type: ignore[no-any-return]
 
@@ -575,25 +601,35 @@ def _with_tail_values(
     segments: Sequence[Segment],
     batch: bool,
 ) -> npt.NDArray[np.float32]:
+    values = np.array(
+        [id_sel[n][-1][seg.tail_col].lp for n, seg in enumerate(segments) if seg.tail_col >= 0],  # type: ignore[index]
+        dtype=np.float64,
+    )
+    return with_tail_values(token_lp, values, segments, batch)
+
+
+def with_tail_values(
+    token_lp: npt.NDArray[np.float32],
+    tail_values: npt.NDArray[np.float64],
+    segments: Sequence[Segment],
+    batch: bool,
+) -> npt.NDArray[np.float32]:
     """Token logprobs of all ``R`` rows: the input rows' ones with each tail row's inserted.
 
     A tail row's target logprob is its requested-id entry at ``tail_col`` (the ids were
-    checked against ``expect``, whose ``tail_col`` element is the target token).
+    checked against ``expect``, whose ``tail_col`` element is the target token);
+    ``tail_values`` holds them, one per tail segment in order (NaN = null).
     """
-    tails = [(n, seg) for n, seg in enumerate(segments) if seg.tail_col >= 0]
-    values = np.array(
-        [id_sel[n][-1][seg.tail_col].lp for n, seg in tails],  # type: ignore[index]
-        dtype=np.float64,
-    )
+    tails = [n for n, seg in enumerate(segments) if seg.tail_col >= 0]
     field = (
         "$[*].meta_info.output_token_ids_logprobs"
         if batch
         else "$.meta_info.output_token_ids_logprobs"
     )
-    tail_lp = _to_logprobs(values, field)
+    tail_lp = _to_logprobs(tail_values, field)
     ends = np.cumsum([seg.rows for seg in segments]) - 1
     is_tail = np.zeros(int(ends[-1]) + 1, dtype=bool)
-    is_tail[ends[[n for n, _ in tails]]] = True
+    is_tail[ends[tails]] = True
     out = np.empty(is_tail.shape[0], dtype=np.float32)
     out[is_tail] = tail_lp
     out[~is_tail] = token_lp
@@ -604,14 +640,37 @@ def _id_values(
     sels: list[_Rows], segments: Sequence[Segment], batch: bool
 ) -> npt.NDArray[np.float32]:
     """Requested-id rows of every item: check the ids, pick the columns, float32 [R, k]."""
-    widths = np.array([seg.expect.shape[-1] for seg in segments if seg.expect is not None])
-    rows = np.array([seg.rows for seg in segments], dtype=np.intp)
-    sizes = rows * widths
-    total = int(sizes.sum())
+    total = sum(seg.rows * seg.expect.shape[-1] for seg in segments if seg.expect is not None)
     flat_rows = chain.from_iterable(chain.from_iterable(sels))  # type: ignore[arg-type]
     ids = np.fromiter(map(_ID, flat_rows), dtype=np.int64, count=total)
     flat_rows = chain.from_iterable(chain.from_iterable(sels))  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, flat_rows), dtype=np.float64, count=total)
+    return id_values(ids, lps, segments, batch)
+
+
+def id_values(
+    ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.float64],
+    segments: Sequence[Segment],
+    batch: bool,
+) -> npt.NDArray[np.float32]:
+    """Check the requested-id entries and pick each row's columns (shared by both parsers).
+
+    Args:
+        ids, lps: every selected requested-id row's entries, flat in answer order: per
+            item, its ``_input_rows(seg)`` last input rows, then its tail row if any
+            (NaN logprob = null).
+
+    Returns:
+        float32 ``[R, k]``: column ``j`` of row ``t`` is the logprob of ``ids[t, j]``.
+
+    Raises:
+        MisalignedResponseError: an entry that is not the requested id in request order.
+    """
+    widths = np.array([seg.expect.shape[-1] for seg in segments if seg.expect is not None])
+    rows = np.array([seg.rows for seg in segments], dtype=np.intp)
+    sizes = rows * widths
+    total = int(sizes.sum())
     expect = _expected_ids(segments, widths, rows, total)
     bad = np.flatnonzero(ids != expect)
     if bad.size:
@@ -897,21 +956,24 @@ def parse_student_topk(
     """Parse the rollout engine's student top-k rows into arrays.
 
     Args:
-        rows: ``R`` rows (one per response token), each a sequence of at least ``k``
-            entries ``[logprob, token_id]`` or ``[logprob, token_id, text]`` (SGLang
-            triples), best first. Python ``int`` ids and ``float``/``int``/``None``
-            logprobs (as JSON decoding gives); ``None`` means ``-inf``.
+        rows: ``R`` rows (one per response token), each a sequence of entries
+            ``[logprob, token_id]`` or ``[logprob, token_id, text]`` (SGLang triples), best
+            first. Python ``int`` ids and ``float``/``int``/``None`` logprobs (as JSON
+            decoding gives); ``None`` means ``-inf``. A ``None`` entry is skipped. A row may
+            hold fewer than ``k`` entries, or none (``[]``: Miles' multi-turn merge leaves
+            such rows on observation spans).
         response_length: ``R``; ``len(rows)`` must equal it.
-        k: how many entries to keep per row (the first ``k``).
+        k: how many entries to keep per row (the first ``k`` present).
 
     Returns:
-        ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``.
+        ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``; a row with fewer than
+        ``k`` entries is padded at its end with id ``-1`` and logprob ``-inf``.
 
     Raises:
-        InvalidSampleError: (field ``student_top_logprobs``) wrong row count, a row with
-            fewer than ``k`` entries, an entry that is not ``[number|null, int, ...]``
-            (bools rejected), a negative id, duplicate ids in a row, a NaN / ``+inf``
-            logprob, or a logprob above ``1e-4`` (not a logprob). The message names the row.
+        InvalidSampleError: (field ``student_top_logprobs``) wrong row count, an entry that
+            is not ``[number|null, int, ...]`` (bools rejected), a negative id, duplicate
+            ids in a row, a NaN / ``+inf`` logprob, or a logprob above ``1e-4`` (not a
+            logprob). The message names the row.
     """
     field = "student_top_logprobs"
     if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
@@ -921,26 +983,55 @@ def parse_student_topk(
             field, f"has {len(rows)} rows, expected response_length = {response_length}"
         )
     try:
-        parsed = msgspec.convert(rows, list[list[_E]])
+        parsed = msgspec.convert(rows, list[list[_E | None]])
     except msgspec.ValidationError as exc:
         text = str(exc)  # e.g. "Expected `int`, got `bool` - at `$[3][1][1]`"
         row = _ROW_IN_PATH.search(text)
         raise InvalidSampleError(field, f"row {row.group(1)}: {text}" if row else text) from None
-    widths = set(map(len, parsed))
-    if widths and min(widths) < k:
-        n = next(n for n, row in enumerate(parsed) if len(row) < k)
-        raise InvalidSampleError(field, f"row {n} has {len(parsed[n])} entries, expected >= {k}")
     total = response_length * k
-    kept = parsed if widths <= {k} else [row[:k] for row in parsed]
-    ids = np.fromiter(map(_ID, chain.from_iterable(kept)), dtype=np.int64, count=total)
-    lps = np.fromiter(map(_LP, chain.from_iterable(kept)), dtype=np.float64, count=total)
+    kept: Sequence[Sequence[_E | None]] = parsed
+    if set(map(len, parsed)) - {k}:
+        kept = [row[:k] for row in parsed]
+    entries = list(chain.from_iterable(kept))
+    if len(entries) == total and None not in entries:  # every row full: the common case
+        ids = np.fromiter(map(_ID, entries), dtype=np.int64, count=total)
+        lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=total)
+        if total and int(ids.min()) < 0:
+            r = int(np.argmax(ids < 0)) // k
+            raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    else:
+        ids, lps = _padded_topk(parsed, k)
     ids, lps = ids.reshape(response_length, k), lps.reshape(response_length, k)
     # fromiter turned None into NaN; a NaN the caller sent is an error, a None is -inf.
     for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
-        if kept[r][c].lp is not None:
+        if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
             raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
     _check_student_topk(ids, lps, field)
     return ids, _to_logprobs(lps, field)
+
+
+def _present(row: list[_E | None]) -> list[_E]:
+    return [e for e in row if e is not None]
+
+
+def _padded_topk(
+    parsed: list[list[_E | None]], k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Rows with skipped (``None``) entries or fewer than ``k`` entries, padded at the end
+    with id ``PAD_ID`` and a NaN logprob (``-inf`` after conversion), flat ``[R * k]``."""
+    r = len(parsed)
+    ids = np.full((r, k), PAD_ID, dtype=np.int64)
+    lps = np.full((r, k), np.nan, dtype=np.float64)
+    for n, row in enumerate(parsed):
+        present = _present(row)[:k]
+        if present:
+            if min(e.id for e in present) < 0:
+                raise InvalidSampleError(
+                    "student_top_logprobs", f"row {n} holds a negative token id"
+                )
+            ids[n, : len(present)] = [e.id for e in present]
+            lps[n, : len(present)] = [np.nan if e.lp is None else e.lp for e in present]
+    return ids.reshape(-1), lps.reshape(-1)
 
 
 def _check_student_topk(
@@ -950,11 +1041,11 @@ def _check_student_topk(
         rows = mask.any(axis=1)  # [R, k] -> [R]; reshape(R, -1) fails when R == 0
         return int(np.argmax(rows)) if rows.any() else None
 
-    if (r := first_row(ids < 0)) is not None:
+    if (r := first_row(ids < PAD_ID)) is not None:  # padded rows checked their own ids
         raise InvalidSampleError(field, f"row {r} holds a negative token id")
     if ids.shape[1] > 1:
         s = np.sort(ids, axis=1)
-        if (r := first_row(s[:, 1:] == s[:, :-1])) is not None:
+        if (r := first_row((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != PAD_ID))) is not None:
             raise InvalidSampleError(field, f"row {r} holds a duplicate token id")
     if (r := first_row(np.isposinf(lps))) is not None:
         raise InvalidSampleError(field, f"row {r} holds a +inf logprob")

@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 
 from ._config import StreamConfig
+from ._logging import LOG_LEVELS
 from ._router import generate_url
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._stream import OPDStream
@@ -33,18 +34,51 @@ __all__ = ("add_demo_arguments", "run_demo")
 _TEACHER_NAMES = ("math", "code", "chat", "science")
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=128, help="rollouts to score (default 128)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--response-len", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8, help="0 = sampled-token mode (default 8)")
+    p.add_argument(
+        "--samples", type=_at_least(1), default=128, help="rollouts to score (default 128)"
+    )
+    p.add_argument("--prompt-len", type=_at_least(1), default=128)
+    p.add_argument("--response-len", type=_at_least(1), default=256)
+    p.add_argument(
+        "--top-k", type=_at_least(0), default=8, help="0 = sampled-token mode (default 8)"
+    )
     p.add_argument(
         "--strategy",
         default="union",
         choices=["only-student", "only-teacher", "intersection", "union", "xor"],
     )
     p.add_argument("--weight-mode", default="student_p", choices=["student_p", "teacher_p", "none"])
-    p.add_argument("--teachers", type=int, default=2, help="number of teacher servers (1-4)")
+    p.add_argument(
+        "--teachers",
+        type=_at_least(1),
+        default=2,
+        help=f"number of teacher servers (1-{len(_TEACHER_NAMES)})",
+    )
     p.add_argument(
         "--per-position",
         default="patched",
@@ -53,13 +87,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--fault-rate",
-        type=float,
+        type=_rate,
         default=0.02,
-        help="rate of injected HTTP 503s on the teachers (default 0.02)",
+        help="rate of injected HTTP 503s on the teachers, in [0, 1] (default 0.02)",
     )
-    p.add_argument("--max-inflight", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-inflight", type=_at_least(1), default=64)
+    p.add_argument("--seed", type=_at_least(0), default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,  # keeps a value given before the sub-command
+        help="structlog level, also accepted before 'demo' (default warning)",
+    )
 
 
 async def _rollouts(
@@ -121,9 +161,24 @@ async def run_demo(args: argparse.Namespace) -> int:
     from .testing.mock_sglang import MockModel, MockOptions, MockProcess
 
     if not 1 <= args.teachers <= len(_TEACHER_NAMES):
-        print(f"--teachers must be 1..{len(_TEACHER_NAMES)}", file=sys.stderr)
+        print(
+            f"opd-stream demo: error: --teachers must be 1..{len(_TEACHER_NAMES)}",
+            file=sys.stderr,
+        )
         return 2
     names = list(_TEACHER_NAMES[: args.teachers])
+    # Validated (OPD_STREAM_* variables included) before any server starts; the real
+    # URLs are known once they listen.
+    placeholder = "http://127.0.0.1:1"
+    cfg = StreamConfig.from_env(
+        teachers=dict.fromkeys(names, placeholder),
+        student_url=placeholder,
+        top_k=args.top_k,
+        strategy=args.strategy if args.top_k else "only-student",
+        weight_mode=args.weight_mode,
+        max_inflight=args.max_inflight,
+        kl_device="cpu",
+    )
     opts = MockOptions(
         per_position=args.per_position,
         fault_http_503=args.fault_rate,
@@ -141,15 +196,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             for proc in [student, *procs.values()]:
                 stack.callback(proc.kill)
                 tg.start_soon(anyio.to_thread.run_sync, proc.start)
-        cfg = StreamConfig.from_env(
-            teachers={n: p.url for n, p in procs.items()},
-            student_url=student.url,
-            top_k=args.top_k,
-            strategy=args.strategy if args.top_k else "only-student",
-            weight_mode=args.weight_mode,
-            max_inflight=args.max_inflight,
-            kl_device="cpu",
-        )
+        cfg = cfg.evolve(teachers={n: p.url for n, p in procs.items()}, student_url=student.url)
         mode = f"top-k {args.top_k} {cfg.strategy}" if args.top_k else "sampled-token"
         print(
             f"teachers: {', '.join(f'{n}={p.url}' for n, p in procs.items())}; "
@@ -220,5 +267,8 @@ def _summary(
         print(
             f"  mean reverse KL, teacher {name}: {sum(vals) / len(vals):+.4f} ({len(vals)} samples)"
         )
+    if not scored:
+        print("  teacher logprobs vs the mock's closed form: no sample scored, nothing checked")
+        return
     ok = "OK" if worst == 0.0 or math.isclose(worst, 0.0, abs_tol=1e-6) else "MISMATCH"
     print(f"  teacher logprobs vs the mock's closed form: max |diff| {worst:.2e} ({ok})")

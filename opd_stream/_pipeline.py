@@ -29,6 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._config import StreamConfig
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
 from ._klstage import score_batch
+from ._redact import redact
 from ._router import TeacherRouter
 from ._sample import (
     Candidates,
@@ -177,15 +178,17 @@ class _Pipeline:
         await stream.send(item)
         self.stats.put(channel)
 
+    def _secret(self) -> str | None:
+        return None if self.cfg.api_key is None else self.cfg.api_key.get_secret_value()
+
     def _failure(
         self, sample: Any, index: int, exc: OPDStreamError, attempts: int
     ) -> SampleFailure:
         if not isinstance(sample, Sample):
             sample = Sample(tokens=[], response_length=0, sample_id=repr(type(sample)))
-        message = str(exc)
-        if self.cfg.api_key is not None:
-            # A server may echo the Authorization header in its error message.
-            message = message.replace(self.cfg.api_key.get_secret_value(), "***")
+        # A server may echo the Authorization header in what ends up in the message (an
+        # error body, an abort message, a malformed header line), possibly cut by a cap.
+        message = redact(str(exc), self._secret())
         return SampleFailure(
             sample=sample, index=index, reason=exc.reason, message=message, attempts=attempts
         )
@@ -199,7 +202,9 @@ class _Pipeline:
             sample=prepared.sample,
             index=prepared.index,
             reason="internal_error",
-            message=f"internal error ({type(exc).__name__}); please report it: {exc}"[:500],
+            message=redact(
+                f"internal error ({type(exc).__name__}); please report it: {exc}", self._secret()
+            )[:500],
             attempts=attempts,
         )
 

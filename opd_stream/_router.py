@@ -45,13 +45,31 @@ TeachersSpec: TypeAlias = str | Sequence[str] | Mapping[str, str | Sequence[str]
 """Every accepted spelling of a teacher configuration (see :func:`normalize_teachers`)."""
 
 _EXPECTED = "expected NAME=URL"
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _MAX_VALUE_CHARS = 80
 
 
 def _redact(url: str) -> str:
-    """Return ``url`` with any ``user:password@`` part masked, for error messages."""
-    return _USERINFO.sub(r"\1***@", url)
+    """Return ``url`` for an error message, with anything that may be credentials masked.
+
+    Whatever comes before the last ``@`` (after the ``scheme://``, if any) is replaced by
+    ``***``, however malformed the URL: a password may hold ``/``, ``?``, ``#`` or ``@``,
+    and a URL without a scheme has no clear authority. The host part after it is kept.
+    """
+    at = url.rfind("@")
+    if at < 0:
+        return url
+    scheme = _SCHEME.match(url)
+    head = scheme.group(0) if scheme else ""
+    return f"{head}***{url[at:]}"
+
+
+def _has_userinfo(url: str) -> bool:
+    """``user:password@`` anywhere after the scheme, whatever the password holds."""
+    scheme = _SCHEME.match(url)
+    rest = url[scheme.end() if scheme else 0 :]
+    at = rest.rfind("@")
+    return at >= 0 and ("@" in urlsplit(url).netloc or ":" in rest[:at])
 
 
 def normalize_server_url(url: str) -> str:
@@ -83,14 +101,15 @@ def normalize_server_url(url: str) -> str:
     try:
         parts = urlsplit(text)
     except ValueError as exc:  # e.g. an unbalanced IPv6 bracket
-        raise ConfigError(f"invalid server URL {shown!r}: {exc}") from None
+        detail = "cannot be parsed" if "@" in text else str(exc)  # the error may quote it
+        raise ConfigError(f"invalid server URL {shown!r}: {detail}") from None
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
         raise ConfigError(
             f"invalid server URL {shown!r}: scheme must be http or https "
             "(expected e.g. http://host:30000)"
         )
-    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+    if parts.username is not None or parts.password is not None or _has_userinfo(text):
         raise ConfigError(
             f"invalid server URL {shown!r}: credentials (user:password@) are not allowed "
             "in URLs; use api_key"
@@ -138,23 +157,27 @@ def _looks_like_url(text: str) -> bool:
     return scheme_at >= 0 and (equals_at < 0 or scheme_at < equals_at)
 
 
-def _replicas(name: str, urls: Iterable[str]) -> tuple[str, ...]:
-    """Normalise one teacher's replica URLs; empty or duplicate replicas are errors."""
+def _replicas(name: str, urls: Iterable[str], *, shown: str | None = None) -> tuple[str, ...]:
+    """Normalise one teacher's replica URLs; empty or duplicate replicas are errors.
+
+    ``shown`` is how messages name the teacher (default: ``repr(name)``).
+    """
+    who = repr(name) if shown is None else shown
     out: list[str] = []
     for raw in urls:
         if not isinstance(raw, str):
-            raise ConfigError(f"teacher {name!r}: URL must be a string, got {type(raw).__name__}")
+            raise ConfigError(f"teacher {who}: URL must be a string, got {type(raw).__name__}")
         if not raw.strip():
-            raise ConfigError(f"teacher {name!r}: empty URL ({_EXPECTED})")
+            raise ConfigError(f"teacher {who}: empty URL ({_EXPECTED})")
         try:
             url = normalize_server_url(raw)
         except ConfigError as exc:
-            raise ConfigError(f"teacher {name!r}: {exc}") from None
+            raise ConfigError(f"teacher {who}: {exc}") from None
         if url in out:
-            raise ConfigError(f"teacher {name!r}: duplicate replica URL {url!r}")
+            raise ConfigError(f"teacher {who}: duplicate replica URL {url!r}")
         out.append(url)
     if not out:
-        raise ConfigError(f"teacher {name!r}: no URL ({_EXPECTED})")
+        raise ConfigError(f"teacher {who}: no URL ({_EXPECTED})")
     return tuple(out)
 
 
@@ -183,15 +206,18 @@ def parse_teacher_urls(entries: Iterable[str] | str) -> dict[str, tuple[str, ...
             raise ConfigError(f"teacher entry {index}: {_EXPECTED}, got {type(entry).__name__}")
         name, sep, urls = entry.partition("=")
         name = name.strip()
+        # An entry with an '@' may be a URL with credentials cut at an '=' of its password:
+        # its "name" is then not echoed either.
+        shown = "'***'" if "@" in entry else repr(name)
         if not sep:
             raise ConfigError(f"teacher entry {index}: {_EXPECTED} (no '=')")
         if not name:
             raise ConfigError(f"teacher entry {index}: {_EXPECTED} (empty name)")
         if not urls.strip():
-            raise ConfigError(f"teacher entry {index} ({name!r}): {_EXPECTED} (empty URL)")
+            raise ConfigError(f"teacher entry {index} ({shown}): {_EXPECTED} (empty URL)")
         if name in teachers:
-            raise ConfigError(f"duplicate teacher name {name!r} (entry {index})")
-        teachers[name] = _replicas(name, urls.split("|"))
+            raise ConfigError(f"duplicate teacher name {shown} (entry {index})")
+        teachers[name] = _replicas(name, urls.split("|"), shown=shown)
     if not teachers:
         raise ConfigError(f"no teacher configured ({_EXPECTED})")
     return teachers

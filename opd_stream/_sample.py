@@ -17,21 +17,25 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._decode import PAD_ID
 from ._errors import InvalidSampleError
 from ._gc import gc_paused
 
 __all__ = (
     "MAX_TOKEN_ID",
+    "PAD_ID",
     "Candidates",
     "PreparedSample",
     "Sample",
     "SampleFailure",
     "ScoredSample",
     "prepare_sample",
+    "request_ids",
 )
 
 #: Token ids must fit SGLang's int32 flat top-k arrays.
 MAX_TOKEN_ID = 2**31 - 1
+
 
 _LOGPROB_TOLERANCE = 1e-4
 
@@ -49,10 +53,15 @@ class Sample(msgspec.Struct, kw_only=False):
             engine returned them (length R, finite, <= 0). Needed for the sampled-token
             reverse KL estimate.
         student_top_logprobs: one row per response token of ``[logprob, token_id]`` pairs
-            (or SGLang ``[logprob, token_id, text]`` triples), best first, at least ``top_k``
-            per row; or, cheaper, a pair ``(ids, logprobs)`` of numpy arrays or torch
-            tensors of shape ``[R, >= top_k]`` (e.g. SGLang's b64 flat top-k decoded).
-            When top-k mode needs it and it is None, it is fetched from the student server.
+            (or SGLang ``[logprob, token_id, text]`` triples), best first; or, cheaper, a
+            pair ``(ids, logprobs)`` of numpy arrays or torch tensors of shape
+            ``[R, >= top_k]`` (e.g. SGLang's b64 flat top-k decoded). A row may hold fewer
+            than ``top_k`` entries, or none (Miles' multi-turn merge leaves ``[]`` on
+            observation spans); in the array form such a row is padded at its end with id
+            ``-1`` (:data:`PAD_ID`). Only the entries present are candidates (spec
+            opd-semantics §3): an empty row selects nothing under only-student, the
+            teacher's top-k alone under union. When top-k mode needs it and it is None, it
+            is fetched from the student server.
         sample_id: anything the caller wants back on the result.
     """
 
@@ -239,7 +248,10 @@ def _topk_arrays(
     """The array form of ``student_top_logprobs``: ``(ids [R, >=k], logprobs [R, >=k])``.
 
     Validated like the row form, vectorised: integer ids in ``[0, MAX_TOKEN_ID]``, no
-    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``.
+    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``. A row
+    with fewer than ``k`` entries is padded at its end with id ``-1`` (whatever the logprob
+    there, which is ignored and becomes ``-inf``), the form the row parser gives for short
+    and empty rows; padding before a real id is an error.
     """
     field = "student_top_logprobs"
     if isinstance(ids, torch.Tensor):
@@ -265,8 +277,12 @@ def _topk_arrays(
         rows = mask.any(axis=1)
         return int(np.argmax(rows)) if rows.any() else None
 
+    pad = ids == PAD_ID
+    padded = bool(pad.any())
+    if padded:
+        lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
     checks = (
-        (ids < 0, "a negative token id"),
+        (ids < PAD_ID, "a negative token id"),
         (ids > MAX_TOKEN_ID, f"a token id above {MAX_TOKEN_ID}"),
         (np.isnan(lps), "a NaN logprob"),
         (np.isposinf(lps), "a +inf logprob"),
@@ -275,11 +291,41 @@ def _topk_arrays(
     for mask, what in checks:
         if (row := first_row(mask)) is not None:
             raise InvalidSampleError(field, f"row {row} holds {what}")
+    if padded and k > 1 and (row := first_row(pad[:, :-1] & ~pad[:, 1:])) is not None:
+        raise InvalidSampleError(
+            field, f"row {row} holds padding (id {PAD_ID}) before a token id: pad at the end"
+        )
     if k > 1:
         srt = np.sort(ids, axis=1)
-        if (row := first_row(srt[:, 1:] == srt[:, :-1])) is not None:
+        if (row := first_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID))) is not None:
             raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
     return ids, lps.astype(np.float32)
+
+
+def request_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``ids [R, k]`` as they may be sent to a server: padding slots (id ``-1``) replaced.
+
+    A request never carries ``-1``: each padding slot gets a filler id, the smallest
+    non-negative ids not among its row's real ids (so a row's ids stay distinct), in
+    ascending order. What the server answers for a filler is never used: the KL stage reads
+    the ids with their padding, and a padding slot is never a candidate. Returns ``ids``
+    itself when it holds no padding.
+    """
+    if ids.size == 0 or int(ids.min()) >= 0:
+        return ids
+    rows = np.flatnonzero((ids < 0).any(axis=1))
+    sub = ids[rows]
+    n, k = sub.shape
+    # Filler candidates 0 .. 2k - 1: a row's (at most k) real ids leave at least k free.
+    taken = np.zeros((n, 2 * k + 1), dtype=np.bool_)
+    np.put_along_axis(taken, np.where((sub >= 0) & (sub < 2 * k), sub, 2 * k), True, axis=1)
+    free_first = np.argsort(taken[:, : 2 * k], axis=1, kind="stable")  # free ids, ascending
+    pad = sub < 0
+    slot = np.cumsum(pad, axis=1) - 1  # the j-th padding slot of its row gets free id j
+    fill = np.take_along_axis(free_first, np.clip(slot, 0, k - 1), axis=1)
+    out = ids.copy()
+    out[rows] = np.where(pad, fill, sub)
+    return out
 
 
 def prepare_sample(

@@ -21,21 +21,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO, cast, get_args
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._config import IdScoring, Strategy, StreamConfig, WeightMode
 from ._errors import ConfigError, InvalidSampleError
+from ._logging import LOG_LEVELS
 from ._pipeline import Result
 from ._progress import Progress
-from ._router import parse_teacher_urls
+from ._router import normalize_teachers, parse_teacher_urls
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._scorefile_schema import decode_line, line_failure, line_ref_of, render_result
 from ._stream import OPDStream
@@ -45,35 +50,82 @@ __all__ = ("add_score_arguments", "run_score")
 log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
 
 _PROG = "opd-stream score"
+_TEACHERS_VAR = "OPD_STREAM_TEACHERS"
 _READ_CHUNK = 1 << 20  # bytes asked of the input per read
 _WRITE_BATCH = 256  # most results rendered and written per worker-thread call
+_BOM = b"\xef\xbb\xbf"
+DEFAULT_MAX_LINE_BYTES = 64 << 20
 
 
 # --- reading --------------------------------------------------------------------------------
 
 
 class _LineReader:
-    """Reads and decodes input lines in chunks (called from a worker thread)."""
+    """Reads and decodes input lines in chunks (called from a worker thread).
 
-    def __init__(self, fh: BinaryIO, decode: Callable[[bytes, int, int], Sample]) -> None:
+    A UTF-8 byte-order mark at the start of the input is skipped. A line longer than
+    ``max_line_bytes`` fails alone (``invalid_sample``, field ``line``) as soon as it is
+    seen to be too long; the rest of it is read and dropped, never held. Any error while
+    decoding one line fails that line alone.
+    """
+
+    def __init__(
+        self,
+        fh: BinaryIO,
+        decode: Callable[[bytes, int, int], Sample],
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ) -> None:
         read1 = getattr(fh, "read1", None)
         self._read: Callable[[int], bytes] = read1 if read1 is not None else fh.read
         self._decode = decode
+        self._max = max_line_bytes
         self._parts: list[bytes] = []
+        self._held = 0  # bytes in _parts
+        self._skipping = False  # inside a line that already failed as too long
+        self._started = False
         self._eof = False
         self.lines = 0  # physical lines seen
         self.seq = 0  # non-blank lines seen
 
-    def _take(self, data: bytes, out: list[Sample | SampleFailure]) -> None:
-        self.lines += 1
-        if not data.strip():
-            return
+    def _next_seq(self) -> int:
         seq = self.seq
         self.seq += 1
+        return seq
+
+    def _take(self, data: bytes, out: list[Sample | SampleFailure]) -> None:
+        self.lines += 1
+        if len(data) > self._max:
+            self._too_long(out, counted=True)
+            return
+        if not data.strip():
+            return
+        seq = self._next_seq()
         try:
             out.append(self._decode(data, self.lines, seq))
         except InvalidSampleError as exc:
             out.append(line_failure(data, line=self.lines, seq=seq, error=exc))
+        except Exception as exc:  # whatever else a hostile line does, it fails alone
+            error = InvalidSampleError("json", f"cannot be read ({type(exc).__name__})")
+            out.append(line_failure(data, line=self.lines, seq=seq, error=error))
+
+    def _too_long(self, out: list[Sample | SampleFailure], *, counted: bool) -> None:
+        if not counted:
+            self.lines += 1
+        error = InvalidSampleError(
+            "line", f"longer than {self._max} bytes (the limit is --max-line-bytes)"
+        )
+        out.append(line_failure(b"", line=self.lines, seq=self._next_seq(), error=error))
+
+    def _first_chunk(self) -> bytes:
+        """The first bytes of the input, without a UTF-8 byte-order mark."""
+        self._started = True
+        chunk = self._read(_READ_CHUNK)
+        while chunk and len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+            more = self._read(_READ_CHUNK)
+            if not more:
+                break
+            chunk += more
+        return chunk.removeprefix(_BOM)
 
     def read_batch(self) -> list[Sample | SampleFailure] | None:
         """The next decoded lines (at least one), or None at the end of the input.
@@ -83,23 +135,30 @@ class _LineReader:
         """
         out: list[Sample | SampleFailure] = []
         while not out and not self._eof:
-            chunk = self._read(_READ_CHUNK)
+            chunk = self._read(_READ_CHUNK) if self._started else self._first_chunk()
             if not chunk:
                 self._eof = True
                 if self._parts:
-                    last, self._parts = b"".join(self._parts), []
+                    last, self._parts, self._held = b"".join(self._parts), [], 0
                     self._take(last, out)
                 break
             start = 0
             while (end := chunk.find(b"\n", start)) >= 0:
                 piece = chunk[start:end]
+                start = end + 1
+                if self._skipping:  # the end of a line that already failed
+                    self._skipping = False
+                    continue
                 if self._parts:
                     self._parts.append(piece)
-                    piece, self._parts = b"".join(self._parts), []
+                    piece, self._parts, self._held = b"".join(self._parts), [], 0
                 self._take(piece, out)
-                start = end + 1
-            if start < len(chunk):
+            if start < len(chunk) and not self._skipping:
                 self._parts.append(chunk[start:])
+                self._held += len(chunk) - start
+                if self._held > self._max:
+                    self._parts, self._held, self._skipping = [], 0, True
+                    self._too_long(out, counted=False)
         return out or None
 
 
@@ -111,9 +170,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--teacher",
         action="append",
-        required=True,
         metavar="NAME=URL",
-        help="a teacher server (repeatable, at least one); replicas joined with '|'",
+        help="a teacher server (repeatable); replicas joined with '|'; required unless "
+        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -144,8 +203,32 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="include the per-candidate arrays in top-k mode (large)",
     )
+    p.add_argument(
+        "--max-line-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_LINE_BYTES,
+        metavar="N",
+        help="longest input line, in bytes; a longer line fails alone "
+        f"(default {DEFAULT_MAX_LINE_BYTES >> 20} MiB)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fail-on-error", action="store_true", help="exit 1 when any sample failed")
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,  # keeps a value given before the sub-command
+        help="structlog level, also accepted before 'score' (default warning)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 class _UsageError(Exception):
@@ -166,10 +249,21 @@ _FLAG_FIELDS = (
 
 def _config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     """The configuration (env, then flags) and the default teacher's name."""
-    try:
-        teachers = parse_teacher_urls(list(args.teacher))
-    except ConfigError as exc:
-        raise _UsageError(f"--teacher: {exc}") from None
+    env_teachers: dict[str, tuple[str, ...]] | None = None
+    if _TEACHERS_VAR in os.environ:  # validated even when --teacher replaces it
+        try:
+            env_teachers = normalize_teachers(os.environ[_TEACHERS_VAR].strip())
+        except ConfigError as exc:
+            raise _UsageError(f"{_TEACHERS_VAR}: {exc}") from None
+    if args.teacher:
+        try:
+            teachers = parse_teacher_urls(list(args.teacher))
+        except ConfigError as exc:
+            raise _UsageError(f"--teacher: {exc}") from None
+    elif env_teachers is not None:
+        teachers = env_teachers
+    else:
+        raise _UsageError(f"--teacher is required (or set {_TEACHERS_VAR})")
     default = args.default_teacher if args.default_teacher is not None else next(iter(teachers))
     if default not in teachers:
         raise _UsageError(
@@ -212,6 +306,71 @@ def _open(path: str, mode: str) -> BinaryIO:
     return cast(BinaryIO, fh)
 
 
+class _Opener:
+    """Opens the input in a daemon thread: ``open`` blocks on a FIFO with no writer.
+
+    The event loop stays free (so the first Ctrl-C interrupts), and a daemon thread does
+    not hold up the interpreter's exit while it is still blocked. A file opened after the
+    wait was given up is closed at once.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._fh: BinaryIO | None = None
+        self._error: _UsageError | None = None
+
+    def open(self) -> None:
+        """In the thread: open, keep the file or the error."""
+        try:
+            fh = _open(self._path, "rb")
+        except _UsageError as exc:
+            self._error = exc
+            return
+        with self._lock:
+            if self._abandoned:
+                fh.close()
+                return
+            self._fh = fh
+
+    def abandon(self) -> None:
+        """Nobody waits any more: close the file if it came, or when it comes."""
+        with self._lock:
+            self._abandoned = True
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def result(self) -> BinaryIO:
+        if self._error is not None:
+            raise self._error
+        assert self._fh is not None
+        return self._fh
+
+
+async def _open_input(path: str) -> BinaryIO:
+    """Open the input (``-``: stdin) without blocking the event loop."""
+    if path == "-":
+        return _open(path, "rb")
+    opener = _Opener(path)
+    opened = anyio.Event()
+    token = anyio.lowlevel.current_token()
+
+    def work() -> None:
+        opener.open()
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+            anyio.from_thread.run_sync(opened.set, token=token)
+
+    threading.Thread(target=work, name="opd-stream-open-input", daemon=True).start()
+    try:
+        await opened.wait()
+    except BaseException:
+        opener.abandon()
+        raise
+    return opener.result()
+
+
 def _close(fh: BinaryIO, path: str) -> str | None:
     """Close a file opened by :func:`_open` (flush stdout); the error text, if any."""
     try:
@@ -224,11 +383,20 @@ def _close(fh: BinaryIO, path: str) -> str | None:
     return None
 
 
-def _same_file(a: str, b: str) -> bool:
+def _file_id(path: str, std: Any) -> tuple[int, int] | None:
+    """(device, inode) of the regular file at ``path`` (``-``: behind ``std``), else None."""
     try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
+        st = os.fstat(std.fileno()) if path == "-" else os.stat(path)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def _same_file(input_path: str, output_path: str) -> bool:
+    """True when the output is the very file the input is read from (stdin and stdout
+    included), which opening the output would truncate before it is read."""
+    a, b = _file_id(input_path, sys.stdin), _file_id(output_path, sys.stdout)
+    return a is not None and a == b
 
 
 class _Run:
@@ -247,6 +415,7 @@ class _Run:
         self.source = source
         self.sink = sink
         self.with_candidates = bool(args.with_candidates)
+        self.max_line_bytes = int(getattr(args, "max_line_bytes", DEFAULT_MAX_LINE_BYTES))
         self.ordered = cfg.order == "input"
         self.progress = Progress(sys.stderr, enabled=not args.no_progress)
         self.ok = 0
@@ -271,7 +440,7 @@ class _Run:
 
     async def _samples(self, out: MemoryObjectSendStream[Result]) -> AsyncIterator[Sample]:
         """The valid samples, for the stream; line failures go to ``out`` (or the tickets)."""
-        reader = _LineReader(self.source, self._decode)
+        reader = _LineReader(self.source, self._decode, self.max_line_bytes)
         try:
             while True:
                 try:
@@ -291,12 +460,6 @@ class _Run:
                             await self._tickets_send.send(item.sample_id.seq)
                         yield item
                         continue
-                    log.warning(
-                        "sample_failed",
-                        line=line_ref_of(item).line,
-                        reason=item.reason,
-                        message=item.message,
-                    )
                     if self.ordered:
                         await self._tickets_send.send(item)
                     else:
@@ -352,6 +515,15 @@ class _Run:
                     self.output_error = f"cannot write output: {exc.strerror or exc}"
                     scope.cancel()
                     return
+                for item in batch:
+                    if isinstance(item, SampleFailure):
+                        log.info(
+                            "line_failed",
+                            line=line_ref_of(item).line,
+                            reason=item.reason,
+                            attempts=item.attempts,
+                            message=item.message,
+                        )
                 failed = [r for r in reasons if r is not None]
                 self.failed.update(failed)
                 self.ok += len(reasons) - len(failed)
@@ -377,9 +549,9 @@ async def run_score(args: argparse.Namespace) -> int:
     try:
         cfg, default = _config(args)
         stream = OPDStream(cfg)  # resolves kl_device (a ConfigError is a usage error)
-        if args.input != "-" and args.output != "-" and _same_file(args.input, args.output):
-            raise _UsageError("--output is the same file as --input")
-        source = _open(args.input, "rb")
+        if _same_file(args.input, args.output):
+            raise _UsageError("--output is the same file as --input (or the file behind stdin)")
+        source = await _open_input(args.input)
     except ConfigError as exc:
         return _fail(f"configuration: {exc}")
     except _UsageError as exc:

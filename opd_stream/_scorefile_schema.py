@@ -12,23 +12,28 @@ Plain functions and msgspec Structs, usable and testable without a server or an 
 
 The runner that reads, scores and writes the lines is :mod:`opd_stream._scorefile`.
 
-Non-finite floats: JSON has no ``-inf``; msgspec writes every non-finite float as ``null``.
-The only non-finite value that can reach an output line is a ``-inf`` teacher (or, in
-candidates, student) logprob, a token the model gives probability 0; the library never
-emits NaN, and ``reverse_kl`` and ``weights`` are always finite (logprobs are clamped to
-``LOGPROB_FLOOR = -1e4`` before any arithmetic). So ``null`` inside a logprob list means
-``-inf``.
+Probability 0: one representation in every output line. A logprob of a token the model
+gives probability 0 (``-inf``; SGLang sends it as ``null``) is written as ``null``, in
+``teacher_logprobs`` and in ``candidates`` alike: the library's candidate arrays hold the
+floored value ``LOGPROB_FLOOR = -1e4`` there (every logprob is clamped to it before any
+arithmetic), and a candidate logprob at or below the floor is rendered ``null`` too. The
+signals are computed with the floor and stay finite: ``reverse_kl`` and ``weights`` never
+hold ``null`` (a sampled token the teacher gives probability 0 has ``reverse_kl =
+rollout_logprob + 1e4``). The library never emits NaN.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import numpy as np
+import torch
 
 from ._errors import InvalidSampleError
+from ._kl import LOGPROB_FLOOR
 from ._sample import MAX_TOKEN_ID, Sample, SampleFailure, ScoredSample
 
 if TYPE_CHECKING:
@@ -115,13 +120,22 @@ def _default_id(seq: int) -> msgspec.Raw:
     return msgspec.Raw(str(seq).encode())
 
 
+def _is_utf8(raw: msgspec.Raw) -> bool:
+    """msgspec copies a ``Raw`` value's bytes unchecked; the output must stay valid JSON."""
+    try:
+        bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _line_id(data: bytes, seq: int) -> msgspec.Raw:
     """The ``id`` of a line that failed the schema, when it is readable, else the default."""
     try:
         raw = _ID_DECODER.decode(data).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _default_id(seq)
-    return raw.copy() if len(raw) else _default_id(seq)
+    return raw.copy() if len(raw) and _is_utf8(raw) else _default_id(seq)
 
 
 def _clip(text: str) -> str:
@@ -150,10 +164,11 @@ def decode_line(
         default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
 
     Raises:
-        InvalidSampleError: not JSON (field ``json``), not the schema (the field named by
-            the error path, or ``schema``), a missing or conflicting token key, an empty
-            ``prompt_ids``, or ``teacher`` disagreeing with ``metadata[teacher_key]``.
-            Messages carry field names, positions and types, never values.
+        InvalidSampleError: not JSON (field ``json``; nesting too deep included), not the
+            schema (the field named by the error path, or ``schema``), an ``id`` that is not
+            valid UTF-8, a missing or conflicting token key, an empty ``prompt_ids``, or
+            ``teacher`` disagreeing with ``metadata[teacher_key]``. Messages carry field
+            names, positions and types, never values.
     """
     try:
         parsed = _DECODER.decode(data)
@@ -163,6 +178,10 @@ def decode_line(
         raise InvalidSampleError(match.group(1) if match else "schema", _clip(text)) from None
     except msgspec.DecodeError as exc:
         raise InvalidSampleError("json", _clip(str(exc))) from None
+    except RecursionError:
+        raise InvalidSampleError("json", "nested too deeply to be read") from None
+    if len(parsed.id) and not _is_utf8(parsed.id):
+        raise InvalidSampleError("id", "holds a string that is not valid UTF-8")
 
     split = parsed.prompt_ids is not None or parsed.response_ids is not None
     joined = parsed.tokens is not None or parsed.response_length is not None
@@ -288,11 +307,20 @@ def line_ref_of(item: Result) -> LineRef:
     return ref
 
 
+def _logprob_rows(values: torch.Tensor) -> list[list[float | None]]:
+    """Candidate logprobs as lists; the floor (probability 0) becomes -inf, written ``null``."""
+    floored = values <= LOGPROB_FLOOR
+    if bool(floored.any()):
+        values = values.masked_fill(floored, -math.inf)
+    rows: list[list[float | None]] = values.tolist()
+    return rows
+
+
 def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
     """Render one result as an output line: a JSON object followed by ``\\n``.
 
     Float32 values become the Python floats they equal (so reading them back as float32
-    is exact); non-finite floats are written as ``null`` (see the module docstring).
+    is exact); probability 0 is ``null`` in every logprob list (see the module docstring).
 
     Args:
         item: a result of a sample made by :func:`decode_line` (its ``sample_id`` is a
@@ -310,8 +338,8 @@ def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
             c = item.candidates
             candidates = CandidatesLine(
                 ids=c.ids.tolist(),
-                student_logprobs=c.student_logprobs.tolist(),
-                teacher_logprobs=c.teacher_logprobs.tolist(),
+                student_logprobs=_logprob_rows(c.student_logprobs),
+                teacher_logprobs=_logprob_rows(c.teacher_logprobs),
                 weights=c.weights.tolist(),
                 mask=c.mask.tolist(),
             )

@@ -26,7 +26,7 @@ from ._config import StreamConfig
 from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
-from ._sample import PreparedSample
+from ._sample import PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
 from ._wire import ScoreRequest, ScoreRows, auto_block_size
@@ -71,7 +71,6 @@ class SampleScorer:
         stats: StatsRecorder,
         *,
         decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
-        build: Callable[[ScoreRequest], Any] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._cfg = config
@@ -92,7 +91,7 @@ class SampleScorer:
         )
         self._caps = Capabilities(config, stats)
         self._sender = AttemptSender(
-            config, transport, stats, self._pool, self._caps, decode=decode, build=build
+            config, transport, stats, self._pool, self._caps, decode=decode
         )
 
     # one logical request -------------------------------------------------------------
@@ -244,12 +243,20 @@ class SampleScorer:
                 if plan.fetch_student_topk:
                     fetched = await self._request("student", student_urls, student_topk, counter)
                     s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
-                teacher_ids = s_ids if plan.teacher_scores_student_ids else None
+                # Short rows' padding (-1) never goes out: filler ids take its slots, and
+                # the KL stage reads s_ids, where padding is never a candidate.
+                teacher_ids = (
+                    request_ids(s_ids)
+                    if plan.teacher_scores_student_ids and s_ids is not None
+                    else None
+                )
                 teacher_rows = await self._request(
                     "teacher", teacher_urls, teacher_request(teacher_ids), counter
                 )
             if plan.student_scores_teacher_ids:
                 t_ids = teacher_rows.top_ids
+                if t_ids is not None:
+                    t_ids = request_ids(t_ids)  # (a server's top-k rows are full)
                 student_rows = await self._request(
                     "student",
                     student_urls,

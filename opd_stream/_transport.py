@@ -8,7 +8,12 @@ pipeline's logic (routing, deadlines, retries, backpressure) is tested on asynci
 without sockets.
 
 Errors: connection problems become :class:`ConnectionFailed`; a body over the cap becomes
-:class:`ResponseTooLarge`. HTTP status codes are *not* errors here: the caller decides.
+:class:`ResponseTooLarge`; a compressed body (which we never ask for) becomes
+:class:`MalformedResponseError`. HTTP status codes are *not* errors here: the caller decides.
+
+Memory: besides the per-answer cap, both transports charge what they read to the
+:class:`~opd_stream._budget.BudgetLease` of the running task, when there is one
+(:func:`~opd_stream._budget.current_lease`): the stream's budget for all bodies in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Protocol, Self
 
 import msgspec
 
-from ._errors import ConfigError, ConnectionFailed, ResponseTooLarge
+from ._budget import current_lease
+from ._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
+from ._redact import redact
 
 __all__ = (
     "AiohttpTransport",
@@ -99,6 +106,9 @@ class MockTransport:
         assert isinstance(result, Response)
         if len(result.body) > max_bytes:
             raise ResponseTooLarge(max_bytes, url=url)
+        lease = current_lease()
+        if lease is not None:
+            await lease.settle(len(result.body))
         return result
 
     async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
@@ -114,7 +124,10 @@ class AiohttpTransport:
     One ``ClientSession`` is created when the transport is entered (inside the running
     loop) and closed when it is left. Timing is owned by the caller's anyio cancel scopes;
     the session keeps only a connect watchdog. Redirects are not followed. The bearer
-    token, when given, is sent on every request and never logged.
+    token, when given, is sent on every request and never logged; what the server sends
+    back in a connection error is redacted. No compression is asked for
+    (``Accept-Encoding: identity``; SGLang does not compress) and none is undone: an answer
+    with a ``Content-Encoding`` is refused unread, so no body can inflate past the cap.
 
     Args:
         api_key: sent as ``Authorization: Bearer <api_key>``.
@@ -126,7 +139,11 @@ class AiohttpTransport:
     def __init__(
         self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
     ) -> None:
-        self._headers: Mapping[str, str] = {"Content-Type": "application/json"}
+        self._headers: Mapping[str, str] = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+        }
+        self._api_key = api_key or None
         if api_key:
             self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
         self._connect_timeout_s = connect_timeout_s
@@ -153,7 +170,7 @@ class AiohttpTransport:
             total=None, connect=None, sock_connect=self._connect_timeout_s, sock_read=None
         )
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, headers=self._headers, auto_decompress=True
+            connector=connector, timeout=timeout, headers=self._headers, auto_decompress=False
         )
         return self
 
@@ -197,20 +214,39 @@ class AiohttpTransport:
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
         try:
             async with session.request(method, url, data=body, allow_redirects=False) as resp:
+                encoding = resp.headers.get("Content-Encoding", "").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise MalformedResponseError(
+                        f"the server sent a compressed body (Content-Encoding: "
+                        f"{_show_token(encoding)}) although none was asked for; refused unread",
+                        url=url,
+                    )
                 declared = resp.content_length
                 if declared is not None and declared > max_bytes:
                     raise ResponseTooLarge(max_bytes, url=url)
+                lease = current_lease()
                 buf = bytearray()
                 async for chunk in resp.content.iter_chunked(_READ_CHUNK):
-                    buf += chunk
-                    if len(buf) > max_bytes:
+                    if len(buf) + len(chunk) > max_bytes:
                         raise ResponseTooLarge(max_bytes, url=url)
+                    if lease is not None:
+                        await lease.grow(len(chunk))
+                    buf += chunk
+                if lease is not None:
+                    lease.done_reading()
                 return Response(resp.status, buf)  # no copy: see Response
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.
-            detail = str(exc)[:200]
+            # aiohttp may quote a bad header line the server sent: redact before the cut.
+            detail = redact(str(exc), self._api_key)[:200]
             raise ConnectionFailed(
                 f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
                 url=url,
             ) from None
+
+
+def _show_token(text: str) -> str:
+    """A header value for an error message: short and printable."""
+    shown = "".join(c if c.isprintable() else "?" for c in text[:40])
+    return shown + ("..." if len(text) > 40 else "")

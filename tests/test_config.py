@@ -58,8 +58,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.backoff_initial_s == 0.05
     assert cfg.backoff_max_s == 2.0
     assert cfg.connect_timeout_s == 10.0
-    assert cfg.decode_workers == 2
-    assert cfg.decode_offload_bytes == 1 << 20
+    assert cfg.decode_threads == 0
+    assert cfg.decode_thread_bytes == 1 << 20
     assert cfg.max_reorder == 1024
 
 
@@ -125,9 +125,9 @@ def test_top_k_bounds_are_inclusive() -> None:
     assert _config(top_k=1024).top_k == 1024
 
 
-def test_kl_batch_wait_may_be_zero_and_decode_workers_may_be_positive() -> None:
-    cfg = _config(kl_batch_wait_s=0.0, decode_workers=3, decode_offload_bytes=0)
-    assert (cfg.kl_batch_wait_s, cfg.decode_workers, cfg.decode_offload_bytes) == (0.0, 3, 0)
+def test_kl_batch_wait_may_be_zero_and_decode_threads_may_be_positive() -> None:
+    cfg = _config(kl_batch_wait_s=0.0, decode_threads=3, decode_thread_bytes=0)
+    assert (cfg.kl_batch_wait_s, cfg.decode_threads, cfg.decode_thread_bytes) == (0.0, 3, 0)
 
 
 # --------------------------------------------------------------------------- invalid values
@@ -175,6 +175,8 @@ INVALID: list[tuple[str, Any]] = [
     ("max_inflight_per_endpoint", 0),
     ("max_response_bytes", 1023),
     ("max_response_bytes", 0),
+    ("max_inflight_response_bytes", 1023),
+    ("max_inflight_response_bytes", -1),
     ("kl_device", "gpu"),
     ("kl_device", "cuda:"),
     ("kl_device", "cuda:-1"),
@@ -202,8 +204,8 @@ INVALID: list[tuple[str, Any]] = [
     ("connect_timeout_s", 0.0),
     ("connect_timeout_s", math.inf),
     ("connect_timeout_s", math.nan),
-    ("decode_workers", -1),
-    ("decode_offload_bytes", -1),
+    ("decode_threads", -1),
+    ("decode_thread_bytes", -1),
     ("max_reorder", 0),
     ("balance", "random"),
     ("eject_after_failures", -1),
@@ -260,6 +262,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("max_inflight", "many"),
     ("max_inflight_per_endpoint", "0"),
     ("max_response_bytes", "1GiB"),
+    ("max_inflight_response_bytes", "2GiB"),
     ("kl_device", "gpu"),
     ("order", "x"),
     ("api_key", "has space"),
@@ -270,8 +273,8 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("backoff_initial_s", "0"),
     ("backoff_max_s", "0.01"),
     ("connect_timeout_s", "-inf"),
-    ("decode_workers", "-1"),
-    ("decode_offload_bytes", "-1"),
+    ("decode_threads", "-1"),
+    ("decode_thread_bytes", "-1"),
     ("max_reorder", "0"),
     ("balance", "p2c"),
     ("eject_after_failures", "some"),
@@ -394,6 +397,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_MAX_INFLIGHT": "10",
         "OPD_STREAM_MAX_INFLIGHT_PER_ENDPOINT": "3",
         "OPD_STREAM_MAX_RESPONSE_BYTES": "4096",
+        "OPD_STREAM_MAX_INFLIGHT_RESPONSE_BYTES": "8192",
         "OPD_STREAM_KL_DEVICE": "cuda:1",
         "OPD_STREAM_ORDER": "input",
         "OPD_STREAM_API_KEY": SECRET,
@@ -431,6 +435,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         max_inflight=10,
         max_inflight_per_endpoint=3,
         max_response_bytes=4096,
+        max_inflight_response_bytes=8192,
         kl_device="cuda:1",
         order="input",
         api_key=Secret(SECRET),
@@ -441,8 +446,8 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         backoff_initial_s=0.1,
         backoff_max_s=3.0,
         connect_timeout_s=4.0,
-        decode_workers=2,
-        decode_offload_bytes=100,
+        decode_threads=2,
+        decode_thread_bytes=100,
         max_reorder=9,
         balance="round-robin",
         eject_after_failures=2,
@@ -596,7 +601,7 @@ def test_table_defaults_match_the_struct_defaults() -> None:
     assert shown["teachers"] == "required"
     assert shown["student_url"] == "none"
     assert shown["max_response_bytes"] == "1 GiB"
-    assert shown["decode_offload_bytes"] == "1 MiB"
+    assert shown["decode_thread_bytes"] == "1 MiB"
     assert shown["top_k"] == "0"
     assert shown["strategy"] == "only-student"
     assert shown["request_deadline_s"] == "60"

@@ -88,7 +88,7 @@ def test_an_opd_flag_without_use_opd_is_an_error_naming_the_flag() -> None:
 
 def test_teacher_urls_need_opd_type_sglang() -> None:
     with pytest.raises(
-        ConfigError, match=r"--opd-teacher-urls is only valid with --opd-type sglang"
+        ConfigError, match=r"--opd-teacher-urls is only supported with --opd-type=sglang"
     ):
         miles.config_from_miles_args(
             _args(opd_type="megatron", opd_teacher_urls=["default=http://d:2"])
@@ -103,7 +103,7 @@ def test_no_teacher_is_an_error_naming_both_flags() -> None:
 def test_unknown_strategy_and_malformed_teacher_entry_are_errors() -> None:
     with pytest.raises(ConfigError, match=r"--opd-top-k-strategy must be one of"):
         miles.config_from_miles_args(_args(opd_log_prob_top_k=2, opd_top_k_strategy="both"))
-    with pytest.raises(ConfigError, match=r"--opd-teacher-urls: .*NAME=URL"):
+    with pytest.raises(ConfigError, match=r"Invalid --opd-teacher-urls entry .*expected NAME=URL"):
         miles.config_from_miles_args(_args(opd_teacher_urls=["http://no-name:1"]))
 
 
@@ -279,3 +279,294 @@ def test_post_process_rejects_a_reward_that_is_not_ours() -> None:
     sample.reward = {"meta_info": {}}
     with pytest.raises(ValueError, match="not an opd_stream reward_func result"):
         miles.post_process_rewards(_args(), [sample])
+
+
+# --- issue 14: Miles rollouts as they really are -----------------------------------------
+def _short_rows_supported() -> bool:
+    """Whether the row parser takes short and empty rows (``_decode.parse_student_topk``)."""
+    from opd_stream._decode import parse_student_topk
+
+    try:
+        parse_student_topk([[], [[-0.1, 3], None]], 2, 2)
+    except ValueError:
+        return False
+    return True
+
+
+needs_short_rows = pytest.mark.skipif(
+    not _short_rows_supported(),
+    reason="parse_student_topk does not take short/empty rows yet (the _decode.py change)",
+)
+T1, T2, STU = "http://t-math:1", "http://t-code:1", "http://stu:2"
+
+
+def _merged_sample(model: Any, seed: int, k: int) -> tuple[_MilesSample, list[list[int]]]:
+    """A Miles merged multi-turn sample: observation spans carry empty top-k rows (``[]``),
+    loss mask 0 and rollout logprob 0.0; some rows are short or hold ``None`` entries.
+    Returns the sample and the ids kept per response position."""
+    rng = np.random.default_rng(seed)
+    p, r = 3, 12
+    tokens = rng.integers(0, 5000, p + r).tolist()
+    rows: list[list[Any]] = [
+        [[lp, i, None] for lp, i in row] for row in rollout_topk_rows(model, tokens, p, k)
+    ]
+    rollout = [-0.5] * r
+    for t in (3, 4, 5, 9):  # an observation span and a lone observation token
+        rows[t] = []
+        rollout[t] = 0.0
+    rows[6] = rows[6][:1]  # short
+    rows[7] = [rows[7][0], None, rows[7][1]]  # a None entry is skipped
+    kept = [[int(e[1]) for e in row if e is not None] for row in rows]
+    sample = _MilesSample(tokens, r, {"opd_student_top_logprobs": rows, "opd_teacher": "math"})
+    sample.rollout_log_probs = rollout  # type: ignore[attr-defined]
+    sample.loss_mask = [0 if not row else 1 for row in rows]  # type: ignore[attr-defined]
+    return sample, kept
+
+
+def _merged_reference(
+    sample: _MilesSample,
+    kept: list[list[int]],
+    teacher: Any,
+    student: Any,
+    k: int,
+    strategy: str,
+    weight_mode: str,
+) -> list[Any]:
+    from kl_reference import reference_position
+
+    def f32(values: Any) -> list[float]:
+        return [float(np.float32(v)) for v in np.asarray(values, dtype=np.float64).ravel()]
+
+    tok = np.asarray(sample.tokens)
+    p = len(tok) - sample.response_length
+    out = []
+    for t, ids in enumerate(kept):
+        pos = np.array([p + t])
+        s_ids = np.asarray([ids], dtype=np.int64)
+        t_ids, t_lp = teacher.topk(tok, pos, k)
+        out.append(
+            reference_position(
+                strategy=strategy,
+                weight_mode=weight_mode,
+                s_ids=ids,
+                s_lp=f32(student.logprobs(tok, pos, s_ids)[0]) if ids else [],
+                t_on_s=f32(teacher.logprobs(tok, pos, s_ids)[0]) if ids else [],
+                t_ids=[int(x) for x in t_ids[0]],
+                t_lp=f32(t_lp[0]),
+                s_on_t=f32(student.logprobs(tok, pos, t_ids)[0]),
+            )
+        )
+    return out
+
+
+def _two_teachers() -> tuple[Any, dict[str, Any]]:
+    from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+    servers = {
+        T1: InProcessSGLang("teacher", 0),
+        T2: InProcessSGLang("teacher", 5),
+        STU: InProcessSGLang("student", 1),
+    }
+    return mock_transport(servers), servers
+
+
+def _multi_args(**kw: Any) -> Namespace:
+    return _args(
+        rm_url=None,
+        opd_teacher_urls=[f"math={T1}/generate", f"code={T2}/generate"],
+        sglang_router_ip="stu",
+        sglang_router_port=2,
+        **kw,
+    )
+
+
+@needs_short_rows
+@pytest.mark.parametrize(
+    ("strategy", "weight_mode"),
+    [(s, w) for s in miles._STRATEGIES for w in miles._WEIGHT_MODES],
+)
+async def test_merged_multi_turn_samples_are_scored_like_the_reference(
+    strategy: str, weight_mode: str
+) -> None:
+    k = 3
+    transport, servers = _two_teachers()
+    args = _multi_args(
+        opd_log_prob_top_k=k, opd_top_k_strategy=strategy, opd_reward_weight_mode=weight_mode
+    )
+    sample, kept = _merged_sample(servers[STU].model, 1, k)
+    miles.engine_for(args, transport=transport)
+    try:
+        sample.reward = await miles.reward_func(args, sample)
+    finally:
+        await miles.close()
+    miles.post_process_rewards(args, [sample])
+    got = sample.opd_reverse_kl.tolist()  # type: ignore[attr-defined]
+    want = _merged_reference(
+        sample, kept, servers[T1].model, servers[STU].model, k, strategy, weight_mode
+    )
+    for t, ref in enumerate(want):
+        assert abs(got[t] - ref.r) <= 1e-5 + 1e-6 * ref.scale, (t, got[t], ref.r)
+    if strategy == "only-student":
+        assert [got[t] for t in (3, 4, 5, 9)] == [0.0] * 4  # empty rows contribute 0
+
+
+async def test_rollout_log_probs_are_never_read() -> None:
+    """The reference ignores rollout_log_probs (top-k and sampled-token): 0.0 on observation
+    spans, values above 0, NaN or a wrong length must not fail the sample."""
+    transport, servers = _two_teachers()
+    for k in (0, 2):
+        args = _multi_args(opd_log_prob_top_k=k)
+        model = servers[STU].model
+        tokens = [5, 6, 7, 8, 9]
+        meta: dict[str, Any] = {"opd_teacher": "code"}
+        if k:
+            meta["opd_student_top_logprobs"] = rollout_topk_rows(model, tokens, 2, k)
+        sample = _MilesSample(tokens, 3, meta)
+        miles.engine_for(args, transport=transport)
+        try:
+            for bad in ([0.0, 0.5, math.nan], [0.0], None):
+                sample.rollout_log_probs = bad  # type: ignore[attr-defined]
+                result = await miles.reward_func(args, sample)
+                name = "opd_reverse_kl" if k else "teacher_log_probs"
+                assert result[name].shape == (3,)
+                assert result["opd_stream"]["teacher"] == "code"
+        finally:
+            await miles.close()
+
+
+def test_opd_stream_variables_are_read_and_the_flags_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OPD_STREAM_MAX_INFLIGHT", "7")
+    monkeypatch.setenv("OPD_STREAM_ATTEMPT_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("OPD_STREAM_TOP_K", "9")  # the flag wins
+    monkeypatch.setenv("OPD_STREAM_TEACHERS", "x=http://x:1")  # the flag wins
+    monkeypatch.setenv("OPD_STREAM_ID_SCORING", "blocked")
+    monkeypatch.setenv("OPD_STREAM_REQUEST_DEADLINE_S", "33")
+    cfg = miles.config_from_miles_args(_args(opd_log_prob_top_k=2))
+    assert (cfg.max_inflight, cfg.attempt_timeout_s, cfg.top_k) == (7, 2.5, 2)
+    assert cfg.teachers == {"default": ("http://t:1",)}
+    assert cfg.id_scoring == "blocked"  # no --opd-topk-per-position: the variable
+    assert cfg.request_deadline_s == 33.0  # no router timeout flag: the variable
+    cfg = miles.config_from_miles_args(
+        _args(opd_topk_per_position=True, sglang_router_request_timeout_secs=5)
+    )
+    assert (cfg.id_scoring, cfg.request_deadline_s) == ("per-position", 5.0)
+    # An explicit environment replaces os.environ.
+    cfg = miles.config_from_miles_args(_args(), environ={})
+    assert cfg.max_inflight != 7
+
+
+def test_an_invalid_variable_is_a_value_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPD_STREAM_MAX_INFLIGHT", "many")
+    with pytest.raises(ValueError, match="OPD_STREAM_MAX_INFLIGHT"):
+        miles.config_from_miles_args(_args())
+    monkeypatch.delenv("OPD_STREAM_MAX_INFLIGHT")
+    monkeypatch.setenv("OPD_STREAM_MAX_INFLIGH", "3")
+    with pytest.raises(ValueError, match="OPD_STREAM_MAX_INFLIGH"):
+        miles.config_from_miles_args(_args())
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        (
+            {"opd_teacher_urls": ["math"]},
+            "Invalid --opd-teacher-urls entry 'math'; expected NAME=URL.",
+        ),
+        (
+            {"opd_teacher_urls": ["a=http://a:1", "a=http://b:1"]},
+            "Duplicate teacher name 'a' in --opd-teacher-urls.",
+        ),
+        (
+            {"opd_log_prob_top_k": 2, "opd_top_k_strategy": "both"},
+            "Unknown OPD top-k strategy: both",
+        ),
+        ({"opd_reward_weight_mode": "p"}, "Unknown OPD reward weight mode: p"),
+        (
+            {"opd_type": "megatron", "opd_teacher_urls": ["a=http://a:1"]},
+            "--opd-teacher-urls is only supported with --opd-type=sglang",
+        ),
+    ],
+)
+def test_bad_teacher_configuration_is_a_value_error_in_the_reference_words(
+    kw: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        miles.config_from_miles_args(_args(**kw))
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "words"),
+    [
+        ({}, "Sample metadata is missing teacher key 'opd_teacher' and no 'default' teacher"),
+        (
+            {"opd_teacher": "bio"},
+            "Sample metadata['opd_teacher']='bio' matches no teacher name configured by "
+            "--opd-teacher-urls (known: ['code', 'math']) and no 'default' entry",
+        ),
+    ],
+)
+async def test_missing_or_unknown_teacher_key_is_a_value_error(
+    metadata: dict[str, Any], words: str
+) -> None:
+    transport, _ = _two_teachers()
+    args = _multi_args()
+    miles.engine_for(args, transport=transport)
+    try:
+        with pytest.raises(miles.MilesRoutingError) as info:
+            await miles.reward_func(args, _MilesSample([1, 2, 3], 1, metadata))
+    finally:
+        await miles.close()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, miles.OPDSampleError)
+    assert words in str(info.value)
+    assert info.value.reason == "routing"
+
+
+async def test_a_default_teacher_catches_unknown_and_missing_keys() -> None:
+    transport, _ = _two_teachers()
+    args = _args(rm_url=None, opd_teacher_urls=[f"math={T1}", f"default={T2}"])
+    miles.engine_for(args, transport=transport)
+    try:
+        for meta in ({}, {"opd_teacher": "bio"}, {"opd_teacher": "math"}):
+            reward = await miles.reward_func(args, _MilesSample([1, 2, 3], 1, meta))
+            want = "math" if meta.get("opd_teacher") == "math" else "default"
+            assert reward["opd_stream"]["teacher"] == want
+    finally:
+        await miles.close()
+
+
+async def test_a_deadline_is_a_timeout_error() -> None:
+    import anyio
+
+    async def hang(method: str, url: str, body: bytes) -> Response:
+        await anyio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    args = _args(rm_url="http://teacher:1", sglang_router_request_timeout_secs=0.05)
+    miles.engine_for(args, transport=MockTransport(hang))
+    try:
+        with pytest.raises(miles.MilesTimeoutError) as info:
+            await miles.reward_func(args, _MilesSample([1, 2, 3], 1))
+    finally:
+        await miles.close()
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.reason == "deadline_exceeded"
+
+
+async def test_an_invalid_sample_is_a_value_error_and_http_errors_are_not() -> None:
+    transport, _ = _two_teachers()
+    args = _args(rm_url=T1)
+    miles.engine_for(args, transport=transport)
+    try:
+        with pytest.raises(miles.MilesInvalidSampleError) as info:
+            await miles.reward_func(args, _MilesSample([1, -2, 3], 1))
+    finally:
+        await miles.close()
+    assert isinstance(info.value, ValueError) and info.value.reason == "invalid_sample"
+    failure = miles.SampleFailure(
+        sample=miles.Sample([1], 0), index=0, reason="teacher_http_503", message="x", attempts=4
+    )
+    err = miles.sample_error(failure)
+    assert type(err) is miles.OPDSampleError and not isinstance(err, ValueError | TimeoutError)

@@ -614,3 +614,51 @@ def test_pad_topk_batch_builds_a_batch_the_kl_accepts() -> None:
     assert torch.equal(got.reverse_kl, expected.reverse_kl)
     with pytest.raises(ValueError, match="disagree"):
         pad_topk_batch(student_ids=[samples[0].s_ids], student_lp=[s.s_lp for s in samples])
+
+
+# ------------------------------------------------- short student rows (spec §3 edge cases)
+
+
+def short_rows_samples(rng: np.random.Generator, k: int, lengths: list[int]) -> list[Sample]:
+    """Student rows keeping a prefix of 0..k entries, padded at the end (id -1, logprob -inf;
+    the teacher's values there are what a server answers for the filler ids: finite)."""
+    out = []
+    for r in lengths:
+        smp = random_sample(rng, r, k, k, overlap=0.5, p_inf=0.1, p_hole=0.0)
+        kept = rng.integers(0, k + 1, r)
+        if r:
+            kept[0] = 0
+        pad = np.arange(k)[None, :] >= kept[:, None]
+        smp.s_ids = np.where(pad, -1, smp.s_ids)
+        smp.s_lp = np.where(pad, -np.inf, smp.s_lp).astype(np.float32)
+        out.append(smp)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("k", [1, 2, 5, 16])
+@pytest.mark.parametrize(("strategy", "weight_mode"), COMBOS)
+def test_short_and_empty_student_rows_match_reference(
+    monkeypatch: pytest.MonkeyPatch,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    k: int,
+    backend: str,
+) -> None:
+    monkeypatch.setattr(_klselect, "_CPU_INDEX_BACKEND", backend)
+    rng = np.random.default_rng(k * 31 + len(strategy))
+    samples = short_rows_samples(rng, k, [9, 0, 17])
+    check_against_reference(samples, strategy, weight_mode)
+
+
+def test_only_student_on_empty_rows_is_zero_and_union_takes_t_alone() -> None:
+    rng = np.random.default_rng(1)
+    smp = random_sample(rng, 3, 4, 4, overlap=0.5, p_inf=0.0, p_hole=0.0)
+    smp.s_ids[:] = -1
+    smp.s_lp[:] = -np.inf
+    res = topk_reverse_kl(make_batch([smp], "only-student"), "only-student", "student_p")
+    assert res.reverse_kl.tolist() == [[0.0, 0.0, 0.0]]
+    assert not res.mask.any()
+    res = topk_reverse_kl(make_batch([smp], "union"), "union", "student_p")
+    assert res.ids[0, :, :4].tolist() == smp.t_ids.tolist()
+    assert not res.mask[0, :, 4:].any()

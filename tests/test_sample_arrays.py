@@ -74,7 +74,10 @@ def _set(arr: np.ndarray, value: Any) -> np.ndarray:
         pytest.param(_bad(lambda i, p: (i[:3], p[:3])), "shape", id="row-count"),
         pytest.param(_bad(lambda i, p: (i[:, :2], p[:, :2])), "shape", id="too-narrow"),
         pytest.param(_bad(lambda i, p: (i, p[:, :3])), "shape", id="shapes-differ"),
-        pytest.param(_bad(lambda i, p: (_set(i, -1), p)), "row 2 holds a negative", id="neg-id"),
+        pytest.param(_bad(lambda i, p: (_set(i, -2), p)), "row 2 holds a negative", id="neg-id"),
+        pytest.param(
+            _bad(lambda i, p: (_set(i, -1), p)), "row 2 holds padding (id -1) before", id="mid-pad"
+        ),
         pytest.param(
             _bad(lambda i, p: (_set(i, 2**40), p)), "row 2 holds a token id above", id="huge-id"
         ),

@@ -97,7 +97,6 @@ CASES: list[tuple[str, str, Any, int]] = [
     ("topk-str", "student_top_logprobs", _topk("rows"), 2),
     ("topk-dict", "student_top_logprobs", _topk({"a": 1}), 2),
     ("topk-row-count", "student_top_logprobs", _topk([GOOD_ROW] * 2), 2),
-    ("topk-short-row", "student_top_logprobs", _topk([GOOD_ROW, GOOD_ROW[:1], GOOD_ROW]), 2),
     ("topk-row-not-list", "student_top_logprobs", _topk([GOOD_ROW, 5, GOOD_ROW]), 2),
     ("topk-entry-short", "student_top_logprobs", _topk([GOOD_ROW, [[-0.1], [-1, 2]], GOOD_ROW]), 2),
     (

@@ -80,13 +80,13 @@ async def test_runs_can_share_one_stream_concurrently() -> None:
         assert all(isinstance(r, ScoredSample) for r in outs[k])
 
 
-async def test_payloads_and_decodes_in_worker_processes_give_identical_results() -> None:
+async def test_answers_parsed_in_decode_threads_give_identical_results() -> None:
     samples = _samples(6, seed=3)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
     async with OPDStream(_cfg(**cfg_topk), transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             inline = sorted([r async for r in results], key=lambda r: r.index)
-    offload = _cfg(**cfg_topk, decode_workers=1, decode_offload_bytes=1)
+    offload = _cfg(**cfg_topk, decode_threads=2, decode_thread_bytes=1)
     async with OPDStream(offload, transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             pooled = sorted([r async for r in results], key=lambda r: r.index)
@@ -132,7 +132,7 @@ async def test_each_failed_sample_is_logged_once_with_its_reason() -> None:
     assert failed[0]["reason"] == "invalid_sample" and failed[0]["index"] == 3
 
 
-async def test_errors_raised_in_a_decode_worker_fail_only_their_sample() -> None:
+async def test_errors_raised_in_a_decode_thread_fail_only_their_sample() -> None:
     import msgspec
 
     teacher = InProcessSGLang("teacher", 1)
@@ -150,7 +150,7 @@ async def test_errors_raised_in_a_decode_worker_fail_only_their_sample() -> None
         return Response(200, msgspec.json.encode(good))
 
     teacher.fault = misalign
-    cfg = _cfg(decode_workers=1, decode_offload_bytes=1, max_inflight=1)
+    cfg = _cfg(decode_threads=1, decode_thread_bytes=1, max_inflight=1)
     async with OPDStream(cfg, transport=mock_transport({T: teacher})) as stream:
         async with stream.run(_samples(4)) as results:
             out = sorted([r async for r in results], key=lambda r: r.index)

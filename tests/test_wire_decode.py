@@ -779,7 +779,6 @@ GOOD_ROW = [[-0.1, 5, None], [-1.0, 6, None]]
     ("rows", "match"),
     [
         ([GOOD_ROW], "has 1 rows, expected response_length = 2"),
-        ([GOOD_ROW, [[-0.1, 5, None]]], "row 1 has 1 entries, expected >= 2"),
         ([GOOD_ROW, [[-0.1, True], [-1.0, 6]]], "row 1: .*`int`, got `bool`"),
         ([GOOD_ROW, [[-0.1, 5], [-1.0, 6.0]]], "row 1: .*`int`, got `float`"),
         ([GOOD_ROW, [[-0.1, 5], ["x", 6]]], "row 1: .*got `str`"),
@@ -792,7 +791,6 @@ GOOD_ROW = [[-0.1, 5, None], [-1.0, 6, None]]
     ],
     ids=[
         "row-count",
-        "short-row",
         "bool-id",
         "float-id",
         "str-logprob",
@@ -808,6 +806,25 @@ def test_student_topk_rejects_bad_rows_naming_the_row(rows: Any, match: str) -> 
     with pytest.raises(InvalidSampleError, match=match) as info:
         parse_student_topk(rows, 2, 2)
     assert info.value.field == "student_top_logprobs"
+
+
+def test_student_topk_pads_short_and_empty_rows_at_their_end() -> None:
+    rows = [[[-0.5, 5, None]], [], [None, [-0.25, 9], None, [-2.0, 3], [-3.0, 4]]]
+    ids, lps = parse_student_topk(rows, 3, 2)
+    assert ids.tolist() == [[5, -1], [-1, -1], [9, 3]]
+    assert lps.dtype == np.float32
+    assert lps.tolist() == [[-0.5, -math.inf], [-math.inf, -math.inf], [-0.25, -2.0]]
+
+
+def test_student_topk_padding_id_is_minus_one() -> None:
+    from opd_stream._decode import PAD_ID
+
+    assert PAD_ID == -1
+
+
+def test_student_topk_a_real_negative_id_in_a_short_row_is_still_an_error() -> None:
+    with pytest.raises(InvalidSampleError, match="row 1 holds a negative token id"):
+        parse_student_topk([GOOD_ROW, [[-0.1, -1]]], 2, 2)
 
 
 def test_student_topk_tolerates_a_tiny_positive_rounding_error() -> None:

@@ -10,8 +10,9 @@ Point Miles at this module instead of ``miles.rollout.on_policy_distillation``::
 The reference flags (``--opd-log-prob-top-k``, ``--opd-top-k-strategy``,
 ``--opd-reward-weight-mode``, ``--opd-topk-per-position``, ``--opd-teacher-urls``,
 ``--opd-teacher-key``, ``--rm-url``, ``--sglang-router-ip/--sglang-router-port``,
-``--sglang-router-request-timeout-secs``) keep their meaning; see
-:func:`config_from_miles_args`.
+``--sglang-router-request-timeout-secs``) keep their meaning; every other
+:class:`~opd_stream.StreamConfig` field comes from its ``OPD_STREAM_*`` variable (the flags
+win where both speak); see :func:`config_from_miles_args`.
 
 How it runs: Miles' rollout loop calls ``reward_func(args, sample)`` once per sample,
 concurrently, on one asyncio loop. The first call starts a :class:`MilesEngine` for that
@@ -22,10 +23,21 @@ the batched KL stage. The engine lives until :func:`close` (or :meth:`MilesEngin
 call it when training ends. A caller that is cancelled simply stops waiting; its sample's
 result is dropped when it arrives.
 
-Results equal the reference's (spec opd-semantics §2-§3): ``reward_func`` returns a dict
-holding ``teacher_log_probs`` (float32 ``[R]``, sampled-token mode) or ``opd_reverse_kl``
-(float32 ``[R]``, top-k mode), and ``post_process_rewards`` sets those attributes on each
-sample and returns ``(rewards, rewards)`` of zeros, like the reference (pure OPD).
+Results equal the reference's (spec opd-semantics §2-§3), merged multi-turn samples
+included (an empty student top-k row, ``[]``, on an observation span contributes what the
+reference gives it: nothing under only-student, the teacher's top-k under union):
+``reward_func`` returns a dict holding ``teacher_log_probs`` (float32 ``[R]``,
+sampled-token mode) or ``opd_reverse_kl`` (float32 ``[R]``, top-k mode), and
+``post_process_rewards`` sets those attributes on each sample and returns
+``(rewards, rewards)`` of zeros, like the reference (pure OPD). ``rollout_log_probs`` is
+never read (the reference does not use it either).
+
+Errors keep the reference's families: a bad flag or teacher configuration raises a
+``ValueError`` (:class:`~opd_stream.ConfigError`), a sample whose teacher key is missing or
+unknown (and no ``default`` teacher) :class:`MilesRoutingError` (a ``ValueError``), an
+invalid sample :class:`MilesInvalidSampleError` (a ``ValueError``), a deadline
+:class:`MilesTimeoutError` (a ``TimeoutError``), anything else (HTTP errors, bad answers)
+:class:`OPDSampleError`; the reference's wording is kept where it has one.
 """
 
 from __future__ import annotations
@@ -44,17 +56,21 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._config import StreamConfig
 from .._errors import ConfigError, OPDStreamError
-from .._router import parse_teacher_urls
+from .._router import DEFAULT_TEACHER, _show_value, parse_teacher_urls
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
 from .._transport import Transport
 
 __all__ = (
     "MilesEngine",
+    "MilesInvalidSampleError",
+    "MilesRoutingError",
+    "MilesTimeoutError",
     "OPDSampleError",
     "close",
     "config_from_miles_args",
     "engine_for",
+    "sample_error",
     "post_process_rewards",
     "reward_func",
 )
@@ -77,12 +93,48 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
 
 
 class OPDSampleError(OPDStreamError):
-    """A sample could not be scored; ``reason`` is the :class:`SampleFailure` reason."""
+    """A sample could not be scored; ``reason`` is the :class:`SampleFailure` reason.
 
-    def __init__(self, failure: SampleFailure) -> None:
-        super().__init__(f"OPD scoring failed ({failure.reason}): {failure.message}")
+    Raised as one of its subclasses where the reference raises a ``ValueError`` or a
+    ``TimeoutError`` (see :func:`sample_error`).
+    """
+
+    def __init__(self, failure: SampleFailure, message: str | None = None) -> None:
+        super().__init__(message or f"OPD scoring failed ({failure.reason}): {failure.message}")
         self.reason = failure.reason
         self.attempts = failure.attempts
+
+
+class MilesRoutingError(OPDSampleError, ValueError):
+    """The sample's teacher key is missing or names no teacher, and there is no ``default``
+    teacher (the reference raises ``ValueError`` with the same wording)."""
+
+
+class MilesInvalidSampleError(OPDSampleError, ValueError):
+    """The sample itself is invalid (``invalid_sample``), or a selected candidate has no
+    logprob (``missing_logprob``): the reference raises ``ValueError`` for both."""
+
+
+class MilesTimeoutError(OPDSampleError, TimeoutError):
+    """A request did not finish within ``request_deadline_s`` (``deadline_exceeded``); the
+    reference's aiohttp timeout is a ``TimeoutError`` too."""
+
+
+_VALUE_ERROR_REASONS: Final = frozenset({"invalid_sample", "missing_logprob"})
+
+
+def sample_error(failure: SampleFailure) -> OPDSampleError:
+    """The exception :func:`reward_func` raises for ``failure``, in the reference's family:
+    :class:`MilesRoutingError` (``routing``), :class:`MilesInvalidSampleError`
+    (``invalid_sample``, ``missing_logprob``), :class:`MilesTimeoutError`
+    (``deadline_exceeded``), else :class:`OPDSampleError`."""
+    if failure.reason == "routing":
+        return MilesRoutingError(failure, failure.message)
+    if failure.reason in _VALUE_ERROR_REASONS:
+        return MilesInvalidSampleError(failure)
+    if failure.reason == "deadline_exceeded":
+        return MilesTimeoutError(failure)
+    return OPDSampleError(failure)
 
 
 def _flag(name: str) -> str:
@@ -97,33 +149,71 @@ def _is_set(value: Any, default: Any) -> bool:
     return bool(value != default)
 
 
-def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
+def _miles_teacher_entries(teacher_urls: Any) -> list[str]:
+    """``--opd-teacher-urls`` as a list of entries, checked with the reference's rules and
+    wording (split on the first ``=``; a malformed entry or a duplicate name is an error)."""
+    entries: Iterable[Any] = (
+        [e for e in teacher_urls.split(",") if e.strip()]
+        if isinstance(teacher_urls, str)
+        else teacher_urls
+    )
+    seen: set[str] = set()
+    out: list[str] = []
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(f"Invalid --opd-teacher-urls entry {entry!r}; expected NAME=URL.")
+        name, sep, url = entry.partition("=")
+        name, url = name.strip(), url.strip()
+        if not sep or not name or not url:
+            raise ConfigError(f"Invalid --opd-teacher-urls entry {entry!r}; expected NAME=URL.")
+        if name in seen:
+            raise ConfigError(f"Duplicate teacher name {name!r} in --opd-teacher-urls.")
+        seen.add(name)
+        out.append(entry)
+    return out
+
+
+def config_from_miles_args(
+    args: Any, *, environ: Mapping[str, str] | None = None, **overrides: Any
+) -> StreamConfig:
     """Map Miles' reference OPD flags (an ``argparse.Namespace``) to a :class:`StreamConfig`.
+
+    Every field no flag sets comes from its ``OPD_STREAM_*`` environment variable
+    (:meth:`StreamConfig.from_env`): ``OPD_STREAM_MAX_INFLIGHT``,
+    ``OPD_STREAM_REQUEST_DEADLINE_S``, ``OPD_STREAM_ATTEMPT_TIMEOUT_S``,
+    ``OPD_STREAM_API_KEY``, ... Where a flag and a variable both speak, the flag wins.
 
     Mapping (spec opd-semantics §7):
 
     * ``--opd-teacher-urls NAME=URL ...`` (a list, or one comma-separated string) ->
       ``teachers``; without it ``--rm-url`` is the single teacher ``default``. A URL may end
       in ``/generate`` (Miles' spelling), or name several replicas joined with ``|``.
+      (``OPD_STREAM_TEACHERS`` is always overridden: Miles needs one of those flags.)
     * ``--opd-teacher-key`` -> ``teacher_key``; ``--opd-log-prob-top-k`` -> ``top_k``;
       ``--opd-top-k-strategy`` -> ``strategy`` (ignored in sampled-token mode, as in the
-      reference); ``--opd-reward-weight-mode`` -> ``weight_mode``.
+      reference); ``--opd-reward-weight-mode`` -> ``weight_mode``. These always win (their
+      argparse defaults are opd_stream's defaults).
     * ``--opd-topk-per-position`` -> ``id_scoring="per-position"`` (fail loudly on an
-      unpatched server, like the reference); without it ``auto`` (per-position where the
-      server supports it, else position blocks: the same numbers as the reference's flat
-      union, without its quadratic answers).
-    * ``--sglang-router-ip/--sglang-router-port`` -> ``student_url``.
+      unpatched server, like the reference); without it ``OPD_STREAM_ID_SCORING``, default
+      ``auto`` (per-position where the server supports it, else position blocks: the same
+      numbers as the reference's flat union, without its quadratic answers).
+    * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
+      ``OPD_STREAM_STUDENT_URL``.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
-      ``None`` or 0 keeps opd_stream's finite default (the reference would wait forever).
+      ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
+      (the reference would wait forever).
 
     Args:
         args: the parsed Miles arguments (any object with those attributes).
-        **overrides: further :class:`StreamConfig` fields (they win).
+        environ: the variables to read; ``None`` reads ``os.environ``.
+        **overrides: further :class:`StreamConfig` fields (they win over everything).
 
     Raises:
-        ConfigError: the reference's validation rules (an OPD flag without ``--use-opd``;
-            ``--opd-type`` other than ``sglang``; no teacher), an unknown strategy or weight
-            mode, or any StreamConfig problem; the message names the flag.
+        ConfigError: (a ``ValueError``) the reference's validation rules (an OPD flag
+            without ``--use-opd``; ``--opd-type`` other than ``sglang``; no teacher; a
+            malformed or duplicate ``--opd-teacher-urls`` entry, in the reference's
+            words), an unknown strategy or weight mode, an invalid ``OPD_STREAM_*``
+            variable, or any StreamConfig problem; the message names the flag or variable.
     """
 
     def get(name: str, default: Any = None) -> Any:
@@ -140,26 +230,22 @@ def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
         raise ConfigError("--use-opd is not set: there is nothing for opd_stream to score")
     opd_type = get("opd_type")
     if opd_type != "sglang":
-        teacher_note = (
-            " (--opd-teacher-urls is only valid with --opd-type sglang)"
-            if get("opd_teacher_urls")
-            else ""
-        )
+        if get("opd_teacher_urls"):
+            raise ConfigError(
+                "--opd-teacher-urls is only supported with --opd-type=sglang "
+                f"(--opd-type is {opd_type!r})."
+            )
         raise ConfigError(
             f"--opd-type is {opd_type!r}: opd_stream scores against SGLang teacher servers, "
-            f"so it needs --opd-type sglang{teacher_note}"
+            "so it needs --opd-type sglang"
         )
 
     teacher_urls = get("opd_teacher_urls")
     teachers: Any
     if teacher_urls:
-        entries: Iterable[str] = (
-            [e for e in teacher_urls.split(",") if e.strip()]
-            if isinstance(teacher_urls, str)
-            else teacher_urls
-        )
+        entries = _miles_teacher_entries(teacher_urls)
         try:
-            teachers = parse_teacher_urls(list(entries))
+            teachers = parse_teacher_urls(entries)
         except ConfigError as exc:
             raise ConfigError(f"--opd-teacher-urls: {exc}") from None
     elif get("rm_url"):
@@ -176,13 +262,14 @@ def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
     strategy = get("opd_top_k_strategy", "only-student") or "only-student"
     if strategy not in _STRATEGIES:
         raise ConfigError(
-            f"--opd-top-k-strategy must be one of {', '.join(_STRATEGIES)}; got {strategy!r}"
+            f"Unknown OPD top-k strategy: {strategy} "
+            f"(--opd-top-k-strategy must be one of {', '.join(_STRATEGIES)})"
         )
     weight_mode = get("opd_reward_weight_mode", "student_p") or "student_p"
     if weight_mode not in _WEIGHT_MODES:
         raise ConfigError(
-            f"--opd-reward-weight-mode must be one of {', '.join(_WEIGHT_MODES)}; "
-            f"got {weight_mode!r}"
+            f"Unknown OPD reward weight mode: {weight_mode} "
+            f"(--opd-reward-weight-mode must be one of {', '.join(_WEIGHT_MODES)})"
         )
 
     fields: dict[str, Any] = {
@@ -191,8 +278,9 @@ def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
         "top_k": top_k,
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
-        "id_scoring": "per-position" if get("opd_topk_per_position", False) else "auto",
     }
+    if get("opd_topk_per_position", False):
+        fields["id_scoring"] = "per-position"
     ip, port = get("sglang_router_ip"), get("sglang_router_port")
     if ip and port:
         host = f"[{ip}]" if ":" in str(ip) else str(ip)
@@ -204,7 +292,7 @@ def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
         fields["request_deadline_s"] = float(timeout)
     fields.update(overrides)
     try:
-        return StreamConfig.from_env({}, **fields)
+        return StreamConfig.from_env(environ, **fields)
     except ConfigError as exc:
         flag = {
             "student_url": "--sglang-router-ip/--sglang-router-port",
@@ -219,24 +307,51 @@ def config_from_miles_args(args: Any, **overrides: Any) -> StreamConfig:
         raise ConfigError(f"{exc}" + (f" (Miles flags: {hint})" if hint else "")) from None
 
 
-def _to_sample(sample: Any, key: int) -> Sample:
-    """A :class:`Sample` from a duck-typed Miles sample (tokens, response_length, metadata)."""
+def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
+    """A :class:`Sample` from a duck-typed Miles sample (tokens, response_length, metadata).
+
+    Only what the reference reads is taken: the student top-k rows
+    (``metadata["opd_student_top_logprobs"]``, its last R rows) when the strategy reads the
+    student's top-k, never ``rollout_log_probs`` (the reference does not use them: a
+    merged multi-turn sample's 0.0 on observation spans, or any other value there, must not
+    fail the sample). Rows may be short or empty (``[]``), and hold ``None`` entries.
+    """
     response_length = int(sample.response_length)
     metadata = getattr(sample, "metadata", None)
     metadata = metadata if isinstance(metadata, Mapping) else {}
-    top = metadata.get(_TOP_KEY)
-    if top is not None:
-        top = list(top)[-response_length:] if response_length > 0 else []
-    rollout = getattr(sample, "rollout_log_probs", None)
-    if rollout is not None and len(rollout) != response_length:
-        rollout = None  # not aligned with the response: the reference does not use it
+    top = None
+    if config.top_k > 0 and config.strategy != "only-teacher":
+        top = metadata.get(_TOP_KEY)
+        if top is not None:
+            top = list(top)[-response_length:] if response_length > 0 else []
     return Sample(
         list(sample.tokens),
         response_length,
         metadata=metadata,
-        rollout_logprobs=rollout,
         student_top_logprobs=top,
         sample_id=key,
+    )
+
+
+def _route_error(config: StreamConfig, metadata: Mapping[str, Any]) -> str | None:
+    """The reference's message when the sample's teacher key is missing or unknown and no
+    ``default`` teacher is configured, else None (the same rule as the stream's router)."""
+    teachers = config.teachers
+    if DEFAULT_TEACHER in teachers:
+        return None
+    key = config.teacher_key
+    name = metadata.get(key)
+    if name is not None and str(name) in teachers:
+        return None
+    if name is not None:
+        return (
+            f"Sample metadata[{key!r}]={_show_value(name)} matches no teacher name configured "
+            f"by --opd-teacher-urls (known: {sorted(teachers)}) and no 'default' entry is "
+            "configured."
+        )
+    return (
+        f"Sample metadata is missing teacher key {key!r} and no 'default' teacher entry "
+        "is configured."
     )
 
 
@@ -307,9 +422,15 @@ class MilesEngine:
 
     async def score(self, sample: Any) -> ScoredSample | SampleFailure:
         """Score one duck-typed sample through the shared stream; wait for its result."""
-        send = self._start()
         key = next(self._keys)
-        prepared = _to_sample(sample, key)
+        prepared = _to_sample(sample, key, self.config)
+        message = _route_error(self.config, prepared.metadata)
+        if message is not None:  # before the stream, in the reference's words
+            failure = SampleFailure(
+                sample=prepared, index=-1, reason="routing", message=message, attempts=0
+            )
+            raise MilesRoutingError(failure, message)
+        send = self._start()
         assert self._loop is not None
         future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
         self._pending[key] = future
@@ -381,15 +502,20 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
         teacher name, attempts and latency.
 
     Raises:
-        OPDSampleError: the sample failed (its ``reason`` says why); the reference raises
-            on any failed request too.
-        ConfigError: the flags are invalid.
+        MilesRoutingError: (a ``ValueError``) the sample's teacher key is missing or
+            unknown and there is no ``default`` teacher; the reference's wording.
+        MilesInvalidSampleError: (a ``ValueError``) the sample is invalid, or a selected
+            candidate has no logprob.
+        MilesTimeoutError: (a ``TimeoutError``) a request ran past its deadline.
+        OPDSampleError: any other failure (its ``reason`` says why: ``teacher_http_503``,
+            ``misaligned_response``, ...); the reference raises on any failed request too.
+        ConfigError: (a ``ValueError``) the flags or ``OPD_STREAM_*`` variables are invalid.
     """
     del kwargs
     engine = engine_for(args)
     result = await engine.score(sample)
     if isinstance(result, SampleFailure):
-        raise OPDSampleError(result)
+        raise sample_error(result)
     out: dict[str, Any] = {
         _RESULT_KEY: {
             "teacher": result.teacher,

@@ -79,7 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_run(args, options))
+    try:
+        asyncio.run(_run(args, options))
+    except OSError as exc:  # e.g. the port is in use
+        print(
+            f"error: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

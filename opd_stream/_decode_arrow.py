@@ -1,0 +1,438 @@
+"""Scoring answers parsed by pyarrow's JSON reader: off the GIL, straight into arrays.
+
+The msgspec decoder (:mod:`opd_stream._decode`) builds one Python object per answer entry
+while it holds the GIL; a 36 MB answer then stops the event loop for ~0.3 s, and threads
+cannot decode side by side. pyarrow's JSON reader parses into columnar buffers with the GIL
+released (``perf-facts.md`` §9): a decode thread leaves the loop and the other decode
+threads running.
+
+This module is a *fast path* with one rule: it accepts an answer only when every check
+of the msgspec decoder passes, and gives exactly the arrays that decoder gives. Anything
+else (a parse error, a type the msgspec decoder would reject, a count, width, id or value
+that fails a check, an abort) returns ``None``, and the caller runs the msgspec decoder on
+the same bytes for the precise error: error types and messages stay those of one
+implementation. tests/test_decode_arrow.py checks the rule differentially (valid,
+mutated and random answers through both).
+
+One leniency is inherent: the reader parses an entry's numbers as doubles, so a token id
+written as an integral float (``5.0``) is read as ``5`` here, where msgspec rejects it.
+No SGLang release writes ids that way.
+
+Costs, measured on this project's machines (R = 2048, k = 16, per-position answers):
+the reader's parse costs ~1.9x msgspec's untyped decode in CPU but holds no GIL; the
+checks and conversions here are a few vectorised numpy passes (< 10% of the parse).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._decode import ScoreRows, Segment, id_values, token_values, with_tail_values
+from ._errors import ProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow as pa
+
+__all__ = ("decode_segments_arrow",)
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_I64_LIMIT = 2.0**63
+_MAX_BODY = 2**31 - 64  # the reader's block size is an int32
+_FLAT_FIELDS = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
+
+
+@functools.cache
+def _schema() -> Any:
+    """The explicit schema of one answer object (the reader's row).
+
+    Every field the msgspec decoder declares is declared here with the same JSON type, so
+    that a value of another type fails the parse (and the caller falls back) rather than
+    being skipped.
+    """
+    import pyarrow as pa
+
+    entry = pa.list_(pa.float64())  # [logprob, id, text]: text must be null here
+    entries = pa.list_(entry)
+    rows = pa.list_(entries)
+    meta = pa.struct(
+        [
+            ("finish_reason", pa.struct([("type", pa.string()), ("message", pa.string())])),
+            ("weight_version", pa.string()),
+            ("input_token_logprobs", entries),
+            ("input_top_logprobs", rows),
+            ("input_token_ids_logprobs", rows),
+            ("output_token_ids_logprobs", rows),
+            ("input_top_logprobs_shape", pa.list_(pa.int64())),
+            ("input_top_logprobs_null_prefix", pa.int64()),
+            *((f"input_top_logprobs_{name}", pa.string()) for name in _FLAT_FIELDS),
+        ]
+    )
+    return pa.schema([("meta_info", meta)])
+
+
+_SINGLE_SHAPE = re.compile(rb"[ \t\r\n]*\{")
+_BATCH_SHAPE = re.compile(rb"[ \t\r\n]*\[[ \t\r\n]*(?=\{)")
+_BATCH_END = re.compile(rb"\}[ \t\r\n]*\][ \t\r\n]*\Z")
+_ITEM_SEP = b"},{"
+
+
+def _ndjson(body: bytes | bytearray, batch: bool) -> tuple[bytes | bytearray, int] | None:
+    """The bytes to give the reader (one object per row) and the rows they must hold.
+
+    The reader takes newline-delimited objects, not a JSON array, so a batch answer
+    ``[{...},{...}]`` (SGLang writes it compactly) is handed over as its items with each
+    ``},{`` turned into ``}\n{``. That edit is only valid JSON where the separator really
+    sits between two items: inside a string it would put a raw newline there, inside a
+    nested array it would drop a comma, and the reader rejects both; any other row
+    boundary makes the row count differ from the separators counted. A body that does not
+    open with an object (or, batch, ``[{``) is not given to the reader at all: a
+    top-level ``null`` crashes it (pyarrow 16-25).
+    """
+    if not batch:
+        return (body, 1) if _SINGLE_SHAPE.match(body) else None
+    head, tail = _BATCH_SHAPE.match(body), _BATCH_END.search(body)
+    if head is None or tail is None or tail.start() < head.end():
+        return None
+    inner = body[head.end() : tail.start() + 1]
+    return inner.replace(_ITEM_SEP, b"}\n{"), inner.count(_ITEM_SEP) + 1
+
+
+def _parse(body: bytes | bytearray, batch: bool) -> Any:
+    """The ``meta_info`` of every item, as one StructArray, or ``None``."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    if not 0 < len(body) < _MAX_BODY:
+        return None
+    prepared = _ndjson(body, batch)
+    if prepared is None:
+        return None
+    data, rows = prepared
+    try:
+        table = pj.read_json(
+            pa.py_buffer(data),
+            read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
+            parse_options=pj.ParseOptions(
+                explicit_schema=_schema(),
+                unexpected_field_behavior="ignore",
+                newlines_in_values=True,
+            ),
+        )
+    except (pa.ArrowException, ValueError):
+        return None
+    if table.num_rows != rows:  # e.g. two objects where one was sent
+        return None
+    column = table.column(0).combine_chunks()
+    return column if column.null_count == 0 else None
+
+
+class _Entries:
+    """The entries of one ``list<list<double>>`` (``[logprob, id, ...]`` each), checked.
+
+    ``ok`` is False when msgspec would reject any entry: a null entry, fewer than 2
+    elements, a null / non-integral / out-of-int64 id, or a NaN / infinite literal anywhere.
+    """
+
+    __slots__ = ("ids", "lps", "ok")
+
+    def __init__(self, arr: pa.ListArray) -> None:
+        self.ok = False
+        self.ids: npt.NDArray[np.float64] = np.empty(0)
+        self.lps: npt.NDArray[np.float64] = np.empty(0)
+        if arr.null_count:
+            return
+        off = arr.offsets.to_numpy()
+        starts = off[:-1]
+        if starts.size and int(np.diff(off).min()) < 2:
+            return
+        values = arr.values
+        v = values.to_numpy(zero_copy_only=False)  # null -> NaN
+        valid = None if values.null_count == 0 else ~values.is_null().to_numpy(zero_copy_only=False)
+        finite = np.isfinite(v)
+        if valid is None:
+            if not finite.all():
+                return
+        elif (valid & ~finite).any():
+            return
+        ids = v[starts + 1]
+        if ids.size and (
+            not (np.floor(ids) == ids).all() or float(np.abs(ids).max()) >= _I64_LIMIT
+        ):
+            return  # NaN (a null id) fails the first test
+        self.ids, self.lps, self.ok = ids, v[starts], True
+
+
+class _Rows:
+    """A ``list<list<list<double>>>`` field (rows of entries, a row may be null), checked."""
+
+    __slots__ = ("entries", "entry_off", "item_null", "item_off", "ok", "row_null", "row_width")
+
+    def __init__(self, field: pa.ListArray) -> None:
+        self.item_null = field.is_null().to_numpy(zero_copy_only=False)
+        self.item_off = field.offsets.to_numpy()
+        rows = field.values
+        self.row_null = rows.is_null().to_numpy(zero_copy_only=False)
+        self.entry_off = rows.offsets.to_numpy()
+        self.row_width = np.diff(self.entry_off)
+        self.entries = _Entries(rows.values)
+        self.ok = self.entries.ok
+
+    def count(self, n: int) -> int:
+        return int(self.item_off[n + 1] - self.item_off[n])
+
+
+def _gather(starts: npt.NDArray[np.intp], widths: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+    """Concatenated ``arange(s, s + w)`` for each (s, w)."""
+    total = int(widths.sum())
+    base = np.repeat(starts - (np.cumsum(widths) - widths), widths)
+    return base + np.arange(total, dtype=np.intp)
+
+
+def decode_segments_arrow(
+    body: bytes | bytearray,
+    *,
+    batch: bool,
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    top_k: int,
+) -> ScoreRows | None:
+    """The answer as :func:`opd_stream._decode.decode_segments` decodes it, or ``None``.
+
+    ``None`` means: decode it with msgspec (which raises the precise error, or, for the
+    rare valid answer this parser cannot take, such as an entry with a text element,
+    decodes it). Never raises for a bad answer.
+    """
+    try:
+        return _decode(body, batch, segments, tokens, top_k)
+    except ProtocolError:
+        return None
+
+
+def _decode(
+    body: bytes | bytearray,
+    batch: bool,
+    segments: Sequence[Segment],
+    tokens: npt.NDArray[np.int64],
+    top_k: int,
+) -> ScoreRows | None:
+    metas = _parse(body, batch)
+    if metas is None or len(metas) != len(segments):
+        return None
+    fr_type = metas.field("finish_reason").field("type")
+    if "abort" in fr_type.to_pylist():
+        return None
+    n_items = len(segments)
+    n_entries = np.array([seg.length - seg.start for seg in segments], dtype=np.intp)
+    n_tail = np.array([seg.tail_col >= 0 for seg in segments], dtype=np.intp)
+    rows = np.array([seg.rows for seg in segments], dtype=np.intp)
+    n_in = rows - n_tail
+
+    # every declared list field is checked whole, as msgspec type-checks it whole
+    tok_field = metas.field("input_token_logprobs")
+    if tok_field.null_count:
+        return None
+    tok = _Entries(tok_field.values)
+    tok_off = tok_field.offsets.to_numpy()
+    if not tok.ok or not np.array_equal(np.diff(tok_off), n_entries):
+        return None
+    fields = {
+        name: _Rows(metas.field(name))
+        for name in ("input_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
+    }
+    if not all(f.ok for f in fields.values()):
+        return None
+
+    # sampled tokens: echoed ids (all but each item's first entry), logprobs of input rows
+    echo_idx = _gather(tok_off[:-1] + 1, n_entries - 1)
+    echoed = tok.ids[echo_idx]
+    if echoed.size and float(echoed.max()) >= 2.0**53:  # beyond exact doubles: let msgspec say
+        return None
+    lp_idx = _gather(tok_off[1:] - n_in, n_in)
+    token_lp = token_values(echoed.astype(np.int64), tok.lps[lp_idx], segments, tokens, batch)
+
+    top_ids = top_lps = None
+    used_b64 = top_k > 0
+    if top_k > 0:
+        got = _topk(metas, fields["input_top_logprobs"], segments, top_k, n_entries, batch)
+        if got is None:
+            return None
+        top_ids, top_lps, used_b64 = got
+
+    id_lp = None
+    if any(seg.expect is not None for seg in segments):
+        if any(seg.expect is None for seg in segments):
+            return None  # no layout mixes them
+        got_ids = _id_rows(fields, segments, n_entries, n_in, n_tail)
+        if got_ids is None:
+            return None
+        ids_f, lps_f, tail_values = got_ids
+        id_lp = id_values(ids_f.astype(np.int64), lps_f, segments, batch)
+        if n_tail.any():
+            token_lp = with_tail_values(token_lp, tail_values, segments, batch)
+    elif n_tail.any():
+        return None
+
+    weight = metas.field("weight_version")
+    return ScoreRows(
+        token_ids=np.array(tokens[tokens.shape[0] - int(rows.sum()) :], dtype=np.int64),
+        token_logprobs=token_lp,
+        top_ids=top_ids,
+        top_logprobs=top_lps,
+        id_logprobs=id_lp,
+        used_b64=used_b64,
+        weight_version=weight[0].as_py() if n_items else None,
+    )
+
+
+def _selected_rows(
+    f: _Rows,
+    counts: npt.NDArray[np.intp],
+    take: npt.NDArray[np.intp],
+    widths: npt.NDArray[np.intp],
+) -> npt.NDArray[np.intp] | None:
+    """Entry indices of each item's last ``take[n]`` rows, or ``None`` when an item lacks
+    the field, has another row count, or a kept row is null or not ``widths[n]`` wide."""
+    if f.item_null.any() or not np.array_equal(np.diff(f.item_off), counts):
+        return None
+    row_idx = _gather(f.item_off[1:] - take, take)
+    want = np.repeat(widths, take)
+    if f.row_null[row_idx].any() or not np.array_equal(f.row_width[row_idx], want):
+        return None
+    return _gather(f.entry_off[row_idx], want)
+
+
+def _topk(
+    metas: pa.StructArray,
+    nested: _Rows,
+    segments: Sequence[Segment],
+    top_k: int,
+    n_entries: npt.NDArray[np.intp],
+    batch: bool,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
+    flat = [metas.field(f"input_top_logprobs_{name}") for name in _FLAT_FIELDS]
+    has_b64 = ~(flat[0].is_null().to_numpy(zero_copy_only=False)) | ~(
+        flat[1].is_null().to_numpy(zero_copy_only=False)
+    )
+    rows = np.array([seg.rows for seg in segments], dtype=np.intp)
+    if has_b64.all():
+        return _b64_topk(metas, segments, top_k, n_entries)
+    if has_b64.any():
+        return None  # mixed forms within one answer: let msgspec sort it out
+    sel = _selected_rows(nested, n_entries, rows, np.full(len(segments), top_k, dtype=np.intp))
+    if sel is None:
+        return None
+    ids = nested.entries.ids[sel]
+    if ids.size and float(ids.min()) < 0:
+        return None
+    lps = nested.entries.lps[sel]
+    if lps.size and float(np.nanmax(lps, initial=-np.inf)) > _F32_MAX:
+        return None
+    with np.errstate(over="ignore"):
+        out_lps = np.where(np.isnan(lps), -np.inf, lps).astype(np.float32)
+    r = int(rows.sum())
+    return ids.astype(np.int64).reshape(r, top_k), out_lps.reshape(r, top_k), False
+
+
+def _b64_topk(
+    metas: pa.StructArray,
+    segments: Sequence[Segment],
+    top_k: int,
+    n_entries: npt.NDArray[np.intp],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
+    """The b64 flat top-k of every item (the checks of ``_decode._flat_topk``)."""
+    shapes = metas.field("input_top_logprobs_shape").to_pylist()
+    prefixes = metas.field("input_top_logprobs_null_prefix").to_pylist()
+    texts = [metas.field(f"input_top_logprobs_{name}").to_pylist() for name in _FLAT_FIELDS]
+    ids_parts: list[npt.NDArray[np.int64]] = []
+    lp_parts: list[npt.NDArray[np.float32]] = []
+    for n, seg in enumerate(segments):
+        shape, prefix = shapes[n], prefixes[n]
+        val, idx, val_dtype, idx_dtype = (t[n] for t in texts)
+        if (
+            val is None
+            or idx is None
+            or shape is None
+            or prefix is None
+            or len(shape) != 2
+            or None in shape
+            or val_dtype not in (None, "float32")
+            or idx_dtype not in (None, "int32")
+        ):
+            return None
+        rows, k = shape
+        if not (0 <= rows < 2**31 and k == top_k and prefix >= 0):
+            return None
+        if prefix + rows != n_entries[n] or rows < seg.rows:
+            return None
+        try:
+            v_raw = base64.b64decode(val, validate=True)
+            i_raw = base64.b64decode(idx, validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        if len(v_raw) != 4 * rows * k or len(i_raw) != 4 * rows * k:
+            return None
+        v_all = np.frombuffer(v_raw, dtype="<f4")
+        if v_all.size and float(np.nanmax(v_all, initial=-np.inf)) > _F32_MAX:
+            return None  # +inf anywhere (msgspec's decoder checks every row)
+        v = v_all.reshape(rows, k)[rows - seg.rows :]
+        i = np.frombuffer(i_raw, dtype="<i4").reshape(rows, k)[rows - seg.rows :]
+        if i.size and int(i.min()) < 0:
+            return None
+        ids_parts.append(i.astype(np.int64))
+        lp_parts.append(np.where(np.isnan(v), np.float32(-np.inf), v).astype(np.float32))
+    cat = np.concatenate
+    return cat(ids_parts), cat(lp_parts), True
+
+
+def _id_rows(
+    fields: dict[str, _Rows],
+    segments: Sequence[Segment],
+    n_entries: npt.NDArray[np.intp],
+    n_in: npt.NDArray[np.intp],
+    n_tail: npt.NDArray[np.intp],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+    """Requested-id entries flat in answer order (per item: input rows, then its tail row)
+    and the tail rows' target logprobs; ``None`` when a row is missing, null or ragged."""
+    widths = np.array([seg.expect.shape[-1] for seg in segments], dtype=np.intp)  # type: ignore[union-attr]
+    f_in = fields["input_token_ids_logprobs"]
+    sel_in = _selected_rows(f_in, n_entries, n_in, widths)
+    if sel_in is None:
+        return None
+    ids_in, lps_in = f_in.entries.ids[sel_in], f_in.entries.lps[sel_in]
+    if not n_tail.any():
+        return ids_in, lps_in, np.empty(0)
+    f_out = fields["output_token_ids_logprobs"]
+    tails = np.flatnonzero(n_tail)
+    if f_out.item_null[tails].any():
+        return None
+    counts = np.diff(f_out.item_off)[tails]
+    if (counts < 1).any():
+        return None
+    first = f_out.item_off[tails]
+    if f_out.row_null[first].any() or not np.array_equal(f_out.row_width[first], widths[tails]):
+        return None
+    sel_out = _gather(f_out.entry_off[first], widths[tails])
+    # interleave: each item's input-row entries, then its tail-row entries
+    size_in = n_in * widths
+    size_out = n_tail * widths
+    per_item = size_in + size_out
+    item_start = np.cumsum(per_item) - per_item
+    total = int(per_item.sum())
+    ids = np.empty(total, dtype=np.float64)
+    lps = np.empty(total, dtype=np.float64)
+    dest_in = _gather(item_start, size_in)
+    dest_out = _gather(item_start[tails] + size_in[tails], widths[tails])
+    ids[dest_in], lps[dest_in] = ids_in, lps_in
+    ids[dest_out] = f_out.entries.ids[sel_out]
+    lps[dest_out] = f_out.entries.lps[sel_out]
+    tail_cols = np.array([segments[int(n)].tail_col for n in tails], dtype=np.intp)
+    tail_values = f_out.entries.lps[f_out.entry_off[first] + tail_cols]
+    return ids, lps, tail_values

@@ -1,0 +1,199 @@
+"""The pyarrow parser (decode threads) against the msgspec decoder, on the same bytes.
+
+The rule (``opd_stream._decode_arrow``): the arrow path accepts an answer only when the
+msgspec decoder accepts it, and then gives exactly the same arrays; every other answer is
+handed back (``None``) and ``decode_score_response(parser="arrow")`` raises the msgspec
+decoder's error, type and message. The one documented leniency: an integral token id
+written as a float (``5.0``) is read as ``5``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import wire_fakes as wf
+from hypothesis import given
+from hypothesis import strategies as st
+from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
+
+from opd_stream import OPDStreamError
+from opd_stream._decode_arrow import decode_segments_arrow
+from opd_stream._wire import ScoreRequest, ScoreRows, build_score_payload, decode_score_response
+from opd_stream.testing.inprocess import InProcessSGLang
+
+_LENIENT = "Expected `int`, got `float`"
+
+
+def _fast(body: bytes | bytearray, req: ScoreRequest) -> ScoreRows | None:
+    from opd_stream._wire import _layout
+
+    lay = _layout(req)
+    return decode_segments_arrow(
+        body, batch=lay.batch, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+    )
+
+
+def _assert_same(a: ScoreRows, b: ScoreRows) -> None:
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray), name
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+            assert np.array_equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def _differential(body: bytes, req: ScoreRequest) -> None:
+    fast = _fast(body, req)
+    try:
+        slow: ScoreRows | OPDStreamError = decode_score_response(body, req)
+    except OPDStreamError as exc:
+        slow = exc
+    if fast is not None:
+        if isinstance(slow, OPDStreamError):
+            assert _LENIENT in str(slow), f"arrow accepted what msgspec rejects: {slow}"
+        else:
+            _assert_same(slow, fast)
+    try:
+        public: ScoreRows | OPDStreamError = decode_score_response(body, req, parser="arrow")
+    except OPDStreamError as exc:
+        public = exc
+    if isinstance(slow, OPDStreamError) and fast is None:
+        assert type(public) is type(slow) and str(public) == str(slow)
+
+
+def _mock_requests() -> list[tuple[str, ScoreRequest]]:
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 30000, 40 + 97, dtype=np.int64)
+    ids = np.stack([rng.choice(150000, 5, replace=False) for _ in range(97)]).astype(np.int64)
+    out = []
+    for form in ("per-position", "flat", "blocked"):
+        for top_k, wire in ((0, "json"), (3, "json"), (3, "b64")):
+            for block in (0, 1, 7) if form == "blocked" else (0,):
+                req = ScoreRequest(
+                    tokens=tokens,
+                    response_length=97,
+                    top_k=top_k,
+                    ids=ids,
+                    id_form=form,  # type: ignore[arg-type]
+                    topk_wire=wire,  # type: ignore[arg-type]
+                    block_size=block,
+                )
+                out.append((f"{form}-k{top_k}-{wire}-B{block}", req))
+    for top_k, wire in ((0, "json"), (4, "json"), (4, "b64")):
+        for start in ("prompt", "zero"):
+            req = ScoreRequest(
+                tokens=tokens,
+                response_length=97,
+                top_k=top_k,
+                topk_wire=wire,  # type: ignore[arg-type]
+                start=start,  # type: ignore[arg-type]
+            )
+            out.append((f"noids-k{top_k}-{wire}-{start}", req))
+    return out
+
+
+MOCK = _mock_requests()
+
+
+@pytest.mark.parametrize(("name", "req"), MOCK, ids=[n for n, _ in MOCK])
+def test_mock_answers_decode_to_identical_arrays_with_both_parsers(
+    name: str, req: ScoreRequest
+) -> None:
+    body = InProcessSGLang("teacher", 1).handle("POST", "/generate", build_score_payload(req)).body
+    fast = _fast(body, req)
+    assert fast is not None, "the arrow parser handed a valid answer back"
+    _assert_same(decode_score_response(body, req), fast)
+    _assert_same(decode_score_response(bytearray(body), req, parser="arrow"), fast)
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_fake_answers_decode_to_identical_arrays_with_both_parsers(name: str) -> None:
+    body = wf.encode(VALID[name])
+    fast = _fast(body, REQUESTS[name])
+    assert fast is not None
+    _assert_same(decode_score_response(body, REQUESTS[name]), fast)
+
+
+@FUZZ
+@given(
+    name=st.sampled_from(sorted(REQUESTS)),
+    data=st.data(),
+    n_mutations=st.integers(min_value=1, max_value=3),
+)
+def test_mutated_answers_are_accepted_only_when_msgspec_accepts_them(
+    name: str, data: st.DataObject, n_mutations: int
+) -> None:
+    obj = copy.deepcopy(VALID[name])
+    for _ in range(n_mutations):
+        path = data.draw(st.sampled_from(_paths(obj)))
+        op = data.draw(
+            st.sampled_from(["replace", "delete", "duplicate", "truncate", "bump", "b64-flip"])
+        )
+        obj = _mutate(obj, path, op, data.draw(field_values) if op == "replace" else None)
+    _differential(json.dumps(obj).encode(), REQUESTS[name])
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(REQUESTS)), value=json_values)
+def test_random_json_is_handed_back_with_msgspecs_error(name: str, value: Any) -> None:
+    _differential(json.dumps(value).encode(), REQUESTS[name])
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(REQUESTS)), data=st.data())
+def test_truncated_and_corrupted_bodies_are_handed_back(name: str, data: st.DataObject) -> None:
+    body = wf.encode(VALID[name])
+    cut = data.draw(st.integers(min_value=0, max_value=len(body)))
+    junk = data.draw(st.binary(max_size=8))
+    _differential(body[:cut] + junk, REQUESTS[name])
+
+
+@pytest.mark.parametrize(
+    ("label", "edit"),
+    [
+        ("NaN literal", lambda s: s.replace("-0.5", "NaN", 1)),
+        ("Infinity literal", lambda s: s.replace("-0.5", "-Infinity", 1)),
+        ("a second object after the answer", lambda s: s + "\n" + s),
+        ("duplicate meta_info", lambda s: s[:-1] + ',"meta_info":{}}'),
+        ("a boolean logprob", lambda s: s.replace("-0.5", "true", 1)),
+        ("pretty-printed", lambda s: json.dumps(json.loads(s), indent=2)),
+        ("a byte-order mark", lambda s: "\ufeff" + s),
+    ],
+)
+def test_edge_answers_get_the_same_outcome_from_both_parsers(label: str, edit: Any) -> None:
+    req = REQUESTS["ids-per-position"]
+    obj = copy.deepcopy(VALID["ids-per-position"])
+    obj["meta_info"]["input_token_ids_logprobs"][-1][0][0] = -0.5
+    text = json.dumps(obj, separators=(",", ":"))
+    _differential(edit(text).encode(), req)
+
+
+def test_an_integral_float_id_is_the_one_documented_leniency() -> None:
+    req = REQUESTS["ids-per-position"]
+    obj = copy.deepcopy(VALID["ids-per-position"])
+    row = obj["meta_info"]["input_token_ids_logprobs"][-1]
+    text = json.dumps(obj, separators=(",", ":"))
+    body = text.replace(f",{row[0][1]},", f",{row[0][1]}.0,", 1).encode()
+    assert body != text.encode()
+    with pytest.raises(OPDStreamError, match="Expected `int`, got `float`"):
+        decode_score_response(body, req)
+    fast = _fast(body, req)
+    assert fast is not None
+    _assert_same(decode_score_response(wf.encode(VALID["ids-per-position"]), req), fast)
+
+
+def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
+    req = REQUESTS["plain"]
+    obj = copy.deepcopy(VALID["plain"])
+    obj["meta_info"]["finish_reason"] = {"type": "abort", "message": "queue full"}
+    body = wf.encode(obj)
+    assert _fast(body, req) is None
+    with pytest.raises(OPDStreamError, match="queue full") as info:
+        decode_score_response(body, req, parser="arrow")
+    assert info.value.reason == "aborted"

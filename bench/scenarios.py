@@ -3,7 +3,7 @@
 Every scenario runs the mock SGLang servers as subprocesses and both clients (the baseline
 of :mod:`bench.baseline` and ``opd_stream``) in this process, one after the other, on the same
 servers and the same samples; client CPU is this process's CPU time (plus any decode worker
-processes), never the mocks'.
+threads included), never the mocks'.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ REPLAY = MockOptions(replay_cache_bytes=3 * 2**30)
 #: Scenario 1's mode whose rollouts give opd_stream the student top-k as ``(ids, logprobs)``
 #: arrays (the baseline gets the same values as Python rows, the reference's input).
 ARRAY_ROWS = "top-k 16 only-student, array rows"
+#: Scenario 3's run with every answer decoded with msgspec on the event loop.
+ON_LOOP = "opd_stream (no decode threads: everything on the event loop)"
 
 
 class Sizes(msgspec.Struct, kw_only=True):
@@ -165,23 +167,81 @@ async def _fetch_bodies(
     return out
 
 
+def _best_cpu(fn: Callable[[], Any], *, gc_off: bool, reps: int = 3) -> float:
+    """The least CPU seconds (this process, all threads) of ``reps`` runs of ``fn``."""
+    best = math.inf
+    for _ in range(reps):
+        was = gc.isenabled()
+        if gc_off:
+            gc.disable()
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+        if gc_off and was:
+            gc.enable()
+    return best
+
+
+def _arrow_read(body: bytes) -> Any:
+    """pyarrow's JSON reader on one answer, inferred schema, one thread, into arrays."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    data = b'{"i":' + body + b"}" if body.lstrip()[:1] == b"[" else body
+    table = pj.read_json(
+        pa.py_buffer(data),
+        read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
+        parse_options=pj.ParseOptions(newlines_in_values=True),
+    )
+    return table.column(0).chunk(0)
+
+
 def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
-    """CPU seconds to decode ``bodies`` alone, per decoder; the floor is the fastest."""
-    res: dict[str, float] = {}
-    for name, gc_off in (("opd_stream decoder", False), ("opd_stream decoder, gc off", True)):
-        best = math.inf
-        for _ in range(3):
-            was = gc.isenabled()
-            if gc_off:
-                gc.disable()
-            t = time.process_time()
-            for body, req in bodies:
-                decode_score_response(body, req)
-            best = min(best, time.process_time() - t)
-            if gc_off and was:
-                gc.enable()
-        res[name] = best
+    """CPU seconds to parse ``bodies`` alone, per parser, and the threads' wall times.
+
+    The parsing floor is the fastest of two libraries outside this project on the same
+    bytes: msgspec's untyped decode with the GC off, and pyarrow's JSON reader. Beside them:
+    opd_stream's two decoders (msgspec on the event loop; pyarrow in decode threads, with
+    every check), and the arrow decoder's wall time with 1 and 2 threads (how decode
+    throughput scales with cores when the GIL is released).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def each(fn: Callable[[bytes, ScoreRequest], Any]) -> Callable[[], None]:
+        return lambda: [fn(body, req) for body, req in bodies] and None
+
+    res = {
+        "msgspec.json.decode, untyped, gc off": _best_cpu(
+            each(lambda b, _: msgspec.json.decode(b)), gc_off=True
+        ),
+        "pyarrow.json.read_json": _best_cpu(each(lambda b, _: _arrow_read(b)), gc_off=False),
+        "opd_stream msgspec decoder": _best_cpu(
+            each(lambda b, r: decode_score_response(b, r)), gc_off=False
+        ),
+        "opd_stream arrow decoder": _best_cpu(
+            each(lambda b, r: decode_score_response(b, r, parser="arrow")), gc_off=False
+        ),
+    }
+    work = bodies * max(1, 8 // max(len(bodies), 1))
+    for threads in (1, 2):
+        with ThreadPoolExecutor(threads) as pool:
+            best = math.inf
+            for _ in range(3):
+                t = time.perf_counter()
+                list(pool.map(lambda br: decode_score_response(*br, parser="arrow"), work))
+                best = min(best, time.perf_counter() - t)
+        res[f"arrow decoder wall, {threads} thread(s)"] = best
     return res
+
+
+FLOOR_PARSERS = ("msgspec.json.decode, untyped, gc off", "pyarrow.json.read_json")
+
+
+def cpu_by_step(stats: Any, tokens: int, cpu_s: float) -> dict[str, float]:
+    """``stats().cpu_s`` in us per response token, with ``other`` = the rest of the CPU."""
+    steps = {step: v / tokens * 1e6 for step, v in stats.cpu_s.items()}
+    steps["other"] = cpu_s / tokens * 1e6 - sum(steps.values())
+    return steps
 
 
 # ---------------------------------------------------------------- scenario 1
@@ -265,7 +325,7 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
             bodies = await _fetch_bodies(floor_samples, teacher, student, k, strategy)
             floors = decode_floor(bodies)
             floor_tok = _tokens(floor_samples)
-            floor_per_1m = min(floors.values()) / floor_tok * 1e6
+            floor_per_1m = min(floors[p] for p in FLOOR_PARSERS) / floor_tok * 1e6
             o, b = om.as_dict(), bm.as_dict()
             out["modes"][label] = {
                 "opd_stream": o,
@@ -273,6 +333,14 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 "equality": check,
                 "decode_floor_cpu_s_per_1m_tokens": floor_per_1m,
                 "decode_floor_detail_s": floors,
+                "decode_floor_per_1m_tokens": {
+                    name: v / floor_tok * 1e6
+                    for name, v in floors.items()
+                    if not name.startswith("arrow decoder wall")
+                },
+                "decode_threads_speedup": floors["arrow decoder wall, 1 thread(s)"]
+                / floors["arrow decoder wall, 2 thread(s)"],
+                "cpu_us_per_token_by_step": cpu_by_step(opd.stats, toks, mo.cpu_s),
                 "cpu_ratio_baseline_over_opd": b["cpu_s_per_1m_tokens"] / o["cpu_s_per_1m_tokens"],
                 "wall_ratio_baseline_over_opd": b["wall_s"] / o["wall_s"],
                 "opd_cpu_over_floor": o["cpu_s_per_1m_tokens"] / floor_per_1m,
@@ -395,8 +463,8 @@ async def s3_long(sz: Sizes, progress: Progress) -> dict[str, Any]:
             ("baseline", None),
             ("opd_stream (defaults)", _config(teacher, student, top_k=k, strategy=strategy)),
             (
-                "opd_stream (decode_workers=0: everything on the event loop)",
-                _config(teacher, student, top_k=k, strategy=strategy, decode_workers=0),
+                ON_LOOP,
+                _config(teacher, student, top_k=k, strategy=strategy, decode_thread_bytes=2**40),
             ),
         ]
         base = None

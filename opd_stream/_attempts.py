@@ -7,13 +7,14 @@ bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
-import structlog
 
 from ._balance import EndpointPool
+from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._errors import (
@@ -23,6 +24,7 @@ from ._errors import (
     ServerError,
     ServerHTTPError,
 )
+from ._logging import get_logger
 from ._router import endpoint_url, generate_url
 from ._stats import StatsRecorder
 from ._transport import Transport
@@ -32,11 +34,12 @@ from ._wire import (
     build_score_payload,
     decode_score_response,
     parse_error_message,
+    payload_size_hint,
 )
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+log = get_logger()
 
 _PROBE_TIMEOUT_S = 2.0
 """Longest wait for a re-admission probe's ``/health`` answer."""
@@ -63,6 +66,12 @@ class Failed(Exception):
         self.req = req
 
 
+def _timed_build(req: ScoreRequest) -> tuple[bytes, float]:
+    start = time.thread_time()
+    body = build_score_payload(req)
+    return body, time.thread_time() - start
+
+
 class AttemptSender:
     """Sends attempts for one stream: per-endpoint concurrency limits, hedging, health."""
 
@@ -75,6 +84,7 @@ class AttemptSender:
         capabilities: Capabilities,
         *,
         decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
+        threads: anyio.CapacityLimiter | None = None,
     ) -> None:
         self._cfg = config
         self._transport = transport
@@ -82,6 +92,9 @@ class AttemptSender:
         self._pool = pool
         self._caps = capabilities
         self._decode = decode
+        self._threads = threads
+        self._body_budget = ByteBudget(config.max_inflight_response_bytes)
+        self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
     def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
@@ -258,7 +271,13 @@ class AttemptSender:
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
-        body = build_score_payload(req)
+        # the answer is charged to the stream's byte budget while it is read, and held
+        # until it is decoded (released on any exit: success, error, cancel, lost hedge)
+        with self._body_budget.hold():
+            return await self._attempt_held(side, url, req)
+
+    async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        body = await self._build_body(req)
         ep = self._stats.endpoint(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep.in_flight += 1
@@ -277,7 +296,8 @@ class AttemptSender:
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
         if resp.status != 200:
-            raise ServerHTTPError(resp.status, parse_error_message(resp.body), side=side, url=url)
+            message = parse_error_message(resp.body, secret=self._secret)
+            raise ServerHTTPError(resp.status, message, side=side, url=url)
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(resp.body, req)
@@ -311,6 +331,18 @@ class AttemptSender:
                 side=side,
                 url=url,
             )
+
+    async def _build_body(self, req: ScoreRequest) -> bytes:
+        """The request body; a large one is built in a worker thread (in chunks that each
+        hold the GIL briefly, so the event loop keeps its turns)."""
+        if self._threads is None or payload_size_hint(req) < self._cfg.decode_thread_bytes:
+            body, cpu = _timed_build(req)
+        else:
+            body, cpu = await anyio.to_thread.run_sync(
+                _timed_build, req, limiter=self._threads, abandon_on_cancel=True
+            )
+        self._stats.cpu["build"] += cpu
+        return body
 
     async def _decode_body(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
         if self._decode is not None:

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-import structlog
-
 from ._config import StreamConfig
 from ._errors import CapabilityError, OPDStreamError, ServerHTTPError
+from ._logging import get_logger
 from ._stats import StatsRecorder
 from ._wire import ScoreRequest
 
 __all__ = ("Capabilities", "Side")
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+log = get_logger()
 
 Side = Literal["teacher", "student"]
 

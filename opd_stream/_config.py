@@ -617,17 +617,23 @@ def resolve_decode_threads(cfg: StreamConfig) -> int:
 
 
 def resolve_kl_device(cfg: StreamConfig | str) -> str:
-    """Resolve ``kl_device`` to a concrete torch device string.
+    """Resolve ``kl_device`` to a concrete torch device string, in the calling thread.
 
-    ``auto`` gives ``"cuda"`` when CUDA is available, else ``"cpu"``; ``cpu`` is always
-    ``"cpu"``; ``cuda`` and ``cuda:N`` are returned as they are once checked. torch is
-    imported only when CUDA has to be probed.
+    ``auto`` gives the calling thread's current CUDA device, ``"cuda:N"`` with ``N =
+    torch.cuda.current_device()``, when CUDA is available, else ``"cpu"``; ``cuda`` gives
+    the same ``"cuda:N"``; ``cuda:N`` is returned as it is once checked; ``cpu`` is always
+    ``"cpu"``. torch's current device is a per-thread setting (a new thread starts on device
+    0), and the KL runs in a worker thread: a bare ``"cuda"`` there would mean GPU 0 on every
+    rank of a job whose ranks called ``torch.cuda.set_device(local_rank)``. So
+    :class:`~opd_stream.OPDStream` calls this in its constructor, in the caller's thread,
+    and the KL thread uses the explicit index. torch is imported only when CUDA has to be
+    probed.
 
     Args:
         cfg: a configuration, or a ``kl_device`` string.
 
     Returns:
-        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        ``"cpu"`` or ``"cuda:N"``.
 
     Raises:
         ConfigError: an invalid spelling; CUDA asked for but unavailable; ``cuda:N`` with
@@ -641,15 +647,16 @@ def resolve_kl_device(cfg: StreamConfig | str) -> str:
     import torch
 
     available = bool(torch.cuda.is_available())
-    if device == "auto":
-        return "cuda" if available else "cpu"
+    if device == "auto" and not available:
+        return "cpu"
     if not available:
         raise ConfigError(f"kl_device: {device!r} was requested but CUDA is not available")
-    if device.startswith("cuda:"):
-        index = int(device.removeprefix("cuda:"))
-        count = int(torch.cuda.device_count())
-        if index >= count:
-            raise ConfigError(
-                f"kl_device: {device!r} was requested but only {count} CUDA device(s) are visible"
-            )
+    if device in ("auto", "cuda"):
+        return f"cuda:{int(torch.cuda.current_device())}"
+    index = int(device.removeprefix("cuda:"))
+    count = int(torch.cuda.device_count())
+    if index >= count:
+        raise ConfigError(
+            f"kl_device: {device!r} was requested but only {count} CUDA device(s) are visible"
+        )
     return device

@@ -42,6 +42,7 @@ from ._errors import (
     ServerAbortError,
 )
 from ._gc import gc_paused
+from ._redact import redact_bearer
 
 __all__ = (
     "PAD_ID",
@@ -221,7 +222,8 @@ def _decode_error(exc: msgspec.DecodeError) -> MalformedResponseError:
 
 def _check_abort(fr: _FinishReason | None, where: str, side: str) -> None:
     if fr is not None and fr.type == "abort":
-        msg = (fr.message or "<no message>")[:500]
+        # bearer tokens masked before the cut (a cut inside one would leave part of it)
+        msg = redact_bearer(fr.message or "<no message>")[:500]
         raise ServerAbortError(f"server aborted the request (`{where}`): {msg}", side=side)
 
 

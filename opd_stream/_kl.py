@@ -62,7 +62,7 @@ axis is ``C = K`` or ``2K`` as in ``docs/internals.md``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ from torch import Tensor
 
 from ._errors import MissingLogprobError
 from ._klselect import SelectionPlan, plan_selection
+from ._kltypes import LOGPROB_FLOOR, STRATEGIES, WEIGHT_MODES, Strategy, WeightMode
 
 __all__ = (
     "LOGPROB_FLOOR",
@@ -85,18 +86,6 @@ __all__ = (
     "sampled_reverse_kl",
     "topk_reverse_kl",
 )
-
-LOGPROB_FLOOR = -1e4
-"""Every logprob (``-inf`` included) is clamped to at least this before any arithmetic."""
-
-Strategy = Literal["only-student", "only-teacher", "intersection", "union", "xor"]
-"""How the candidate set is chosen (spec §2)."""
-
-WeightMode = Literal["student_p", "teacher_p", "none"]
-"""How candidates are weighted (spec §3)."""
-
-STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
-WEIGHT_MODES: tuple[WeightMode, ...] = get_args(WeightMode)
 
 _FIELDS = (
     "student_ids",

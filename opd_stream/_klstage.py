@@ -23,19 +23,19 @@ the bytes), and one kept sample would pin the batch's memory. (Like ``teacher_lo
 which wraps the decoded array, these CPU tensors wrap numpy memory: ``resize_`` on them
 raises.)
 
-On CPU the batch is scored with one intra-op thread: the KL kernels are small and many, and
-torch's OpenMP pool spends far more CPU spinning at their barriers than it saves (measured
-on 2 cores, ``[32, 1024, 16]`` only-student: 22 ms CPU with one thread, 260 ms with two).
-With torch's OpenMP backend the thread count is a per-thread setting, so this touches only
-the KL worker thread, and it is restored afterwards.
+torch's settings are the host's: the stage never changes them (``torch.set_num_threads``
+included: part of what it sets is process-wide, so a host thread using torch meanwhile
+would be affected). On CPU the KL kernels are small and many, and torch's OpenMP pool may
+spend more CPU at its barriers than it saves (measured on 2 cores, ``[32, 1024, 16]``
+only-student: 22 ms CPU with one intra-op thread, 260 ms with two); a host that wants the
+KL on one thread sets it itself.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -159,23 +159,6 @@ def _score_sampled(f: Fetched) -> ScoredSample:
     return _result(f, rkl, None)
 
 
-_PER_THREAD_POOL = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@contextlib.contextmanager
-def _one_intraop_thread(device: torch.device) -> Iterator[None]:
-    """Run the block with one torch intra-op thread (CPU, OpenMP backend only)."""
-    prev = torch.get_num_threads()
-    if device.type != "cpu" or prev == 1 or not _PER_THREAD_POOL:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
-
-
 def score_batch(
     items: Sequence[Fetched],
     *,
@@ -190,8 +173,7 @@ def score_batch(
     selected candidate with a missing logprob, its response position in that sample, and the
     sample's index among the samples scored together; the others are scored again without it.
     """
-    with _one_intraop_thread(device):
-        return _score_batch(items, top_k, strategy, weight_mode, device)
+    return _score_batch(items, top_k, strategy, weight_mode, device)
 
 
 def _score_batch(

@@ -17,24 +17,21 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterable, Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import msgspec
-import structlog
-import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._config import StreamConfig
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
-from ._klstage import score_batch
+from ._logging import get_logger
 from ._redact import redact
 from ._router import TeacherRouter
 from ._sample import (
     Candidates,
     PreparedSample,
-    Sample,
     SampleFailure,
     ScoredSample,
     prepare_sample,
@@ -43,11 +40,27 @@ from ._scorer import Fetched, SampleScorer, ScoreAttemptError
 from ._stats import StatsRecorder
 from ._wire import parse_student_topk
 
-__all__ = ("Result", "RunState", "run_pipeline")
+if TYPE_CHECKING:
+    import torch
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+__all__ = ("Result", "RunState", "Submission", "run_pipeline")
+
+log = get_logger()
 
 Result = ScoredSample | SampleFailure
+
+
+class Submission(NamedTuple):
+    """An input item that carries its own cancel scope (the integrations' per-call input):
+    cancelling ``scope`` cancels the sample's requests in flight, or skips them if they have
+    not started; its result is then a ``SampleFailure`` with reason ``cancelled``."""
+
+    sample: Any
+    scope: anyio.CancelScope
+
+
+# What intake hands the fetch workers: the sample, its admission time, its cancel scope.
+_Work = tuple[PreparedSample, float, "anyio.CancelScope | None"]
 
 
 class RunState:
@@ -61,9 +74,12 @@ class RunState:
 
 def _timed_score_batch(
     batch: list[Fetched], cfg: StreamConfig, device: torch.device
-) -> tuple[list[Any], float]:
-    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``."""
-    start = time.perf_counter()
+) -> tuple[list[Any], float, float]:
+    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``:
+    ``(results, wall seconds, CPU seconds of this thread)``."""
+    from ._klstage import score_batch  # torch: loaded by OPDStream, in the caller's thread
+
+    start, cpu = time.perf_counter(), time.thread_time()
     results = score_batch(
         batch,
         top_k=cfg.top_k,
@@ -71,7 +87,7 @@ def _timed_score_batch(
         weight_mode=cfg.weight_mode,
         device=device,
     )
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, time.thread_time() - cpu
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -109,6 +125,13 @@ class _Pipeline:
 
     # stage 1: intake ---------------------------------------------------------------
     def _prepare(self, sample: Any, index: int) -> PreparedSample:
+        start = time.thread_time()
+        try:
+            return self._prepare_timed(sample, index)
+        finally:
+            self.stats.cpu["prepare"] += time.thread_time() - start
+
+    def _prepare_timed(self, sample: Any, index: int) -> PreparedSample:
         prepared = prepare_sample(
             sample,
             index,
@@ -132,7 +155,7 @@ class _Pipeline:
     async def intake(
         self,
         samples: Iterable[Any] | AsyncIterable[Any],
-        work: MemoryObjectSendStream[tuple[PreparedSample, float]],
+        work: MemoryObjectSendStream[_Work],
         emit: MemoryObjectSendStream[Result],
     ) -> None:
         async with work, emit:
@@ -143,6 +166,7 @@ class _Pipeline:
                     async for sample in iterator:
                         await self._admit(sample, index, work, emit)
                         index += 1
+                        del sample  # not held while waiting for the next one
                 finally:
                     # We consumed the caller's async generator; close it here, in its task,
                     # rather than leaving it to the garbage collector.
@@ -153,14 +177,18 @@ class _Pipeline:
             else:
                 for index, sample in enumerate(samples):
                     await self._admit(sample, index, work, emit)
+                    del sample
 
     async def _admit(
         self,
         sample: Any,
         index: int,
-        work: MemoryObjectSendStream[tuple[PreparedSample, float]],
+        work: MemoryObjectSendStream[_Work],
         emit: MemoryObjectSendStream[Result],
     ) -> None:
+        scope = None
+        if isinstance(sample, Submission):
+            sample, scope = sample.sample, sample.scope
         await self.slots.acquire()
         self.stats.admitted += 1
         self.stats.in_flight += 1
@@ -171,7 +199,7 @@ class _Pipeline:
         except (InvalidSampleError, RoutingError) as exc:
             await self._send("emit", emit, self._failure(sample, index, exc, 0))
         else:
-            await self._send("intake", work, (prepared, admitted_at))
+            await self._send("intake", work, (prepared, admitted_at, scope))
 
     async def _send(self, channel: str, stream: MemoryObjectSendStream[Any], item: Any) -> None:
         """Send, then count the item as sitting in ``channel`` (for depth/high-water stats)."""
@@ -184,8 +212,7 @@ class _Pipeline:
     def _failure(
         self, sample: Any, index: int, exc: OPDStreamError, attempts: int
     ) -> SampleFailure:
-        if not isinstance(sample, Sample):
-            sample = Sample(tokens=[], response_length=0, sample_id=repr(type(sample)))
+        # ``sample`` is the caller's object as given, a Sample or not (invalid_sample).
         # A server may echo the Authorization header in what ends up in the message (an
         # error body, an abort message, a malformed header line), possibly cut by a cap.
         message = redact(str(exc), self._secret())
@@ -211,6 +238,8 @@ class _Pipeline:
     # stage 2: fetch workers --------------------------------------------------------
     def _empty_result(self, prepared: PreparedSample, admitted_at: float) -> ScoredSample:
         """R = 0: nothing to ask; an empty result of the right shapes."""
+        import torch  # loaded by OPDStream already
+
         width = self.cfg.top_k * (2 if self.cfg.strategy in ("union", "xor") else 1)
         cands = None
         if self.cfg.top_k > 0:
@@ -235,30 +264,53 @@ class _Pipeline:
 
     async def worker(
         self,
-        work: MemoryObjectReceiveStream[tuple[PreparedSample, float]],
+        work: MemoryObjectReceiveStream[_Work],
         kl: MemoryObjectSendStream[Fetched],
         emit: MemoryObjectSendStream[Result],
     ) -> None:
         async with work, kl, emit:
-            async for prepared, admitted_at in work:
+            async for job in work:
                 self.stats.take("intake")
-                if prepared.response_length == 0:
-                    await self._send("emit", emit, self._empty_result(prepared, admitted_at))
-                    continue
-                try:
-                    fetched = await self.scorer.fetch(
-                        prepared, self.router.urls(prepared.teacher), admitted_at
-                    )
-                except ScoreAttemptError as exc:
-                    failure = self._failure(
-                        prepared.sample, prepared.index, exc.error, exc.attempts
-                    )
-                    await self._send("emit", emit, failure)
-                    continue
-                except Exception as exc:  # a bug: fail this sample, keep the others going
-                    await self._send("emit", emit, self._internal_failure(prepared, exc))
-                    continue
-                await self._send("kl", kl, fetched)
+                await self._fetch_one(job, kl, emit)
+                # Nothing of a finished sample stays referenced while this worker waits for
+                # the next one (up to max_inflight workers: that would be GBs at long R).
+                del job
+
+    async def _fetch_one(
+        self, job: _Work, kl: MemoryObjectSendStream[Fetched], emit: MemoryObjectSendStream[Result]
+    ) -> None:
+        prepared, admitted_at, scope = job
+        if prepared.response_length == 0:
+            await self._send("emit", emit, self._empty_result(prepared, admitted_at))
+            return
+        fetched: Fetched | None = None
+        try:
+            if scope is None:
+                fetched = await self._fetch(prepared, admitted_at)
+            else:
+                with scope:  # cancelled by the caller: its requests stop, at once
+                    fetched = await self._fetch(prepared, admitted_at)
+        except ScoreAttemptError as exc:
+            failure = self._failure(prepared.sample, prepared.index, exc.error, exc.attempts)
+            await self._send("emit", emit, failure)
+            return
+        except Exception as exc:  # a bug: fail this sample, keep the others going
+            await self._send("emit", emit, self._internal_failure(prepared, exc))
+            return
+        if fetched is None:
+            cancelled = SampleFailure(
+                sample=prepared.sample,
+                index=prepared.index,
+                reason="cancelled",
+                message="cancelled by its caller",
+                attempts=0,
+            )
+            await self._send("emit", emit, cancelled)
+            return
+        await self._send("kl", kl, fetched)
+
+    async def _fetch(self, prepared: PreparedSample, admitted_at: float) -> Fetched:
+        return await self.scorer.fetch(prepared, self.router.urls(prepared.teacher), admitted_at)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:
@@ -289,31 +341,36 @@ class _Pipeline:
         self, kl: MemoryObjectReceiveStream[Fetched], emit: MemoryObjectSendStream[Result]
     ) -> None:
         async with kl, emit:
-            while True:
-                batch = await self._next_batch(kl)
-                if not batch:
-                    return
-                self.stats.stage_active["kl"] += 1
-                results: list[Any]
-                try:
-                    results, seconds = await anyio.to_thread.run_sync(
-                        partial(_timed_score_batch, batch, self.cfg, self.kl_device),
-                        limiter=self.kl_limiter,
-                    )
-                    self.stats.record_kl_batch(len(batch), seconds)
-                except Exception as bug:  # a bug: fail this batch's samples, keep going
-                    results = [self._internal_failure(f.prepared, bug, f.attempts) for f in batch]
-                finally:
-                    self.stats.stage_active["kl"] -= 1
-                for res in results:
-                    item: Result
-                    if isinstance(res, ScoredSample | SampleFailure):
-                        item = res
-                    else:
-                        fetched, exc = res
-                        p = fetched.prepared
-                        item = self._failure(p.sample, p.index, exc, fetched.attempts)
-                    await self._send("emit", emit, item)
+            while batch := await self._next_batch(kl):
+                await self._score_batch(batch, emit)
+                del batch  # not held while waiting for the next batch
+
+    async def _score_batch(
+        self, batch: list[Fetched], emit: MemoryObjectSendStream[Result]
+    ) -> None:
+        self.stats.stage_active["kl"] += 1
+        results: list[Any]
+        try:
+            results, seconds, cpu = await anyio.to_thread.run_sync(
+                partial(_timed_score_batch, batch, self.cfg, self.kl_device),
+                limiter=self.kl_limiter,
+            )
+            self.stats.record_kl_batch(len(batch), seconds)
+            self.stats.cpu["kl"] += cpu
+        except Exception as bug:  # a bug: fail this batch's samples, keep going
+            results = [self._internal_failure(f.prepared, bug, f.attempts) for f in batch]
+        finally:
+            self.stats.stage_active["kl"] -= 1
+        batch.clear()  # the fetched answers: not kept while the results wait to be sent
+        for res in results:
+            item: Result
+            if isinstance(res, ScoredSample | SampleFailure):
+                item = res
+            else:
+                fetched, exc = res
+                p = fetched.prepared
+                item = self._failure(p.sample, p.index, exc, fetched.attempts)
+            await self._send("emit", emit, item)
 
     # stage 4: emit -----------------------------------------------------------------
     def _account(self, item: Result) -> None:
@@ -324,7 +381,8 @@ class _Pipeline:
             self.stats.record_latency(item.latency_s)
         else:
             self.stats.record_failure(item.reason)
-            log.warning(
+            # a sample its caller cancelled is not a problem to warn about
+            (log.debug if item.reason == "cancelled" else log.warning)(
                 "sample_failed",
                 index=item.index,
                 reason=item.reason,
@@ -347,11 +405,12 @@ class _Pipeline:
                 self.stats.take("emit")
                 if self.cfg.order == "completed":
                     await self._hand_over(item, out)
-                    continue
-                pending[item.index] = item
-                while next_index in pending:
-                    await self._hand_over(pending.pop(next_index), out)
-                    next_index += 1
+                else:
+                    pending[item.index] = item
+                    while next_index in pending:
+                        await self._hand_over(pending.pop(next_index), out)
+                        next_index += 1
+                del item  # handed over: not held while waiting for the next one
 
 
 async def run_pipeline(
@@ -376,9 +435,7 @@ async def run_pipeline(
     try:
         with state.scope, out:
             task_status.started()
-            work_send, work_recv = anyio.create_memory_object_stream[tuple[PreparedSample, float]](
-                cap
-            )
+            work_send, work_recv = anyio.create_memory_object_stream[_Work](cap)
             kl_send, kl_recv = anyio.create_memory_object_stream[Fetched](cap)
             emit_send, emit_recv = anyio.create_memory_object_stream[Result](cap)
             async with anyio.create_task_group() as tg:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ._kl import Strategy
+from ._kltypes import Strategy
 
 __all__ = ("RequestPlan", "plan_requests")
 

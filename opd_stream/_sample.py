@@ -9,17 +9,20 @@ the stream goes on.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ._decode import PAD_ID
 from ._errors import InvalidSampleError
 from ._gc import gc_paused
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = (
     "MAX_TOKEN_ID",
@@ -38,6 +41,13 @@ MAX_TOKEN_ID = 2**31 - 1
 
 
 _LOGPROB_TOLERANCE = 1e-4
+
+
+def _is_tensor(x: Any) -> bool:
+    """``x`` is a torch tensor (torch is not imported for the question: a caller that
+    passes a tensor has loaded it)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(x, torch_module.Tensor)
 
 
 class Sample(msgspec.Struct, kw_only=False):
@@ -118,15 +128,17 @@ class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):
     """A sample that could not be scored, and why.
 
     Attributes:
-        sample: the input sample, unchanged.
+        sample: the input, unchanged: the :class:`Sample`, or, for an input that is not
+            one (reason ``invalid_sample``), the object given in its place.
         index: its 0-based position in the input.
         reason: a short stable code (``invalid_sample``, ``routing``, ``teacher_http_400``,
-            ``deadline_exceeded``, ``misaligned_response``, ``capability``, ...).
+            ``deadline_exceeded``, ``misaligned_response``, ``capability``, ``cancelled``
+            (an integration's caller stopped waiting for it), ...).
         message: a human-readable explanation (never a payload or a secret).
         attempts: HTTP attempts made before giving up.
     """
 
-    sample: Sample
+    sample: Sample | Any
     index: int
     reason: str
     message: str
@@ -148,11 +160,10 @@ class PreparedSample(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise InvalidSampleError(
-                "tokens", f"expected integer token ids, got dtype {tokens.dtype}"
-            )
+    if _is_tensor(tokens):
+        dtype = tokens.dtype
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {dtype}")
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.dtype.kind not in "iu":
@@ -209,7 +220,7 @@ def _check_response_length(response_length: Any, n_tokens: int) -> int:
 
 
 def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
-    if isinstance(values, torch.Tensor):
+    if _is_tensor(values):
         values = values.detach().cpu().numpy()
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise InvalidSampleError(
@@ -239,7 +250,7 @@ def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray | torch.Tensor)
+    return isinstance(x, np.ndarray) or _is_tensor(x)
 
 
 def _topk_arrays(
@@ -254,9 +265,9 @@ def _topk_arrays(
     and empty rows; padding before a real id is an error.
     """
     field = "student_top_logprobs"
-    if isinstance(ids, torch.Tensor):
+    if _is_tensor(ids):
         ids = ids.detach().cpu().numpy()
-    if isinstance(logprobs, torch.Tensor):
+    if _is_tensor(logprobs):
         logprobs = logprobs.detach().cpu().float().numpy()
     if ids.dtype.kind not in "iu":
         raise InvalidSampleError(field, f"ids must be an integer array, got dtype {ids.dtype}")

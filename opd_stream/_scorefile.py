@@ -32,12 +32,11 @@ from typing import Any, BinaryIO, cast, get_args
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._config import IdScoring, Strategy, StreamConfig, WeightMode
 from ._errors import ConfigError, InvalidSampleError
-from ._logging import LOG_LEVELS
+from ._logging import LOG_LEVELS, get_logger
 from ._pipeline import Result
 from ._progress import Progress
 from ._router import normalize_teachers, parse_teacher_urls
@@ -47,7 +46,7 @@ from ._stream import OPDStream
 
 __all__ = ("add_score_arguments", "run_score")
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+log = get_logger()
 
 _PROG = "opd-stream score"
 _TEACHERS_VAR = "OPD_STREAM_TEACHERS"

@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import numpy as np
-import torch
 
 from ._errors import InvalidSampleError
-from ._kl import LOGPROB_FLOOR
+from ._kltypes import LOGPROB_FLOOR
 from ._sample import MAX_TOKEN_ID, Sample, SampleFailure, ScoredSample
 
 if TYPE_CHECKING:
+    import torch
+
     from ._pipeline import Result
 
 __all__ = (

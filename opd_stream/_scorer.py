@@ -17,13 +17,13 @@ import anyio
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from ._attempts import AttemptSender, Counter, Failed
 from ._balance import EndpointPool
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
+from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
 from ._sample import PreparedSample, request_ids
@@ -33,7 +33,7 @@ from ._wire import ScoreRequest, ScoreRows, auto_block_size
 
 __all__ = ("Fetched", "SampleScorer", "ScoreAttemptError")
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+log = get_logger()
 
 
 class Fetched(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,6 +71,7 @@ class SampleScorer:
         stats: StatsRecorder,
         *,
         decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
+        threads: anyio.CapacityLimiter | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._cfg = config
@@ -91,7 +92,7 @@ class SampleScorer:
         )
         self._caps = Capabilities(config, stats)
         self._sender = AttemptSender(
-            config, transport, stats, self._pool, self._caps, decode=decode
+            config, transport, stats, self._pool, self._caps, decode=decode, threads=threads
         )
 
     # one logical request -------------------------------------------------------------

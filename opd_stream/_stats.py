@@ -7,7 +7,7 @@ latency and loop-lag samples are ring buffers.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 
 import msgspec
 import numpy as np
@@ -98,6 +98,12 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_lag_max_s: float
     endpoints: dict[str, EndpointStats]
     kl: KLStageStats
+    cpu_s: dict[str, float]
+    """CPU seconds of each synchronous step, measured in the thread that ran it:
+    ``prepare`` (sample checks, top-k rows into arrays), ``build`` (request payloads),
+    ``decode_loop`` (answers decoded with msgspec on the event loop), ``decode_threads``
+    (answers parsed in decode threads), ``kl`` (KL batches). What the process spent
+    beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
 
 
 class _Endpoint:
@@ -131,6 +137,10 @@ class _Endpoint:
         self.cancelled = 0
 
 
+#: The steps of :attr:`StreamStats.cpu_s`.
+CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl")
+
+
 class StatsRecorder:
     """Mutable bookkeeping for one stream."""
 
@@ -156,6 +166,7 @@ class StatsRecorder:
         self.kl_samples = 0
         self.kl_seconds = 0.0
         self._kl_batch: deque[float] = deque(maxlen=_RING)
+        self.cpu: defaultdict[str, float] = defaultdict(float)
 
     # channels ---------------------------------------------------------------------
     def channel(self, name: str, capacity: int) -> None:
@@ -243,4 +254,5 @@ class StatsRecorder:
                 batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
+            cpu_s={step: float(self.cpu[step]) for step in CPU_STEPS},
         )

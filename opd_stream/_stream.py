@@ -17,30 +17,75 @@ task is left behind.
 from __future__ import annotations
 
 import functools
+import time
 import types
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
 import anyio
-import structlog
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import StreamConfig, resolve_decode_threads, resolve_kl_device
+from ._errors import ConfigError
+from ._logging import get_logger
 from ._pipeline import Result, RunState, run_pipeline
 from ._router import TeacherRouter
+from ._sample import Sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
 from ._wire import ScoreRequest, ScoreRows, decode_score_response
 
-__all__ = ("OPDStream", "Results")
+__all__ = ("OPDStream", "Results", "default_transport")
 
-log: structlog.typing.FilteringBoundLogger = structlog.get_logger("opd_stream")
+log = get_logger()
 
 _LAG_INTERVAL_S = 0.01
 _CLOSE_GRACE_S = 10.0
+
+
+def _on_asyncio() -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def default_transport(config: StreamConfig) -> Transport:
+    """The transport a stream uses when none is given, for the running backend: pooled
+    aiohttp under asyncio, pooled httpx (the ``httpx`` extra) under trio.
+
+    Raises:
+        ConfigError: under trio without httpx installed.
+    """
+    api_key = config.api_key.get_secret_value() if config.api_key else None
+    if _on_asyncio():
+        return AiohttpTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
+    try:
+        from ._transport_httpx import HttpxTransport
+    except ImportError:
+        raise ConfigError(
+            "under trio the default transport needs httpx: pip install 'opd-stream[httpx]' "
+            "(or pass a transport)"
+        ) from None
+    return HttpxTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
+
+
+def _decode_in_thread(
+    body: bytes | bytearray, req: ScoreRequest
+) -> tuple[ScoreRows | BaseException, float]:
+    """Parse an answer with pyarrow (in a decode thread): the rows or the error, and the
+    thread's CPU seconds."""
+    start = time.thread_time()
+    try:
+        rows: ScoreRows | BaseException = decode_score_response(body, req, parser="arrow")
+    except Exception as exc:  # raised again in the caller's task
+        rows = exc
+    return rows, time.thread_time() - start
 
 
 class Results:
@@ -109,8 +154,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     Args:
         config: the validated configuration (see :class:`StreamConfig`).
-        transport: the HTTP transport; by default a pooled :class:`AiohttpTransport`
-            (asyncio only). Pass a ``MockTransport`` to run on trio or without sockets.
+        transport: the HTTP transport; by default (see :func:`default_transport`) a pooled
+            :class:`AiohttpTransport` under asyncio and a pooled ``HttpxTransport`` under
+            trio (the ``httpx`` extra). Pass a ``MockTransport`` to run without sockets.
         decode: override for the response decoder ``(body, request) -> ScoreRows``
             (sync or async); by default an answer of at least ``decode_thread_bytes``
             is parsed with pyarrow in one of ``decode_threads`` threads (the GIL is
@@ -128,6 +174,13 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
         self.config = config
         self._router = TeacherRouter(config.teachers, config.teacher_key)
+        # torch is loaded here, where the stream will make tensors (not by importing
+        # opd_stream), and the KL device is resolved in the caller's thread: "auto" and
+        # "cuda" become the caller's current CUDA device, cuda:N (see resolve_kl_device).
+        import torch
+
+        from . import _klstage  # noqa: F401  (the KL code, loaded now, not in the first batch)
+
         self._device = torch.device(resolve_kl_device(config))
         self._transport = transport
         self._decode = decode
@@ -144,16 +197,14 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
-        transport = self._transport or AiohttpTransport(
-            api_key=self.config.api_key.get_secret_value() if self.config.api_key else None,
-            connect_timeout_s=self.config.connect_timeout_s,
-        )
+        transport = self._transport or default_transport(self.config)
         async with transport, anyio.create_task_group() as tg:
             self._scorer = SampleScorer(
                 self.config,
                 transport,
                 self._stats,
                 decode=self._decode or self._default_decode,
+                threads=self._decode_limiter,
             )
             self._kl_limiter = anyio.CapacityLimiter(1)
             self._tg = tg
@@ -169,14 +220,22 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     async def _default_decode(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
         if len(body) < self.config.decode_thread_bytes:
-            return decode_score_response(body, req)
+            start = time.thread_time()
+            try:
+                return decode_score_response(body, req)
+            finally:
+                self._stats.cpu["decode_loop"] += time.thread_time() - start
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
         # answer: ~15 ns per byte, 0.5 s for a 36 MB answer) and its result is dropped.
-        return await anyio.to_thread.run_sync(
-            functools.partial(decode_score_response, body, req, parser="arrow"),
+        rows, cpu = await anyio.to_thread.run_sync(
+            functools.partial(_decode_in_thread, body, req),
             limiter=self._decode_limiter,
             abandon_on_cancel=True,
         )
+        self._stats.cpu["decode_threads"] += cpu
+        if isinstance(rows, BaseException):
+            raise rows
+        return rows
 
     async def _lag_ticker(self) -> None:
         while True:
@@ -184,11 +243,13 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             await anyio.sleep(_LAG_INTERVAL_S)
             self._stats.record_lag(max(0.0, anyio.current_time() - start - _LAG_INTERVAL_S))
 
-    def run(self, samples: Iterable[Any] | AsyncIterable[Any]) -> Results:
+    def run(self, samples: Iterable[Sample] | AsyncIterable[Sample]) -> Results:
         """Start scoring ``samples`` (an iterable or async iterable of :class:`Sample`).
 
         Returns a :class:`Results` handle; use it as ``async with stream.run(xs) as r:``
-        and iterate it. Several runs may share one stream (and its connection pool).
+        and iterate it. Several runs may share one stream (and its connection pool). An
+        item that is not a :class:`Sample` fails alone (``invalid_sample``); its
+        :class:`SampleFailure` holds the object as given.
         """
         tg, scorer = self._tg, self._scorer
         if tg is None or scorer is None:

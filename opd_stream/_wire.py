@@ -78,6 +78,7 @@ __all__ = (
     "decode_score_response",
     "parse_error_message",
     "parse_student_topk",
+    "payload_size_hint",
     "resolved_block_size",
 )
 
@@ -332,8 +333,9 @@ def _build(req: ScoreRequest) -> bytes:
         body["top_logprobs_num"] = req.top_k
     if req.ids is not None:
         if req.id_form == "per-position":
-            rows: list[list[int]] = [[]] * lay.prompt_length
-            body["token_ids_logprob_positions"] = rows + np.asarray(req.ids).tolist()
+            body["token_ids_logprob_positions"] = msgspec.Raw(
+                _positions_json(np.asarray(req.ids), lay.prompt_length)
+            )
         elif lay.batch:
             body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
         else:
@@ -347,6 +349,32 @@ def _build(req: ScoreRequest) -> bytes:
     body["return_text_in_logprobs"] = False
     body["stream"] = False
     return _ENCODER.encode(body)
+
+
+_ROWS_PER_CHUNK = 1024
+
+
+def _positions_json(ids: npt.NDArray[np.int64], prompt_length: int) -> bytes:
+    """``[[],...,[],ids[0],ids[1],...]`` (``prompt_length`` empty rows) as compact JSON.
+
+    Encoded ``_ROWS_PER_CHUNK`` rows at a time: the same bytes as encoding the whole list,
+    but no single call holds the GIL for long, so a large payload built in a worker
+    thread leaves the event loop its turns (and no list of ``R * k`` ints exists at once).
+    """
+    parts = [b"[]"] * prompt_length
+    for lo in range(0, ids.shape[0], _ROWS_PER_CHUNK):
+        chunk = _ENCODER.encode(ids[lo : lo + _ROWS_PER_CHUNK].tolist())
+        parts.append(chunk[1:-1])
+    return b"[" + b",".join(parts) + b"]"
+
+
+def payload_size_hint(req: ScoreRequest) -> int:
+    """A cheap upper estimate of ``len(build_score_payload(req))`` (7 bytes per id sent)."""
+    ids = 0 if req.ids is None else int(req.ids.size)
+    tokens = int(req.tokens.size)
+    if req.id_form == "blocked" and req.ids is not None:
+        tokens *= -(-req.response_length // max(req.block_size, 1))  # a prefix per block
+    return 7 * (tokens + ids)
 
 
 def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:

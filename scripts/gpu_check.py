@@ -80,7 +80,7 @@ def _compare(a: dict[int, ScoredSample], b: dict[int, ScoredSample]) -> float:
 
 def _cfg(device: str, **kw: Any) -> StreamConfig:
     return StreamConfig.from_env(
-        {}, teachers=TEACHER, student_url=STUDENT, kl_device=device, decode_workers=0, **kw
+        {}, teachers=TEACHER, student_url=STUDENT, kl_device=device, **kw
     )
 
 

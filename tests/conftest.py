@@ -1,7 +1,10 @@
-"""Shared fixtures: anyio backends (asyncio in debug mode, trio)."""
+"""Shared fixtures: anyio backends (asyncio in debug mode, trio); the ``opd_stream``
+logger's state restored after every test (the CLI's ``configure_logging`` changes it)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,3 +18,12 @@ import pytest
 )
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _restore_opd_stream_logger() -> Iterator[None]:
+    logger = logging.getLogger("opd_stream")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.level, logger.propagate = saved[1], saved[2]

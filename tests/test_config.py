@@ -626,18 +626,21 @@ def test_rendered_table_has_one_row_per_field() -> None:
 # --------------------------------------------------------------------------- KL device
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, available: bool, count: int) -> None:
+def _fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, available: bool, count: int, current: int = 0
+) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
 
 
 def test_kl_device_cpu_resolves_to_cpu() -> None:
     assert resolve_kl_device(_config(kl_device="cpu")) == "cpu"
 
 
-@pytest.mark.parametrize(("available", "device"), [(False, "cpu"), (True, "cuda")])
+@pytest.mark.parametrize(("available", "device"), [(False, "cpu"), (True, "cuda:0")])
 def test_kl_device_auto_picks_cuda_when_available(
     monkeypatch: pytest.MonkeyPatch, available: bool, device: str
 ) -> None:
@@ -660,9 +663,42 @@ def test_kl_device_index_beyond_the_visible_devices_is_a_config_error(
 ) -> None:
     _fake_cuda(monkeypatch, True, 2)
     assert resolve_kl_device(_config(kl_device="cuda:1")) == "cuda:1"
-    assert resolve_kl_device("cuda") == "cuda"
+    assert resolve_kl_device("cuda") == "cuda:0"
     with pytest.raises(ConfigError, match="only 2 CUDA device"):
         resolve_kl_device(_config(kl_device="cuda:2"))
+
+
+@pytest.mark.parametrize("spelling", ["auto", "cuda", " CUDA "])
+def test_auto_and_cuda_resolve_to_the_callers_current_device(
+    monkeypatch: pytest.MonkeyPatch, spelling: str
+) -> None:
+    # A rank that called torch.cuda.set_device(3) in its main thread: the KL thread must get
+    # "cuda:3", not a bare "cuda" (GPU 0 in a new thread).
+    _fake_cuda(monkeypatch, True, 4, current=3)
+    assert resolve_kl_device(_config(kl_device=spelling)) == "cuda:3"
+    assert resolve_kl_device(_config(kl_device="cuda:1")) == "cuda:1"  # explicit stays
+
+
+def test_the_stream_resolves_its_kl_device_in_the_constructing_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    import torch
+
+    from opd_stream import OPDStream
+
+    seen: list[str] = []
+
+    def current() -> int:
+        seen.append(threading.current_thread().name)
+        return 2
+
+    _fake_cuda(monkeypatch, True, 4)
+    monkeypatch.setattr(torch.cuda, "current_device", current)
+    stream = OPDStream(_config(kl_device="auto"))
+    assert stream.stats().kl.device == "cuda:2"
+    assert seen == [threading.current_thread().name]
 
 
 def test_resolve_kl_device_rejects_a_bad_string() -> None:

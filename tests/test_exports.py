@@ -19,7 +19,8 @@ def test_all_lists_every_public_name_and_nothing_else() -> None:
         and not isinstance(value, types.ModuleType)
         and name != "annotations"
     }
-    assert set(opd_stream.__all__) - {"__version__"} == public
+    # the names that need torch are loaded on first access (import opd_stream does not)
+    assert set(opd_stream.__all__) - {"__version__"} == public | opd_stream._TORCH_NAMES
 
 
 def test_every_exported_name_resolves() -> None:
@@ -40,3 +41,13 @@ def test_readme_configuration_table_is_the_generated_one() -> None:
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert opd_stream.render_config_table() in readme
+
+
+def test_the_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    assert opd_stream.__version__ == version("opd-stream")
+
+
+def test_kl_stage_stats_is_exported() -> None:
+    assert opd_stream.KLStageStats.__name__ == "KLStageStats"

@@ -9,7 +9,6 @@ own server would not (echoed headers cut at chosen offsets, gzip bodies, aborts)
 from __future__ import annotations
 
 import gzip
-import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,6 +33,7 @@ from opd_stream._budget import ByteBudget, current_lease
 from opd_stream._cli import main
 from opd_stream._redact import redact
 from opd_stream._wire import parse_error_message
+from opd_stream.testing import capture_events
 
 KEY = "sk-Zq81-7f3aQv9c1e5b2d4XwY"  # 26 characters, none of them in the padding
 ODD_KEY = "k\"ey\\Zq81-sec/ret'Wq7"  # quote, backslash, slash, apostrophe
@@ -46,17 +46,8 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture
 def events() -> Iterator[list[dict[str, Any]]]:
-    old = structlog.get_config()
-    capture = structlog.testing.LogCapture()
-    structlog.configure(
-        processors=[capture],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        yield capture.entries
-    finally:
-        structlog.configure(**old)
+    with capture_events() as captured:
+        yield captured
 
 
 def _windows(secret: str, size: int = 4) -> list[str]:

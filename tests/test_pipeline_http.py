@@ -1,4 +1,5 @@
-"""End to end over real HTTP: OPDStream + AiohttpTransport against the aiohttp mock servers.
+"""End to end over real HTTP: OPDStream with its default transport against the aiohttp mock
+servers (run in a thread), on both backends: aiohttp under asyncio, httpx under trio.
 
 Every result must equal (a) the core functions (wire decode + KL) applied to the same
 server answers, and (b) an independent float64 per-position recomputation from the
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
+import httpx
 import numpy as np
 import pytest
 import torch
 from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from threaded_mock import serve_mock_threaded as serve_mock
 
 from opd_stream import (
     OPDStream,
@@ -29,16 +31,11 @@ from opd_stream import (
     topk_reverse_kl,
 )
 from opd_stream._router import generate_url
-from opd_stream.testing.mock_sglang import MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import MockOptions
 
 STRATEGIES = ["only-student", "only-teacher", "intersection", "union", "xor"]
 WEIGHT_MODES = ["student_p", "teacher_p", "none"]
 K = 4
-
-
-@pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, Any]]:
-    return ("asyncio", {"debug": True})
 
 
 def _samples(
@@ -74,14 +71,14 @@ async def _score(cfg: StreamConfig, samples: list[Sample]) -> list[ScoredSample]
     return sorted(scored, key=lambda r: r.index)
 
 
-async def _core(session: aiohttp.ClientSession, url: str, req: ScoreRequest) -> Any:
-    async with session.post(generate_url(url), data=build_score_payload(req)) as resp:
-        assert resp.status == 200
-        return decode_score_response(await resp.read(), req)
+async def _core(session: httpx.AsyncClient, url: str, req: ScoreRequest) -> Any:
+    resp = await session.post(generate_url(url), content=build_score_payload(req))
+    assert resp.status_code == 200
+    return decode_score_response(resp.content, req)
 
 
 async def _core_result(
-    session: aiohttp.ClientSession,
+    session: httpx.AsyncClient,
     teacher: str,
     student: str,
     sample: Sample,
@@ -124,7 +121,7 @@ async def test_sampled_token_mode_matches_core_and_closed_form() -> None:
         samples.append(Sample(samples[0].tokens, samples[0].response_length))  # no rollout lps
         cfg = StreamConfig.from_env({}, teachers=teacher.url, kl_device="cpu")
         results = await _score(cfg, samples)
-        async with aiohttp.ClientSession() as session:
+        async with httpx.AsyncClient() as session:
             for res, smp in zip(results, samples, strict=True):
                 rows = await _core(
                     session,
@@ -170,7 +167,7 @@ async def test_topk_every_strategy_and_weight_mode_matches_core_and_closed_form(
             kl_device="cpu",
         )
         results = await _score(cfg, samples)
-        async with aiohttp.ClientSession() as session:
+        async with httpx.AsyncClient() as session:
             for res, smp in zip(results, samples, strict=True):
                 core_rkl, core_tlp = await _core_result(
                     session,

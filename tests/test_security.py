@@ -9,7 +9,6 @@ lying ``Content-Length``).
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -18,7 +17,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import structlog
 from aiohttp import web
 
 from opd_stream import (
@@ -32,6 +30,7 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
+from opd_stream.testing import capture_events
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
 KEY = "sk-opd-7f3a9c1e5b2d4f60"
@@ -46,17 +45,8 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 @pytest.fixture
 def events() -> Iterator[list[dict[str, Any]]]:
     """Every structlog event (every level) emitted while the test runs."""
-    old = structlog.get_config()
-    capture = structlog.testing.LogCapture()
-    structlog.configure(
-        processors=[capture],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        cache_logger_on_first_use=False,
-    )
-    try:
-        yield capture.entries
-    finally:
-        structlog.configure(**old)
+    with capture_events() as captured:
+        yield captured
 
 
 def _samples(n: int, *, seed: int = 0) -> list[Sample]:

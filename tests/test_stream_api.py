@@ -8,7 +8,6 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-import structlog
 
 from opd_stream import (
     AiohttpTransport,
@@ -18,6 +17,7 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
+from opd_stream.testing import capture_events
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T = "http://teacher:1"
@@ -103,7 +103,7 @@ async def test_capability_detection_is_logged_once_per_endpoint() -> None:
         S: InProcessSGLang("student", 1),
     }
     cfg = _cfg(top_k=3, student_url=S, strategy="only-student", max_inflight=1)
-    with structlog.testing.capture_logs() as logs:
+    with capture_events() as logs:
         async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
             async with stream.run(_samples(8)) as results:
                 out = [r async for r in results]
@@ -123,7 +123,7 @@ async def test_capability_detection_is_logged_once_per_endpoint() -> None:
 
 async def test_each_failed_sample_is_logged_once_with_its_reason() -> None:
     samples: list[Any] = [*_samples(3), Sample([1, 2], 5)]
-    with structlog.testing.capture_logs() as logs:
+    with capture_events() as logs:
         async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
             async with stream.run(samples) as results:
                 [r async for r in results]
@@ -156,3 +156,19 @@ async def test_errors_raised_in_a_decode_thread_fail_only_their_sample() -> None
             out = sorted([r async for r in results], key=lambda r: r.index)
     reasons = [getattr(r, "reason", "ok") for r in out]
     assert reasons == ["ok", "misaligned_response", "ok", "misaligned_response"]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["on-the-loop", "in-threads"])
+async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -> None:
+    threshold = 1 if threaded else 1 << 30
+    cfg = _cfg(top_k=4, student_url=S, strategy="union", decode_thread_bytes=threshold)
+    async with OPDStream(cfg, transport=mock_transport(_servers())) as stream:
+        async with stream.run(_samples(6)) as results:
+            out = [r async for r in results]
+        cpu = stream.stats().cpu_s
+    assert all(isinstance(r, ScoredSample) for r in out)
+    assert set(cpu) == {"prepare", "build", "decode_loop", "decode_threads", "kl"}
+    assert all(v >= 0 for v in cpu.values())
+    assert (cpu["decode_threads"] > 0) is threaded
+    assert (cpu["decode_loop"] > 0) is not threaded
+    assert cpu["prepare"] > 0 and cpu["build"] > 0 and cpu["kl"] > 0

@@ -20,8 +20,9 @@ loop and configuration: one background task that feeds an anyio memory channel i
 single ``stream.run()`` and resolves each caller's future when its result comes out, so
 every call shares one connection pool, the per-endpoint limits, the replica balancing and
 the batched KL stage. The engine lives until :func:`close` (or :meth:`MilesEngine.aclose`);
-call it when training ends. A caller that is cancelled simply stops waiting; its sample's
-result is dropped when it arrives.
+call it when training ends. A caller that is cancelled (a ``reward_func`` call cancelled by
+its rollout) cancels its sample: the sample's requests in flight are cancelled at once (or
+never sent), and the rest of the stream goes on.
 
 Results equal the reference's (spec opd-semantics §2-§3), merged multi-turn samples
 included (an empty student top-k row, ``[]``, on an observation span contributes what the
@@ -46,20 +47,23 @@ import asyncio
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import msgspec
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._config import StreamConfig
 from .._errors import ConfigError, OPDStreamError
+from .._pipeline import Submission
 from .._router import DEFAULT_TEACHER, _show_value, parse_teacher_urls
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
 from .._transport import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = (
     "MilesEngine",
@@ -371,7 +375,7 @@ class MilesEngine:
         self._transport = transport
         self._keys = itertools.count()
         self._pending: dict[int, asyncio.Future[ScoredSample | SampleFailure]] = {}
-        self._send: MemoryObjectSendStream[Sample] | None = None
+        self._send: MemoryObjectSendStream[Submission] | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -383,7 +387,7 @@ class MilesEngine:
         """The loop the engine runs on (``None`` before the first call)."""
         return self._loop
 
-    def _start(self) -> MemoryObjectSendStream[Sample]:
+    def _start(self) -> MemoryObjectSendStream[Submission]:
         if self._closed:
             raise RuntimeError("MilesEngine is closed")
         if self._error is not None:
@@ -395,16 +399,18 @@ class MilesEngine:
             if loop is not self._loop:
                 raise RuntimeError("MilesEngine used from a different event loop")
             return self._send
-        send, receive = anyio.create_memory_object_stream[Sample](self.config.max_inflight)
+        send, receive = anyio.create_memory_object_stream[Submission](self.config.max_inflight)
         self._send, self._loop = send, loop
         self._task = loop.create_task(self._serve(receive), name="opd_stream.miles")
         return send
 
-    async def _serve(self, receive: MemoryObjectReceiveStream[Sample]) -> None:
+    async def _serve(self, receive: MemoryObjectReceiveStream[Submission]) -> None:
+        # Each item carries its caller's cancel scope (the pipeline's Submission).
+        samples = cast(AsyncIterable[Sample], receive)
         try:
             async with OPDStream(self.config, transport=self._transport) as stream:
                 self.stream = stream
-                async with receive, stream.run(receive) as results:
+                async with receive, stream.run(samples) as results:
                     async for item in results:
                         future = self._pending.pop(item.sample.sample_id, None)
                         if future is not None and not future.done():
@@ -434,13 +440,16 @@ class MilesEngine:
         assert self._loop is not None
         future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
         self._pending[key] = future
+        scope = anyio.CancelScope()
         try:
-            await send.send(prepared)
+            await send.send(Submission(prepared, scope))
             return await future
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             raise OPDStreamError("the shared OPD stream is not running") from None
         finally:
             self._pending.pop(key, None)
+            if not future.done():  # the caller stopped waiting: stop its requests too
+                scope.cancel()
 
     async def aclose(self) -> None:
         """End the input, let samples already sent finish, and wait for the background task."""
@@ -490,6 +499,8 @@ async def close() -> None:
 
 
 def _as_float32(values: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return values.detach().to(device="cpu", dtype=torch.float32)
 
 

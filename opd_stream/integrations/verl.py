@@ -34,12 +34,11 @@ import binascii
 import contextlib
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 import numpy as np
-import torch
 
 from .._config import StreamConfig
 from .._errors import (
@@ -52,6 +51,9 @@ from .._sample import Sample, prepare_sample
 from .._scorer import SampleScorer, ScoreAttemptError
 from .._stream import OPDStream
 from .._transport import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = (
     "TeacherManager",
@@ -583,6 +585,8 @@ class TeacherManager:
                 assert rows.top_logprobs is not None
                 ids[:-1] = rows.top_ids
                 lps[:-1] = rows.top_logprobs
+        import torch  # here, where tensors are made (not when the module is imported)
+
         return torch.from_numpy(ids), torch.from_numpy(lps)
 
     async def _fetch(self, prepared: Any, teacher: str) -> Any:

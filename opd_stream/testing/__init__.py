@@ -1,5 +1,11 @@
-"""Testing helpers for users of opd_stream (see :mod:`opd_stream.testing.mock_sglang`)."""
+"""Testing helpers for users of opd_stream (see :mod:`opd_stream.testing.mock_sglang`).
+
+:func:`capture_events` collects the library's log events (the ``"opd_stream"`` stdlib
+logger) while a block runs.
+"""
 
 from __future__ import annotations
 
-__all__: tuple[str, ...] = ()
+from .._logging import capture_events
+
+__all__: tuple[str, ...] = ("capture_events",)

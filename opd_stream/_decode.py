@@ -58,6 +58,9 @@ _F32_MAX = float(np.finfo(np.float32).max)
 #: The id of a padding slot in student top-k arrays: a row with fewer than ``k`` entries
 #: is padded at its end with it (logprob ``-inf``).
 PAD_ID = -1
+#: The largest logprob accepted: a log-probability is <= 0; servers' float32 rounding can
+#: leave a tiny positive value (log_softmax of a near-certain token).
+LOGPROB_TOLERANCE = 1e-4
 _MAX_DIM = 2**31  # flat top-k shapes: SGLang's arrays are int32-indexed
 _LP = attrgetter("lp")
 _ID = attrgetter("id")
@@ -208,9 +211,15 @@ class Segment(NamedTuple):
 
 
 def _to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], where: str) -> Any:
-    """float64/float32 (NaN for null) -> float32 with -inf for NaN; rejects > float32 max."""
-    if values.size and float(np.nanmax(values, initial=-np.inf)) > _F32_MAX:
+    """float64/float32 (NaN for null) -> float32 with -inf for NaN; rejects a value above
+    the float32 range, and a logprob above ``LOGPROB_TOLERANCE`` (not a log-probability)."""
+    top = float(np.nanmax(values, initial=-np.inf)) if values.size else -np.inf
+    if top > _F32_MAX:
         raise MalformedResponseError(f"`{where}` holds a value above the float32 range")
+    if top > LOGPROB_TOLERANCE:
+        raise MalformedResponseError(
+            f"`{where}` holds a logprob above 0, which is not a log-probability"
+        )
     out = np.where(np.isnan(values), -np.inf, values)
     with np.errstate(over="ignore"):  # below -float32 max: becomes -inf, as it should
         return out.astype(np.float32)
@@ -218,6 +227,12 @@ def _to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], wher
 
 def _decode_error(exc: msgspec.DecodeError) -> MalformedResponseError:
     return MalformedResponseError(f"cannot decode the response: {exc}")
+
+
+def _too_deep() -> MalformedResponseError:
+    return MalformedResponseError(
+        "cannot decode the response: JSON nested too deeply (beyond the decoder's depth limit)"
+    )
 
 
 def _check_abort(fr: _FinishReason | None, where: str, side: str) -> None:
@@ -337,6 +352,8 @@ def _decode_segments(
         items = _BATCH.decode(body) if batch else [_SINGLE.decode(body)]
     except msgspec.DecodeError as exc:
         raise _decode_error(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
     if len(items) != len(segments):
         raise MisalignedResponseError(
             f"batch answer has {len(items)} items, expected {len(segments)}"
@@ -891,6 +908,10 @@ def decode_generate_response(body: bytes) -> list[Generation]:
         decoded = _GENERATE.decode(body)
     except msgspec.DecodeError as exc:
         raise MalformedResponseError(f"cannot decode the response: {exc}", side="student") from None
+    except RecursionError:
+        exc2 = _too_deep()
+        exc2.side = "student"
+        raise exc2 from None
     if isinstance(decoded, list):
         return [_generation(item, f"$[{n}]") for n, item in enumerate(decoded)]
     return [_generation(decoded, "$")]

@@ -14,9 +14,10 @@ the same bytes for the precise error: error types and messages stay those of one
 implementation. tests/test_decode_arrow.py checks the rule differentially (valid,
 mutated and random answers through both).
 
-One leniency is inherent: the reader parses an entry's numbers as doubles, so a token id
-written as an integral float (``5.0``) is read as ``5`` here, where msgspec rejects it.
-No SGLang release writes ids that way.
+Two leniencies are inherent: the reader parses an entry's numbers as doubles, so a token id
+written as an integral float (``5.0``) is read as ``5`` here, where msgspec rejects it; and
+it skips an unknown field nested deeper than msgspec's depth limit (~1000 levels), where
+msgspec fails the answer as malformed. No SGLang release writes either.
 
 Costs, measured on this project's machines (R = 2048, k = 16, per-position answers):
 the reader's parse costs ~1.9x msgspec's untyped decode in CPU but holds no GIL; the
@@ -35,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._decode import ScoreRows, Segment, id_values, token_values, with_tail_values
+from ._decode import (
+    LOGPROB_TOLERANCE,
+    ScoreRows,
+    Segment,
+    id_values,
+    token_values,
+    with_tail_values,
+)
 from ._errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +51,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ("decode_segments_arrow",)
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _I64_LIMIT = 2.0**63
 _MAX_BODY = 2**31 - 64  # the reader's block size is an int32
 _FLAT_FIELDS = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
@@ -333,8 +340,8 @@ def _topk(
     if ids.size and float(ids.min()) < 0:
         return None
     lps = nested.entries.lps[sel]
-    if lps.size and float(np.nanmax(lps, initial=-np.inf)) > _F32_MAX:
-        return None
+    if lps.size and float(np.nanmax(lps, initial=-np.inf)) > LOGPROB_TOLERANCE:
+        return None  # msgspec's decoder names the bad value
     with np.errstate(over="ignore"):
         out_lps = np.where(np.isnan(lps), -np.inf, lps).astype(np.float32)
     r = int(rows.sum())
@@ -380,8 +387,8 @@ def _b64_topk(
         if len(v_raw) != 4 * rows * k or len(i_raw) != 4 * rows * k:
             return None
         v_all = np.frombuffer(v_raw, dtype="<f4")
-        if v_all.size and float(np.nanmax(v_all, initial=-np.inf)) > _F32_MAX:
-            return None  # +inf anywhere (msgspec's decoder checks every row)
+        if v_all.size and float(np.nanmax(v_all, initial=-np.inf)) > LOGPROB_TOLERANCE:
+            return None  # > 0 or +inf anywhere (msgspec's decoder checks every row)
         v = v_all.reshape(rows, k)[rows - seg.rows :]
         i = np.frombuffer(i_raw, dtype="<i4").reshape(rows, k)[rows - seg.rows :]
         if i.size and int(i.min()) < 0:

@@ -197,3 +197,48 @@ def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
     with pytest.raises(OPDStreamError, match="queue full") as info:
         decode_score_response(body, req, parser="arrow")
     assert info.value.reason == "aborted"
+
+
+def _deep(body: bytes, levels: int) -> bytes:
+    return b'{"deep":' + b"[" * levels + b"]" * levels + b"," + body[1:]
+
+
+def test_an_unknown_field_nested_100k_deep_is_malformed_for_msgspec() -> None:
+    req = REQUESTS["ids-per-position"]
+    body = _deep(wf.encode(VALID["ids-per-position"]), 100_000)
+    with pytest.raises(OPDStreamError, match="nested too deeply") as info:
+        decode_score_response(body, req)
+    assert info.value.reason == "malformed_response"
+
+
+def test_the_arrow_parser_skips_a_deep_unknown_field_the_second_documented_leniency() -> None:
+    req = REQUESTS["ids-per-position"]
+    plain = wf.encode(VALID["ids-per-position"])
+    fast = _fast(_deep(plain, 100_000), req)
+    assert fast is not None
+    _assert_same(decode_score_response(plain, req), fast)
+
+
+@pytest.mark.parametrize(
+    "name", ["plain", "topk-json", "topk-b64", "ids-per-position", "ids-blocked"]
+)
+def test_a_positive_logprob_is_malformed_for_both_parsers(name: str) -> None:
+    req = REQUESTS[name]
+    obj = copy.deepcopy(VALID[name])
+    item = obj[-1] if isinstance(obj, list) else obj
+    item["meta_info"]["input_token_logprobs"][-1][0] = 5.0
+    body = wf.encode(obj)
+    for parser in ("msgspec", "arrow"):
+        with pytest.raises(OPDStreamError, match="logprob above 0") as info:
+            decode_score_response(body, req, parser=parser)  # type: ignore[arg-type]
+        assert info.value.reason == "malformed_response"
+
+
+def test_a_tiny_positive_logprob_from_float_rounding_is_accepted() -> None:
+    req = REQUESTS["plain"]
+    obj = copy.deepcopy(VALID["plain"])
+    obj["meta_info"]["input_token_logprobs"][-1][0] = 5e-5
+    body = wf.encode(obj)
+    rows = decode_score_response(body, req, parser="arrow")
+    assert rows.token_logprobs[-1] == np.float32(5e-5)
+    _assert_same(decode_score_response(body, req), rows)

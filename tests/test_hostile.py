@@ -423,3 +423,53 @@ async def test_the_transport_charges_what_it_reads_to_the_running_lease() -> Non
                     tg.start_soon(one)
             assert small.used == 0
             assert small.peak <= small.limit + len(body)
+
+
+# ------------------------------------------------------------------ hostile answers (decode)
+
+
+def _valid_answer(tokens: list[int], lp: float) -> dict[str, Any]:
+    """A valid one-row scoring answer (sampled-token, ``logprob_start_len`` = P - 1)."""
+    return {
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": 0},
+            "input_token_logprobs": [[None, tokens[-2], None], [lp, tokens[-1], None]],
+            "output_token_logprobs": [],
+        }
+    }
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["msgspec", "arrow"])
+async def test_a_deeply_nested_unknown_field_is_malformed_or_skipped_never_internal(
+    threaded: bool,
+) -> None:
+    nest = 100_000
+    tokens = [1, 2, 3, 4]
+
+    def answer(_: dict[str, str]) -> bytes:
+        good = msgspec.json.encode(_valid_answer(tokens, -0.5))
+        return http(200, b'{"deep":' + b"[" * nest + b"]" * nest + b"," + good[1:])
+
+    async with raw_server(answer) as (url, _):
+        cfg = _cfg(url, max_attempts=1, decode_thread_bytes=1 if threaded else 1 << 30)
+        (out,) = await _run(cfg, [Sample(tokens, 1, rollout_logprobs=[-0.5])])
+    if threaded:  # pyarrow skips an unknown field however deep (documented leniency)
+        assert isinstance(out, ScoredSample)
+        assert out.teacher_logprobs.tolist() == [-0.5]
+    else:
+        assert isinstance(out, SampleFailure)
+        assert out.reason == "malformed_response" and "nested too deeply" in out.message
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["msgspec", "arrow"])
+async def test_a_positive_teacher_logprob_is_a_malformed_answer(threaded: bool) -> None:
+    tokens = [1, 2, 3, 4]
+
+    def answer(_: dict[str, str]) -> bytes:
+        return http(200, msgspec.json.encode(_valid_answer(tokens, 5.0)))
+
+    async with raw_server(answer) as (url, _):
+        cfg = _cfg(url, max_attempts=1, decode_thread_bytes=1 if threaded else 1 << 30)
+        (out,) = await _run(cfg, [Sample(tokens, 1, rollout_logprobs=[-0.5])])
+    assert isinstance(out, SampleFailure)
+    assert out.reason == "malformed_response" and "logprob above 0" in out.message

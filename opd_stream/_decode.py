@@ -210,7 +210,7 @@ class Segment(NamedTuple):
 # --- small helpers -------------------------------------------------------------------
 
 
-def _to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], where: str) -> Any:
+def to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], where: str) -> Any:
     """float64/float32 (NaN for null) -> float32 with -inf for NaN; rejects a value above
     the float32 range, and a logprob above ``LOGPROB_TOLERANCE`` (not a log-probability)."""
     top = float(np.nanmax(values, initial=-np.inf)) if values.size else -np.inf
@@ -400,7 +400,7 @@ def _decode_segments(
                 if meta.input_top_logprobs is None:
                     raise _missing(field)
                 ids, lps = _rows_block(meta.input_top_logprobs, field, seg, t0, top_k)
-                got = ids, _to_logprobs(lps, field)
+                got = ids, to_logprobs(lps, field)
             if got[0].size and int(got[0].min()) < 0:
                 raise MalformedResponseError(f"`{where}` top-k holds a negative token id")
             top_i.append(got[0])
@@ -523,7 +523,7 @@ def token_values(
             f"position {pos} differs from the one sent"
         )
     field = "$[*].meta_info.input_token_logprobs" if batch else "$.meta_info.input_token_logprobs"
-    return _to_logprobs(lps, field)  # type: ignore[no-any-return]
+    return to_logprobs(lps, field)  # type: ignore[no-any-return]
 
 
 def _checked_rows(rows: _Rows, field: str, seg: Segment, t0: int, width: int) -> _Rows:
@@ -645,7 +645,7 @@ def with_tail_values(
         if batch
         else "$.meta_info.output_token_ids_logprobs"
     )
-    tail_lp = _to_logprobs(tail_values, field)
+    tail_lp = to_logprobs(tail_values, field)
     ends = np.cumsum([seg.rows for seg in segments]) - 1
     is_tail = np.zeros(int(ends[-1]) + 1, dtype=bool)
     is_tail[ends[tails]] = True
@@ -719,7 +719,7 @@ def id_values(
         if batch
         else "$.meta_info.input_token_ids_logprobs"
     )
-    return _to_logprobs(picked, field)  # type: ignore[no-any-return]
+    return to_logprobs(picked, field)  # type: ignore[no-any-return]
 
 
 def _expected_ids(
@@ -804,7 +804,7 @@ def _flat_topk(
                 )
         v = _b64_array(val_b64, "<f4", rows * k, f"{base}_val_flat_b64")
         i = _b64_array(idx_b64, "<i4", rows * k, f"{base}_idx_flat_b64")
-        lps = _to_logprobs(v, f"{base}_val_flat_b64")
+        lps = to_logprobs(v, f"{base}_val_flat_b64")
         ids = i.astype(np.int64)
     elif val is not None or idx is not None:
         if val is None:
@@ -818,7 +818,7 @@ def _flat_topk(
                     f"`{base}_{name}_flat` has {got} values, expected {rows * k} "
                     f"(shape [{rows}, {k}])"
                 )
-        lps = _to_logprobs(np.array(val, dtype=np.float64), f"{base}_val_flat")
+        lps = to_logprobs(np.array(val, dtype=np.float64), f"{base}_val_flat")
         ids = np.array(idx, dtype=np.int64)
     else:
         return None
@@ -846,8 +846,8 @@ def _flat_layout(f: _FlatTopK, base: str) -> tuple[int, int, int]:
     return rows, k, prefix
 
 
-def _generation_flat_topk(
-    meta: _GenMeta, where: str, n: int
+def generation_flat_topk(
+    meta: _GenMeta | Any, where: str, n: int
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
     """The output top-k from the flat fields, checked like the nested rows: one row per
     output token, none of them null (a null prefix is a null row)."""
@@ -882,8 +882,13 @@ def _generation_flat_topk(
     return ids, lps
 
 
-def decode_generate_response(body: bytes) -> list[Generation]:
+def decode_generate_response(
+    body: bytes | bytearray, *, parser: str = "msgspec"
+) -> list[Generation]:
     """Decode a sampling ``/generate`` answer (single object or batch array).
+
+    ``parser="arrow"`` reads it with pyarrow's JSON reader (GIL released, for a thread);
+    an answer that path does not accept is decoded with msgspec, which gives the error.
 
     The output top-k is read from whichever form the server sent: the b64 flat fields
     (``output_top_logprobs_{val,idx}_flat_b64`` + ``_shape`` / ``_null_prefix``, asked by
@@ -904,6 +909,12 @@ def decode_generate_response(body: bytes) -> list[Generation]:
 
     All errors carry ``side="student"``.
     """
+    if parser == "arrow":
+        from ._decode_arrow import decode_generate_arrow
+
+        fast = decode_generate_arrow(body)
+        if fast is not None:
+            return fast
     try:
         decoded = _GENERATE.decode(body)
     except msgspec.DecodeError as exc:
@@ -939,7 +950,7 @@ def _generation(item: _GenResponse, where: str) -> Generation:
     lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=n)
     top_ids = top_lps = None
     try:
-        flat = _generation_flat_topk(meta, where, n)
+        flat = generation_flat_topk(meta, where, n)
     except ProtocolError as exc:
         exc.side = "student"
         raise
@@ -959,10 +970,10 @@ def _generation(item: _GenResponse, where: str) -> Generation:
         except MisalignedResponseError as exc:
             exc.side = "student"
             raise
-        top_ids, top_lps = tid, _to_logprobs(tlp, tfield)
+        top_ids, top_lps = tid, to_logprobs(tlp, tfield)
     return Generation(
         output_ids=ids,
-        output_logprobs=_to_logprobs(lps, field),
+        output_logprobs=to_logprobs(lps, field),
         output_top_ids=top_ids,
         output_top_logprobs=top_lps,
     )
@@ -1030,7 +1041,7 @@ def parse_student_topk(
         if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
             raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
     _check_student_topk(ids, lps, field)
-    return ids, _to_logprobs(lps, field)
+    return ids, to_logprobs(lps, field)
 
 
 def _present(row: list[_E | None]) -> list[_E]:

@@ -21,8 +21,9 @@ picks it by itself under trio, where aiohttp cannot run; under asyncio the defau
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Self
 
 import httpx
@@ -124,8 +125,10 @@ class HttpxTransport:
                     raise ResponseTooLarge(max_bytes, url=url)
                 lease = current_lease()
                 buf = bytearray()
-                async for chunk in resp.aiter_raw():
+                chunks = resp.aiter_raw()
+                async for chunk in chunks:
                     if len(buf) + len(chunk) > max_bytes:
+                        await _abandon(resp, chunks)
                         raise ResponseTooLarge(max_bytes, url=url)
                     if lease is not None:
                         await lease.grow(len(chunk))
@@ -141,3 +144,13 @@ class HttpxTransport:
                 f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
                 url=url,
             ) from None
+
+
+async def _abandon(resp: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    """Stop reading a body half way: close the connection, then let the chain of httpx's
+    body iterators see it closed and end (closing only the outermost one would leave the
+    inner ones to the garbage collector, which trio reports as a ResourceWarning)."""
+    await resp.aclose()
+    with contextlib.suppress(Exception):  # the read on the closed connection fails: expected
+        async for _ in chunks:  # (only what was already buffered, if anything)
+            pass

@@ -9,10 +9,12 @@ written as a float (``5.0``) is read as ``5``.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import wire_fakes as wf
@@ -21,7 +23,8 @@ from hypothesis import strategies as st
 from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
 
 from opd_stream import OPDStreamError
-from opd_stream._decode_arrow import decode_segments_arrow
+from opd_stream._decode import decode_generate_response
+from opd_stream._decode_arrow import decode_generate_arrow, decode_segments_arrow
 from opd_stream._wire import ScoreRequest, ScoreRows, build_score_payload, decode_score_response
 from opd_stream.testing.inprocess import InProcessSGLang
 
@@ -242,3 +245,98 @@ def test_a_tiny_positive_logprob_from_float_rounding_is_accepted() -> None:
     rows = decode_score_response(body, req, parser="arrow")
     assert rows.token_logprobs[-1] == np.float32(5e-5)
     _assert_same(decode_score_response(body, req), rows)
+
+
+# --- generation answers ------------------------------------------------------------------
+
+
+def _gen_answers() -> dict[str, bytes]:
+    from opd_stream._wire import build_generate_payload
+
+    server = InProcessSGLang("student", 0)
+    out = {}
+    for name, prompts, k, wire in (
+        ("single-no-topk", [5, 6, 7], 0, "json"),
+        ("single-nested", [5, 6, 7], 3, "json"),
+        ("single-b64", [5, 6, 7], 3, "b64"),
+        ("batch-nested", [[5, 6, 7], [8, 9]], 2, "json"),
+        ("batch-b64", [[5, 6, 7], [8, 9]], 2, "b64"),
+    ):
+        payload = build_generate_payload(
+            prompts,  # type: ignore[arg-type]
+            6,
+            top_logprobs_num=k,
+            seed=1,
+            topk_wire=wire,  # type: ignore[arg-type]
+        )
+        out[name] = server.handle("POST", "/generate", payload).body
+    plain = msgspec.json.decode(out["single-b64"])
+    meta = plain["meta_info"]
+    vals = np.frombuffer(base64.b64decode(meta.pop("output_top_logprobs_val_flat_b64")), "<f4")
+    idx = np.frombuffer(base64.b64decode(meta.pop("output_top_logprobs_idx_flat_b64")), "<i4")
+    meta.pop("output_top_logprobs_val_flat_b64_dtype", None)
+    meta.pop("output_top_logprobs_idx_flat_b64_dtype", None)
+    meta["output_top_logprobs_val_flat"] = vals.tolist()
+    meta["output_top_logprobs_idx_flat"] = idx.tolist()
+    out["single-plain-flat"] = msgspec.json.encode(plain)
+    return out
+
+
+GEN = _gen_answers()
+
+
+def _same_generations(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name in x.__struct_fields__:
+            u, v = getattr(x, name), getattr(y, name)
+            if u is None or v is None:
+                assert u is v, name
+            else:
+                assert (u.dtype, u.shape) == (v.dtype, v.shape) and np.array_equal(u, v), name
+
+
+@pytest.mark.parametrize("name", sorted(GEN))
+def test_generation_answers_decode_identically_with_both_parsers(name: str) -> None:
+    fast = decode_generate_arrow(GEN[name])
+    assert fast is not None, "the arrow parser handed a valid generation answer back"
+    _same_generations(decode_generate_response(GEN[name]), fast)
+
+
+def _gen_differential(body: bytes) -> None:
+    fast = decode_generate_arrow(body)
+    try:
+        slow: Any = decode_generate_response(body)
+    except OPDStreamError as exc:
+        slow = exc
+    if fast is not None:
+        if isinstance(slow, OPDStreamError):
+            assert _LENIENT in str(slow), f"arrow accepted what msgspec rejects: {slow}"
+        else:
+            _same_generations(slow, fast)
+    if isinstance(slow, OPDStreamError) and fast is None:
+        with pytest.raises(type(slow)) as info:
+            decode_generate_response(body, parser="arrow")
+        assert str(info.value) == str(slow)
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(GEN)), data=st.data(), n=st.integers(1, 3))
+def test_mutated_generation_answers_are_accepted_only_when_msgspec_accepts_them(
+    name: str, data: st.DataObject, n: int
+) -> None:
+    obj = msgspec.json.decode(GEN[name])
+    for _ in range(n):
+        path = data.draw(st.sampled_from(_paths(obj)))
+        op = data.draw(
+            st.sampled_from(["replace", "delete", "duplicate", "truncate", "bump", "b64-flip"])
+        )
+        obj = _mutate(obj, path, op, data.draw(field_values) if op == "replace" else None)
+    _gen_differential(json.dumps(obj).encode())
+
+
+@FUZZ
+@given(value=json_values)
+def test_random_generation_json_is_handed_back(value: Any) -> None:
+    wrapped = {"output_ids": [1, 2], "meta_info": value} if isinstance(value, dict) else value
+    _gen_differential(json.dumps(wrapped).encode())

@@ -1,0 +1,167 @@
+"""The httpx transport keeps the aiohttp transport's rules, on asyncio and trio: pooling, the
+byte cap, no compression, no redirects, connection errors, the byte budget; and a stream
+with no transport given picks aiohttp under asyncio, httpx under trio.
+
+A raw HTTP/1.1 server on an anyio listener (so it runs on either backend) answers with
+exactly the bytes each test wants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from opd_stream import (
+    AiohttpTransport,
+    ConnectionFailed,
+    MalformedResponseError,
+    ResponseTooLarge,
+    StreamConfig,
+)
+from opd_stream._budget import ByteBudget
+from opd_stream._stream import default_transport
+from opd_stream._transport_httpx import HttpxTransport
+
+Reply = Callable[[bytes, bytes], tuple[bytes, bool]]  # (head, body) -> (bytes to send, close)
+
+
+class _Server:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.connections = 0
+        self.heads: list[bytes] = []
+
+
+@asynccontextmanager
+async def raw_server(reply: Reply) -> AsyncIterator[_Server]:
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    server = _Server(f"http://127.0.0.1:{port}")
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        server.connections += 1
+        buf = b""
+        async with stream:
+            try:
+                while True:
+                    while b"\r\n\r\n" not in buf:
+                        buf += await stream.receive()
+                    head, buf = buf.split(b"\r\n\r\n", 1)
+                    length = 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value)
+                    while len(buf) < length:
+                        buf += await stream.receive()
+                    body, buf = buf[:length], buf[length:]
+                    server.heads.append(head)
+                    data, close = reply(head, body)
+                    await stream.send(data)
+                    if close:
+                        return
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return
+
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        yield server
+        tg.cancel_scope.cancel()
+
+
+def _answer(
+    body: bytes, *, status: str = "200 OK", headers: str = "", length: bool = True
+) -> bytes:
+    head = f"HTTP/1.1 {status}\r\n{headers}"
+    if length:
+        head += f"Content-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+def _ok(body: bytes = b'{"ok": true}') -> Reply:
+    return lambda head, req: (_answer(body), False)
+
+
+TRANSPORTS = ["httpx", "aiohttp"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def make(request: pytest.FixtureRequest, anyio_backend_name: str) -> Callable[..., Any]:
+    if request.param == "aiohttp" and anyio_backend_name != "asyncio":
+        pytest.skip("aiohttp runs on asyncio only (the reason the httpx transport exists)")
+    return HttpxTransport if request.param == "httpx" else AiohttpTransport
+
+
+async def test_an_answer_is_read_whole_over_one_pooled_connection(make: Any) -> None:
+    async with raw_server(_ok()) as server, make(api_key="k3y") as transport:
+        for _ in range(3):
+            resp = await transport.post(server.url + "/generate", b"{}", max_bytes=1 << 20)
+            assert resp.status == 200 and bytes(resp.body) == b'{"ok": true}'
+        assert transport.idle
+    assert server.connections == 1  # keep-alive
+    head = server.heads[0].decode().lower()
+    assert "authorization: bearer k3y" in head
+    assert "accept-encoding: identity" in head
+    assert "content-type: application/json" in head
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_body_over_the_cap_is_refused(make: Any, chunked: bool) -> None:
+    body = b"x" * 5000
+    if chunked:
+        data = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        raw = _answer(data, headers="Transfer-Encoding: chunked\r\n", length=False)
+    else:
+        raw = _answer(body)
+    async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
+        with pytest.raises(ResponseTooLarge):
+            await transport.post(server.url, b"{}", max_bytes=4096)
+        resp = await transport.post(server.url, b"{}", max_bytes=5000)  # the pool still works
+        assert len(resp.body) == 5000
+
+
+async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
+    raw = _answer(b"\x1f\x8b" + b"\0" * 20, headers="Content-Encoding: gzip\r\n")
+    async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
+        with pytest.raises(MalformedResponseError, match="Content-Encoding: gzip"):
+            await transport.post(server.url, b"{}", max_bytes=1 << 20)
+
+
+async def test_a_redirect_is_not_followed(make: Any) -> None:
+    raw = _answer(b"", status="302 Found", headers="Location: http://127.0.0.1:1/elsewhere\r\n")
+    async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
+        resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)
+    assert resp.status == 302
+    assert len(server.heads) == 1
+
+
+async def test_a_cut_body_and_a_refused_connection_are_connection_failures(make: Any) -> None:
+    cut = _answer(b"x" * 10)[:-5]  # announces 10 bytes, sends 5, closes
+    async with raw_server(lambda h, b: (cut, True)) as server, make() as transport:
+        with pytest.raises(ConnectionFailed):
+            await transport.post(server.url, b"{}", max_bytes=1 << 20)
+        url = server.url
+    async with make() as transport:  # the server is gone: connection refused
+        with pytest.raises(ConnectionFailed):
+            await transport.get(url + "/health", max_bytes=1024)
+
+
+async def test_the_transport_charges_what_it_reads_to_the_running_lease(make: Any) -> None:
+    budget = ByteBudget(1 << 20)
+    async with raw_server(_ok(b"y" * 3000)) as server, make() as transport:
+        with budget.hold() as lease:
+            resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)
+            assert lease.held == len(resp.body) == 3000
+
+
+async def test_a_stream_picks_aiohttp_under_asyncio_and_httpx_under_trio(
+    anyio_backend_name: str,
+) -> None:
+    cfg = StreamConfig.from_env({}, teachers="http://127.0.0.1:1", kl_device="cpu")
+    want = AiohttpTransport if anyio_backend_name == "asyncio" else HttpxTransport
+    assert type(default_transport(cfg)) is want

@@ -31,7 +31,9 @@ from ._transport import Transport
 from ._wire import (
     ScoreRequest,
     ScoreRows,
+    build_block_payloads,
     build_score_payload,
+    decode_block_answers,
     decode_score_response,
     parse_error_message,
     payload_size_hint,
@@ -277,7 +279,29 @@ class AttemptSender:
             return await self._attempt_held(side, url, req)
 
     async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
-        body = await self._build_body(req)
+        if req.id_form == "blocks" and req.ids is not None:
+            rows = await self._blocks_attempt(side, url, req)
+        else:
+            answer = await self._post(side, url, await self._build_body(req))
+            self._stats.stage_active["decode"] += 1
+            try:
+                rows = await self._decode_body(answer, req)
+            except ServerError as exc:
+                exc.side = side
+                exc.url = url
+                raise
+            finally:
+                self._stats.stage_active["decode"] -= 1
+        if req.top_k > 0:
+            self._after_topk(side, url, req, rows)
+        if req.ids is not None and req.id_form == "per-position":
+            self._caps.note(url, side, "per_position", True)
+        if req.ids is not None and req.id_form == "blocked":
+            self._stats.endpoint(url).blocked_batch = True
+        return rows
+
+    async def _post(self, side: Side, url: str, body: bytes) -> bytes | bytearray:
+        """One HTTP request under the endpoint's limit; the 200 answer's body."""
         ep = self._stats.endpoint(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep.in_flight += 1
@@ -298,22 +322,31 @@ class AttemptSender:
         if resp.status != 200:
             message = parse_error_message(resp.body, secret=self._secret)
             raise ServerHTTPError(resp.status, message, side=side, url=url)
-        self._stats.stage_active["decode"] += 1
+        return resp.body
+
+    async def _blocks_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        """The ``"blocks"`` id form: each block an independent request (concurrent, within
+        the endpoint's limit); the first failure fails the attempt and cancels the rest."""
+        start = time.thread_time()
+        bodies = build_block_payloads(req)
+        self._stats.cpu["build"] += time.thread_time() - start
+        answers: list[bytes | bytearray] = [b""] * len(bodies)
+
+        async def one(n: int) -> None:
+            answers[n] = await self._post(side, url, bodies[n])
+
+        async with anyio.create_task_group() as tg:
+            for n in range(len(bodies)):
+                tg.start_soon(one, n)
+        start = time.thread_time()
         try:
-            rows = await self._decode_body(resp.body, req)
+            return decode_block_answers(answers, req)
         except ServerError as exc:
             exc.side = side
             exc.url = url
             raise
         finally:
-            self._stats.stage_active["decode"] -= 1
-        if req.top_k > 0:
-            self._after_topk(side, url, req, rows)
-        if req.ids is not None and req.id_form == "per-position":
-            self._caps.note(url, side, "per_position", True)
-        if req.ids is not None and req.id_form == "blocked":
-            ep.blocked_batch = True
-        return rows
+            self._stats.cpu["decode_loop"] += time.thread_time() - start
 
     def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:
         if req.topk_wire != "b64":

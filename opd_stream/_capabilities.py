@@ -6,7 +6,7 @@ Detection is per endpoint and logged once (``capability_detected``), not per sam
 * ``per_position``: a per-position id request answered without
   ``input_token_ids_logprobs`` (the server ignored the field) -> blocked form;
 * ``blocked_batch``: a blocked (batch) request answered 422, as sglang-router 0.3.2 does
-  for a list ``logprob_start_len`` -> flat form;
+  for a list ``logprob_start_len`` -> the blocks as independent requests ("blocks");
 * ``b64_topk``: a b64 top-k request answered with nested JSON -> JSON top-k.
 """
 
@@ -18,7 +18,7 @@ from ._config import StreamConfig
 from ._errors import CapabilityError, OPDStreamError, ServerHTTPError
 from ._logging import get_logger
 from ._stats import StatsRecorder
-from ._wire import ScoreRequest
+from ._wire import IdForm, ScoreRequest
 
 __all__ = ("Capabilities", "Side")
 
@@ -34,7 +34,7 @@ class Capabilities:
         self._cfg = config
         self._stats = stats
 
-    def id_form(self, url: str) -> Literal["per-position", "flat", "blocked"]:
+    def id_form(self, url: str) -> IdForm:
         mode = self._cfg.id_scoring
         if mode != "auto":
             return mode
@@ -42,8 +42,9 @@ class Capabilities:
         if ep.per_position is not False:
             return "per-position"
         # sglang-router 0.3.2 rejects a batch with per-item logprob_start_len (HTTP 422):
-        # the flat form is then the one left that it forwards.
-        return "flat" if ep.blocked_batch is False else "blocked"
+        # the same blocks then go as independent single requests, which it forwards
+        # (answers stay O(R k B); the flat union's grow as R^2).
+        return "blocks" if ep.blocked_batch is False else "blocked"
 
     def topk_wire(self, url: str) -> Literal["b64", "json"]:
         wire = self._cfg.topk_wire
@@ -63,11 +64,11 @@ class Capabilities:
         log.info("capability_detected", side=side, url=url, capability=name, supported=supported)
 
     def batch_rejected(self, side: Side, url: str, req: ScoreRequest, exc: OPDStreamError) -> bool:
-        """True when ``auto`` id scoring should retry a rejected blocked request as flat.
+        """True when ``auto`` id scoring should retry a rejected blocked request as blocks.
 
         A proxy in front of SGLang (sglang-router 0.3.2) answers 422 to a batch whose
         ``logprob_start_len`` is a list, which the blocked form sends; SGLang itself takes
-        it. The endpoint then uses the flat form (logged once).
+        it. The endpoint then sends the blocks as independent requests (logged once).
         """
         if not (
             isinstance(exc, ServerHTTPError)
@@ -78,7 +79,7 @@ class Capabilities:
             return False
         ep = self._stats.endpoint(url)
         if ep.blocked_batch is False:
-            return True  # detected by a concurrent request already: retry as flat
+            return True  # detected by a concurrent request already: retry as blocks
         ep.blocked_batch = False
         log.info(
             "capability_detected",

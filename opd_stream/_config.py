@@ -61,7 +61,7 @@ KL_DEVICE_PATTERN: Final = re.compile(r"auto|cpu|cuda|cuda:\d+")
 
 Strategy: TypeAlias = Literal["only-student", "only-teacher", "intersection", "union", "xor"]
 WeightMode: TypeAlias = Literal["student_p", "teacher_p", "none"]
-IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "auto"]
+IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "blocks", "auto"]
 LogprobStart: TypeAlias = Literal["prompt", "zero"]
 TopkWire: TypeAlias = Literal["b64", "json", "auto"]
 Order: TypeAlias = Literal["completed", "input"]
@@ -151,8 +151,9 @@ _MEANINGS: Final[dict[str, str]] = {
     ),
     "weight_mode": "candidate weights: student_p, teacher_p or none",
     "id_scoring": (
-        "how ids are scored: per-position, flat (one union for all positions), blocked, "
-        "auto (per-position where the server supports it, else blocked)"
+        "how ids are scored: per-position, flat (one union for all positions), blocked (one "
+        "batch body), blocks (the same blocks as independent requests), auto (per-position "
+        "where the server supports it, else blocked, else blocks)"
     ),
     "logprob_start": (
         "prompt (ask only from the last prompt position on) or zero (the reference behaviour)"

@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._config import StreamConfig
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
 from ._logging import get_logger
+from ._memory import maybe_release_freed_memory, release_freed_memory
 from ._redact import redact
 from ._router import TeacherRouter
 from ._sample import (
@@ -394,6 +395,8 @@ class _Pipeline:
         self._account(item)
         await self._send("output", out, item)
         self.slots.release()
+        if self.outstanding == 0:  # nothing in flight: give freed heap memory back
+            maybe_release_freed_memory()
 
     async def emitter(
         self, emit: MemoryObjectReceiveStream[Result], out: MemoryObjectSendStream[Result]
@@ -457,6 +460,7 @@ async def run_pipeline(
         # a cancelled run leaves samples that will never come out: not in flight any more
         pipe.stats.in_flight -= pipe.outstanding
         pipe.outstanding = 0
+        release_freed_memory()  # see _memory: glibc keeps large freed blocks otherwise
         state.done.set()
         st = pipe.stats
         log.info(

@@ -195,7 +195,7 @@ class SampleScorer:
     ) -> ScoreRequest:
         id_form = self._caps.id_form(url)
         block_size = self._cfg.id_block_size
-        if block_size == 0 and id_form == "blocked" and ids is not None:
+        if block_size == 0 and id_form in ("blocked", "blocks") and ids is not None:
             # resolved once here, not by every later user of the request
             block_size = auto_block_size(
                 prepared.tokens, prepared.response_length, ids, top_k=top_k

@@ -46,6 +46,7 @@ answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -61,7 +62,7 @@ from ._decode import (
     parse_student_topk,
 )
 from ._decode_arrow import decode_segments_arrow
-from ._errors import InvalidSampleError
+from ._errors import InvalidSampleError, ServerError
 from ._gc import gc_paused
 from ._redact import redact, redact_json
 
@@ -73,7 +74,9 @@ __all__ = (
     "ScoreRows",
     "auto_block_size",
     "build_generate_payload",
+    "build_block_payloads",
     "build_score_payload",
+    "decode_block_answers",
     "decode_generate_response",
     "decode_score_response",
     "parse_error_message",
@@ -82,7 +85,7 @@ __all__ = (
     "resolved_block_size",
 )
 
-IdForm = Literal["per-position", "flat", "blocked"]
+IdForm = Literal["per-position", "flat", "blocked", "blocks"]
 Parser = Literal["msgspec", "arrow"]
 
 _ENCODER = msgspec.json.Encoder()
@@ -101,7 +104,9 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
         top_k: ``> 0`` asks ``top_logprobs_num = top_k``.
         ids: int64 ``[R, k]`` (``k >= 1``), ids to score at each response position; no
             duplicates within a row; ``0 <= id < 2**31``.
-        id_form: how ``ids`` travel: ``"per-position"``, ``"flat"`` or ``"blocked"``.
+        id_form: how ``ids`` travel: ``"per-position"``, ``"flat"``, ``"blocked"`` (one
+            batch body) or ``"blocks"`` (the blocked layout's items as independent single
+            requests: :func:`build_block_payloads`, :func:`decode_block_answers`).
         start: ``logprob_start_len`` = ``P - 1`` (``"prompt"``) or ``0`` (``"zero"``).
         topk_wire: ``"b64"`` asks for the b64 flat top-k fields.
         block_size: ``B`` for the blocked form; 0 = auto (:func:`auto_block_size`).
@@ -138,7 +143,7 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
         )
     if req.top_k < 0:
         raise InvalidSampleError("top_k", f"{req.top_k} < 0")
-    if req.id_form not in ("per-position", "flat", "blocked"):
+    if req.id_form not in ("per-position", "flat", "blocked", "blocks"):
         raise InvalidSampleError("id_form", f"unknown id form {req.id_form!r}")
     if req.start not in ("prompt", "zero"):
         raise InvalidSampleError("start", f"unknown start {req.start!r}")
@@ -316,6 +321,8 @@ def build_score_payload(req: ScoreRequest) -> bytes:
 
 
 def _build(req: ScoreRequest) -> bytes:
+    if req.id_form == "blocks" and req.ids is not None:
+        raise ValueError("the 'blocks' id form is sent as several bodies: build_block_payloads")
     lay = _layout(req)
     body: dict[str, Any] = {}
     if lay.batch:
@@ -340,6 +347,12 @@ def _build(req: ScoreRequest) -> bytes:
             body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
         else:
             body["token_ids_logprob"] = lay.unions[0].tolist()
+    _finish(body, req)
+    return _ENCODER.encode(body)
+
+
+def _finish(body: dict[str, Any], req: ScoreRequest) -> None:
+    """The keys every scoring body ends with (b64 flags when asked, text off, no stream)."""
     if req.top_k > 0 and req.topk_wire == "b64":
         # output side too: the one (unused) output top-k row SGLang answers for
         # max_new_tokens = 0 is ~23% smaller in b64 than as nested triples (417 vs 543 B at k=16)
@@ -348,7 +361,90 @@ def _build(req: ScoreRequest) -> bytes:
         body["return_flat_raw_top_logprobs_b64"] = True
     body["return_text_in_logprobs"] = False
     body["stream"] = False
-    return _ENCODER.encode(body)
+
+
+def build_block_payloads(req: ScoreRequest) -> list[bytes]:
+    """The ``"blocks"`` id form: one single (non-batch) ``/generate`` body per block.
+
+    The items of the blocked form (see the module docstring: block ``b`` is
+    ``input_ids = tokens[:P + end]`` (one token short for id-only requests),
+    ``logprob_start_len = P + start - 1``, ``token_ids_logprob`` = the block's id union),
+    each sent as an independent request with a single ``logprob_start_len``: what a proxy
+    that rejects per-item lists (sglang-router 0.3.2 answers them 422) forwards. Answers stay
+    ``O(R k B)`` in all, never the flat union's ``O(R^2 k)``.
+
+    Raises:
+        InvalidSampleError: a malformed request (names the field).
+    """
+    with gc_paused():
+        lay = _layout(req)
+        prefixes = _prefix_list(lay.tokens, [seg.length for seg in lay.segments])
+        out = []
+        for seg, union, prefix in zip(lay.segments, lay.unions, prefixes, strict=True):
+            body: dict[str, Any] = {
+                "input_ids": msgspec.Raw(prefix),
+                "sampling_params": {"temperature": 0, "max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": seg.start,
+            }
+            if req.top_k > 0:
+                body["top_logprobs_num"] = req.top_k
+            body["token_ids_logprob"] = union.tolist()
+            _finish(body, req)
+            out.append(_ENCODER.encode(body))
+        return out
+
+
+def decode_block_answers(
+    bodies: Sequence[bytes | bytearray], req: ScoreRequest, *, parser: Parser = "msgspec"
+) -> ScoreRows:
+    """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
+
+    Each answer is checked as one single-item answer (the checks of
+    :func:`decode_score_response`); an error names its block and the block's response
+    positions. The result equals the per-position one exactly.
+    """
+    lay = _layout(req)
+    if len(bodies) != len(lay.segments):
+        raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
+    parts: list[ScoreRows] = []
+    t0 = 0
+    for n, (body, seg) in enumerate(zip(bodies, lay.segments, strict=True)):
+        try:
+            rows = None
+            if parser == "arrow":
+                rows = decode_segments_arrow(
+                    body, batch=False, segments=[seg], tokens=lay.tokens, top_k=req.top_k
+                )
+            if rows is None:
+                rows = decode_segments(
+                    body,
+                    batch=False,
+                    segments=[seg],
+                    tokens=lay.tokens,
+                    top_k=req.top_k,
+                    per_position=False,
+                )
+        except ServerError as exc:
+            where = f"block {n} (response positions {t0}..{t0 + seg.rows - 1}): "
+            exc.args = (where + str(exc.args[0] if exc.args else exc), *exc.args[1:])
+            raise
+        parts.append(rows)
+        t0 += seg.rows
+
+    def cat(name: str) -> Any:
+        arrays = [getattr(p, name) for p in parts]
+        return None if arrays[0] is None else np.concatenate(arrays)
+
+    return ScoreRows(
+        token_ids=np.array(lay.tokens[lay.prompt_length :], dtype=np.int64),
+        token_logprobs=cat("token_logprobs"),
+        top_ids=cat("top_ids"),
+        top_logprobs=cat("top_logprobs"),
+        id_logprobs=cat("id_logprobs"),
+        used_b64=all(p.used_b64 for p in parts),
+        weight_version=parts[0].weight_version,
+    )
 
 
 _ROWS_PER_CHUNK = 1024
@@ -372,9 +468,27 @@ def payload_size_hint(req: ScoreRequest) -> int:
     """A cheap upper estimate of ``len(build_score_payload(req))`` (7 bytes per id sent)."""
     ids = 0 if req.ids is None else int(req.ids.size)
     tokens = int(req.tokens.size)
-    if req.id_form == "blocked" and req.ids is not None:
+    if req.id_form in ("blocked", "blocks") and req.ids is not None:
         tokens *= -(-req.response_length // max(req.block_size, 1))  # a prefix per block
     return 7 * (tokens + ids)
+
+
+def _prefix_list(tokens: npt.NDArray[np.int64], lengths: list[int]) -> list[bytes]:
+    """``[t0,...,t(n-1)]`` as compact JSON for each ``n`` in ``lengths`` (one encoding,
+    sliced; see :func:`_prefixes_json`)."""
+    whole = _ENCODER.encode(tokens.tolist())
+    end = _element_ends(tokens)
+    return [whole[: int(end[n])] + b"]" if n else b"[]" for n in lengths]
+
+
+def _element_ends(tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``end[n]`` (``n >= 1``): the offset just past element ``n - 1`` of ``tokens``'
+    compact JSON encoding, before its comma."""
+    digits = np.ones(tokens.shape[0], dtype=np.int64)
+    for power in range(1, 19):
+        digits += tokens >= 10**power
+    out: npt.NDArray[np.int64] = np.concatenate(([1], 1 + np.cumsum(digits + 1))) - 1
+    return out
 
 
 def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
@@ -386,11 +500,7 @@ def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
     ``msgspec.json.encode([tokens[:n].tolist() for n in lengths])`` for non-negative ids.
     """
     whole = _ENCODER.encode(tokens.tolist())  # b"[t0,t1,...]"
-    digits = np.ones(tokens.shape[0], dtype=np.int64)
-    for power in range(1, 19):
-        digits += tokens >= 10**power
-    # end[n] = offset just past element n-1 (before its comma) in ``whole``
-    end = np.concatenate(([1], 1 + np.cumsum(digits + 1))) - 1
+    end = _element_ends(tokens)
     # one copy of each prefix, straight into the result (memoryview slices copy nothing)
     view = memoryview(whole)
     parts: list[bytes | memoryview] = [b"["]

@@ -190,6 +190,27 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                     f"{v:.2f}x",
                 )
             )
+    s8 = res.get("8")
+    if s8:
+        r = s8["sizes"]["response"]
+        for name, limit in (
+            ("through sglang-router, discovery on", 1.5),
+            ("through sglang-router, discovery off (blocks)", 3.0),
+        ):
+            run = s8["runs"][name]
+            for what in ("cpu", "bytes"):
+                v = run[f"{what}_over_direct"]
+                out.append(
+                    _t(
+                        f"S8 {name}: client {what.upper() if what == 'cpu' else what} "
+                        f"<= {limit}x direct (R={r})",
+                        v <= limit,
+                        f"{v:.2f}x",
+                    )
+                )
+        out.append(
+            _t("S8 values equal direct scoring in every run", s8["equal_to_direct"], "")
+        )
     return out
 
 
@@ -436,6 +457,19 @@ def render_markdown(
                 f"{row['unpatched_over_patched_cpu']:.2f}x",
                 "",
             ]
+    if "8" in res:
+        s = res["8"]
+        lines += ["## 8. A fleet behind sglang-router (top-k 16 only-student)", ""]
+        lines += [f"sizes: {s['sizes']}", "", *_header()]
+        for name, d in s["runs"].items():
+            extra = ""
+            if "cpu_over_direct" in d:
+                extra = (
+                    f"CPU {d['cpu_over_direct']:.2f}x, bytes {d['bytes_over_direct']:.2f}x "
+                    f"direct; {d['requests']} requests"
+                )
+            lines.append(_row(name, d, extra))
+        lines += ["", f"values equal to direct scoring: {s['equal_to_direct']}", ""]
     return "\n".join(lines) + "\n"
 
 

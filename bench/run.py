@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scenario",
         type=int,
         action="append",
-        choices=range(1, 8),
+        choices=range(1, 9),
         metavar="N",
         help="run only scenario N (repeatable; default all)",
     )

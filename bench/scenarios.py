@@ -84,6 +84,9 @@ class Sizes(msgspec.Struct, kw_only=True):
     s7_lengths: tuple[int, ...] = (256, 2048)
     s7_cap_s: float = 120.0
     s7_flat_max_bytes: int = 512 * 2**20
+    s8_n: int = 16
+    s8_prompt: int = 512
+    s8_response: int = 1024
     quick: bool = False
 
 
@@ -113,6 +116,9 @@ def sizes_for(quick: bool) -> Sizes:
         s7_lengths=(256, 1024),
         s7_cap_s=30.0,
         s7_flat_max_bytes=128 * 2**20,
+        s8_n=6,
+        s8_prompt=256,
+        s8_response=1024,
         quick=True,
     )
 
@@ -770,6 +776,91 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
     return {"rows": rows, "k": k}
 
 
+# ---------------------------------------------------------------- scenario 8
+
+ROUTER_RUNS = (
+    "direct (client-side replicas)",
+    "through sglang-router, discovery on",
+    "through sglang-router, discovery off (blocks)",
+)
+
+
+async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
+    """A teacher fleet behind sglang-router 0.3.2: the same two mock replicas scored as
+    client-side replicas, through the router with discovery (its workers addressed
+    directly), and through the router without it (blocks as independent requests)."""
+    from opd_stream.testing.router import SGLangRouter
+
+    k, strategy, r = 16, "only-student", sz.s8_response
+    opts = msgspec.structs.replace(REPLAY, info_endpoints=False)
+    out: dict[str, Any] = {
+        "sizes": {"n": sz.s8_n, "prompt": sz.s8_prompt, "response": r, "k": k},
+        "runs": {},
+    }
+    with mocks(("teacher", TEACHER_SEED, opts), ("teacher", TEACHER_SEED, opts)) as procs:
+        workers = [p.url for p in procs]
+        with SGLangRouter(workers) as router_url:
+            pids = pid_list(procs) + _router_pids()
+            samples = make_samples(sz.s8_n, sz.s8_prompt, r, k)
+            toks = _tokens(samples)
+            configs = {
+                ROUTER_RUNS[0]: _config({"default": workers}, top_k=k, strategy=strategy),
+                ROUTER_RUNS[1]: _config(router_url, top_k=k, strategy=strategy),
+                ROUTER_RUNS[2]: _config(
+                    router_url, top_k=k, strategy=strategy, router_discovery="off"
+                ),
+            }
+            results = {}
+            for name, cfg in configs.items():
+                progress(f"s8 {name}: warm pass")
+                await run_opd(cfg, samples)  # discovery, capability detection, replay caches
+                _settle()
+                progress(f"s8 {name}")
+                with ClientMeter(pids) as m:
+                    t0 = time.perf_counter()
+                    opd = await run_opd(cfg, samples)
+                results[name] = opd
+                d = Measurement.metered(
+                    name,
+                    m,
+                    len(samples),
+                    toks,
+                    opd.stats.bytes_received,
+                    [t - t0 for t in opd.done_at.values()],
+                ).as_dict()
+                d["requests"] = opd.stats.requests
+                d["failures"] = len(opd.failures)
+                d["fleets"] = {
+                    u: {"kind": f.kind, "direct": f.direct, "workers": len(f.workers)}
+                    for u, f in opd.stats.fleets.items()
+                }
+                out["runs"][name] = d
+    base = out["runs"][ROUTER_RUNS[0]]
+    for name in ROUTER_RUNS[1:]:
+        run = out["runs"][name]
+        run["cpu_over_direct"] = run["cpu_s_per_1m_tokens"] / base["cpu_s_per_1m_tokens"]
+        run["bytes_over_direct"] = run["bytes_per_token"] / base["bytes_per_token"]
+    direct = results[ROUTER_RUNS[0]].results
+    out["equal_to_direct"] = all(
+        np.array_equal(direct[i].reverse_kl, other.results[i].reverse_kl)
+        and np.array_equal(direct[i].teacher_logprobs, other.results[i].teacher_logprobs)
+        for other in results.values()
+        for i in direct
+    ) and all(len(o.results) == len(samples) for o in results.values())
+    return out
+
+
+def _router_pids() -> list[int]:
+    """This process's sglang-router children (server side: never the client's CPU)."""
+    import psutil
+
+    return [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if "sglang_router" in " ".join(p.cmdline())
+    ]
+
+
 SCENARIOS: dict[int, tuple[str, Callable[[Sizes, Progress], Any]]] = {
     1: ("rollout tail", s1_rollout_tail),
     2: ("streaming arrivals", s2_streaming),
@@ -778,4 +869,5 @@ SCENARIOS: dict[int, tuple[str, Callable[[Sizes, Progress], Any]]] = {
     5: ("concurrency sweep", s5_concurrency),
     6: ("soak", s6_soak),
     7: ("unpatched server", s7_unpatched),
+    8: ("fleet behind sglang-router", s8_router),
 }

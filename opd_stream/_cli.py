@@ -18,8 +18,16 @@ _DESCRIPTION = (
     "Streaming teacher scoring for on-policy distillation against SGLang servers. "
     "demo: score rollouts against embedded mock SGLang servers (the main job); "
     "score: score a JSON Lines file of rollouts against real servers; "
-    "bench: run the benchmarks; config: print the configuration table."
+    "bench: run the benchmarks (from a source checkout); config: print the configuration table."
 )
+
+
+def _bench_available() -> bool:
+    """``bench/`` sits next to the package: a source checkout (an editable install). An
+    installed wheel has no bench/, and the command is not offered."""
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "bench" / "run.py").is_file()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,10 +59,11 @@ def _parser() -> argparse.ArgumentParser:
         "StreamConfig field not set by a flag comes from its OPD_STREAM_* variable.",
     )
     add_score_arguments(score)
-    bench = sub.add_parser(
-        "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
-    )
-    bench.add_argument("args", nargs=argparse.REMAINDER)
+    if _bench_available():
+        bench = sub.add_parser(
+            "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
+        )
+        bench.add_argument("args", nargs=argparse.REMAINDER)
     sub.add_parser("config", help="print the configuration table (fields, env variables)")
     return p
 

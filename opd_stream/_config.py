@@ -61,6 +61,7 @@ KL_DEVICE_PATTERN: Final = re.compile(r"auto|cpu|cuda|cuda:\d+")
 
 Strategy: TypeAlias = Literal["only-student", "only-teacher", "intersection", "union", "xor"]
 WeightMode: TypeAlias = Literal["student_p", "teacher_p", "none"]
+RouterDiscovery: TypeAlias = Literal["auto", "off"]
 IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "blocks", "auto"]
 LogprobStart: TypeAlias = Literal["prompt", "zero"]
 TopkWire: TypeAlias = Literal["b64", "json", "auto"]
@@ -150,6 +151,11 @@ _MEANINGS: Final[dict[str, str]] = {
         "(top-k mode only)"
     ),
     "weight_mode": "candidate weights: student_p, teacher_p or none",
+    "tail": (
+        "top-k: add a tail bucket holding the mass outside the candidates, so r_t is the "
+        "reverse KL over |C| + 1 outcomes (never negative, a lower bound of the full one); "
+        "needs weight_mode student_p. Env: 1/0/true/false"
+    ),
     "id_scoring": (
         "how ids are scored: per-position, flat (one union for all positions), blocked (one "
         "batch body), blocks (the same blocks as independent requests), auto (per-position "
@@ -170,7 +176,8 @@ _MEANINGS: Final[dict[str, str]] = {
         "budget for the response bodies held at once by one stream, all requests together, "
         "in bytes (>= 1024); a reader that would exceed it waits (one answer always proceeds)"
     ),
-    "kl_device": "KL device: auto (cuda when available), cpu, cuda or cuda:N",
+    "kl_device": "KL device: auto (the creating thread's current CUDA device when available, "
+    "else cpu), cpu, cuda (the same, cuda:N) or cuda:N",
     "order": "result order: completed (as they finish) or input (bounded reorder buffer)",
     "api_key": "sent as 'Authorization: Bearer'; never printed by repr, logs or errors",
     "channel_capacity": "capacity of each bounded channel between pipeline stages (>= 1)",
@@ -211,6 +218,10 @@ _MEANINGS: Final[dict[str, str]] = {
         "0 = off; > 0 = an attempt with no answer after this long is abandoned and "
         "retried (on another replica when there is one), within request_deadline_s"
     ),
+    "router_discovery": (
+        "auto = a server URL that is an sglang-router is replaced by its workers reachable "
+        "from here (listed again every 5 s); off = always send through the configured URL"
+    ),
 }
 
 
@@ -243,6 +254,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     top_k: int = 0
     strategy: Strategy = "only-student"
     weight_mode: WeightMode = "student_p"
+    tail: bool = False
     id_scoring: IdScoring = "auto"
     logprob_start: LogprobStart = "prompt"
     topk_wire: TopkWire = "auto"
@@ -271,6 +283,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hedge_after_percentile: float = 0.0
     hedge_min_s: float = 0.05
     attempt_timeout_s: float = 0.0
+    router_discovery: RouterDiscovery = "auto"
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in self.__struct_fields__}
@@ -488,6 +501,16 @@ def _validate(values: dict[str, Any]) -> dict[str, Any]:
             # The key goes into an HTTP header; never echo it.
             raise _Invalid("api_key", "must be non-empty printable text without whitespace")
 
+    if not isinstance(values["tail"], bool):
+        raise _Invalid("tail", f"expected a bool, got {type(values['tail']).__name__}")
+    if out["tail"] and out["top_k"] == 0:
+        raise _Invalid(("tail", "top_k"), "the tail bucket applies to top-k mode; set top_k > 0")
+    if out["tail"] and out["weight_mode"] != "student_p":
+        raise _Invalid(
+            ("tail", "weight_mode"),
+            "the tail bucket weighs candidates by the student's probabilities; "
+            f"set weight_mode student_p (got {out['weight_mode']})",
+        )
     if out["strategy"] != "only-student" and out["top_k"] == 0:
         raise _Invalid(("strategy", "top_k"), "strategy applies to top-k mode; set top_k > 0")
     if out["strategy"] in _NEEDS_STUDENT_SERVER and out["student_url"] is None:
@@ -518,6 +541,7 @@ _CHOICES: Final[dict[str, tuple[str, ...]]] = {
     "topk_wire": get_args(TopkWire),
     "order": get_args(Order),
     "balance": get_args(Balance),
+    "router_discovery": get_args(RouterDiscovery),
 }
 
 # (field, lowest, highest or None)
@@ -552,6 +576,7 @@ _FLOAT_BOUNDS: Final[tuple[tuple[str, float, bool], ...]] = (
 
 _ENV_COERCED.update({name: int for name, _, _ in _INT_BOUNDS})
 _ENV_COERCED.update({name: float for name, _, _ in _FLOAT_BOUNDS})
+_ENV_COERCED["tail"] = bool
 
 
 def _show_default(name: str, value: Any) -> str:
@@ -559,6 +584,8 @@ def _show_default(name: str, value: Any) -> str:
         return "required"
     if value is None:
         return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, int) and not isinstance(value, bool) and name.endswith("_bytes"):
         for unit, size in (("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
             if value >= size and value % size == 0:

@@ -24,6 +24,7 @@ import numpy as np
 
 from ._config import StreamConfig
 from ._logging import LOG_LEVELS
+from ._progress import Progress
 from ._router import generate_url
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._stream import OPDStream
@@ -209,24 +210,20 @@ async def run_demo(args: argparse.Namespace) -> int:
         scored: list[ScoredSample] = []
         failed: list[SampleFailure] = []
         t0 = time.perf_counter()
-        progress = None
-        if not args.no_progress:
-            from tqdm import tqdm
-
-            progress = tqdm(total=args.samples, unit="sample", file=sys.stderr)
+        progress = Progress(sys.stderr, enabled=not args.no_progress)
+        progress.set_total(args.samples)
         async with aiohttp.ClientSession() as session, OPDStream(cfg) as stream:
             async with stream.run(_rollouts(session, student.url, args, names)) as results:
                 async for item in results:
                     if isinstance(item, ScoredSample):
                         scored.append(item)
+                        progress.update(ok=1)
                     else:
                         failed.append(item)
-                    if progress is not None:
-                        progress.update(1)
+                        progress.update(failed=1)
             stats = stream.stats()
         wall = time.perf_counter() - t0
-        if progress is not None:
-            progress.close()
+        progress.close()
     models = {n: MockModel("teacher", args.seed + 1 + i) for i, n in enumerate(names)}
     worst = _verify(scored, models)
     _summary(scored, failed, stats, wall, worst)

@@ -22,6 +22,27 @@ The -inf floor:
     changed; finite values below it (which no real model produces) are clamped too.  The
     per-candidate logprobs in :class:`TopKResult` are the floored values.
 
+The tail bucket (``tail=True``):
+    Top-k ignores the mass outside the candidate set ``C = sel(t)``.  With ``tail=True`` one
+    more outcome, the *tail*, holds the rest of each model's mass, and ``r_t`` is the reverse
+    KL between the two distributions over ``|C| + 1`` outcomes::
+
+        r_t = sum_{v in C} p_s(v) (s(v) - t(v)) + S_tail (log S_tail - log T_tail)
+
+    with ``p_s(v) = exp(s(v))`` (unnormalised student weights, whatever the strategy; only
+    ``weight_mode="student_p"`` is accepted), ``S_tail = 1 - sum_{v in C} exp(s(v))`` and
+    ``T_tail = 1 - sum_{v in C} exp(t(v))``.  It is a proper KL (never negative) and, by the
+    log-sum inequality, a lower bound of the full-vocabulary reverse KL.  The tails are
+    computed in float64 (a tail of 1e-6 is the difference of two numbers near 1, far below
+    float32's resolution there) as ``log1p(-mass)``, with the mass of ``C`` clamped to at
+    most ``1 - TAIL_MIN`` (so a tail is never below :data:`TAIL_MIN` = 1e-6, beyond which a
+    float32 logprob's rounding is all that is left of it; this also absorbs inputs whose
+    candidates sum to more than 1, e.g. values from two slightly different sources).  A tail
+    near 1 needs no clamp: ``log1p`` keeps ``log(1 - mass) ~ -mass`` exact for a small mass,
+    and an empty ``C`` gives tails of exactly 1 (log 0) and ``r_t = 0``.  The clamp and
+    float32 rounding can leave ``-1e-7``-sized negatives, which are returned as ``0``.  The
+    two tail logprobs are returned too (``student_tail_lp``, ``teacher_tail_lp``).
+
 NaN means "missing":
     NaN never leaves this module.  A NaN in a *selected* candidate's student or teacher value
     raises :class:`~opd_stream._errors.MissingLogprobError` naming the side, the token id, the
@@ -70,12 +91,13 @@ from torch import Tensor
 
 from ._errors import MissingLogprobError
 from ._klselect import SelectionPlan, plan_selection
-from ._kltypes import LOGPROB_FLOOR, STRATEGIES, WEIGHT_MODES, Strategy, WeightMode
+from ._kltypes import LOGPROB_FLOOR, STRATEGIES, TAIL_MIN, WEIGHT_MODES, Strategy, WeightMode
 
 __all__ = (
     "LOGPROB_FLOOR",
     "STRATEGIES",
     "Strategy",
+    "TAIL_MIN",
     "TopKBatch",
     "TopKResult",
     "WEIGHT_MODES",
@@ -144,8 +166,13 @@ class TopKResult(NamedTuple):
         ids: int64 ``[B, R, C]``: candidate token ids.
         student_lp: float32 ``[B, R, C]``: student logprob of each candidate (floored).
         teacher_lp: float32 ``[B, R, C]``: teacher logprob of each candidate (floored).
-        weights: float32 ``[B, R, C]``: the candidate weights ``w(v)``.
+        weights: float32 ``[B, R, C]``: the candidate weights ``w(v)`` (with ``tail``:
+            ``exp(s(v))``).
         mask: bool ``[B, R, C]``: True on selected candidates.
+        student_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None):
+            ``log S_tail``, the student's log-mass outside the candidates (0 where nothing
+            is selected or on padding).
+        teacher_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None): ``log T_tail``.
     """
 
     reverse_kl: Tensor
@@ -154,6 +181,8 @@ class TopKResult(NamedTuple):
     teacher_lp: Tensor
     weights: Tensor
     mask: Tensor
+    student_tail_lp: Tensor | None = None
+    teacher_tail_lp: Tensor | None = None
 
 
 def needed_inputs(strategy: Strategy) -> frozenset[str]:
@@ -244,7 +273,9 @@ def sampled_reverse_kl(
 # --------------------------------------------------------------------------------- top-k
 
 
-def topk_reverse_kl(batch: TopKBatch, strategy: Strategy, weight_mode: WeightMode) -> TopKResult:
+def topk_reverse_kl(
+    batch: TopKBatch, strategy: Strategy, weight_mode: WeightMode, *, tail: bool = False
+) -> TopKResult:
     """Select candidates, weight them and reduce to the per-token reverse KL (spec §2-§3).
 
     Selected ids, in order: only-student ``S``; only-teacher ``T``; intersection the ids of
@@ -260,23 +291,32 @@ def topk_reverse_kl(batch: TopKBatch, strategy: Strategy, weight_mode: WeightMod
     ``R = 0`` gives empty tensors.  No Python loop over positions and no per-position sync.
     The returned tensors never share memory with the inputs.
 
+    With ``tail`` (see the module doc), the weights are ``exp(s(v))`` and ``r_t`` gains the
+    tail bucket's term: the reverse KL over ``|C| + 1`` outcomes, never negative.
+
     Args:
         batch: The padded inputs; the fields :func:`needed_inputs` names must be set.
         strategy: One of :data:`STRATEGIES`.
-        weight_mode: One of :data:`WEIGHT_MODES`.
+        weight_mode: One of :data:`WEIGHT_MODES` (``"student_p"`` with ``tail``).
+        tail: Add the tail bucket (and return the two tail logprobs).
 
     Returns:
         A :class:`TopKResult` on the inputs' device.
 
     Raises:
-        ValueError: Unknown strategy or weight mode, a needed field is None, or the shapes
-            or devices do not agree.
+        ValueError: Unknown strategy or weight mode, a needed field is None, the shapes
+            or devices do not agree, or ``tail`` with a weight mode other than student_p.
         MissingLogprobError: A selected candidate's student or teacher value is NaN.
     """
     needed = needed_inputs(strategy)
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(
             f"unknown weight mode {weight_mode!r}; expected one of {', '.join(WEIGHT_MODES)}"
+        )
+    if tail and weight_mode != "student_p":
+        raise ValueError(
+            f"tail needs weight_mode 'student_p' (the tail bucket's weights are the student's "
+            f"probabilities), got {weight_mode!r}"
         )
     fields = _checked_fields(batch, strategy, needed)
     valid = batch.valid
@@ -319,9 +359,10 @@ def topk_reverse_kl(batch: TopKBatch, strategy: Strategy, weight_mode: WeightMod
             t_base = _joined(flat("teacher_on_student", f32), flat("teacher_lp", f32))
     c = ks if strategy in ("only-student", "only-teacher", "intersection") else ids.shape[1]
     if n == 0 or c == 0:
-        return _empty_result(b, r, c, ids.device)
+        return _empty_result(b, r, c, ids.device, tail)
 
-    basis = weight_mode != "none" and strategy != "xor"
+    raw = strategy == "xor" or tail  # unnormalised weights
+    basis = weight_mode != "none" and not raw
     plan = plan_selection(strategy, ids, ks, row_valid, basis)
     if plan is None:
         # Every slot is selected, in input order: nothing to move or clear.
@@ -338,7 +379,7 @@ def topk_reverse_kl(batch: TopKBatch, strategy: Strategy, weight_mode: WeightMod
         s_val.clamp_min_(LOGPROB_FLOOR).view(torch.int32).bitwise_and_(plan.keep)
         t_val.clamp_min_(LOGPROB_FLOOR).view(torch.int32).bitwise_and_(plan.keep)
         mask = plan.mask
-    weights = _weights(strategy, weight_mode, s_val, t_val, plan)
+    weights = _weights(raw, weight_mode, s_val, t_val, plan)
     # (Not torch.mv with ones, which is faster on CPU: BLAS rounds a row differently
     # depending on the row count, so a sample's r_t would depend on its batch mates.)
     reverse_kl = torch.sub(s_val, t_val).mul_(weights).sum(dim=1)
@@ -347,13 +388,36 @@ def topk_reverse_kl(batch: TopKBatch, strategy: Strategy, weight_mode: WeightMod
     # logprob is +inf, -inf was floored), so one small reduction finds out.
     if bool(torch.isnan(reverse_kl.sum())):
         _raise_on_missing(out_ids, s_val, t_val, r)
+    tails: tuple[Tensor, Tensor] | None = None
+    if tail:
+        selected = None if plan is None else plan.mask
+        s_tail, t_tail = _tail_lp(s_val, selected), _tail_lp(t_val, selected)
+        # S_tail (log S_tail - log T_tail), added in float64; never below 0 (see the doc)
+        term = torch.exp(s_tail).mul_(s_tail - t_tail)
+        reverse_kl = term.add_(reverse_kl).clamp_min_(0.0).to(torch.float32)
+        tails = (s_tail.to(torch.float32), t_tail.to(torch.float32))
     outputs = (reverse_kl, out_ids, s_val, t_val, weights, mask)
     if b == 1:
-        return TopKResult(*(x[None] for x in outputs))
-    return TopKResult(reverse_kl.reshape(b, r), *(x.reshape(b, r, c) for x in outputs[1:]))
+        res = TopKResult(*(x[None] for x in outputs))
+    else:
+        res = TopKResult(reverse_kl.reshape(b, r), *(x.reshape(b, r, c) for x in outputs[1:]))
+    if tails is None:
+        return res
+    return res._replace(
+        student_tail_lp=tails[0].reshape(b, r), teacher_tail_lp=tails[1].reshape(b, r)
+    )
 
 
-def _empty_result(b: int, r: int, c: int, device: torch.device) -> TopKResult:
+def _tail_lp(x: Tensor, selected: Tensor | None) -> Tensor:
+    """float64 ``[N]``: ``log(1 - sum_{selected} exp(x))``, the mass clamped to at most
+    ``1 - TAIL_MIN`` (``x`` floored, +0.0 in unselected slots; ``selected`` None: all)."""
+    p = torch.exp(x.to(torch.float64))
+    if selected is not None:
+        p.mul_(selected)
+    return torch.log1p(p.sum(dim=1).clamp_(max=1.0 - TAIL_MIN).neg_())
+
+
+def _empty_result(b: int, r: int, c: int, device: torch.device, tail: bool) -> TopKResult:
     def f32(*shape: int) -> Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=device)
 
@@ -364,6 +428,8 @@ def _empty_result(b: int, r: int, c: int, device: torch.device) -> TopKResult:
         teacher_lp=f32(b, r, c),
         weights=f32(b, r, c),
         mask=torch.zeros((b, r, c), dtype=torch.bool, device=device),
+        student_tail_lp=f32(b, r) if tail else None,
+        teacher_tail_lp=f32(b, r) if tail else None,
     )
 
 
@@ -409,21 +475,22 @@ def _raise_on_missing(ids: Tensor, s_val: Tensor, t_val: Tensor, r: int) -> None
 
 
 def _weights(
-    strategy: str, weight_mode: str, s_val: Tensor, t_val: Tensor, plan: SelectionPlan | None
+    raw: bool, weight_mode: str, s_val: Tensor, t_val: Tensor, plan: SelectionPlan | None
 ) -> Tensor:
-    """Candidate weights (spec §3) from floored values; +0.0 where not selected."""
+    """Candidate weights (spec §3) from floored values; +0.0 where not selected. ``raw``:
+    not normalised (xor, and the tail bucket)."""
     n, c = s_val.shape
     if weight_mode == "none":
         if plan is None:
-            return torch.full((n, c), 1.0 if strategy == "xor" else 1.0 / c, device=s_val.device)
+            return torch.full((n, c), 1.0 if raw else 1.0 / c, device=s_val.device)
         w = plan.mask.to(s_val.dtype)
-        if strategy == "xor":
+        if raw:
             return w
         return w.div_(w.sum(dim=1, keepdim=True).clamp_min_(1.0))
     x = s_val if weight_mode == "student_p" else t_val
     if plan is None:
-        return torch.exp(x) if strategy == "xor" else torch.softmax(x, dim=1)
-    if strategy == "xor":
+        return torch.exp(x) if raw else torch.softmax(x, dim=1)
+    if raw:
         w = torch.exp(x)
     else:
         # Unselected slots (+0.0 in x) get a value far below any floored logprob: their exp

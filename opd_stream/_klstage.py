@@ -166,14 +166,16 @@ def score_batch(
     strategy: Strategy,
     weight_mode: WeightMode,
     device: torch.device,
+    tail: bool = False,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     """Score fetched samples; a sample with a missing logprob comes back as its error.
 
     The output has one entry per input, in input order. A sample's error names the first
     selected candidate with a missing logprob, its response position in that sample, and the
     sample's index among the samples scored together; the others are scored again without it.
+    ``tail``: top-k with the tail bucket (see :func:`~opd_stream._kl.topk_reverse_kl`).
     """
-    return _score_batch(items, top_k, strategy, weight_mode, device)
+    return _score_batch(items, top_k, strategy, weight_mode, device, tail)
 
 
 def _score_batch(
@@ -182,6 +184,7 @@ def _score_batch(
     strategy: Strategy,
     weight_mode: WeightMode,
     device: torch.device,
+    tail: bool = False,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     if top_k == 0:
         return [_score_sampled(f) for f in items]
@@ -190,7 +193,9 @@ def _score_batch(
     todo = list(items)
     while todo:
         try:
-            res = topk_reverse_kl(_joined_batch(todo, strategy, device), strategy, weight_mode)
+            res = topk_reverse_kl(
+                _joined_batch(todo, strategy, device), strategy, weight_mode, tail=tail
+            )
         except MissingLogprobError as exc:
             f, err = _locate(todo, exc)
             failed[f.prepared.index] = err
@@ -199,7 +204,10 @@ def _score_batch(
         # One device-to-host copy per array, then each sample's rows, as its own copy.
         on_host = device.type == "cpu"
         rkl, ids, s_lp, t_lp, weights, mask = (
-            (x[0] if on_host else x[0].cpu()).numpy() for x in res
+            (x[0] if on_host else x[0].cpu()).numpy() for x in res[:6]
+        )
+        s_tail, t_tail = (
+            None if x is None else (x[0] if on_host else x[0].cpu()).numpy() for x in res[6:]
         )
         row = 0
         for f in todo:
@@ -210,6 +218,8 @@ def _score_batch(
                 teacher_logprobs=_own(t_lp[row:end]),
                 weights=_own(weights[row:end]),
                 mask=_own(mask[row:end]),
+                student_tail_logprobs=None if s_tail is None else _own(s_tail[row:end]),
+                teacher_tail_logprobs=None if t_tail is None else _own(t_tail[row:end]),
             )
             scored[f.prepared.index] = _result(f, _own(rkl[row:end]), cands)
             row = end

@@ -87,6 +87,7 @@ def _timed_score_batch(
         strategy=cfg.strategy,
         weight_mode=cfg.weight_mode,
         device=device,
+        tail=cfg.tail,
     )
     return results, time.perf_counter() - start, time.thread_time() - cpu
 
@@ -250,6 +251,8 @@ class _Pipeline:
                 teacher_logprobs=torch.empty((0, width)),
                 weights=torch.empty((0, width)),
                 mask=torch.empty((0, width), dtype=torch.bool),
+                student_tail_logprobs=torch.empty(0) if self.cfg.tail else None,
+                teacher_tail_logprobs=torch.empty(0) if self.cfg.tail else None,
             )
         has_kl = self.cfg.top_k > 0 or prepared.rollout_logprobs is not None
         return ScoredSample(

@@ -73,6 +73,13 @@ class Sample(msgspec.Struct, kw_only=False):
             teacher's top-k alone under union. When top-k mode needs it and it is None, it
             is fetched from the student server.
         sample_id: anything the caller wants back on the result.
+        teacher_prompt_ids: the teacher's own prompt (token ids, non-empty; a sequence of
+            ints, a 1-D integer numpy array or torch tensor), for a teacher that sees a
+            different context than the student (privileged context: a demonstration, the
+            solution, a hint; self-distillation). When set, every teacher request is
+            ``teacher_prompt_ids + response`` and teacher row ``t`` describes the same
+            response token as student row ``t``; the student's requests keep ``tokens``.
+            None: the teacher sees ``tokens``.
     """
 
     tokens: Any
@@ -81,6 +88,7 @@ class Sample(msgspec.Struct, kw_only=False):
     rollout_logprobs: Any = None
     student_top_logprobs: Any = None
     sample_id: Any = None
+    teacher_prompt_ids: Any = None
 
 
 class Candidates(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +97,12 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     ``C`` is ``top_k`` for only-student, only-teacher and intersection, ``2 * top_k`` for
     union and xor. Selected candidates are packed first in the strategy's order; unused
     slots have ``mask`` False, ``ids`` -1 and zero values.
+
+    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` and
+    ``student_tail_logprobs`` / ``teacher_tail_logprobs`` (float32 ``[R]``) are each model's
+    log-mass outside the selected candidates (``log S_tail``, ``log T_tail``; their mass at
+    least 1e-6, 0 where nothing is selected): ``r_t = sum(weights * (student_logprobs -
+    teacher_logprobs)) + exp(ls) * (ls - lt)``, at least 0. Without it they are None.
     """
 
     ids: torch.Tensor
@@ -96,6 +110,8 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     teacher_logprobs: torch.Tensor
     weights: torch.Tensor
     mask: torch.Tensor
+    student_tail_logprobs: torch.Tensor | None = None
+    teacher_tail_logprobs: torch.Tensor | None = None
 
 
 class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,23 +173,23 @@ class PreparedSample(msgspec.Struct, frozen=True, kw_only=True):
     rollout_logprobs: npt.NDArray[np.float32] | None
     student_top_ids: npt.NDArray[np.int64] | None
     student_top_logprobs: npt.NDArray[np.float32] | None
+    # teacher_prompt_ids + the response (what every teacher request sends), or None: tokens
+    teacher_tokens: npt.NDArray[np.int64] | None = None
 
 
-def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
+def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]:
     if _is_tensor(tokens):
         dtype = tokens.dtype
         if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
-            raise InvalidSampleError("tokens", f"expected integer token ids, got dtype {dtype}")
+            raise InvalidSampleError(field, f"expected integer token ids, got dtype {dtype}")
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.dtype.kind not in "iu":
-            raise InvalidSampleError(
-                "tokens", f"expected integer token ids, got dtype {tokens.dtype}"
-            )
+            raise InvalidSampleError(field, f"expected integer token ids, got dtype {tokens.dtype}")
         arr = tokens
     elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise InvalidSampleError(
-            "tokens", f"expected a sequence of int token ids, got {type(tokens).__name__}"
+            field, f"expected a sequence of int token ids, got {type(tokens).__name__}"
         )
     else:
         # One C-level pass over the element types (a list of plain ints is the common case);
@@ -182,23 +198,23 @@ def _as_token_array(tokens: Any) -> npt.NDArray[np.int64]:
             for i, tok in enumerate(tokens):
                 if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
                     raise InvalidSampleError(
-                        "tokens", f"element {i} is {type(tok).__name__}, expected int"
+                        field, f"element {i} is {type(tok).__name__}, expected int"
                     )
         try:
             arr = np.asarray(tokens, dtype=np.int64)
         except OverflowError:
-            raise InvalidSampleError("tokens", "a token id does not fit in 64 bits") from None
+            raise InvalidSampleError(field, "a token id does not fit in 64 bits") from None
     if arr.ndim != 1:
-        raise InvalidSampleError("tokens", f"expected a 1-D sequence, got shape {arr.shape}")
+        raise InvalidSampleError(field, f"expected a 1-D sequence, got shape {arr.shape}")
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0:
             raise InvalidSampleError(
-                "tokens", f"negative token id at position {int(np.argmax(arr < 0))}"
+                field, f"negative token id at position {int(np.argmax(arr < 0))}"
             )
         if hi > MAX_TOKEN_ID:
             raise InvalidSampleError(
-                "tokens",
+                field,
                 f"token id above {MAX_TOKEN_ID} at position {int(np.argmax(arr > MAX_TOKEN_ID))}",
             )
     return np.ascontiguousarray(arr, dtype=np.int64)
@@ -367,6 +383,16 @@ def prepare_sample(
     if tokens.shape[0] < 1:
         raise InvalidSampleError("tokens", "empty token list")
     r = _check_response_length(sample.response_length, tokens.shape[0])
+    teacher_tokens = None
+    if sample.teacher_prompt_ids is not None:
+        teacher_prompt = _as_token_array(sample.teacher_prompt_ids, "teacher_prompt_ids")
+        if teacher_prompt.shape[0] < 1:
+            raise InvalidSampleError(
+                "teacher_prompt_ids",
+                "empty teacher prompt (it needs at least one token, as nothing predicts the "
+                "first; None means the teacher sees tokens)",
+            )
+        teacher_tokens = np.concatenate([teacher_prompt, tokens[tokens.shape[0] - r :]])
     rollout = None
     if sample.rollout_logprobs is not None:
         rollout = _as_rollout_logprobs(sample.rollout_logprobs, r)
@@ -388,4 +414,5 @@ def prepare_sample(
         rollout_logprobs=rollout,
         student_top_ids=top_ids,
         student_top_logprobs=top_lps,
+        teacher_tokens=teacher_tokens,
     )

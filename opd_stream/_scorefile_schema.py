@@ -79,6 +79,9 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (or SGLang ``[logprob, token_id, text]`` triples), best first; ``null`` logprob
             means ``-inf``.
         metadata: an object, passed on as ``Sample.metadata``.
+        teacher_prompt_ids: the teacher's own prompt token ids (non-empty), when the teacher
+            sees another context than the student (``Sample.teacher_prompt_ids``): teacher
+            requests send it + the response.
     """
 
     id: msgspec.Raw = msgspec.Raw()
@@ -90,6 +93,7 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rollout_logprobs: list[float] | None = None
     student_top_logprobs: list[list[Any]] | None = None
     metadata: dict[str, Any] | None = None
+    teacher_prompt_ids: list[TokenId] | None = None
 
 
 class _IdOnly(msgspec.Struct):
@@ -226,6 +230,9 @@ def decode_line(
     if parsed.rollout_logprobs is not None:
         rollout = np.asarray(parsed.rollout_logprobs, dtype=np.float64)
     ident = parsed.id.copy() if len(parsed.id) else _default_id(seq)
+    teacher_prompt = None
+    if parsed.teacher_prompt_ids is not None:  # (an empty one fails at intake, named)
+        teacher_prompt = np.array(parsed.teacher_prompt_ids, dtype=np.int64)
     return Sample(
         tokens,
         response_length,
@@ -233,6 +240,7 @@ def decode_line(
         rollout_logprobs=rollout,
         student_top_logprobs=parsed.student_top_logprobs,
         sample_id=LineRef(seq, line, ident),
+        teacher_prompt_ids=teacher_prompt,
     )
 
 
@@ -254,7 +262,9 @@ def line_failure(data: bytes, *, line: int, seq: int, error: InvalidSampleError)
 class CandidatesLine(msgspec.Struct, kw_only=True):
     """Top-k candidate arrays of one sample, each ``[R][C]`` (``--with-candidates``).
 
-    ``ids`` is -1 and the values are 0 where ``mask`` is false (unused slots).
+    ``ids`` is -1 and the values are 0 where ``mask`` is false (unused slots). With the tail
+    bucket (``OPD_STREAM_TAIL``), ``student_tail_logprobs`` and ``teacher_tail_logprobs``
+    (``[R]``, always finite) are each model's log-mass outside the candidates; else absent.
     """
 
     ids: list[list[int]]
@@ -262,6 +272,8 @@ class CandidatesLine(msgspec.Struct, kw_only=True):
     teacher_logprobs: list[list[float | None]]
     weights: list[list[float]]
     mask: list[list[bool]]
+    student_tail_logprobs: list[float] | msgspec.UnsetType = msgspec.UNSET
+    teacher_tail_logprobs: list[float] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ScoredLine(msgspec.Struct, kw_only=True):
@@ -344,6 +356,9 @@ def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
                 weights=c.weights.tolist(),
                 mask=c.mask.tolist(),
             )
+            if c.student_tail_logprobs is not None and c.teacher_tail_logprobs is not None:
+                candidates.student_tail_logprobs = c.student_tail_logprobs.tolist()
+                candidates.teacher_tail_logprobs = c.teacher_tail_logprobs.tolist()
         out = ScoredLine(
             id=ref.id,
             line=ref.line,

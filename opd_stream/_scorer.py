@@ -22,6 +22,7 @@ from ._attempts import AttemptSender, Counter, Failed
 from ._balance import EndpointPool
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
+from ._discovery import FleetDirectory
 from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
@@ -91,6 +92,7 @@ class SampleScorer:
             rng=self._rng,
         )
         self._caps = Capabilities(config, stats)
+        self.fleets = FleetDirectory(transport, enabled=config.router_discovery == "auto")
         self._sender = AttemptSender(
             config, transport, stats, self._pool, self._caps, decode=decode, threads=threads
         )
@@ -114,8 +116,10 @@ class SampleScorer:
         tries = Counter()
         last: OPDStreamError | None = None
         failed_url: tuple[str, ...] = ()  # a retry goes elsewhere when a replica is left
+        configured = urls
         with anyio.move_on_at(deadline):
             while True:
+                urls = await self.fleets.expand(configured)  # routers -> their workers
                 await self._sender.maybe_probe(side, urls)
                 url = self._pool.pick(urls, failed_url) or self._pool.pick(urls)
                 assert url is not None  # urls is never empty and nothing is excluded
@@ -192,16 +196,20 @@ class SampleScorer:
         *,
         top_k: int,
         ids: npt.NDArray[np.int64] | None,
+        teacher: bool = False,
     ) -> ScoreRequest:
+        # A teacher request sends the sample's teacher prompt + response when it has one
+        # (the response, its length and so every row's meaning stay the student's).
+        tokens = prepared.tokens
+        if teacher and prepared.teacher_tokens is not None:
+            tokens = prepared.teacher_tokens
         id_form = self._caps.id_form(url)
         block_size = self._cfg.id_block_size
         if block_size == 0 and id_form in ("blocked", "blocks") and ids is not None:
             # resolved once here, not by every later user of the request
-            block_size = auto_block_size(
-                prepared.tokens, prepared.response_length, ids, top_k=top_k
-            )
+            block_size = auto_block_size(tokens, prepared.response_length, ids, top_k=top_k)
         return ScoreRequest(
-            tokens=prepared.tokens,
+            tokens=tokens,
             response_length=prepared.response_length,
             top_k=top_k,
             ids=ids,
@@ -229,7 +237,7 @@ class SampleScorer:
 
         def teacher_request(ids: npt.NDArray[np.int64] | None) -> Callable[[str], ScoreRequest]:
             top = k if plan.teacher_topk else 0
-            return lambda url: self._score_request(prepared, url, top_k=top, ids=ids)
+            return lambda url: self._score_request(prepared, url, top_k=top, ids=ids, teacher=True)
 
         try:
             if plan.fetch_student_topk and not plan.teacher_scores_student_ids:

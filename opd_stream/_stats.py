@@ -8,11 +8,23 @@ latency and loop-lag samples are ring buffers.
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
+from typing import Literal
 
 import msgspec
 import numpy as np
 
-__all__ = ("ChannelStats", "EndpointStats", "KLStageStats", "StatsRecorder", "StreamStats")
+__all__ = (
+    "ChannelStats",
+    "EndpointStats",
+    "FleetState",
+    "KLStageStats",
+    "Kind",
+    "StatsRecorder",
+    "StreamStats",
+)
+
+#: What a configured server URL turned out to be (see :class:`FleetState`).
+Kind = Literal["unknown", "server", "router"]
 
 _RING = 4096
 
@@ -79,6 +91,25 @@ class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
     batch_p99_s: float | None
 
 
+class FleetState(msgspec.Struct, frozen=True, kw_only=True):
+    """What one configured URL turned out to be (``stats().fleets``).
+
+    Attributes:
+        kind: ``router`` (an sglang-router), ``server`` (anything else: a server, or a
+            proxy without a worker list), or ``unknown`` (not asked yet, or unreachable).
+        direct: requests go straight to ``workers`` (False: through the URL itself).
+        workers: the router's healthy workers reachable from here, in use when ``direct``.
+        listed: the router's healthy workers as it listed them (reachable or not).
+        refreshes: how many times the list was read.
+    """
+
+    kind: Kind
+    direct: bool
+    workers: tuple[str, ...]
+    listed: tuple[str, ...]
+    refreshes: int
+
+
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of a stream's state (see ``OPDStream.stats``)."""
 
@@ -104,6 +135,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     ``decode_loop`` (answers decoded with msgspec on the event loop), ``decode_threads``
     (answers parsed in decode threads), ``kl`` (KL batches). What the process spent
     beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
+    fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
+    """Each configured server URL asked so far: an sglang-router (and its workers, used
+    directly when reachable from here) or a server (``router_discovery``)."""
 
 
 class _Endpoint:

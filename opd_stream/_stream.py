@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Self
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import StreamConfig, resolve_decode_threads, resolve_kl_device
@@ -266,4 +267,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         """A snapshot: channel depths and high-water marks, stage activity, in flight,
         retries, failures by reason, bytes received, latency and loop-lag percentiles,
         and per-endpoint load and detected capabilities."""
-        return self._stats.snapshot()
+        snap = self._stats.snapshot()
+        if self._scorer is None:
+            return snap
+        return msgspec.structs.replace(snap, fleets=self._scorer.fleets.snapshot())

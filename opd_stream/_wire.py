@@ -62,7 +62,7 @@ from ._decode import (
     parse_student_topk,
 )
 from ._decode_arrow import decode_segments_arrow
-from ._errors import InvalidSampleError, ServerError
+from ._errors import InvalidSampleError
 from ._gc import gc_paused
 from ._redact import redact, redact_json
 
@@ -400,50 +400,27 @@ def decode_block_answers(
 ) -> ScoreRows:
     """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
 
-    Each answer is checked as one single-item answer (the checks of
-    :func:`decode_score_response`); an error names its block and the block's response
-    positions. The result equals the per-position one exactly.
+    The answers are checked together as the items of one batch answer (item ``n`` is block
+    ``n``: every check of :func:`decode_score_response`, in one vectorised pass); the result
+    equals the per-position one exactly.
     """
     lay = _layout(req)
     if len(bodies) != len(lay.segments):
         raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
-    parts: list[ScoreRows] = []
-    t0 = 0
-    for n, (body, seg) in enumerate(zip(bodies, lay.segments, strict=True)):
-        try:
-            rows = None
-            if parser == "arrow":
-                rows = decode_segments_arrow(
-                    body, batch=False, segments=[seg], tokens=lay.tokens, top_k=req.top_k
-                )
-            if rows is None:
-                rows = decode_segments(
-                    body,
-                    batch=False,
-                    segments=[seg],
-                    tokens=lay.tokens,
-                    top_k=req.top_k,
-                    per_position=False,
-                )
-        except ServerError as exc:
-            where = f"block {n} (response positions {t0}..{t0 + seg.rows - 1}): "
-            exc.args = (where + str(exc.args[0] if exc.args else exc), *exc.args[1:])
-            raise
-        parts.append(rows)
-        t0 += seg.rows
-
-    def cat(name: str) -> Any:
-        arrays = [getattr(p, name) for p in parts]
-        return None if arrays[0] is None else np.concatenate(arrays)
-
-    return ScoreRows(
-        token_ids=np.array(lay.tokens[lay.prompt_length :], dtype=np.int64),
-        token_logprobs=cat("token_logprobs"),
-        top_ids=cat("top_ids"),
-        top_logprobs=cat("top_logprobs"),
-        id_logprobs=cat("id_logprobs"),
-        used_b64=all(p.used_b64 for p in parts),
-        weight_version=parts[0].weight_version,
+    joined = b"[" + b",".join(bodies) + b"]"
+    if parser == "arrow":
+        rows = decode_segments_arrow(
+            joined, batch=True, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+        )
+        if rows is not None:
+            return rows
+    return decode_segments(
+        joined,
+        batch=True,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=req.top_k,
+        per_position=False,
     )
 
 

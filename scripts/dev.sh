@@ -4,9 +4,11 @@
 #   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite
 #   scripts/dev.sh bench [flags]  runs the benchmarks in bench/
 #   scripts/dev.sh setup          only sets up
+#   scripts/dev.sh fresh          pip install . (no extras) into a new venv, then the demo
+# OPD_DEV_VENV names the venv (default .venv); not OPD_STREAM_*, which the library reads strictly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${OPD_STREAM_VENV:-.venv}"
+VENV="${OPD_DEV_VENV:-.venv}"
 PY="$VENV/bin/python"
 
 setup() {
@@ -17,7 +19,7 @@ setup() {
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   fi
-  if ! "$PY" -c "import opd_stream, pytest, trio, hypothesis, matplotlib" 2>/dev/null \
+  if ! "$PY" -c "import opd_stream, pytest, trio, hypothesis, matplotlib, httpx" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.opd_stream_installed" ]; then
     "$PY" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch "$VENV/.opd_stream_installed"
@@ -40,10 +42,23 @@ PYEOF
   fi
 }
 
+# The base install runs the main job: a new venv, the pinned CPU torch, `pip install .` with no
+# extras, then `opd-stream demo` from outside the checkout (so nothing of it is importable).
+fresh() {
+  local tmp
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' RETURN
+  python3 -m venv "$tmp/venv"
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check .
+  (cd "$tmp" && "$tmp/venv/bin/opd-stream" demo --samples 16 --no-progress)
+}
+
 cmd="${1:-test}"
 shift || true
 case "$cmd" in
   setup) setup ;;
+  fresh) fresh ;;
   demo)  setup; exec "$VENV/bin/opd-stream" demo "$@" ;;
   bench) setup; exec "$VENV/bin/opd-stream" bench "$@" ;;
   test)
@@ -52,5 +67,5 @@ case "$cmd" in
     "$VENV/bin/mypy" --strict opd_stream
     exec "$PY" -m pytest -q "$@"
     ;;
-  *) echo "usage: scripts/dev.sh {setup|demo|test|bench} [args]" >&2; exit 2 ;;
+  *) echo "usage: scripts/dev.sh {setup|demo|test|bench|fresh} [args]" >&2; exit 2 ;;
 esac

@@ -1,7 +1,15 @@
 """Independent float64 reference for the KL math (spec opd-semantics §1-§3).
 
 Plain Python over dicts, one position at a time, written from the spec text only (it imports
-nothing from ``opd_stream._kl``).  The floor ``-1e4`` is the documented constant.
+nothing from ``opd_stream._kl``).  The floor ``-1e4`` and the smallest tail mass ``1e-6`` are
+the documented constants.
+
+The tail bucket (``tail=True``, issue 18) is written from its formula, straight:
+``r = sum_C exp(s) (s - t) + S (log S - log T)`` with ``S = max(1 - sum_C exp(s), 1e-6)``
+(``math.fsum``, ``math.log``), ``T`` likewise, and ``r`` at least 0.
+:func:`reference_full_reverse_kl` is the full-vocabulary reverse KL of a distribution given
+as a head of explicit logprobs plus ``n_tail`` ids of one shared logprob (the mock model's
+closed form).
 """
 
 from __future__ import annotations
@@ -13,11 +21,13 @@ __all__ = (
     "FLOOR",
     "Missing",
     "RefPosition",
+    "reference_full_reverse_kl",
     "reference_position",
     "reference_sampled",
 )
 
 FLOOR = -1e4
+TAIL_MIN = 1e-6
 
 
 class Missing(Exception):
@@ -40,6 +50,7 @@ class RefPosition:
         teacher: list[float],
         weights: list[float],
         scale: float,
+        tails: tuple[float, float] | None = None,
     ) -> None:
         self.r = r
         self.ids = ids
@@ -48,6 +59,8 @@ class RefPosition:
         self.weights = weights
         # Sum of |w (s - t)|: the magnitude float32 rounding is relative to.
         self.scale = scale
+        # tail=True: (log S_tail, log T_tail)
+        self.tails = tails
 
 
 def _floor(x: float) -> float:
@@ -70,8 +83,11 @@ def reference_position(
     t_ids: Sequence[int] | None = None,
     t_lp: Sequence[float] | None = None,
     s_on_t: Sequence[float] | None = None,
+    tail: bool = False,
 ) -> RefPosition:
-    """Score one position; negative ids are empty slots.  Raises :class:`Missing` on NaN."""
+    """Score one position; negative ids are empty slots.  Raises :class:`Missing` on NaN.
+
+    ``tail``: the tail bucket (weights ``exp(s)`` whatever ``weight_mode``)."""
     student_top = _as_dict(s_ids, s_lp)  # S with the student's own values (insertion order)
     teacher_on_s = _as_dict(s_ids, t_on_s)
     teacher_top = _as_dict(t_ids, t_lp)
@@ -109,6 +125,17 @@ def reference_position(
     teacher = [_floor(t) for _, t in pairs]
 
     n = len(selected)
+    if tail:
+        weights = [math.exp(x) for x in student]
+        r = sum(w * (s - t) for w, s, t in zip(weights, student, teacher, strict=True))
+        s_tail = max(1.0 - math.fsum(math.exp(x) for x in student), TAIL_MIN)
+        t_tail = max(1.0 - math.fsum(math.exp(x) for x in teacher), TAIL_MIN)
+        tail_term = s_tail * (math.log(s_tail) - math.log(t_tail))
+        scale = sum(abs(w * (s - t)) for w, s, t in zip(weights, student, teacher, strict=True))
+        tails = (math.log(s_tail), math.log(t_tail))
+        return RefPosition(
+            max(r + tail_term, 0.0), selected, student, teacher, weights, scale, tails
+        )
     if weight_mode == "none":
         weights = [1.0 if strategy == "xor" else 1.0 / n for _ in range(n)]
     else:
@@ -128,6 +155,21 @@ def reference_position(
         r += w * (s - t)
         scale += abs(w * (s - t))
     return RefPosition(r, selected, student, teacher, weights, scale)
+
+
+def reference_full_reverse_kl(
+    head_s: Sequence[float],
+    head_t: Sequence[float],
+    tail_s: float,
+    tail_t: float,
+    n_tail: int,
+) -> float:
+    """``KL(student || teacher)`` over the full vocabulary: the same head ids with logprobs
+    ``head_s`` / ``head_t``, plus ``n_tail`` ids of logprob ``tail_s`` / ``tail_t`` each
+    (ids of probability 0 in both contribute nothing)."""
+    terms = [math.exp(s) * (s - t) for s, t in zip(head_s, head_t, strict=True) if s > -math.inf]
+    terms.append(n_tail * math.exp(tail_s) * (tail_s - tail_t))
+    return math.fsum(terms)
 
 
 def reference_sampled(rollout: Sequence[float], teacher: Sequence[float]) -> list[float]:

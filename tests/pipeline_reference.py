@@ -4,6 +4,10 @@ For a sample scored against mock servers, recompute in float64, per position, wh
 teacher and student servers would answer (values rounded to float32 as SGLang sends them)
 and what the scoring math (the independent ``kl_reference``) gives. Nothing here imports
 opd_stream's wire or KL code.
+
+``teacher_prompt`` (issue 18): the teacher's values are those of the sequence
+``teacher_prompt + response``, the student's those of the sample's own tokens; ``tail``: the
+tail bucket (``kl_reference``'s ``tail=True``).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ class Expected:
         ids: list[list[int]] | None,
         weights: list[list[float]] | None,
         scale: list[float],
+        tails: list[tuple[float, float]] | None = None,
     ) -> None:
         self.teacher_logprobs = teacher_logprobs
         self.reverse_kl = reverse_kl
         self.ids = ids
         self.weights = weights
         self.scale = scale
+        self.tails = tails
 
 
 def _f32(values: Any) -> list[float]:
@@ -63,11 +69,18 @@ def expected_result(
     strategy: str,
     weight_mode: str,
     rollout_logprobs: list[float] | None = None,
+    tail: bool = False,
+    teacher_prompt: list[int] | None = None,
 ) -> Expected:
     """What a correct pipeline must return for this sample (float64, per position)."""
     tok = np.asarray(tokens, dtype=np.int64)
     p = len(tokens) - response_length
-    teacher_lp = _f32(teacher.token_logprobs(tok, np.arange(p, len(tokens))))
+    # the teacher's sequence and its first response position
+    t_tok, tp = tok, p
+    if teacher_prompt is not None:
+        t_tok = np.concatenate([np.asarray(teacher_prompt, dtype=np.int64), tok[p:]])
+        tp = len(teacher_prompt)
+    teacher_lp = _f32(teacher.token_logprobs(t_tok, np.arange(tp, len(t_tok))))
     if top_k == 0:
         rkl = None
         if rollout_logprobs is not None:
@@ -80,11 +93,13 @@ def expected_result(
     ids_out: list[list[int]] = []
     w_out: list[list[float]] = []
     scale: list[float] = []
+    tails: list[tuple[float, float]] = []
     for t in range(response_length):
         pos = np.array([p + t])
+        t_pos = np.array([tp + t])
         s_ids, s_lp = student.topk(tok, pos, top_k)
-        t_ids, t_lp = teacher.topk(tok, pos, top_k)
-        t_on_s = teacher.logprobs(tok, pos, s_ids)
+        t_ids, t_lp = teacher.topk(t_tok, t_pos, top_k)
+        t_on_s = teacher.logprobs(t_tok, t_pos, s_ids)
         s_on_t = student.logprobs(tok, pos, t_ids)
         ref = reference_position(
             strategy=strategy,
@@ -95,12 +110,15 @@ def expected_result(
             t_ids=[int(x) for x in t_ids[0]],
             t_lp=_f32(t_lp[0]),
             s_on_t=_f32(s_on_t[0]),
+            tail=tail,
         )
         rkl_out.append(ref.r)
         ids_out.append(ref.ids)
         w_out.append(ref.weights)
         scale.append(ref.scale)
-    return Expected(teacher_lp, rkl_out, ids_out, w_out, scale)
+        if ref.tails is not None:
+            tails.append(ref.tails)
+    return Expected(teacher_lp, rkl_out, ids_out, w_out, scale, tails if tail else None)
 
 
 def assert_matches(result: Any, expected: Expected, *, atol: float = 1e-5) -> None:
@@ -126,3 +144,12 @@ def assert_matches(result: Any, expected: Expected, *, atol: float = 1e-5) -> No
         assert cands.mask[t, :n].all() and not cands.mask[t, n:].any(), t
         for g, e in zip(cands.weights[t, :n].tolist(), expected.weights[t], strict=True):  # type: ignore[index]
             assert abs(g - e) <= atol, (t, g, e)
+    if expected.tails is None:
+        assert cands.student_tail_logprobs is None and cands.teacher_tail_logprobs is None
+        return
+    got_s = cands.student_tail_logprobs.tolist()
+    got_t = cands.teacher_tail_logprobs.tolist()
+    assert len(got_s) == len(got_t) == len(expected.tails)
+    for t, (ls, lt) in enumerate(expected.tails):
+        assert abs(got_s[t] - ls) <= 1e-6 * abs(ls) + 1e-9, (t, got_s[t], ls)
+        assert abs(got_t[t] - lt) <= 1e-6 * abs(lt) + 1e-9, (t, got_t[t], lt)

@@ -160,6 +160,8 @@ class _Fleet:
         if path == "/health":
             self.health_probes[base] += 1
             return Response(200 if self.healthy[base] else 503, b"")
+        if path != "/generate":  # e.g. router discovery's GET /workers
+            return self.servers[base].handle(method, path, body)
         self.generate[base] += 1
         try:
             await anyio.sleep(self.latency[base])

@@ -727,3 +727,80 @@ async def test_console_script_scores_stdin_to_stdout(tmp_path: Path) -> None:
         _assert_sampled(got, exp)
     assert "scored 4/4 samples (100.0%) | ok 4, failed 0" in err
     assert "opd-stream score: 4 samples, 4 ok, 0 failed in " in err
+
+
+async def test_teacher_prompt_ids_and_the_tail_bucket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18 through the command: ``teacher_prompt_ids`` in the input schema, the tail
+    logprobs in ``candidates`` (``OPD_STREAM_TAIL``), bad teacher prompts failing alone."""
+    monkeypatch.setenv("OPD_STREAM_TAIL", "1")
+    rng = np.random.default_rng(18)
+    async with serve_mock("teacher", 1) as teacher, serve_mock("student", 0) as student:
+        lines: list[dict[str, Any]] = []
+        expected: list[Expected] = []
+        for i in range(4):
+            prompt, response, _ = _rollout(rng, student.model, int(rng.integers(2, 8)), 2 + i)
+            teacher_prompt = rng.integers(0, 5000, 1 + 5 * i).tolist()
+            lines.append(
+                {
+                    "id": i,
+                    "prompt_ids": prompt,
+                    "response_ids": response,
+                    "teacher_prompt_ids": teacher_prompt,
+                }
+            )
+            expected.append(
+                expected_result(
+                    tokens=prompt + response,
+                    response_length=len(response),
+                    teacher=teacher.model,
+                    student=student.model,
+                    top_k=K,
+                    strategy="union",
+                    weight_mode="student_p",
+                    tail=True,
+                    teacher_prompt=teacher_prompt,
+                )
+            )
+        bad = {"empty": [], "type": "1 2", "negative": [1, -3], "float": [1, 2.5]}
+        for name, value in bad.items():
+            lines.append(
+                {"id": name, "prompt_ids": [1], "response_ids": [2], "teacher_prompt_ids": value}
+            )
+        _write_lines(tmp_path / "in.jsonl", lines)
+        code = await _run(
+            "--teacher",
+            f"math={teacher.url}",
+            "--student-url",
+            student.url,
+            "--top-k",
+            str(K),
+            "--strategy",
+            "union",
+            "--with-candidates",
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        )
+    assert code == 0
+    out = {line["id"]: line for line in _read_lines(tmp_path / "out.jsonl")}
+    for i, exp in enumerate(expected):
+        got = out[i]
+        assert got["ok"] is True
+        assert [-math.inf if v is None else v for v in got["teacher_logprobs"]] == (
+            exp.teacher_logprobs
+        )
+        assert exp.reverse_kl is not None and exp.tails is not None
+        for t, (g, e) in enumerate(zip(got["reverse_kl"], exp.reverse_kl, strict=True)):
+            assert g >= 0 and abs(g - e) <= 1e-5 + 1e-6 * exp.scale[t], (i, t, g, e)
+        cands = got["candidates"]
+        for t, (ls, lt) in enumerate(exp.tails):
+            assert abs(cands["student_tail_logprobs"][t] - ls) <= 1e-6 * abs(ls) + 1e-9
+            assert abs(cands["teacher_tail_logprobs"][t] - lt) <= 1e-6 * abs(lt) + 1e-9
+    for name in bad:
+        assert out[name]["ok"] is False and out[name]["reason"] == "invalid_sample"
+        assert out[name]["message"].startswith("teacher_prompt_ids: "), out[name]
+    assert "empty teacher prompt" in out["empty"]["message"]

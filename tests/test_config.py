@@ -40,6 +40,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.top_k == 0
     assert cfg.strategy == "only-student"
     assert cfg.weight_mode == "student_p"
+    assert cfg.tail is False
     assert cfg.id_scoring == "auto"
     assert cfg.logprob_start == "prompt"
     assert cfg.topk_wire == "auto"
@@ -159,6 +160,9 @@ INVALID: list[tuple[str, Any]] = [
     ("strategy", 5),
     ("weight_mode", "student-p"),
     ("weight_mode", None),
+    ("tail", 1),
+    ("tail", "true"),
+    ("tail", None),
     ("id_scoring", "per_position"),
     ("logprob_start", "one"),
     ("topk_wire", "base64"),
@@ -214,6 +218,7 @@ INVALID: list[tuple[str, Any]] = [
     ("hedge_min_s", -1.0),
     ("attempt_timeout_s", -1.0),
     ("attempt_timeout_s", math.inf),
+    ("router_discovery", "always"),
 ]
 
 
@@ -251,6 +256,8 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("top_k", "0x10"),
     ("strategy", "bogus"),
     ("weight_mode", "x"),
+    ("tail", "maybe"),
+    ("tail", "2"),
     ("id_scoring", "x"),
     ("logprob_start", "x"),
     ("topk_wire", "x"),
@@ -282,6 +289,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("hedge_after_percentile", "101"),
     ("hedge_min_s", "-0.5"),
     ("attempt_timeout_s", "soon"),
+    ("router_discovery", "sometimes"),
 ]
 
 
@@ -352,6 +360,35 @@ def test_evolve_rejects_unknown_fields() -> None:
         _config().evolve(top_kk=3)
 
 
+@pytest.mark.parametrize(("text", "value"), [("1", True), ("true", True), ("0", False)])
+def test_tail_is_read_from_its_env_variable(text: str, value: bool) -> None:
+    environ = {"OPD_STREAM_TEACHERS": T, "OPD_STREAM_TOP_K": "4", "OPD_STREAM_TAIL": text}
+    assert StreamConfig.from_env(environ).tail is value
+
+
+def test_tail_needs_top_k_mode() -> None:
+    with pytest.raises(ConfigError, match=r"^tail, top_k: the tail bucket applies to top-k mode"):
+        _config(tail=True)
+    environ = {"OPD_STREAM_TEACHERS": T, "OPD_STREAM_TAIL": "1"}
+    with pytest.raises(ConfigError, match=r"^tail \(from OPD_STREAM_TAIL\), top_k: "):
+        StreamConfig.from_env(environ)
+
+
+@pytest.mark.parametrize("weight_mode", ["teacher_p", "none"])
+def test_tail_needs_student_weights(weight_mode: str) -> None:
+    with pytest.raises(ConfigError, match=r"^tail, weight_mode: .*set weight_mode student_p"):
+        _config(tail=True, top_k=4, weight_mode=weight_mode)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["only-student", "only-teacher", "intersection", "union", "xor"]
+)
+def test_tail_accepts_every_strategy(strategy: str) -> None:
+    cfg = _config(tail=True, top_k=4, strategy=strategy, student_url="http://s:1")
+    assert cfg.tail is True
+    assert {row.field: row.default for row in CONFIG_FIELDS}["tail"] == "false"
+
+
 # --------------------------------------------------------------------------- environment
 
 
@@ -389,6 +426,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_TOP_K": "8",
         "OPD_STREAM_STRATEGY": "xor",
         "OPD_STREAM_WEIGHT_MODE": "none",
+        "OPD_STREAM_TAIL": "false",  # (True needs weight_mode student_p: see the tail tests)
         "OPD_STREAM_ID_SCORING": "blocked",
         "OPD_STREAM_LOGPROB_START": "zero",
         "OPD_STREAM_TOPK_WIRE": "json",
@@ -417,6 +455,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_HEDGE_AFTER_PERCENTILE": "90",
         "OPD_STREAM_HEDGE_MIN_S": "0.2",
         "OPD_STREAM_ATTEMPT_TIMEOUT_S": "2.5",
+        "OPD_STREAM_ROUTER_DISCOVERY": "off",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -427,6 +466,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         top_k=8,
         strategy="xor",
         weight_mode="none",
+        tail=False,
         id_scoring="blocked",
         logprob_start="zero",
         topk_wire="json",
@@ -455,6 +495,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         hedge_after_percentile=90.0,
         hedge_min_s=0.2,
         attempt_timeout_s=2.5,
+        router_discovery="off",
     )
     assert cfg == expected
 

@@ -230,7 +230,8 @@ async def test_cancelling_reward_func_calls_cancels_their_requests(
             for task in tasks:
                 assert task.cancelled()
         finally:
-            await miles.close()
+            with anyio.fail_after(10):
+                await miles.close()
 
 
 def miles_args(url: str) -> Any:

@@ -570,3 +570,55 @@ async def test_an_invalid_sample_is_a_value_error_and_http_errors_are_not() -> N
     )
     err = miles.sample_error(failure)
     assert type(err) is miles.OPDSampleError and not isinstance(err, ValueError | TimeoutError)
+
+
+# --- a teacher prompt of its own (issue 18) --------------------------------------------------
+@pytest.mark.parametrize(("k", "strategy"), [(0, "only-student"), (3, "union")])
+async def test_the_teacher_prompt_metadata_key_gives_the_teacher_its_own_context(
+    k: int, strategy: str
+) -> None:
+    from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+    servers = {TEACHER: InProcessSGLang("teacher", 1), STUDENT: InProcessSGLang("student", 1)}
+    args = _args(
+        rm_url=TEACHER,
+        opd_log_prob_top_k=k,
+        opd_top_k_strategy=strategy,
+        sglang_router_ip="student",
+        sglang_router_port=2,
+    )
+    rng = np.random.default_rng(18)
+    samples = _mock_samples(servers[STUDENT].model, 6, k)
+    prompts = [rng.integers(0, 3000, int(rng.integers(1, 12))).tolist() for _ in samples]
+    for s, prompt in zip(samples, prompts, strict=True):
+        s.metadata[miles.TEACHER_PROMPT_KEY] = prompt
+    miles.engine_for(args, transport=mock_transport(servers))
+    try:
+        rewards = await asyncio.gather(*(miles.reward_func(args, s) for s in samples))
+        bad_prompt = r"invalid_sample.*teacher_prompt_ids: empty"
+        with pytest.raises(miles.MilesInvalidSampleError, match=bad_prompt):
+            bad = _MilesSample([1, 2, 3], 1, {miles.TEACHER_PROMPT_KEY: []})
+            await miles.reward_func(args, bad)
+    finally:
+        await miles.close()
+    for s, reward in zip(samples, rewards, strict=True):
+        s.reward = reward
+    miles.post_process_rewards(args, samples)
+    name = "opd_reverse_kl" if k else "teacher_log_probs"
+    for s, prompt in zip(samples, prompts, strict=True):
+        exp = expected_result(
+            tokens=s.tokens,
+            response_length=s.response_length,
+            teacher=servers[TEACHER].model,
+            student=servers[STUDENT].model,
+            top_k=k,
+            strategy=strategy,
+            weight_mode="student_p",
+            teacher_prompt=prompt,
+        )
+        got = getattr(s, name).tolist()
+        want = exp.reverse_kl if k else exp.teacher_logprobs
+        assert want is not None and len(got) == s.response_length
+        for t, (g, e) in enumerate(zip(got, want, strict=True)):
+            assert abs(g - e) <= 1e-5 + 1e-6 * exp.scale[t], (t, g, e)
+    assert miles.TEACHER_PROMPT_KEY == "opd_teacher_prompt_ids"

@@ -189,14 +189,15 @@ def check_batch(
 ) -> None:
     res = kl.topk_reverse_kl(padded_batch(samples, device), strategy, weight_mode)
     assert res.ids.device.type == device
-    res = kl.TopKResult(*(x.cpu() for x in res))
+    assert res.student_tail_lp is None and res.teacher_tail_lp is None  # (tail=False)
+    res = kl.TopKResult(*(x.cpu() for x in res[:6]))
     assert res.reverse_kl.dtype == res.student_lp.dtype == res.weights.dtype == torch.float32
     assert res.ids.dtype == torch.int64 and res.mask.dtype == torch.bool
     ks, kt = samples[0]["s_ids"].shape[1], samples[0]["t_ids"].shape[1]
     c = {"only-student": ks, "only-teacher": kt, "intersection": ks}.get(strategy, ks + kt)
     for i, refs in enumerate(expected(samples, strategy, weight_mode)):
         r = len(refs)
-        got = {name: getattr(res, name)[i, :r] for name in res._fields}
+        got = {name: getattr(res, name)[i, :r] for name in res._fields[:6]}
         assert_sample_matches(got, refs, c)
         # padding positions: nothing selected
         assert not res.mask[i, r:].any() and (res.reverse_kl[i, r:] == 0).all()
@@ -303,7 +304,7 @@ def test_inputs_are_never_modified_or_aliased(
         if x is not None and y is not None:
             assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0))
     inputs = {x.untyped_storage().data_ptr() for x in batch if x is not None}
-    assert not inputs & {t.untyped_storage().data_ptr() for t in res}
+    assert not inputs & {t.untyped_storage().data_ptr() for t in res if t is not None}
 
 
 def test_joined_columns_are_a_view_only_when_adjacent() -> None:

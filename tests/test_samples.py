@@ -145,6 +145,33 @@ CASES: list[tuple[str, str, Any, int]] = [
 ]
 
 
+def _teacher_prompt(prompt: Any) -> Sample:
+    return Sample(TOKENS, R, rollout_logprobs=[-1.0] * R, teacher_prompt_ids=prompt)
+
+
+# teacher_prompt_ids (issue 18): each case in both modes (top-k: student rows given)
+_TEACHER_PROMPTS: list[tuple[str, Any]] = [
+    ("empty-list", []),
+    ("empty-array", np.zeros(0, dtype=np.int64)),
+    ("str", "21 22"),
+    ("bytes", b"\x15\x16"),
+    ("int", 21),
+    ("dict", {"ids": [21, 22]}),
+    ("float-element", [21, 22.0]),
+    ("bool-element", [21, True]),
+    ("none-element", [21, None]),
+    ("nested", [[21, 22]]),
+    ("float-array", np.array([21.0, 22.0])),
+    ("float-tensor", torch.tensor([21.0])),
+    ("negative", [21, -1]),
+    ("above-int32", [21, 2**31]),
+]
+for _name, _prompt in _TEACHER_PROMPTS:
+    CASES.append((f"teacher-prompt-{_name}", "teacher_prompt_ids", _teacher_prompt(_prompt), 0))
+    _bad = Sample(TOKENS, R, student_top_logprobs=[GOOD_ROW] * R, teacher_prompt_ids=_prompt)
+    CASES.append((f"teacher-prompt-{_name}-topk", "teacher_prompt_ids", _bad, 2))
+
+
 async def _run_cases(top_k: int) -> tuple[list[str], Any, InProcessSGLang]:
     """Every case of this ``top_k`` in one stream, each between two valid samples.
 

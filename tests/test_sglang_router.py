@@ -7,18 +7,17 @@ The router runs as ``python -m sglang_router.launch_router`` on 127.0.0.1 with
 ``--policy round_robin``; the workers are mock SGLang subprocesses. Their info endpoints are
 off (404), so the router registers them as model "unknown" and never looks for a tokenizer
 on a model hub: nothing leaves 127.0.0.1. The set-up step installs the router
-(``scripts/dev.sh setup``); a missing install fails these tests.
+(``scripts/dev.sh setup``, or the test extra on Linux); a missing install fails these tests
+in CI and skips them, with the reason, on a machine without the tool.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -29,6 +28,7 @@ from pipeline_reference import assert_matches, expected_result, rollout_topk_row
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
+from opd_stream.testing.router import RouterUnavailable, SGLangRouter
 
 TEACHER = MockModel("teacher", 1)
 STUDENT = MockModel("student", 1)
@@ -40,76 +40,34 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+@contextmanager
+def _launch_router(urls: list[str]) -> Iterator[str]:
+    """sglang-router on 127.0.0.1 in front of ``urls`` (round robin); yields its URL."""
+    try:
+        with SGLangRouter(urls) as url:
+            yield url
+    except RouterUnavailable as exc:
+        # Skipped only where the tool is truly absent, never in CI (the test extra has it)
+        if importlib.util.find_spec("sglang_router") is None and not os.environ.get("CI"):
+            pytest.skip("sglang-router is not installed (the test extra has it on Linux)")
+        pytest.fail(f"{exc}: run `scripts/dev.sh setup`")
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            pytest.fail(f"sglang-router exited with {proc.returncode}: {out[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"sglang-router did not answer /health within {timeout} s")
+def _workers(n: int) -> list[MockProcess]:
+    return [
+        MockProcess("teacher", 1, options=MockOptions(info_endpoints=False)) for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[tuple[str, list[str]]]:
     """A router on 127.0.0.1 in front of two mock teacher replicas: (router URL, workers)."""
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        pytest.fail("sglang-router is not installed: run `scripts/dev.sh setup`")
-    workers = [MockProcess("teacher", 1, options=MockOptions(info_endpoints=False)) for _ in "ab"]
-    proc: subprocess.Popen[bytes] | None = None
+    workers = _workers(2)
     try:
         urls = [w.start() for w in workers]
-        port = _free_port()
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "HF_ENDPOINT": "http://127.0.0.1:9",
-            "NO_PROXY": "*",
-        }
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-        ]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
-        yield url, urls
+        with _launch_router(urls) as url:
+            yield url, urls
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
         for w in workers:
             w.kill()
 
@@ -171,7 +129,7 @@ async def test_sampled_token_scoring_through_the_router_reaches_both_replicas(
 ) -> None:
     url, workers = router
     before = await _generate_counts(workers)
-    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu")
+    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", router_discovery="off")
     out, _ = await _score(cfg, _samples(10, top_k=0))
     _check(out, top_k=0)
     after = await _generate_counts(workers)
@@ -182,22 +140,34 @@ async def test_per_position_dropped_by_the_router_is_detected_and_falls_back_und
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, id_scoring="auto")
-    out, stats = await _score(cfg, _samples(8, top_k=K, seed=1))
+    cfg = StreamConfig.from_env(
+        {}, teachers=url, kl_device="cpu", top_k=K, id_scoring="auto", router_discovery="off"
+    )
+    samples = _samples(8, top_k=K, seed=1)
+    out, stats = await _score(cfg, samples)
     _check(out, top_k=K)
     ep = stats.endpoints[url]
     assert ep.per_position is False
     # The router also rejects the blocked form's batch (per-item logprob_start_len): 422,
-    # after which the endpoint uses the flat form.
+    # after which the same blocks go as independent single requests (never the flat union).
     assert ep.blocked_batch is False
     assert stats.failed == 0
+    # later samples: one request per block (auto block size >= 1 row each)
+    assert stats.requests > len(samples) + 2
 
 
 async def test_top_k_intersection_through_the_router_matches_the_reference(
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, strategy="intersection")
+    cfg = StreamConfig.from_env(
+        {},
+        teachers=url,
+        kl_device="cpu",
+        top_k=K,
+        strategy="intersection",
+        router_discovery="off",
+    )
     out, stats = await _score(cfg, _samples(8, top_k=K, seed=2))
     _check(out, top_k=K, strategy="intersection")
     assert stats.endpoints[url].b64_topk is not None
@@ -208,7 +178,155 @@ async def test_strict_per_position_through_the_router_fails_loudly(
 ) -> None:
     url, _ = router
     cfg = StreamConfig.from_env(
-        {}, teachers=url, kl_device="cpu", top_k=K, id_scoring="per-position"
+        {},
+        teachers=url,
+        kl_device="cpu",
+        top_k=K,
+        id_scoring="per-position",
+        router_discovery="off",
     )
     out, _ = await _score(cfg, _samples(2, top_k=K, seed=3))
     assert all(isinstance(r, SampleFailure) and r.reason == "capability" for r in out)
+
+
+# --- router discovery: the workers, addressed directly --------------------------------
+
+
+def _router_api(url: str, method: str, path: str, body: Any = None) -> Any:
+    data = None if body is None else msgspec.json.encode(body)
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return msgspec.json.decode(resp.read())
+
+
+def _listed(url: str) -> set[str]:
+    return {w["url"] for w in _router_api(url, "GET", "/workers")["workers"]}
+
+
+async def _slowly(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
+    import anyio
+
+    for s in samples:
+        yield s
+        await anyio.sleep(every)
+
+
+async def test_discovery_scores_per_position_on_the_workers_directly(
+    router: tuple[str, list[str]],
+) -> None:
+    url, workers = router
+    before = await _generate_counts(workers)
+    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, topk_wire="auto")
+    samples = _samples(12, top_k=K, seed=4)
+    out, stats = await _score(cfg, samples)
+    _check(out, top_k=K)
+    fleet = stats.fleets[url]
+    assert fleet.kind == "router" and fleet.direct
+    assert set(fleet.workers) == set(workers)
+    assert url not in stats.endpoints  # nothing went through the router
+    for w in workers:
+        assert stats.endpoints[w].per_position is True  # the field reached the workers
+    after = await _generate_counts(workers)
+    assert all(a > b for a, b in zip(after, before, strict=True))  # both used
+    assert stats.requests == len(samples)  # one per-position request per sample
+
+
+async def test_discovery_off_sends_blocks_through_the_router_with_the_same_values(
+    router: tuple[str, list[str]],
+) -> None:
+    url, _ = router
+    samples = _samples(10, top_k=K, seed=5)
+    direct = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K)
+    through = StreamConfig.from_env(
+        {}, teachers=url, kl_device="cpu", top_k=K, router_discovery="off"
+    )
+    out_direct, _ = await _score(direct, samples)
+    out_router, stats = await _score(through, samples)
+    _check(out_router, top_k=K)
+    for a, b in zip(out_direct, out_router, strict=True):
+        assert np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
+        assert np.array_equal(a.reverse_kl, b.reverse_kl)
+    assert stats.fleets == {}  # never asked
+    assert stats.endpoints[url].blocked_batch is False
+
+
+async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
+    procs = _workers(3)
+    try:
+        urls = [p.start() for p in procs]
+        with _launch_router(urls[:2]) as url:
+            cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K)
+            pool = _samples(200, top_k=K, seed=6)
+            async with OPDStream(cfg) as stream:
+
+                async def feed() -> AsyncIterator[Sample]:
+                    # until the new worker has been in our routing for 10 samples
+                    import anyio
+
+                    seen_at = None
+                    for n, sample in enumerate(pool):
+                        if n == 5:
+                            _router_api(url, "POST", "/workers", {"url": urls[2]})
+                        fleet = stream.stats().fleets.get(url)
+                        if seen_at is None and fleet and urls[2] in fleet.workers:
+                            seen_at = n
+                        if seen_at is not None and n >= seen_at + 10:
+                            return
+                        yield sample
+                        await anyio.sleep(0.05)
+
+                async with stream.run(feed()) as results:
+                    out = [item async for item in results]
+                stats = stream.stats()
+            out.sort(key=lambda r: r.index)
+            _check(out, top_k=K)
+            assert urls[2] in stats.fleets[url].workers
+            assert (await _generate_counts(urls[2:]))[0] > 0
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("how", ["removed", "killed"])
+async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
+    procs = _workers(2)
+    try:
+        urls = [p.start() for p in procs]
+        with _launch_router(urls) as url:
+            cfg = StreamConfig.from_env(
+                {}, teachers=url, kl_device="cpu", top_k=K, backoff_initial_s=0.01
+            )
+            samples = _samples(30, top_k=K, seed=7)
+            async with OPDStream(cfg) as stream:
+                async with stream.run(_slowly(samples, 0.05)) as results:
+                    out = []
+                    async for item in results:
+                        out.append(item)
+                        if len(out) == 5:
+                            if how == "killed":
+                                procs[1].kill()
+                            else:
+                                listing = _router_api(url, "GET", "/workers")["workers"]
+                                wid = next(w["id"] for w in listing if w["url"] == urls[1])
+                                _router_api(url, "DELETE", f"/workers/{wid}")
+                stats = stream.stats()
+            out.sort(key=lambda r: r.index)
+            assert [r.index for r in out] == list(range(len(samples)))
+            _check(out, top_k=K)
+            if how == "removed":
+                assert stats.fleets[url].workers == (urls[0],)
+    finally:
+        for p in procs:
+            p.kill()

@@ -71,6 +71,7 @@ __all__ = (
     "MilesRoutingError",
     "MilesTimeoutError",
     "OPDSampleError",
+    "TEACHER_PROMPT_KEY",
     "close",
     "config_from_miles_args",
     "engine_for",
@@ -82,6 +83,10 @@ __all__ = (
 _STRATEGIES: Final = ("only-student", "only-teacher", "intersection", "union", "xor")
 _WEIGHT_MODES: Final = ("student_p", "teacher_p", "none")
 _TOP_KEY: Final = "opd_student_top_logprobs"
+TEACHER_PROMPT_KEY: Final = "opd_teacher_prompt_ids"
+"""The sample metadata key of the teacher's own prompt (token ids), for a teacher that sees
+another context than the student (privileged context, self-distillation): when present (not
+None), teacher requests send it + the response (``Sample.teacher_prompt_ids``)."""
 _RESULT_KEY: Final = "opd_stream"
 
 # Flag attribute -> the value that means "not set" (argparse defaults of the reference).
@@ -318,7 +323,8 @@ def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
     (``metadata["opd_student_top_logprobs"]``, its last R rows) when the strategy reads the
     student's top-k, never ``rollout_log_probs`` (the reference does not use them: a
     merged multi-turn sample's 0.0 on observation spans, or any other value there, must not
-    fail the sample). Rows may be short or empty (``[]``), and hold ``None`` entries.
+    fail the sample). Rows may be short or empty (``[]``), and hold ``None`` entries. The
+    teacher's own prompt, when the sample has one, is ``metadata[TEACHER_PROMPT_KEY]``.
     """
     response_length = int(sample.response_length)
     metadata = getattr(sample, "metadata", None)
@@ -334,6 +340,7 @@ def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
         metadata=metadata,
         student_top_logprobs=top,
         sample_id=key,
+        teacher_prompt_ids=metadata.get(TEACHER_PROMPT_KEY),
     )
 
 
@@ -448,7 +455,9 @@ class MilesEngine:
             raise OPDStreamError("the shared OPD stream is not running") from None
         finally:
             self._pending.pop(key, None)
-            if not future.done():  # the caller stopped waiting: stop its requests too
+            # No result: the caller stopped waiting (asyncio cancels the awaited future with
+            # the task) or the stream failed. Its requests in flight stop too.
+            if not future.done() or future.cancelled():
                 scope.cancel()
 
     async def aclose(self) -> None:

@@ -375,6 +375,9 @@ class _Pipeline:
                 p = fetched.prepared
                 item = self._failure(p.sample, p.index, exc, fetched.attempts)
             await self._send("emit", emit, item)
+        # The worker thread may still hold the list it returned for a moment (trio's thread
+        # cache keeps its result until its delivery returns): leave it empty.
+        results.clear()
 
     # stage 4: emit -----------------------------------------------------------------
     def _account(self, item: Result) -> None:

@@ -81,10 +81,15 @@ class MockTransport:
     The handler may be sync or async and returns a :class:`Response`; it may raise
     :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
     on what it returns, like a real transport.
+
+    Router discovery's ``GET .../workers`` (``router_discovery="auto"``) is answered 404,
+    as a plain SGLang server answers it, without calling the handler; pass
+    ``routers=True`` to let the handler answer it (to play an sglang-router).
     """
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, *, routers: bool = False) -> None:
         self._handler = handler
+        self._routers = routers
         self.requests = 0
 
     async def __aenter__(self) -> Self:
@@ -99,6 +104,8 @@ class MockTransport:
         return None
 
     async def _call(self, method: str, url: str, body: bytes, max_bytes: int) -> Response:
+        if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+            return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1
         result = self._handler(method, url, body)
         if inspect.isawaitable(result):

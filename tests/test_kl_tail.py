@@ -357,3 +357,35 @@ def test_tail_is_at_least_zero_and_at_most_the_full_reverse_kl_of_the_mock_model
         # float32 inputs move the values by ~1e-7 relative; the clamp by at most ~TAIL_MIN
         assert got[j] <= bound + 1e-5 * (1.0 + bound), (strategy, j, got[j], bound)
         assert refs[j].r <= bound + 1e-5 * (1.0 + bound)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_torch_index_backend_gives_the_same_tails(
+    strategy: Strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opd_stream import _klselect
+
+    rng = np.random.default_rng(7)
+    samples = [
+        distribution_rows(rng, r, 6, overlap=0.5, mass_s=rng.uniform(size=r), mass_t=0.9)
+        for r in (5, 9)
+    ]
+    numpy_res, _ = check(samples, strategy)
+    monkeypatch.setattr(_klselect, "_CPU_INDEX_BACKEND", "torch")
+    torch_res, _ = check(samples, strategy)
+    for name in ("reverse_kl", "student_tail_lp", "teacher_tail_lp", "weights"):
+        assert torch.equal(getattr(numpy_res, name), getattr(torch_res, name)), name
+
+
+def test_inputs_are_never_modified_or_aliased_with_the_tail() -> None:
+    rng = np.random.default_rng(9)
+    batch = batch_of(
+        [distribution_rows(rng, r, 5, overlap=0.5, mass_s=0.6, mass_t=0.8) for r in (7, 3)]
+    )
+    before = [None if x is None else x.clone() for x in batch]
+    res = topk_reverse_kl(batch, "union", "student_p", tail=True)
+    for x, y in zip(batch, before, strict=True):
+        assert x is not None and y is not None
+        assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0))
+    inputs = {x.untyped_storage().data_ptr() for x in batch if x is not None}
+    assert not inputs & {t.untyped_storage().data_ptr() for t in res if t is not None}

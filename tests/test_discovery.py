@@ -1,0 +1,127 @@
+"""Router discovery (``router_discovery``): reading sglang-router's worker list, and what a
+configured URL expands to (the real router is in test_sglang_router.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample, StreamConfig
+from opd_stream._discovery import FleetDirectory, parse_router_workers
+from opd_stream.testing.inprocess import InProcessSGLang
+
+R = "http://router:1"
+W1, W2 = "http://w1:2", "http://w2:3"
+
+
+def _listing(*workers: dict[str, Any]) -> bytes:
+    return msgspec.json.encode({"workers": list(workers), "total": len(workers)})
+
+
+def _w(url: str, **kw: Any) -> dict[str, Any]:
+    return {"id": url, "url": url, "is_healthy": True, "worker_type": "regular", **kw}
+
+
+def test_the_healthy_regular_workers_are_listed_normalised() -> None:
+    body = _listing(_w("http://W1:2/"), _w(W2, is_healthy=False), _w("http://w3:4/generate"))
+    assert parse_router_workers(body) == ["http://w1:2", "http://w3:4"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b'{"detail": "Not Found"}',
+        b"[1, 2]",
+        _listing(_w(W1), _w(W2, worker_type="prefill")),
+        _listing(_w("ftp://w1:2")),
+        _listing(_w("http://user:pw@w1:2")),
+    ],
+    ids=["not-json", "no-workers", "array", "disaggregated", "bad-scheme", "credentials"],
+)
+def test_anything_else_is_not_a_worker_list(body: bytes) -> None:
+    assert parse_router_workers(body) is None
+
+
+class _Net:
+    """A router at ``R`` with workers W1 and W2; ``reachable`` says which answer from here."""
+
+    def __init__(self) -> None:
+        self.workers = [W1, W2]
+        self.reachable = {W1, W2}
+        self.router = InProcessSGLang("teacher", 1)
+        self.servers = {W1: InProcessSGLang("teacher", 1), W2: InProcessSGLang("teacher", 1)}
+        self.gets = 0
+
+    def handle(self, method: str, url: str, body: bytes) -> Response:
+        base = next(b for b in (R, W1, W2) if url.startswith(b))
+        path = url[len(base) :]
+        if base == R and path == "/workers":
+            self.gets += 1
+            return Response(200, _listing(*(_w(w) for w in self.workers)))
+        if base == R:
+            return self.router.handle(method, path, body)
+        if base not in self.reachable:
+            raise ConnectionFailed("connection refused", url=url)
+        return self.servers[base].handle(method, path, body)
+
+
+async def test_a_router_expands_to_its_reachable_workers_and_a_server_to_itself() -> None:
+    net = _Net()
+    net.reachable = {W2}
+    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    assert await fleets.expand([R, W2, W1]) == (W2, W1)  # W2 once
+    state = fleets.snapshot()
+    assert state[R].kind == "router" and state[R].direct and state[R].workers == (W2,)
+    assert state[R].listed == (W1, W2)
+    assert state[W2].kind == "server" and not state[W2].direct  # answered, not a router
+    assert state[W1].kind == "unknown"  # did not answer: asked again after REFRESH_S
+
+
+async def test_unreachable_workers_mean_through_the_router() -> None:
+    net = _Net()
+    net.reachable = set()
+    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    assert await fleets.expand([R]) == (R,)
+    assert fleets.snapshot()[R].direct is False
+
+
+async def test_the_list_is_read_again_after_the_refresh_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import anyio
+
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "REFRESH_S", 0.05)
+    net = _Net()
+    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    assert await fleets.expand([R]) == (W1, W2)
+    net.workers = [W2]
+    assert await fleets.expand([R]) == (W1, W2)  # still fresh: not asked again
+    await anyio.sleep(0.06)
+    assert await fleets.expand([R]) == (W2,)
+    assert net.gets == 2
+
+
+async def test_off_never_asks() -> None:
+    net = _Net()
+    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=False)
+    assert await fleets.expand([R]) == (R,)
+    assert net.gets == 0 and fleets.snapshot() == {}
+
+
+async def test_a_stream_scores_on_the_workers_and_says_so_in_its_stats() -> None:
+    net = _Net()
+    cfg = StreamConfig.from_env({}, teachers=R, kl_device="cpu")
+    samples = [Sample([1, 2, 3, 4 + i], 2, rollout_logprobs=[-1.0, -1.0]) for i in range(8)]
+    async with OPDStream(cfg, transport=MockTransport(net.handle, routers=True)) as stream:
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+        stats = stream.stats()
+    assert len(out) == 8 and all(not hasattr(r, "reason") for r in out)
+    assert net.router.requests == 0
+    assert net.servers[W1].requests + net.servers[W2].requests == 8
+    assert stats.fleets[R].kind == "router" and stats.fleets[R].workers == (W1, W2)

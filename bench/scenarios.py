@@ -707,7 +707,6 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
             pids = pid_list(procs)
             progress(f"s7 R={r}: samples")
             samples = make_samples(sz.s7_n, sz.s7_prompt, r, k)
-            toks = _tokens(samples)
             row: dict[str, Any] = {"response_length": r, "n": len(samples)}
             res: dict[str, Any] = {}
             for name, url in (
@@ -715,24 +714,8 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 ("opd_stream unpatched (auto -> blocked)", unpatched_url),
             ):
                 cfg = _config(url, top_k=k, strategy=strategy)
-                await run_opd(cfg, samples)  # warm pass (replay cache, capability detection)
-                _settle()
                 progress(f"s7 R={r}: {name}")
-                with ClientMeter(pids) as m:
-                    t0 = time.perf_counter()
-                    opd = await run_opd(cfg, samples)
-                res[name] = opd
-                d = Measurement.metered(
-                    name,
-                    m,
-                    len(samples),
-                    toks,
-                    opd.stats.bytes_received,
-                    [t - t0 for t in opd.done_at.values()],
-                ).as_dict()
-                d["cpu_s_per_sample"] = m.cpu_s / len(samples)
-                d["failures"] = len(opd.failures)
-                row[name] = d
+                res[name], row[name] = await _warm_then_measure(name, cfg, samples, pids)
             # The baseline's flat union, on the unpatched server, capped.
             unions = [
                 np.unique([e[1] for rr in s.student_top_logprobs for e in rr]).size for s in samples
@@ -776,6 +759,30 @@ async def s7_unpatched(sz: Sizes, progress: Progress) -> dict[str, Any]:
     return {"rows": rows, "k": k}
 
 
+async def _warm_then_measure(
+    name: str, cfg: StreamConfig, samples: list[Sample], pids: list[int]
+) -> tuple[Any, dict[str, Any]]:
+    """An unmeasured warm pass (replay caches, capability detection, discovery), then the
+    measured one: the outcome and its row (CPU per sample, requests and failures added)."""
+    await run_opd(cfg, samples)
+    _settle()
+    with ClientMeter(pids) as m:
+        t0 = time.perf_counter()
+        opd = await run_opd(cfg, samples)
+    d = Measurement.metered(
+        name,
+        m,
+        len(samples),
+        _tokens(samples),
+        opd.stats.bytes_received,
+        [t - t0 for t in opd.done_at.values()],
+    ).as_dict()
+    d["cpu_s_per_sample"] = m.cpu_s / len(samples)
+    d["requests"] = opd.stats.requests
+    d["failures"] = len(opd.failures)
+    return opd, d
+
+
 # ---------------------------------------------------------------- scenario 8
 
 ROUTER_RUNS = (
@@ -802,7 +809,6 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
         with SGLangRouter(workers) as router_url:
             pids = pid_list(procs) + _router_pids()
             samples = make_samples(sz.s8_n, sz.s8_prompt, r, k)
-            toks = _tokens(samples)
             configs = {
                 ROUTER_RUNS[0]: _config({"default": workers}, top_k=k, strategy=strategy),
                 ROUTER_RUNS[1]: _config(router_url, top_k=k, strategy=strategy),
@@ -812,24 +818,9 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
             }
             results = {}
             for name, cfg in configs.items():
-                progress(f"s8 {name}: warm pass")
-                await run_opd(cfg, samples)  # discovery, capability detection, replay caches
-                _settle()
                 progress(f"s8 {name}")
-                with ClientMeter(pids) as m:
-                    t0 = time.perf_counter()
-                    opd = await run_opd(cfg, samples)
+                opd, d = await _warm_then_measure(name, cfg, samples, pids)
                 results[name] = opd
-                d = Measurement.metered(
-                    name,
-                    m,
-                    len(samples),
-                    toks,
-                    opd.stats.bytes_received,
-                    [t - t0 for t in opd.done_at.values()],
-                ).as_dict()
-                d["requests"] = opd.stats.requests
-                d["failures"] = len(opd.failures)
                 d["fleets"] = {
                     u: {"kind": f.kind, "direct": f.direct, "workers": len(f.workers)}
                     for u, f in opd.stats.fleets.items()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol, Self
 
 import msgspec
@@ -125,7 +125,85 @@ class MockTransport:
         return await self._call("GET", url, b"", max_bytes)
 
 
-class AiohttpTransport:
+class PooledTransport:
+    """What both pooled HTTP transports share (aiohttp here, httpx in ``_transport_httpx``):
+    the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
+    refusal of a compressed answer, reading a body under the byte cap while charging the
+    task's budget lease, and turning connection problems into a redacted
+    :class:`ConnectionFailed`. Subclasses implement ``_request``.
+
+    Args:
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        connect_timeout_s: watchdog for establishing a connection.
+        pool_size: the client's total connection limit (0 = unlimited); per-endpoint
+            concurrency is enforced by the pipeline's own limiters, so this is a backstop.
+    """
+
+    def __init__(
+        self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
+    ) -> None:
+        self._headers: Mapping[str, str] = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+        }
+        self._api_key = api_key or None
+        if api_key:
+            self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
+        self._connect_timeout_s = connect_timeout_s
+        self._pool_size = pool_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+        return await self._request("POST", url, body, max_bytes)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._request("GET", url, None, max_bytes)
+
+    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
+        raise NotImplementedError  # pragma: no cover
+
+    @staticmethod
+    def _check_head(encoding: str, declared: int | None, max_bytes: int, url: str) -> None:
+        """Refuse, before reading it, a compressed body or one declared over the cap."""
+        encoding = encoding.strip().lower()
+        if encoding not in ("", "identity"):
+            raise MalformedResponseError(
+                f"the server sent a compressed body (Content-Encoding: "
+                f"{_show_token(encoding)}) although none was asked for; refused unread",
+                url=url,
+            )
+        if declared is not None and declared > max_bytes:
+            raise ResponseTooLarge(max_bytes, url=url)
+
+    @staticmethod
+    async def _read_body(chunks: AsyncIterator[bytes], max_bytes: int, url: str) -> bytearray:
+        """The body, chunk by chunk: the cap enforced as it is read (a lying or absent
+        ``Content-Length`` included), each chunk charged to the task's budget lease."""
+        lease = current_lease()
+        buf = bytearray()
+        async for chunk in chunks:
+            if len(buf) + len(chunk) > max_bytes:
+                raise ResponseTooLarge(max_bytes, url=url)
+            if lease is not None:
+                await lease.grow(len(chunk))
+            buf += chunk
+        if lease is not None:
+            lease.done_reading()
+        return buf
+
+    def _failed(self, exc: BaseException, url: str) -> ConnectionFailed:
+        """A connection problem below HTTP semantics; what the server sent back is redacted
+        before the cut."""
+        detail = redact(str(exc), self._api_key)[:200]
+        return ConnectionFailed(
+            f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
+            url=url,
+        )
+
+
+class AiohttpTransport(PooledTransport):
     """Pooled keep-alive aiohttp transport (asyncio only).
 
     One ``ClientSession`` is created when the transport is entered (inside the running
@@ -143,22 +221,7 @@ class AiohttpTransport:
             concurrency is enforced by the pipeline's own limiters, so this is a backstop.
     """
 
-    def __init__(
-        self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
-    ) -> None:
-        self._headers: Mapping[str, str] = {
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
-        }
-        self._api_key = api_key or None
-        if api_key:
-            self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
-        self._connect_timeout_s = connect_timeout_s
-        self._pool_size = pool_size
-        self._session: object | None = None
-
-    def __repr__(self) -> str:
-        return f"AiohttpTransport(connect_timeout_s={self._connect_timeout_s})"
+    _session: object | None = None
 
     async def __aenter__(self) -> Self:
         import asyncio
@@ -206,14 +269,7 @@ class AiohttpTransport:
         acquired = getattr(connector, "_acquired", ())
         return len(acquired) == 0
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        return await self._request("POST", url, body, max_bytes)
-
-    async def get(self, url: str, *, max_bytes: int) -> Response:
-        return await self._request("GET", url, None, max_bytes)
-
     async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
-
         import aiohttp
 
         session = self._session
@@ -221,36 +277,17 @@ class AiohttpTransport:
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
         try:
             async with session.request(method, url, data=body, allow_redirects=False) as resp:
-                encoding = resp.headers.get("Content-Encoding", "").strip().lower()
-                if encoding not in ("", "identity"):
-                    raise MalformedResponseError(
-                        f"the server sent a compressed body (Content-Encoding: "
-                        f"{_show_token(encoding)}) although none was asked for; refused unread",
-                        url=url,
-                    )
-                declared = resp.content_length
-                if declared is not None and declared > max_bytes:
-                    raise ResponseTooLarge(max_bytes, url=url)
-                lease = current_lease()
-                buf = bytearray()
-                async for chunk in resp.content.iter_chunked(_READ_CHUNK):
-                    if len(buf) + len(chunk) > max_bytes:
-                        raise ResponseTooLarge(max_bytes, url=url)
-                    if lease is not None:
-                        await lease.grow(len(chunk))
-                    buf += chunk
-                if lease is not None:
-                    lease.done_reading()
+                self._check_head(
+                    resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
+                )
+                chunks = resp.content.iter_chunked(_READ_CHUNK)
+                buf = await self._read_body(chunks, max_bytes, url)
                 return Response(resp.status, buf)  # no copy: see Response
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.
-            # aiohttp may quote a bad header line the server sent: redact before the cut.
-            detail = redact(str(exc), self._api_key)[:200]
-            raise ConnectionFailed(
-                f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
-                url=url,
-            ) from None
+            # aiohttp may quote a bad header line the server sent: redacted before the cut.
+            raise self._failed(exc, url) from None
 
 
 def _show_token(text: str) -> str:

@@ -23,22 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Self
 
 import httpx
 
-from ._budget import current_lease
-from ._errors import ConnectionFailed, MalformedResponseError, ResponseTooLarge
-from ._redact import redact
-from ._transport import Response, _show_token
+from ._errors import ResponseTooLarge
+from ._transport import PooledTransport, Response
 
 __all__ = ("HttpxTransport",)
 
 _KEEPALIVE_S = 30.0
 
 
-class HttpxTransport:
+class HttpxTransport(PooledTransport):
     """Pooled keep-alive httpx transport (any anyio backend: asyncio and trio).
 
     Args:
@@ -48,22 +46,7 @@ class HttpxTransport:
             concurrency is enforced by the pipeline's own limiters, so this is a backstop.
     """
 
-    def __init__(
-        self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
-    ) -> None:
-        self._headers: Mapping[str, str] = {
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
-        }
-        self._api_key = api_key or None
-        if api_key:
-            self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
-        self._connect_timeout_s = connect_timeout_s
-        self._pool_size = pool_size
-        self._client: httpx.AsyncClient | None = None
-
-    def __repr__(self) -> str:
-        return f"HttpxTransport(connect_timeout_s={self._connect_timeout_s})"
+    _client: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> Self:
         limits = httpx.Limits(
@@ -101,49 +84,30 @@ class HttpxTransport:
         connections = getattr(pool, "connections", ())
         return all(c.is_idle() or c.is_closed() for c in connections)
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        return await self._request("POST", url, body, max_bytes)
-
-    async def get(self, url: str, *, max_bytes: int) -> Response:
-        return await self._request("GET", url, None, max_bytes)
-
     async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
         client = self._client
         if client is None:
             raise RuntimeError("HttpxTransport used outside its 'async with' block")
         try:
             async with client.stream(method, url, content=body) as resp:
-                encoding = resp.headers.get("Content-Encoding", "").strip().lower()
-                if encoding not in ("", "identity"):
-                    raise MalformedResponseError(
-                        f"the server sent a compressed body (Content-Encoding: "
-                        f"{_show_token(encoding)}) although none was asked for; refused unread",
-                        url=url,
-                    )
                 declared = resp.headers.get("Content-Length", "").strip()
-                if declared.isdigit() and int(declared) > max_bytes:
-                    raise ResponseTooLarge(max_bytes, url=url)
-                lease = current_lease()
-                buf = bytearray()
+                self._check_head(
+                    resp.headers.get("Content-Encoding", ""),
+                    int(declared) if declared.isdigit() else None,
+                    max_bytes,
+                    url,
+                )
                 chunks = resp.aiter_raw()
-                async for chunk in chunks:
-                    if len(buf) + len(chunk) > max_bytes:
-                        await _abandon(resp, chunks)
-                        raise ResponseTooLarge(max_bytes, url=url)
-                    if lease is not None:
-                        await lease.grow(len(chunk))
-                    buf += chunk
-                if lease is not None:
-                    lease.done_reading()
+                try:
+                    buf = await self._read_body(chunks, max_bytes, url)
+                except ResponseTooLarge:
+                    await _abandon(resp, chunks)
+                    raise
                 return Response(resp.status_code, buf)  # no copy: see Response
         except (httpx.TransportError, httpx.StreamError, OSError) as exc:
             # ConnectError, ReadError, RemoteProtocolError (a body cut short, a malformed
             # status line or header), the connect watchdog: all below HTTP semantics.
-            detail = redact(str(exc), self._api_key)[:200]
-            raise ConnectionFailed(
-                f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
-                url=url,
-            ) from None
+            raise self._failed(exc, url) from None
 
 
 async def _abandon(resp: httpx.Response, chunks: AsyncIterator[bytes]) -> None:

@@ -40,12 +40,11 @@ import numpy as np
 import torch
 
 from opd_stream import Sample
+from opd_stream._answers import ScoreRows
 from opd_stream._kl import STRATEGIES, Strategy, WeightMode
 from opd_stream._klstage import score_batch
 from opd_stream._plan import plan_requests
-from opd_stream._sample import PreparedSample, ScoredSample
-from opd_stream._scorer import Fetched
-from opd_stream._wire import ScoreRows
+from opd_stream._sample import Fetched, PreparedSample, ScoredSample
 
 __all__ = ("main", "make_batch")
 

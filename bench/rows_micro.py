@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_stream._wire import parse_student_topk
+from opd_stream._student_topk import parse_student_topk
 
 __all__ = ("main",)
 

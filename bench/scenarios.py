@@ -20,13 +20,10 @@ import msgspec
 import numpy as np
 
 from opd_stream import Sample, StreamConfig
-from opd_stream._wire import (
-    ScoreRequest,
-    auto_block_size,
-    build_score_payload,
-    decode_score_response,
-    parse_student_topk,
-)
+from opd_stream._codec import decode_score_response
+from opd_stream._payloads import build_score_payload
+from opd_stream._student_topk import parse_student_topk
+from opd_stream._wire import ScoreRequest, auto_block_size
 from opd_stream.testing.mock_sglang import MockOptions
 
 from .baseline import baseline_score

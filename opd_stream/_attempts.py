@@ -7,16 +7,27 @@ bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 
+from ._answers import ScoreRows
 from ._balance import EndpointPool
 from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
+from ._codec import (
+    build_in_thread,
+    decode,
+    decode_block_answers,
+    decode_in_thread,
+    timed_build,
+    timed_decode,
+)
 from ._config import StreamConfig
+from ._endpoints import Endpoints
+from ._error_body import parse_error_message
 from ._errors import (
     CapabilityError,
     ConnectionFailed,
@@ -25,19 +36,11 @@ from ._errors import (
     ServerHTTPError,
 )
 from ._logging import get_logger
+from ._payloads import build_block_payloads
 from ._router import endpoint_url, generate_url
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import (
-    ScoreRequest,
-    ScoreRows,
-    build_block_payloads,
-    build_score_payload,
-    decode_block_answers,
-    decode_score_response,
-    parse_error_message,
-    payload_size_hint,
-)
+from ._wire import ScoreRequest
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -68,12 +71,6 @@ class Failed(Exception):
         self.req = req
 
 
-def _timed_build(req: ScoreRequest) -> tuple[bytes, float]:
-    start = time.thread_time()
-    body = build_score_payload(req)
-    return body, time.thread_time() - start
-
-
 class AttemptSender:
     """Sends attempts for one stream: per-endpoint concurrency limits, hedging, health."""
 
@@ -82,18 +79,18 @@ class AttemptSender:
         config: StreamConfig,
         transport: Transport,
         stats: StatsRecorder,
+        endpoints: Endpoints,
         pool: EndpointPool,
         capabilities: Capabilities,
         *,
-        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
         threads: anyio.CapacityLimiter | None = None,
     ) -> None:
         self._cfg = config
         self._transport = transport
         self._stats = stats
+        self._endpoints = endpoints
         self._pool = pool
         self._caps = capabilities
-        self._decode = decode
         self._threads = threads
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
@@ -152,7 +149,7 @@ class AttemptSender:
                     winner.append(rows)
                     won_by.append(target)
                     if target != url:
-                        self._stats.endpoint(target).hedge_wins += 1
+                        self._endpoints(target).hedge_wins += 1
             finished += 1
             changed[0].set()
             if winner or finished == len(racing):
@@ -171,7 +168,7 @@ class AttemptSender:
                     break
                 tries.attempts += 1
                 counter.attempts += 1
-                self._stats.endpoint(other).hedges += 1
+                self._endpoints(other).hedges += 1
                 racing.append(other)
                 log.debug("hedge", side=side, after_s=delay)
                 tg.start_soon(run, other, make(other))
@@ -181,7 +178,7 @@ class AttemptSender:
                     await changed[0].wait()
             for target in racing:
                 if target not in won_by and all(f.url != target for f in failures):
-                    self._stats.endpoint(target).cancelled += 1  # the loser, cancelled now
+                    self._endpoints(target).cancelled += 1  # the loser, cancelled now
             tg.cancel_scope.cancel()
         if winner:
             return winner[0]
@@ -200,7 +197,7 @@ class AttemptSender:
             rows = await self._watched_attempt(side, url, req)
         except OPDStreamError as exc:
             if not isinstance(exc, CapabilityError):
-                self._stats.endpoint(url).errors += 1
+                self._endpoints(url).errors += 1
             if exc.retryable and isinstance(exc, ServerError):
                 self._note_failure(side, url, urls)
             raise Failed(exc, url, req) from None
@@ -224,10 +221,7 @@ class AttemptSender:
         )
 
     def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
-        if self._pool.record_failure(url, urls, anyio.current_time()):
-            ep = self._stats.endpoint(url)
-            ep.ejected = True
-            ep.ejections += 1
+        if self._pool.record_failure(url, urls, anyio.current_time()):  # ejected it
             log.warning(
                 "endpoint_ejected",
                 side=side,
@@ -264,12 +258,6 @@ class AttemptSender:
                 self._pool.release_probe(url)  # cancelled from outside: no verdict
             else:
                 self._pool.probe_result(url, healthy, anyio.current_time())
-                ep = self._stats.endpoint(url)
-                if healthy:
-                    ep.ejected = False
-                    ep.readmissions += 1
-                else:
-                    ep.ejections += 1
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
@@ -297,12 +285,12 @@ class AttemptSender:
         if req.ids is not None and req.id_form == "per-position":
             self._caps.note(url, side, "per_position", True)
         if req.ids is not None and req.id_form == "blocked":
-            self._stats.endpoint(url).blocked_batch = True
+            self._endpoints(url).blocked_batch = True
         return rows
 
     async def _post(self, side: Side, url: str, body: bytes) -> bytes | bytearray:
         """One HTTP request under the endpoint's limit; the 200 answer's body."""
-        ep = self._stats.endpoint(url)
+        ep = self._endpoints(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep.in_flight += 1
         try:
@@ -367,21 +355,33 @@ class AttemptSender:
 
     async def _build_body(self, req: ScoreRequest) -> bytes:
         """The request body; a large one is built in a worker thread (in chunks that each
-        hold the GIL briefly, so the event loop keeps its turns)."""
-        if self._threads is None or payload_size_hint(req) < self._cfg.decode_thread_bytes:
-            body, cpu = _timed_build(req)
+        hold the GIL briefly, so the event loop keeps its turns). Where: ``_codec``."""
+        if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
+            body, cpu = timed_build(req)
         else:
             body, cpu = await anyio.to_thread.run_sync(
-                _timed_build, req, limiter=self._threads, abandon_on_cancel=True
+                timed_build, req, limiter=self._threads, abandon_on_cancel=True
             )
         self._stats.cpu["build"] += cpu
         return body
 
     async def _decode_body(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
-        if self._decode is not None:
-            result = self._decode(body, req)
-            if not isinstance(result, ScoreRows):
-                result = await result
-            assert isinstance(result, ScoreRows)
-            return result
-        return decode_score_response(body, req)
+        """The answer decoded: a large one with pyarrow in one of the decode threads (the
+        GIL released while it parses), a small one with msgspec on the loop (``_codec``)."""
+        if self._threads is None or not decode_in_thread(len(body), self._cfg.decode_thread_bytes):
+            start = time.thread_time()
+            try:
+                return decode(body, req, in_thread=False)
+            finally:
+                self._stats.cpu["decode_loop"] += time.thread_time() - start
+        # A cancelled caller returns at once; the thread finishes the parse it is in (one
+        # answer: ~15 ns per byte, 0.5 s for a 36 MB answer) and its result is dropped.
+        rows, cpu = await anyio.to_thread.run_sync(
+            functools.partial(timed_decode, body, req),
+            limiter=self._threads,
+            abandon_on_cancel=True,
+        )
+        self._stats.cpu["decode_threads"] += cpu
+        if isinstance(rows, BaseException):
+            raise rows
+        return rows

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Final, Literal, TypeAlias
 
 import numpy as np
 
-__all__ = ("HEDGE_MIN_SAMPLES", "Balance", "EndpointHealth", "EndpointPool")
+from ._endpoints import EndpointHealth, Endpoints
+
+__all__ = ("HEDGE_MIN_SAMPLES", "Balance", "EndpointPool")
 
 Balance: TypeAlias = Literal["least-outstanding", "round-robin"]
 
@@ -43,38 +45,15 @@ HEDGE_MIN_SAMPLES: Final = 16
 _LATENCY_RING: Final = 512
 
 
-class EndpointHealth:
-    """Health state of one replica URL.
-
-    Attributes:
-        consecutive_failures: failures since the last success or re-admission.
-        ejected_until: ``now`` from which a re-admission probe may run; ``None`` when the
-            replica is admitted.
-        probing: a ``/health`` probe of this replica is in flight.
-        ejections: times the replica was ejected (a failed probe counts again).
-        readmissions: times a probe re-admitted it.
-    """
-
-    __slots__ = ("consecutive_failures", "ejected_until", "ejections", "probing", "readmissions")
-
-    def __init__(self) -> None:
-        self.consecutive_failures = 0
-        self.ejected_until: float | None = None
-        self.probing = False
-        self.ejections = 0
-        self.readmissions = 0
-
-    @property
-    def ejected(self) -> bool:
-        """True while the replica is out of the rotation (cool-down or awaiting a probe)."""
-        return self.ejected_until is not None
-
-
 class EndpointPool:
     """Replica choice and passive health for every server URL of one stream.
 
+    The state it reads and writes (load, health) is each URL's
+    :class:`~opd_stream._endpoints.Endpoint`; the pool keeps only the choice's own state
+    (round-robin turns, recent latencies).
+
     Args:
-        load: requests in flight to a URL now (the scorer's per-endpoint gauge).
+        endpoints: the stream's per-URL state.
         balance: ``least-outstanding`` (power of two choices) or ``round-robin``.
         eject_after: consecutive failures that eject a replica (0: never eject).
         cooldown_s: how long an ejected replica stays out before it may be probed (> 0).
@@ -83,28 +62,24 @@ class EndpointPool:
 
     def __init__(
         self,
-        load: Callable[[str], int],
+        endpoints: Endpoints,
         *,
         balance: Balance = "least-outstanding",
         eject_after: int = 5,
         cooldown_s: float = 10.0,
         rng: random.Random | None = None,
     ) -> None:
-        self._load = load
+        self._endpoints = endpoints
         self._balance = balance
         self._eject_after = eject_after
         self._cooldown_s = cooldown_s
         self._rng = rng if rng is not None else random.Random()
-        self._health: dict[str, EndpointHealth] = {}
         self._rr: dict[tuple[str, ...], int] = {}
         self._latency: dict[tuple[str, ...], deque[float]] = {}
 
     def health(self, url: str) -> EndpointHealth:
-        """The health state of ``url`` (created admitted on first use)."""
-        state = self._health.get(url)
-        if state is None:
-            state = self._health[url] = EndpointHealth()
-        return state
+        """The health state of ``url`` (admitted on first use)."""
+        return self._endpoints(url).health
 
     # choice ------------------------------------------------------------------------
     def pick(self, urls: Sequence[str], exclude: Collection[str] = ()) -> str | None:
@@ -128,7 +103,8 @@ class EndpointPool:
             self._rr[key] = turn + 1
             return pool[turn % len(pool)]
         first, second = self._rng.sample(pool, 2)
-        return second if self._load(second) < self._load(first) else first
+        load = self._endpoints.load
+        return second if load(second) < load(first) else first
 
     # passive health ----------------------------------------------------------------
     def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:

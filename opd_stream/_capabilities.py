@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Literal
 
 from ._config import StreamConfig
+from ._endpoints import Endpoints
 from ._errors import CapabilityError, OPDStreamError, ServerHTTPError
 from ._logging import get_logger
-from ._stats import StatsRecorder
 from ._wire import IdForm, ScoreRequest
 
 __all__ = ("Capabilities", "Side")
@@ -28,17 +28,18 @@ Side = Literal["teacher", "student"]
 
 
 class Capabilities:
-    """Per-endpoint capability state (kept in the stream's endpoint stats) and its uses."""
+    """The capability rules; what was detected is kept in each URL's
+    :class:`~opd_stream._endpoints.Endpoint`."""
 
-    def __init__(self, config: StreamConfig, stats: StatsRecorder) -> None:
+    def __init__(self, config: StreamConfig, endpoints: Endpoints) -> None:
         self._cfg = config
-        self._stats = stats
+        self._endpoints = endpoints
 
     def id_form(self, url: str) -> IdForm:
         mode = self._cfg.id_scoring
         if mode != "auto":
             return mode
-        ep = self._stats.endpoint(url)
+        ep = self._endpoints(url)
         if ep.per_position is not False:
             return "per-position"
         # sglang-router 0.3.2 rejects a batch with per-item logprob_start_len (HTTP 422):
@@ -50,10 +51,10 @@ class Capabilities:
         wire = self._cfg.topk_wire
         if wire != "auto":
             return wire
-        return "json" if self._stats.endpoint(url).b64_topk is False else "b64"
+        return "json" if self._endpoints(url).b64_topk is False else "b64"
 
     def note(self, url: str, side: Side, name: str, supported: bool) -> None:
-        ep = self._stats.endpoint(url)
+        ep = self._endpoints(url)
         current = ep.per_position if name == "per_position" else ep.b64_topk
         if current is supported:
             return
@@ -77,7 +78,7 @@ class Capabilities:
             and self._cfg.id_scoring == "auto"
         ):
             return False
-        ep = self._stats.endpoint(url)
+        ep = self._endpoints(url)
         if ep.blocked_batch is False:
             return True  # detected by a concurrent request already: retry as blocks
         ep.blocked_batch = False

@@ -1,7 +1,7 @@
 """Scoring answers parsed by pyarrow's JSON reader: off the GIL, straight into arrays.
 
-The msgspec decoder (:mod:`opd_stream._decode`) builds one Python object per answer entry
-while it holds the GIL; a 36 MB answer then stops the event loop for ~0.3 s, and threads
+The msgspec decoder (:mod:`opd_stream._decode_score`) builds one Python object per answer
+entry while it holds the GIL; a 36 MB answer then stops the event loop for ~0.3 s, and threads
 cannot decode side by side. pyarrow's JSON reader parses into columnar buffers with the GIL
 released (``perf-facts.md`` §9): a decode thread leaves the loop and the other decode
 threads running.
@@ -12,12 +12,8 @@ else (a parse error, a type the msgspec decoder would reject, a count, width, id
 that fails a check, an abort) returns ``None``, and the caller runs the msgspec decoder on
 the same bytes for the precise error: error types and messages stay those of one
 implementation. tests/test_decode_arrow.py checks the rule differentially (valid,
-mutated and random answers through both).
-
-Two leniencies are inherent: the reader parses an entry's numbers as doubles, so a token id
-written as an integral float (``5.0``) is read as ``5`` here, where msgspec rejects it; and
-it skips an unknown field nested deeper than msgspec's depth limit (~1000 levels), where
-msgspec fails the answer as malformed. No SGLang release writes either.
+mutated and random answers through both). The reader and its two inherent leniencies:
+:mod:`opd_stream._arrow_reader`; sampling answers: :mod:`opd_stream._decode_arrow_generate`.
 
 Costs, measured on this project's machines (R = 2048, k = 16, per-position answers):
 the reader's parse costs ~1.9x msgspec's untyped decode in CPU but holds no GIL; the
@@ -29,34 +25,22 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import re
-import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._decode import (
-    LOGPROB_TOLERANCE,
-    Generation,
-    ScoreRows,
-    Segment,
-    generation_flat_topk,
-    id_values,
-    to_logprobs,
-    token_values,
-    with_tail_values,
-)
+from ._answers import ScoreRows, Segment
+from ._arrow_reader import ArrowEntries, ArrowRows, gather, read_rows
+from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
 from ._errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
-__all__ = ("decode_generate_arrow", "decode_segments_arrow")
+__all__ = ("decode_segments_arrow",)
 
-_I64_LIMIT = 2.0**63
-_MAX_BODY = 2**31 - 64  # the reader's block size is an int32
 _FLAT_FIELDS = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
 
 
@@ -89,154 +73,13 @@ def _schema() -> Any:
     return pa.schema([("meta_info", meta)])
 
 
-_GEN_FLAT = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
-
-
-@functools.cache
-def _generation_schema() -> Any:
-    """The explicit schema of one generation answer (the fields msgspec's decoder declares)."""
-    import pyarrow as pa
-
-    entries = pa.list_(pa.list_(pa.float64()))
-    meta = pa.struct(
-        [
-            ("finish_reason", pa.struct([("type", pa.string()), ("message", pa.string())])),
-            ("output_token_logprobs", entries),
-            ("output_top_logprobs", pa.list_(entries)),
-            ("output_top_logprobs_shape", pa.list_(pa.int64())),
-            ("output_top_logprobs_null_prefix", pa.int64()),
-            *((f"output_top_logprobs_{name}", pa.string()) for name in _GEN_FLAT),
-            ("output_top_logprobs_val_flat", pa.list_(pa.float64())),
-            ("output_top_logprobs_idx_flat", pa.list_(pa.int64())),
-        ]
-    )
-    return pa.schema([("output_ids", pa.list_(pa.int64())), ("meta_info", meta)])
-
-
-_SINGLE_SHAPE = re.compile(rb"[ \t\r\n]*\{")
-_BATCH_SHAPE = re.compile(rb"[ \t\r\n]*\[[ \t\r\n]*(?=\{)")
-_BATCH_END = re.compile(rb"\}[ \t\r\n]*\][ \t\r\n]*\Z")
-_ITEM_SEP = b"},{"
-
-
-def _ndjson(body: bytes | bytearray, batch: bool) -> tuple[bytes | bytearray, int] | None:
-    """The bytes to give the reader (one object per row) and the rows they must hold.
-
-    The reader takes newline-delimited objects, not a JSON array, so a batch answer
-    ``[{...},{...}]`` (SGLang writes it compactly) is handed over as its items with each
-    ``},{`` turned into ``}\n{``. That edit is only valid JSON where the separator really
-    sits between two items: inside a string it would put a raw newline there, inside a
-    nested array it would drop a comma, and the reader rejects both; any other row
-    boundary makes the row count differ from the separators counted. A body that does not
-    open with an object (or, batch, ``[{``) is not given to the reader at all: a
-    top-level ``null`` crashes it (pyarrow 16-25).
-    """
-    if not batch:
-        return (body, 1) if _SINGLE_SHAPE.match(body) else None
-    head, tail = _BATCH_SHAPE.match(body), _BATCH_END.search(body)
-    if head is None or tail is None or tail.start() < head.end():
-        return None
-    inner = body[head.end() : tail.start() + 1]
-    return inner.replace(_ITEM_SEP, b"}\n{"), inner.count(_ITEM_SEP) + 1
-
-
 def _parse(body: bytes | bytearray, batch: bool) -> Any:
     """The ``meta_info`` of every item, as one StructArray, or ``None``."""
-    table = _read(body, batch, _schema())
+    table = read_rows(body, batch, _schema())
     if table is None:
         return None
     column = table.column(0).combine_chunks()
     return column if column.null_count == 0 else None
-
-
-def _read(body: bytes | bytearray, batch: bool, schema: Any) -> Any:
-    """The reader's table (a row per item), or ``None``."""
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    if not 0 < len(body) < _MAX_BODY:
-        return None
-    prepared = _ndjson(body, batch)
-    if prepared is None:
-        return None
-    data, rows = prepared
-    try:
-        table = pj.read_json(
-            pa.py_buffer(data),
-            read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1),
-            parse_options=pj.ParseOptions(
-                explicit_schema=schema,
-                unexpected_field_behavior="ignore",
-                newlines_in_values=True,
-            ),
-        )
-    except (pa.ArrowException, ValueError):
-        return None
-    if table.num_rows != rows:  # e.g. two objects where one was sent
-        return None
-    return table
-
-
-class _Entries:
-    """The entries of one ``list<list<double>>`` (``[logprob, id, ...]`` each), checked.
-
-    ``ok`` is False when msgspec would reject any entry: a null entry, fewer than 2
-    elements, a null / non-integral / out-of-int64 id, or a NaN / infinite literal anywhere.
-    """
-
-    __slots__ = ("ids", "lps", "ok")
-
-    def __init__(self, arr: pa.ListArray) -> None:
-        self.ok = False
-        self.ids: npt.NDArray[np.float64] = np.empty(0)
-        self.lps: npt.NDArray[np.float64] = np.empty(0)
-        if arr.null_count:
-            return
-        off = arr.offsets.to_numpy()
-        starts = off[:-1]
-        if starts.size and int(np.diff(off).min()) < 2:
-            return
-        values = arr.values
-        v = values.to_numpy(zero_copy_only=False)  # null -> NaN
-        valid = None if values.null_count == 0 else ~values.is_null().to_numpy(zero_copy_only=False)
-        finite = np.isfinite(v)
-        if valid is None:
-            if not finite.all():
-                return
-        elif (valid & ~finite).any():
-            return
-        ids = v[starts + 1]
-        if ids.size and (
-            not (np.floor(ids) == ids).all() or float(np.abs(ids).max()) >= _I64_LIMIT
-        ):
-            return  # NaN (a null id) fails the first test
-        self.ids, self.lps, self.ok = ids, v[starts], True
-
-
-class _Rows:
-    """A ``list<list<list<double>>>`` field (rows of entries, a row may be null), checked."""
-
-    __slots__ = ("entries", "entry_off", "item_null", "item_off", "ok", "row_null", "row_width")
-
-    def __init__(self, field: pa.ListArray) -> None:
-        self.item_null = field.is_null().to_numpy(zero_copy_only=False)
-        self.item_off = field.offsets.to_numpy()
-        rows = field.values
-        self.row_null = rows.is_null().to_numpy(zero_copy_only=False)
-        self.entry_off = rows.offsets.to_numpy()
-        self.row_width = np.diff(self.entry_off)
-        self.entries = _Entries(rows.values)
-        self.ok = self.entries.ok
-
-    def count(self, n: int) -> int:
-        return int(self.item_off[n + 1] - self.item_off[n])
-
-
-def _gather(starts: npt.NDArray[np.intp], widths: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
-    """Concatenated ``arange(s, s + w)`` for each (s, w)."""
-    total = int(widths.sum())
-    base = np.repeat(starts - (np.cumsum(widths) - widths), widths)
-    return base + np.arange(total, dtype=np.intp)
 
 
 def decode_segments_arrow(
@@ -247,7 +90,7 @@ def decode_segments_arrow(
     tokens: npt.NDArray[np.int64],
     top_k: int,
 ) -> ScoreRows | None:
-    """The answer as :func:`opd_stream._decode.decode_segments` decodes it, or ``None``.
+    """The answer as :func:`opd_stream._decode_score.decode_segments` decodes it, or ``None``.
 
     ``None`` means: decode it with msgspec (which raises the precise error, or, for the
     rare valid answer this parser cannot take, such as an entry with a text element,
@@ -282,23 +125,23 @@ def _decode(
     tok_field = metas.field("input_token_logprobs")
     if tok_field.null_count:
         return None
-    tok = _Entries(tok_field.values)
+    tok = ArrowEntries(tok_field.values)
     tok_off = tok_field.offsets.to_numpy()
     if not tok.ok or not np.array_equal(np.diff(tok_off), n_entries):
         return None
     fields = {
-        name: _Rows(metas.field(name))
+        name: ArrowRows(metas.field(name))
         for name in ("input_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
     }
     if not all(f.ok for f in fields.values()):
         return None
 
     # sampled tokens: echoed ids (all but each item's first entry), logprobs of input rows
-    echo_idx = _gather(tok_off[:-1] + 1, n_entries - 1)
+    echo_idx = gather(tok_off[:-1] + 1, n_entries - 1)
     echoed = tok.ids[echo_idx]
     if echoed.size and float(echoed.max()) >= 2.0**53:  # beyond exact doubles: let msgspec say
         return None
-    lp_idx = _gather(tok_off[1:] - n_in, n_in)
+    lp_idx = gather(tok_off[1:] - n_in, n_in)
     token_lp = token_values(echoed.astype(np.int64), tok.lps[lp_idx], segments, tokens, batch)
 
     top_ids = top_lps = None
@@ -336,7 +179,7 @@ def _decode(
 
 
 def _selected_rows(
-    f: _Rows,
+    f: ArrowRows,
     counts: npt.NDArray[np.intp],
     take: npt.NDArray[np.intp],
     widths: npt.NDArray[np.intp],
@@ -345,16 +188,16 @@ def _selected_rows(
     the field, has another row count, or a kept row is null or not ``widths[n]`` wide."""
     if f.item_null.any() or not np.array_equal(np.diff(f.item_off), counts):
         return None
-    row_idx = _gather(f.item_off[1:] - take, take)
+    row_idx = gather(f.item_off[1:] - take, take)
     want = np.repeat(widths, take)
     if f.row_null[row_idx].any() or not np.array_equal(f.row_width[row_idx], want):
         return None
-    return _gather(f.entry_off[row_idx], want)
+    return gather(f.entry_off[row_idx], want)
 
 
 def _topk(
     metas: pa.StructArray,
-    nested: _Rows,
+    nested: ArrowRows,
     segments: Sequence[Segment],
     top_k: int,
     n_entries: npt.NDArray[np.intp],
@@ -390,7 +233,7 @@ def _b64_topk(
     top_k: int,
     n_entries: npt.NDArray[np.intp],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
-    """The b64 flat top-k of every item (the checks of ``_decode._flat_topk``)."""
+    """The b64 flat top-k of every item (the checks of ``_decode_checks.flat_topk``)."""
     shapes = metas.field("input_top_logprobs_shape").to_pylist()
     prefixes = metas.field("input_top_logprobs_null_prefix").to_pylist()
     texts = [metas.field(f"input_top_logprobs_{name}").to_pylist() for name in _FLAT_FIELDS]
@@ -436,7 +279,7 @@ def _b64_topk(
 
 
 def _id_rows(
-    fields: dict[str, _Rows],
+    fields: dict[str, ArrowRows],
     segments: Sequence[Segment],
     n_entries: npt.NDArray[np.intp],
     n_in: npt.NDArray[np.intp],
@@ -462,7 +305,7 @@ def _id_rows(
     first = f_out.item_off[tails]
     if f_out.row_null[first].any() or not np.array_equal(f_out.row_width[first], widths[tails]):
         return None
-    sel_out = _gather(f_out.entry_off[first], widths[tails])
+    sel_out = gather(f_out.entry_off[first], widths[tails])
     # interleave: each item's input-row entries, then its tail-row entries
     size_in = n_in * widths
     size_out = n_tail * widths
@@ -471,121 +314,11 @@ def _id_rows(
     total = int(per_item.sum())
     ids = np.empty(total, dtype=np.float64)
     lps = np.empty(total, dtype=np.float64)
-    dest_in = _gather(item_start, size_in)
-    dest_out = _gather(item_start[tails] + size_in[tails], widths[tails])
+    dest_in = gather(item_start, size_in)
+    dest_out = gather(item_start[tails] + size_in[tails], widths[tails])
     ids[dest_in], lps[dest_in] = ids_in, lps_in
     ids[dest_out] = f_out.entries.ids[sel_out]
     lps[dest_out] = f_out.entries.lps[sel_out]
     tail_cols = np.array([segments[int(n)].tail_col for n in tails], dtype=np.intp)
     tail_values = f_out.entries.lps[f_out.entry_off[first] + tail_cols]
     return ids, lps, tail_values
-
-
-# --- generation answers --------------------------------------------------------------
-
-
-def decode_generate_arrow(body: bytes | bytearray) -> list[Generation] | None:
-    """A sampling answer as :func:`opd_stream._decode.decode_generate_response` decodes
-    it, or ``None`` (then decode it with msgspec, which raises the precise error)."""
-    batch = body[:64].lstrip()[:1] == b"["
-    try:
-        return _generations(body, batch)
-    except ProtocolError:
-        return None
-
-
-def _generations(body: bytes | bytearray, batch: bool) -> list[Generation] | None:
-    table = _read(body, batch, _generation_schema())
-    if table is None:
-        return None
-    metas = table.column("meta_info").combine_chunks()
-    output_ids = table.column("output_ids").combine_chunks()
-    if metas.null_count or "abort" in metas.field("finish_reason").field("type").to_pylist():
-        return None
-    tok_field = metas.field("output_token_logprobs")
-    top_field = metas.field("output_top_logprobs")
-    if tok_field.null_count:
-        return None
-    tok, top = _Entries(tok_field.values), _Rows(top_field)
-    if not (tok.ok and top.ok):
-        return None
-    tok_off = tok_field.offsets.to_numpy()
-    ids_given = output_ids.values.to_numpy(zero_copy_only=False)
-    ids_off = output_ids.offsets.to_numpy()
-    ids_null = output_ids.is_null().to_numpy(zero_copy_only=False)
-    flat_cols = {
-        name: metas.field(f"output_top_logprobs_{name}")
-        for name in ("shape", "null_prefix", *_GEN_FLAT, "val_flat", "idx_flat")
-    }
-    out = []
-    for n in range(len(metas)):
-        where = f"$[{n}]" if batch else "$"
-        lo, hi = int(tok_off[n]), int(tok_off[n + 1])
-        count = hi - lo
-        ids_f = tok.ids[lo:hi]
-        if float(np.abs(ids_f).max(initial=0)) >= 2.0**53:
-            return None
-        ids = ids_f.astype(np.int64)
-        if not ids_null[n]:
-            given = ids_given[ids_off[n] : ids_off[n + 1]]
-            if given.shape != ids.shape or not np.array_equal(given, ids):
-                return None
-        lps = to_logprobs(tok.lps[lo:hi], f"{where}.meta_info.output_token_logprobs")
-        values = {name: col[n].as_py() for name, col in flat_cols.items()}
-        if not _flat_values_ok(values):
-            return None
-        meta = types.SimpleNamespace(
-            **{f"output_top_logprobs_{name}": v for name, v in values.items()}
-        )
-        flat = generation_flat_topk(meta, where, count)
-        top_ids = top_lps = None
-        if flat is not None:
-            top_ids, top_lps = flat
-        elif not top.item_null[n]:
-            got = _generation_rows(top, n, count, where)
-            if got is None:
-                return None
-            top_ids, top_lps = got
-        out.append(
-            Generation(
-                output_ids=ids,
-                output_logprobs=lps,
-                output_top_ids=top_ids,
-                output_top_logprobs=top_lps,
-            )
-        )
-    return out
-
-
-def _generation_rows(
-    top: _Rows, n: int, count: int, where: str
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
-    """Item ``n``'s nested top-k rows: one per output token, none null, all as wide as
-    the first."""
-    if top.count(n) != count:
-        return None
-    rows = np.arange(top.item_off[n], top.item_off[n + 1])
-    k = int(top.row_width[rows[0]]) if count else 0
-    if top.row_null[rows].any() or (top.row_width[rows] != k).any():
-        return None
-    sel = _gather(top.entry_off[rows], np.full(count, k, dtype=np.intp))
-    ids = top.entries.ids[sel]
-    if ids.size and float(np.abs(ids).max()) >= 2.0**53:
-        return None
-    lps = to_logprobs(top.entries.lps[sel], f"{where}.meta_info.output_top_logprobs")
-    return ids.astype(np.int64).reshape(count, k), lps.reshape(count, k)
-
-
-def _flat_values_ok(values: dict[str, Any]) -> bool:
-    """What msgspec's types reject and the reader lets through: a null inside the shape or
-    the ids, a NaN / infinite literal among the values."""
-    for name in ("shape", "idx_flat"):
-        if values[name] is not None and None in values[name]:
-            return False
-    val = values["val_flat"]
-    if val is not None:
-        arr = np.array([np.nan if v is None else v for v in val], dtype=np.float64)
-        present = np.array([v is not None for v in val], dtype=bool)
-        if (present & ~np.isfinite(arr)).any():
-            return False
-    return True

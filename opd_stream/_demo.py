@@ -23,12 +23,14 @@ import anyio
 import numpy as np
 
 from ._config import StreamConfig
+from ._decode_generate import decode_generate_response
+from ._kltypes import STRATEGIES, WEIGHT_MODES
 from ._logging import LOG_LEVELS
+from ._payloads import build_generate_payload
 from ._progress import Progress
 from ._router import generate_url
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._stream import OPDStream
-from ._wire import build_generate_payload, decode_generate_response
 
 __all__ = ("add_demo_arguments", "run_demo")
 
@@ -71,9 +73,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategy",
         default="union",
-        choices=["only-student", "only-teacher", "intersection", "union", "xor"],
+        choices=STRATEGIES,
     )
-    p.add_argument("--weight-mode", default="student_p", choices=["student_p", "teacher_p", "none"])
+    p.add_argument("--weight-mode", default="student_p", choices=WEIGHT_MODES)
     p.add_argument(
         "--teachers",
         type=_at_least(1),

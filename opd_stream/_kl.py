@@ -82,14 +82,12 @@ axis is ``C = K`` or ``2K`` as in ``docs/internals.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from ._errors import MissingLogprobError
+from ._klbatch import TopKBatch, TopKResult, checked_fields, empty_result, needed_inputs
 from ._klselect import SelectionPlan, plan_selection
 from ._kltypes import LOGPROB_FLOOR, STRATEGIES, TAIL_MIN, WEIGHT_MODES, Strategy, WeightMode
 
@@ -103,109 +101,9 @@ __all__ = (
     "WEIGHT_MODES",
     "WeightMode",
     "needed_inputs",
-    "pad_batch",
-    "pad_topk_batch",
     "sampled_reverse_kl",
     "topk_reverse_kl",
 )
-
-_FIELDS = (
-    "student_ids",
-    "student_lp",
-    "teacher_on_student",
-    "teacher_ids",
-    "teacher_lp",
-    "student_on_teacher",
-)
-_NEEDED: dict[str, frozenset[str]] = {
-    "only-student": frozenset({"student_ids", "student_lp", "teacher_on_student"}),
-    "only-teacher": frozenset({"teacher_ids", "teacher_lp", "student_on_teacher"}),
-    "intersection": frozenset({"student_ids", "student_lp", "teacher_ids", "teacher_lp"}),
-    "union": frozenset(_FIELDS),
-    "xor": frozenset(_FIELDS),
-}
-
-
-class TopKBatch(NamedTuple):
-    """The inputs of :func:`topk_reverse_kl` for a padded batch of samples.
-
-    Every tensor is ``[B, R, K]`` (``R`` = the longest response in the batch) on one device;
-    a field a strategy does not need (see :func:`needed_inputs`) may be ``None``.  Student
-    fields have width ``Ks``, teacher fields ``Kt`` (normally equal).  Values at padding
-    positions (``valid`` False) are ignored, whatever they are.
-
-    Attributes:
-        student_ids: int64, ``S``: the student top-k ids, best first.
-        student_lp: float32, student logprob of each ``S`` id (from the student's own top-k).
-        teacher_on_student: float32, teacher logprob of each ``S`` id (the teacher scored ``S``).
-        teacher_ids: int64, ``T``: the teacher top-k ids, best first.
-        teacher_lp: float32, teacher logprob of each ``T`` id.
-        student_on_teacher: float32, student logprob of each ``T`` id (the student scored ``T``).
-        valid: bool ``[B, R]``; False on padding positions.
-    """
-
-    student_ids: Tensor | None
-    student_lp: Tensor | None
-    teacher_on_student: Tensor | None
-    teacher_ids: Tensor | None
-    teacher_lp: Tensor | None
-    student_on_teacher: Tensor | None
-    valid: Tensor
-
-
-class TopKResult(NamedTuple):
-    """The output of :func:`topk_reverse_kl`.
-
-    The candidate axis ``C`` is ``Ks`` (only-student, intersection), ``Kt`` (only-teacher) or
-    ``Ks + Kt`` (union, xor).  The selected candidates of a position are packed to the front
-    of the ``C`` axis in the spec order; the remaining slots hold id ``-1``, logprobs ``0``,
-    weight ``0`` and mask False.  Padding positions have no selected candidate.
-
-    Attributes:
-        reverse_kl: float32 ``[B, R]``: ``r_t``; 0 where nothing is selected or on padding.
-        ids: int64 ``[B, R, C]``: candidate token ids.
-        student_lp: float32 ``[B, R, C]``: student logprob of each candidate (floored).
-        teacher_lp: float32 ``[B, R, C]``: teacher logprob of each candidate (floored).
-        weights: float32 ``[B, R, C]``: the candidate weights ``w(v)`` (with ``tail``:
-            ``exp(s(v))``).
-        mask: bool ``[B, R, C]``: True on selected candidates.
-        student_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None):
-            ``log S_tail``, the student's log-mass outside the candidates (0 where nothing
-            is selected or on padding).
-        teacher_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None): ``log T_tail``.
-    """
-
-    reverse_kl: Tensor
-    ids: Tensor
-    student_lp: Tensor
-    teacher_lp: Tensor
-    weights: Tensor
-    mask: Tensor
-    student_tail_lp: Tensor | None = None
-    teacher_tail_lp: Tensor | None = None
-
-
-def needed_inputs(strategy: Strategy) -> frozenset[str]:
-    """Name the :class:`TopKBatch` fields that ``strategy`` reads (besides ``valid``).
-
-    Args:
-        strategy: One of :data:`STRATEGIES`.
-
-    Returns:
-        only-student: ``student_ids``, ``student_lp``, ``teacher_on_student``;
-        only-teacher: ``teacher_ids``, ``teacher_lp``, ``student_on_teacher``;
-        intersection: ``student_ids``, ``student_lp``, ``teacher_ids``, ``teacher_lp``;
-        union and xor: all six.
-
-    Raises:
-        ValueError: ``strategy`` is not one of :data:`STRATEGIES`.
-    """
-    try:
-        return _NEEDED[strategy]
-    except KeyError:
-        raise ValueError(
-            f"unknown top-k strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
-        ) from None
 
 
 # --------------------------------------------------------------------------- sampled-token
@@ -318,7 +216,7 @@ def topk_reverse_kl(
             f"tail needs weight_mode 'student_p' (the tail bucket's weights are the student's "
             f"probabilities), got {weight_mode!r}"
         )
-    fields = _checked_fields(batch, strategy, needed)
+    fields = checked_fields(batch, strategy, needed)
     valid = batch.valid
     b, r = valid.shape
     n = b * r
@@ -359,7 +257,7 @@ def topk_reverse_kl(
             t_base = _joined(flat("teacher_on_student", f32), flat("teacher_lp", f32))
     c = ks if strategy in ("only-student", "only-teacher", "intersection") else ids.shape[1]
     if n == 0 or c == 0:
-        return _empty_result(b, r, c, ids.device, tail)
+        return empty_result(b, r, c, ids.device, tail)
 
     raw = strategy == "xor" or tail  # unnormalised weights
     basis = weight_mode != "none" and not raw
@@ -415,22 +313,6 @@ def _tail_lp(x: Tensor, selected: Tensor | None) -> Tensor:
     if selected is not None:
         p.mul_(selected)
     return torch.log1p(p.sum(dim=1).clamp_(max=1.0 - TAIL_MIN).neg_())
-
-
-def _empty_result(b: int, r: int, c: int, device: torch.device, tail: bool) -> TopKResult:
-    def f32(*shape: int) -> Tensor:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-
-    return TopKResult(
-        reverse_kl=f32(b, r),
-        ids=torch.full((b, r, c), -1, dtype=torch.int64, device=device),
-        student_lp=f32(b, r, c),
-        teacher_lp=f32(b, r, c),
-        weights=f32(b, r, c),
-        mask=torch.zeros((b, r, c), dtype=torch.bool, device=device),
-        student_tail_lp=f32(b, r) if tail else None,
-        teacher_tail_lp=f32(b, r) if tail else None,
-    )
 
 
 def _joined(a: Tensor, b: Tensor) -> Tensor:
@@ -501,136 +383,3 @@ def _weights(
             return w
     w.view(torch.int32).bitwise_and_(plan.keep)  # unselected (and empty rows) to +0.0
     return w
-
-
-def _checked_fields(batch: TopKBatch, strategy: str, needed: frozenset[str]) -> dict[str, Tensor]:
-    """Return the needed fields by name after checking presence, shapes, dtypes and devices."""
-    valid = batch.valid
-    if valid.dtype != torch.bool or valid.dim() != 2:
-        raise ValueError(
-            f"valid must be a bool [B, R] tensor, got {valid.dtype} of shape {tuple(valid.shape)}"
-        )
-    fields: dict[str, Tensor] = {}
-    for name in _FIELDS:
-        if name not in needed:
-            continue
-        x = getattr(batch, name)
-        if x is None:
-            raise ValueError(
-                f"strategy {strategy!r} needs TopKBatch.{name}, which is None "
-                f"(it needs {', '.join(f for f in _FIELDS if f in needed)})"
-            )
-        if x.dim() != 3 or tuple(x.shape[:2]) != tuple(valid.shape):
-            raise ValueError(
-                f"TopKBatch.{name} has shape {tuple(x.shape)}; expected "
-                f"[{valid.shape[0]}, {valid.shape[1]}, K] to match valid"
-            )
-        if x.device != valid.device:
-            raise ValueError(f"TopKBatch.{name} is on {x.device}, valid on {valid.device}")
-        is_ids = name.endswith("_ids")
-        if is_ids and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
-            raise ValueError(f"TopKBatch.{name} must hold integer ids, got {x.dtype}")
-        if not is_ids and not x.dtype.is_floating_point:
-            raise ValueError(f"TopKBatch.{name} must hold float logprobs, got {x.dtype}")
-        fields[name] = x
-    for ids_name, partners in (
-        ("student_ids", ("student_lp", "teacher_on_student")),
-        ("teacher_ids", ("teacher_lp", "student_on_teacher")),
-    ):
-        present = [f for f in (ids_name, *partners) if f in fields]
-        widths = {fields[f].shape[-1] for f in present}
-        if len(widths) > 1:
-            shapes = ", ".join(f"{f}={tuple(fields[f].shape)}" for f in present)
-            raise ValueError(f"top-k widths disagree: {shapes}")
-    return fields
-
-
-# ------------------------------------------------------------------------------- padding
-
-
-def pad_batch(
-    arrays: Sequence[np.ndarray],
-    *,
-    device: torch.device | str = "cpu",
-    fill: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Pad per-sample arrays of different lengths into one batch tensor on ``device``.
-
-    Args:
-        arrays: ``B >= 1`` arrays, each ``[R_i]`` or ``[R_i, K]`` (same trailing shape and
-            dtype kind).  Integer arrays become int64, float arrays float32.
-        device: Where the result lives (one host-to-device copy for the whole batch).
-        fill: Value of the padding slots; default ``-1`` for ids, ``0.0`` for logprobs.
-
-    Returns:
-        ``(padded [B, Rmax, ...], valid [B, Rmax] bool)``; ``valid[i, t]`` is ``t < R_i``.
-
-    Raises:
-        ValueError: ``arrays`` is empty, or the trailing shapes or dtype kinds differ.
-    """
-    if not arrays:
-        raise ValueError("pad_batch needs at least one array")
-    trailing = {a.shape[1:] for a in arrays}
-    if len(trailing) != 1:
-        raise ValueError(f"pad_batch: trailing shapes differ: {sorted(trailing)}")
-    kinds = {a.dtype.kind for a in arrays}
-    if kinds <= {"i", "u"}:
-        dtype: type[np.generic] = np.int64
-        default_fill: float = -1
-    elif kinds == {"f"}:
-        dtype = np.float32
-        default_fill = 0.0
-    else:
-        raise ValueError(f"pad_batch: expected all-integer or all-float arrays, got {kinds}")
-    lengths = [a.shape[0] for a in arrays]
-    r_max = max(lengths)
-    out = np.full(
-        (len(arrays), r_max, *trailing.pop()),
-        default_fill if fill is None else fill,
-        dtype=dtype,
-    )
-    for i, a in enumerate(arrays):
-        out[i, : a.shape[0]] = a
-    valid = np.arange(r_max)[None, :] < np.asarray(lengths)[:, None]
-    return torch.from_numpy(out).to(device), torch.from_numpy(valid).to(device)
-
-
-def pad_topk_batch(
-    *,
-    student_ids: Sequence[np.ndarray] | None = None,
-    student_lp: Sequence[np.ndarray] | None = None,
-    teacher_on_student: Sequence[np.ndarray] | None = None,
-    teacher_ids: Sequence[np.ndarray] | None = None,
-    teacher_lp: Sequence[np.ndarray] | None = None,
-    student_on_teacher: Sequence[np.ndarray] | None = None,
-    device: torch.device | str = "cpu",
-) -> TopKBatch:
-    """Build a :class:`TopKBatch` from per-sample ``[R_i, K]`` arrays (see :func:`pad_batch`).
-
-    Every given field must hold one array per sample, and the response lengths ``R_i`` must
-    agree across fields.  Padding: ids ``-1``, logprobs ``0.0``.
-
-    Raises:
-        ValueError: No field given, or the sample counts or lengths disagree.
-    """
-    given = {
-        "student_ids": student_ids,
-        "student_lp": student_lp,
-        "teacher_on_student": teacher_on_student,
-        "teacher_ids": teacher_ids,
-        "teacher_lp": teacher_lp,
-        "student_on_teacher": student_on_teacher,
-    }
-    present = {k: v for k, v in given.items() if v is not None}
-    if not present:
-        raise ValueError("pad_topk_batch needs at least one field")
-    lengths = {k: tuple(a.shape[0] for a in v) for k, v in present.items()}
-    if len(set(lengths.values())) != 1:
-        counts = ", ".join(f"{k}: {len(v)} samples" for k, v in lengths.items())
-        raise ValueError(f"pad_topk_batch: sample counts or lengths disagree ({counts})")
-    padded: dict[str, Tensor | None] = dict.fromkeys(_FIELDS)
-    valid: Tensor | None = None
-    for k, v in present.items():
-        padded[k], valid = pad_batch(v, device=device)
-    assert valid is not None
-    return TopKBatch(valid=valid, **padded)

@@ -29,12 +29,13 @@ other devices' code on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from ._klindex import Index, NumpyIndex, TorchIndex
 
 __all__ = ("SelectionPlan", "plan_selection")
 
@@ -74,112 +75,6 @@ class SelectionPlan(NamedTuple):
     empty_rows: bool
 
 
-class _NumpyIndex:
-    """The index work's array operations on numpy (CPU): numpy's row sort is SIMD and its
-    integer and bool kernels are several times faster than torch's on one CPU thread."""
-
-    i32: Any = np.int32
-    i64: Any = np.int64
-    f32: Any = np.float32
-    b8: Any = np.bool_
-    small_index = True  # int32 flat indices when they fit
-
-    def asarray(self, x: Tensor) -> Any:
-        return (x.detach() if x.requires_grad else x).numpy()
-
-    def tensor(self, a: Any) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    def sort_rows(self, a: Any) -> Any:
-        return np.sort(a, axis=1)
-
-    def cat(self, parts: Sequence[Any]) -> Any:
-        return np.concatenate(parts, axis=1)
-
-    def cat_rows(self, parts: Sequence[Any]) -> Any:
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-
-    def clip_neg(self, a: Any) -> Any:
-        return np.maximum(a, -1)
-
-    def arange(self, start: int, stop: int, step: int, dtype: Any) -> Any:
-        return np.arange(start, stop, step, dtype=dtype)
-
-    def cast(self, a: Any, dtype: Any) -> Any:
-        return a.astype(dtype)
-
-    def zeros(self, shape: tuple[int, int], dtype: Any) -> Any:
-        return np.zeros(shape, dtype=dtype)
-
-    def any(self, a: Any, axis: int) -> Any:
-        return a.any(axis=axis)
-
-    def argmax(self, a: Any, axis: int) -> Any:
-        return a.argmax(axis=axis)
-
-    def minmax(self, a: Any) -> tuple[int, int]:
-        return int(a.min()), int(a.max())
-
-    def has(self, a: Any) -> bool:
-        return bool(a.any())
-
-
-class _TorchIndex:
-    """The same operations on torch tensors (any device)."""
-
-    i32: Any = torch.int32
-    i64: Any = torch.int64
-    f32: Any = torch.float32
-    b8: Any = torch.bool
-    small_index = False
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def asarray(self, x: Tensor) -> Any:
-        return x
-
-    def tensor(self, a: Any) -> Tensor:
-        return a.contiguous()  # type: ignore[no-any-return]
-
-    def sort_rows(self, a: Any) -> Any:
-        return torch.sort(a, dim=1).values
-
-    def cat(self, parts: Sequence[Any]) -> Any:
-        return torch.cat(list(parts), dim=1)
-
-    def cat_rows(self, parts: Sequence[Any]) -> Any:
-        return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=0)
-
-    def clip_neg(self, a: Any) -> Any:
-        return a.clamp_min(-1)
-
-    def arange(self, start: int, stop: int, step: int, dtype: Any) -> Any:
-        return torch.arange(start, stop, step, dtype=dtype, device=self.device)
-
-    def cast(self, a: Any, dtype: Any) -> Any:
-        return a.to(dtype)
-
-    def zeros(self, shape: tuple[int, int], dtype: Any) -> Any:
-        return torch.zeros(shape, dtype=dtype, device=self.device)
-
-    def any(self, a: Any, axis: int) -> Any:
-        return a.any(dim=axis)
-
-    def argmax(self, a: Any, axis: int) -> Any:
-        return a.view(torch.uint8).argmax(dim=axis)
-
-    def minmax(self, a: Any) -> tuple[int, int]:
-        lo, hi = torch.aminmax(a)
-        return int(lo), int(hi)
-
-    def has(self, a: Any) -> bool:
-        return bool(a.any())
-
-
-_Index = _NumpyIndex | _TorchIndex
-
-
 def _bits(n: int) -> int:
     """Bits needed to hold ``0 .. n - 1`` (at least 1)."""
     return max(1, (n - 1).bit_length())
@@ -211,9 +106,9 @@ def plan_selection(
     or, for small k (``_BROADCAST_MAX_K``) or ids too large to pack, a broadcast equality.
     """
     if ids_t.device.type == "cpu" and _CPU_INDEX_BACKEND == "numpy":
-        xp: _Index = _NumpyIndex()
+        xp: Index = NumpyIndex()
     else:
-        xp = _TorchIndex(ids_t.device)
+        xp = TorchIndex(ids_t.device)
     ids = xp.asarray(ids_t)
     row_valid = None if row_valid_t is None else xp.asarray(row_valid_t)
     w = ids.shape[1]
@@ -232,7 +127,7 @@ def plan_selection(
     lo, hi = xp.minmax(ids)
     if min(ks, kt) == 0 or max(ks, kt) < _BROADCAST_MAX_K or hi >= 1 << (63 - b):
         unsel, key = _membership_other(xp, strategy, ids, ks, kdt, b)
-    elif isinstance(xp, _NumpyIndex) and hi < 1 << (31 - b) and 2 * b + 1 <= 31:
+    elif isinstance(xp, NumpyIndex) and hi < 1 << (31 - b) and 2 * b + 1 <= 31:
         return _plan_sorted_numpy(strategy, ids, ks, row_valid, lo, basis)
     else:
         unsel, key = _membership_sorted(xp, strategy, ids, ks, kdt, b, lo, hi)
@@ -242,7 +137,7 @@ def plan_selection(
     return _unpack(xp, xp.sort_rows((xp.cast(unsel, kdt) << (2 * b)) | key)[:, :c], b, w, basis)
 
 
-def _unpack(xp: _Index, srt: Any, b: int, w: int, basis: bool) -> SelectionPlan:
+def _unpack(xp: Index, srt: Any, b: int, w: int, basis: bool) -> SelectionPlan:
     """The :class:`SelectionPlan` of row-sorted ``unselected << 2b | column << b | teacher column``
     keys ``[N, C]``, for row-major ``[N, W]`` bases (a flat index is ``row * W + column``)."""
     n = srt.shape[0]
@@ -262,7 +157,7 @@ def _unpack(xp: _Index, srt: Any, b: int, w: int, basis: bool) -> SelectionPlan:
     )
 
 
-def _membership_other(xp: _Index, strategy: str, ids: Any, ks: int, kdt: Any, b: int) -> Any:
+def _membership_other(xp: Index, strategy: str, ids: Any, ks: int, kdt: Any, b: int) -> Any:
     """:func:`_membership_sorted` when a set is empty (nothing is in both), for small k, or
     for ids too large to pack: by broadcast equality ``[rows, Ks, Kt]``, chunked so that at
     most ``_EQ_CHUNK_ELEMENTS`` booleans exist at once; slots in column order."""
@@ -287,7 +182,7 @@ def _membership_other(xp: _Index, strategy: str, ids: Any, ks: int, kdt: Any, b:
 
 
 def _membership_sorted(
-    xp: _Index, strategy: str, ids: Any, ks: int, kdt: Any, b: int, lo: int, hi: int
+    xp: Index, strategy: str, ids: Any, ks: int, kdt: Any, b: int, lo: int, hi: int
 ) -> Any:
     """Per slot of the joined row ``[S | T]``, in the order of a row sort of packed
     ``id << b | column`` keys: ``unselected`` and ``column << b | teacher column`` (see
@@ -309,7 +204,7 @@ def _membership_sorted(
 
 
 def _classify(
-    xp: _Index,
+    xp: Index,
     strategy: str,
     hole: Any,
     s_in_t: Any,

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._config import StreamConfig
 from ._errors import MissingLogprobError
 from ._kl import (
     Strategy,
@@ -51,10 +52,9 @@ from ._kl import (
     sampled_reverse_kl,
     topk_reverse_kl,
 )
-from ._sample import Candidates, ScoredSample
-from ._scorer import Fetched
+from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
 
-__all__ = ("score_batch",)
+__all__ = ("empty_result", "score_batch", "timed_score_batch")
 
 
 def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
@@ -176,6 +176,53 @@ def score_batch(
     ``tail``: top-k with the tail bucket (see :func:`~opd_stream._kl.topk_reverse_kl`).
     """
     return _score_batch(items, top_k, strategy, weight_mode, device, tail)
+
+
+def timed_score_batch(
+    batch: list[Fetched], cfg: StreamConfig, device: torch.device
+) -> tuple[list[Any], float, float]:
+    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``:
+    ``(results, wall seconds, CPU seconds of this thread)``."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    results = score_batch(
+        batch,
+        top_k=cfg.top_k,
+        strategy=cfg.strategy,
+        weight_mode=cfg.weight_mode,
+        device=device,
+        tail=cfg.tail,
+    )
+    return results, time.perf_counter() - start, time.thread_time() - cpu
+
+
+def empty_result(
+    prepared: PreparedSample, admitted_at: float, top_k: int, strategy: Strategy, tail: bool
+) -> ScoredSample:
+    """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
+    shapes."""
+    width = top_k * (2 if strategy in ("union", "xor") else 1)
+    cands = None
+    if top_k > 0:
+        cands = Candidates(
+            ids=torch.empty((0, width), dtype=torch.int64),
+            student_logprobs=torch.empty((0, width)),
+            teacher_logprobs=torch.empty((0, width)),
+            weights=torch.empty((0, width)),
+            mask=torch.empty((0, width), dtype=torch.bool),
+            student_tail_logprobs=torch.empty(0) if tail else None,
+            teacher_tail_logprobs=torch.empty(0) if tail else None,
+        )
+    has_kl = top_k > 0 or prepared.rollout_logprobs is not None
+    return ScoredSample(
+        sample=prepared.sample,
+        index=prepared.index,
+        teacher=prepared.teacher,
+        teacher_logprobs=torch.empty(0),
+        reverse_kl=torch.empty(0) if has_kl else None,
+        candidates=cands,
+        attempts=0,
+        latency_s=time.monotonic() - admitted_at,
+    )
 
 
 def _score_batch(

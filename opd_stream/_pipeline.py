@@ -25,21 +25,14 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._config import StreamConfig
-from ._errors import InvalidSampleError, OPDStreamError, RoutingError
+from ._errors import InvalidSampleError, RoutingError
+from ._failures import internal_failure, sample_failure
 from ._logging import get_logger
 from ._memory import maybe_release_freed_memory, release_freed_memory
-from ._redact import redact
 from ._router import TeacherRouter
-from ._sample import (
-    Candidates,
-    PreparedSample,
-    SampleFailure,
-    ScoredSample,
-    prepare_sample,
-)
-from ._scorer import Fetched, SampleScorer, ScoreAttemptError
+from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepare_sample
+from ._scorer import SampleScorer, ScoreAttemptError
 from ._stats import StatsRecorder
-from ._wire import parse_student_topk
 
 if TYPE_CHECKING:
     import torch
@@ -73,31 +66,6 @@ class RunState:
         self.error: BaseException | None = None
 
 
-def _timed_score_batch(
-    batch: list[Fetched], cfg: StreamConfig, device: torch.device
-) -> tuple[list[Any], float, float]:
-    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``:
-    ``(results, wall seconds, CPU seconds of this thread)``."""
-    from ._klstage import score_batch  # torch: loaded by OPDStream, in the caller's thread
-
-    start, cpu = time.perf_counter(), time.thread_time()
-    results = score_batch(
-        batch,
-        top_k=cfg.top_k,
-        strategy=cfg.strategy,
-        weight_mode=cfg.weight_mode,
-        device=device,
-        tail=cfg.tail,
-    )
-    return results, time.perf_counter() - start, time.thread_time() - cpu
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 class _Pipeline:
     def __init__(
         self,
@@ -121,6 +89,7 @@ class _Pipeline:
             slots = min(slots, config.max_reorder)
         self.slots = anyio.Semaphore(slots)
         self.outstanding = 0  # admitted, result not yet handed over (for stats on cancel)
+        self.secret = None if config.api_key is None else config.api_key.get_secret_value()
         cap = config.channel_capacity
         for name in ("intake", "kl", "emit", "output"):
             stats.channel(name, cap)
@@ -134,13 +103,7 @@ class _Pipeline:
             self.stats.cpu["prepare"] += time.thread_time() - start
 
     def _prepare_timed(self, sample: Any, index: int) -> PreparedSample:
-        prepared = prepare_sample(
-            sample,
-            index,
-            teacher="",
-            top_k=self.cfg.top_k,
-            parse_student_topk=parse_student_topk,
-        )
+        prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)
         if (
             self.cfg.student_url is None
             and prepared.response_length > 0
@@ -199,7 +162,7 @@ class _Pipeline:
         try:
             prepared = self._prepare(sample, index)
         except (InvalidSampleError, RoutingError) as exc:
-            await self._send("emit", emit, self._failure(sample, index, exc, 0))
+            await self._send("emit", emit, sample_failure(sample, index, exc, 0, self.secret))
         else:
             await self._send("intake", work, (prepared, admitted_at, scope))
 
@@ -208,63 +171,13 @@ class _Pipeline:
         await stream.send(item)
         self.stats.put(channel)
 
-    def _secret(self) -> str | None:
-        return None if self.cfg.api_key is None else self.cfg.api_key.get_secret_value()
-
-    def _failure(
-        self, sample: Any, index: int, exc: OPDStreamError, attempts: int
-    ) -> SampleFailure:
-        # ``sample`` is the caller's object as given, a Sample or not (invalid_sample).
-        # A server may echo the Authorization header in what ends up in the message (an
-        # error body, an abort message, a malformed header line), possibly cut by a cap.
-        message = redact(str(exc), self._secret())
-        return SampleFailure(
-            sample=sample, index=index, reason=exc.reason, message=message, attempts=attempts
-        )
-
-    def _internal_failure(
-        self, prepared: PreparedSample, exc: Exception, attempts: int = 0
-    ) -> SampleFailure:
-        """An unexpected error (a bug) fails only its sample, with reason ``internal_error``."""
-        log.error("internal_error", index=prepared.index, error=type(exc).__name__, exc_info=exc)
-        return SampleFailure(
-            sample=prepared.sample,
-            index=prepared.index,
-            reason="internal_error",
-            message=redact(
-                f"internal error ({type(exc).__name__}); please report it: {exc}", self._secret()
-            )[:500],
-            attempts=attempts,
-        )
-
     # stage 2: fetch workers --------------------------------------------------------
     def _empty_result(self, prepared: PreparedSample, admitted_at: float) -> ScoredSample:
         """R = 0: nothing to ask; an empty result of the right shapes."""
-        import torch  # loaded by OPDStream already
+        from ._klstage import empty_result  # torch: loaded by OPDStream already
 
-        width = self.cfg.top_k * (2 if self.cfg.strategy in ("union", "xor") else 1)
-        cands = None
-        if self.cfg.top_k > 0:
-            cands = Candidates(
-                ids=torch.empty((0, width), dtype=torch.int64),
-                student_logprobs=torch.empty((0, width)),
-                teacher_logprobs=torch.empty((0, width)),
-                weights=torch.empty((0, width)),
-                mask=torch.empty((0, width), dtype=torch.bool),
-                student_tail_logprobs=torch.empty(0) if self.cfg.tail else None,
-                teacher_tail_logprobs=torch.empty(0) if self.cfg.tail else None,
-            )
-        has_kl = self.cfg.top_k > 0 or prepared.rollout_logprobs is not None
-        return ScoredSample(
-            sample=prepared.sample,
-            index=prepared.index,
-            teacher=prepared.teacher,
-            teacher_logprobs=torch.empty(0),
-            reverse_kl=torch.empty(0) if has_kl else None,
-            candidates=cands,
-            attempts=0,
-            latency_s=time.monotonic() - admitted_at,
-        )
+        cfg = self.cfg
+        return empty_result(prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail)
 
     async def worker(
         self,
@@ -295,11 +208,13 @@ class _Pipeline:
                 with scope:  # cancelled by the caller: its requests stop, at once
                     fetched = await self._fetch(prepared, admitted_at)
         except ScoreAttemptError as exc:
-            failure = self._failure(prepared.sample, prepared.index, exc.error, exc.attempts)
+            failure = sample_failure(
+                prepared.sample, prepared.index, exc.error, exc.attempts, self.secret
+            )
             await self._send("emit", emit, failure)
             return
         except Exception as exc:  # a bug: fail this sample, keep the others going
-            await self._send("emit", emit, self._internal_failure(prepared, exc))
+            await self._send("emit", emit, internal_failure(prepared, exc, 0, self.secret))
             return
         if fetched is None:
             cancelled = SampleFailure(
@@ -353,16 +268,18 @@ class _Pipeline:
         self, batch: list[Fetched], emit: MemoryObjectSendStream[Result]
     ) -> None:
         self.stats.stage_active["kl"] += 1
+        from ._klstage import timed_score_batch  # torch: loaded by OPDStream already
+
         results: list[Any]
         try:
             results, seconds, cpu = await anyio.to_thread.run_sync(
-                partial(_timed_score_batch, batch, self.cfg, self.kl_device),
+                partial(timed_score_batch, batch, self.cfg, self.kl_device),
                 limiter=self.kl_limiter,
             )
             self.stats.record_kl_batch(len(batch), seconds)
             self.stats.cpu["kl"] += cpu
         except Exception as bug:  # a bug: fail this batch's samples, keep going
-            results = [self._internal_failure(f.prepared, bug, f.attempts) for f in batch]
+            results = [internal_failure(f.prepared, bug, f.attempts, self.secret) for f in batch]
         finally:
             self.stats.stage_active["kl"] -= 1
         batch.clear()  # the fetched answers: not kept while the results wait to be sent
@@ -373,7 +290,7 @@ class _Pipeline:
             else:
                 fetched, exc = res
                 p = fetched.prepared
-                item = self._failure(p.sample, p.index, exc, fetched.attempts)
+                item = sample_failure(p.sample, p.index, exc, fetched.attempts, self.secret)
             await self._send("emit", emit, item)
         # The worker thread may still hold the list it returned for a moment (trio's thread
         # cache keeps its result until its delivery returns): leave it empty.
@@ -459,7 +376,9 @@ async def run_pipeline(
     except anyio.BrokenResourceError:
         pass  # the consumer closed its end: nothing left to deliver
     except Exception as exc:
-        err = _unwrap(exc)
+        err: BaseException = exc
+        while isinstance(err, BaseExceptionGroup) and len(err.exceptions) == 1:
+            err = err.exceptions[0]  # the one error of a task group
         if not isinstance(err, anyio.BrokenResourceError):
             state.error = err
     finally:

@@ -1,18 +1,51 @@
-"""Which requests a sample needs, per strategy (opd-semantics §4), as pure data.
+"""What each strategy needs (opd-semantics §4), and so which requests a sample needs.
 
 A top-k sample needs up to four things: the student top-k ``S`` (from the rollout, or
 fetched from the student server), the teacher top-k ``T``, the teacher's logprobs of the
 ``S`` ids, and the student's logprobs of the ``T`` ids. The teacher request always
-returns the teacher's logprob of every sampled token as well.
+returns the teacher's logprob of every sampled token as well. :data:`STRATEGY_NEEDS` is
+the one table of what each strategy reads; the configuration rules, the request plan and
+the candidate width are read from it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final, NamedTuple
 
 import msgspec
 
 from ._kltypes import Strategy
 
-__all__ = ("RequestPlan", "plan_requests")
+__all__ = ("STRATEGY_NEEDS", "RequestPlan", "StrategyNeeds", "plan_requests")
+
+
+class StrategyNeeds(NamedTuple):
+    """What one top-k strategy reads, and how wide its candidate set is."""
+
+    student_topk: bool
+    """``S``: the student's top-k ids and logprobs."""
+    teacher_topk: bool
+    """``T``: the teacher's top-k ids and logprobs."""
+    teacher_scores_student_ids: bool
+    """The teacher's logprobs of the ``S`` ids."""
+    student_scores_teacher_ids: bool
+    """The student's logprobs of the ``T`` ids (so the student server is needed)."""
+    width: int
+    """Candidate columns per top-k slot: a result has ``width * top_k`` candidates."""
+
+
+STRATEGY_NEEDS: Final[Mapping[Strategy, StrategyNeeds]] = MappingProxyType(
+    {
+        "only-student": StrategyNeeds(True, False, True, False, width=1),
+        "only-teacher": StrategyNeeds(False, True, False, True, width=1),
+        "intersection": StrategyNeeds(True, True, False, False, width=1),
+        "union": StrategyNeeds(True, True, True, True, width=2),
+        "xor": StrategyNeeds(True, True, True, True, width=2),
+    }
+)
+"""Strategy -> what it reads: the one table (``STRATEGIES`` lists the same names)."""
 
 
 class RequestPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,11 +78,10 @@ def plan_requests(top_k: int, strategy: Strategy, *, have_student_topk: bool) ->
     """
     if top_k == 0:
         return RequestPlan()
-    uses_s = strategy in ("only-student", "intersection", "union", "xor")
-    uses_t = strategy in ("only-teacher", "intersection", "union", "xor")
+    needs = STRATEGY_NEEDS[strategy]
     return RequestPlan(
-        fetch_student_topk=uses_s and not have_student_topk,
-        teacher_topk=uses_t,
-        teacher_scores_student_ids=strategy in ("only-student", "union", "xor"),
-        student_scores_teacher_ids=strategy in ("only-teacher", "union", "xor"),
+        fetch_student_topk=needs.student_topk and not have_student_topk,
+        teacher_topk=needs.teacher_topk,
+        teacher_scores_student_ids=needs.teacher_scores_student_ids,
+        student_scores_teacher_ids=needs.student_scores_teacher_ids,
     )

@@ -36,6 +36,7 @@ __all__ = (
     "normalize_server_url",
     "normalize_teachers",
     "parse_teacher_urls",
+    "show_value",
 )
 
 DEFAULT_TEACHER = "default"
@@ -280,7 +281,9 @@ def normalize_teachers(spec: TeachersSpec) -> dict[str, tuple[str, ...]]:
     )
 
 
-def _show_value(value: object) -> str:
+def show_value(value: object) -> str:
+    """``repr(str(value))`` for a message, cut to 80 characters (a teacher name from sample
+    metadata may be anything)."""
     text = repr(str(value))
     if len(text) > _MAX_VALUE_CHARS:
         text = text[: _MAX_VALUE_CHARS - 4] + "...'"
@@ -331,7 +334,7 @@ class TeacherRouter:
             return self._teachers[name]
         except KeyError:
             raise RoutingError(
-                f"unknown teacher {_show_value(name)}; known teachers: {list(self.names)}"
+                f"unknown teacher {show_value(name)}; known teachers: {list(self.names)}"
             ) from None
 
     def resolve(self, metadata: Mapping[str, Any] | None) -> str:
@@ -354,7 +357,7 @@ class TeacherRouter:
                 return name
         if DEFAULT_TEACHER in self._teachers:
             return DEFAULT_TEACHER
-        shown = "missing" if value is None else _show_value(value)
+        shown = "missing" if value is None else show_value(value)
         raise RoutingError(
             f"no teacher for metadata key {self._teacher_key!r} (value: {shown}); "
             f"known teachers: {list(self.names)}; configure a {DEFAULT_TEACHER!r} "

@@ -1,6 +1,8 @@
 """What goes into a stream (:class:`Sample`), what comes out (:class:`ScoredSample` or
-:class:`SampleFailure`), and the one-time validation that turns a ``Sample`` into the
-internal :class:`PreparedSample`.
+:class:`SampleFailure`), what the pipeline carries between (:class:`PreparedSample` after
+intake, :class:`Fetched` after the fetch), and the one-time validation that turns a
+``Sample`` into a ``PreparedSample`` (:func:`prepare_sample`; the student top-k field's
+two forms are parsed by :mod:`opd_stream._student_topk`).
 
 Validation is strict and happens once, at intake: a bad sample becomes a
 ``SampleFailure(reason="invalid_sample")`` whose message names the field, and the rest of
@@ -17,17 +19,17 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._decode import PAD_ID
+from ._answers import ScoreRows
+from ._decode_checks import LOGPROB_TOLERANCE
 from ._errors import InvalidSampleError
-from ._gc import gc_paused
+from ._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = (
-    "MAX_TOKEN_ID",
-    "PAD_ID",
     "Candidates",
+    "Fetched",
     "PreparedSample",
     "Sample",
     "SampleFailure",
@@ -35,12 +37,6 @@ __all__ = (
     "prepare_sample",
     "request_ids",
 )
-
-#: Token ids must fit SGLang's int32 flat top-k arrays.
-MAX_TOKEN_ID = 2**31 - 1
-
-
-_LOGPROB_TOLERANCE = 1e-4
 
 
 def _is_tensor(x: Any) -> bool:
@@ -177,6 +173,18 @@ class PreparedSample(msgspec.Struct, frozen=True, kw_only=True):
     teacher_tokens: npt.NDArray[np.int64] | None = None
 
 
+class Fetched(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the KL stage needs for one sample: what the fetch stage hands it."""
+
+    prepared: PreparedSample
+    teacher_rows: ScoreRows
+    student_ids: npt.NDArray[np.int64] | None
+    student_lps: npt.NDArray[np.float32] | None
+    student_rows: ScoreRows | None
+    attempts: int
+    admitted_at: float
+
+
 def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]:
     if _is_tensor(tokens):
         dtype = tokens.dtype
@@ -256,7 +264,7 @@ def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
         raise InvalidSampleError(
             "rollout_logprobs", f"non-finite value at response position {int(np.argmax(bad))}"
         )
-    over = arr > _LOGPROB_TOLERANCE
+    over = arr > LOGPROB_TOLERANCE
     if over.any():
         raise InvalidSampleError(
             "rollout_logprobs",
@@ -267,66 +275,6 @@ def _as_rollout_logprobs(values: Any, r: int) -> npt.NDArray[np.float32]:
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or _is_tensor(x)
-
-
-def _topk_arrays(
-    ids: Any, logprobs: Any, r: int, k: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-    """The array form of ``student_top_logprobs``: ``(ids [R, >=k], logprobs [R, >=k])``.
-
-    Validated like the row form, vectorised: integer ids in ``[0, MAX_TOKEN_ID]``, no
-    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``. A row
-    with fewer than ``k`` entries is padded at its end with id ``-1`` (whatever the logprob
-    there, which is ignored and becomes ``-inf``), the form the row parser gives for short
-    and empty rows; padding before a real id is an error.
-    """
-    field = "student_top_logprobs"
-    if _is_tensor(ids):
-        ids = ids.detach().cpu().numpy()
-    if _is_tensor(logprobs):
-        logprobs = logprobs.detach().cpu().float().numpy()
-    if ids.dtype.kind not in "iu":
-        raise InvalidSampleError(field, f"ids must be an integer array, got dtype {ids.dtype}")
-    if logprobs.dtype.kind != "f":
-        raise InvalidSampleError(
-            field, f"logprobs must be a float array, got dtype {logprobs.dtype}"
-        )
-    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != r or ids.shape[1] < k:
-        raise InvalidSampleError(
-            field,
-            f"(ids, logprobs) must both have shape [R={r}, >= k={k}], "
-            f"got {ids.shape} and {logprobs.shape}",
-        )
-    ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
-    lps = np.asarray(logprobs[:, :k], dtype=np.float64)
-
-    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
-        rows = mask.any(axis=1)
-        return int(np.argmax(rows)) if rows.any() else None
-
-    pad = ids == PAD_ID
-    padded = bool(pad.any())
-    if padded:
-        lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
-    checks = (
-        (ids < PAD_ID, "a negative token id"),
-        (ids > MAX_TOKEN_ID, f"a token id above {MAX_TOKEN_ID}"),
-        (np.isnan(lps), "a NaN logprob"),
-        (np.isposinf(lps), "a +inf logprob"),
-        (lps > _LOGPROB_TOLERANCE, "a value > 0, which is not a logprob"),
-    )
-    for mask, what in checks:
-        if (row := first_row(mask)) is not None:
-            raise InvalidSampleError(field, f"row {row} holds {what}")
-    if padded and k > 1 and (row := first_row(pad[:, :-1] & ~pad[:, 1:])) is not None:
-        raise InvalidSampleError(
-            field, f"row {row} holds padding (id {PAD_ID}) before a token id: pad at the end"
-        )
-    if k > 1:
-        srt = np.sort(ids, axis=1)
-        if (row := first_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID))) is not None:
-            raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
-    return ids, lps.astype(np.float32)
 
 
 def request_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -355,9 +303,7 @@ def request_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return out
 
 
-def prepare_sample(
-    sample: Any, index: int, *, teacher: str, top_k: int, parse_student_topk: Any
-) -> PreparedSample:
+def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> PreparedSample:
     """Validate ``sample`` and convert it for the pipeline.
 
     Args:
@@ -365,8 +311,6 @@ def prepare_sample(
         index: its position in the input.
         teacher: the routed teacher name (routing happens before, see ``TeacherRouter``).
         top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
-        parse_student_topk: ``(rows, r, k) -> (ids, logprobs)``, the wire parser for
-            rollout-engine top-k rows (injected to keep this module free of wire details).
 
     Raises:
         InvalidSampleError: naming the offending field.
@@ -400,10 +344,14 @@ def prepare_sample(
     given = sample.student_top_logprobs
     if top_k > 0 and given is not None:
         if isinstance(given, tuple) and len(given) == 2 and all(map(_is_array, given)):
-            top_ids, top_lps = _topk_arrays(given[0], given[1], r, top_k)
+            ids, lps = given
+            if _is_tensor(ids):
+                ids = ids.detach().cpu().numpy()
+            if _is_tensor(lps):
+                lps = lps.detach().cpu().float().numpy()
+            top_ids, top_lps = student_topk_arrays(ids, lps, r, top_k)
         else:
-            with gc_paused():
-                top_ids, top_lps = parse_student_topk(given, r, top_k)
+            top_ids, top_lps = parse_student_topk(given, r, top_k)
     return PreparedSample(
         sample=sample,
         index=index,

@@ -33,7 +33,8 @@ import numpy as np
 
 from ._errors import InvalidSampleError
 from ._kltypes import LOGPROB_FLOOR
-from ._sample import MAX_TOKEN_ID, Sample, SampleFailure, ScoredSample
+from ._sample import Sample, SampleFailure, ScoredSample
+from ._student_topk import MAX_TOKEN_ID
 
 if TYPE_CHECKING:
     import torch

@@ -11,42 +11,30 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 
 import anyio
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ._answers import ScoreRows
 from ._attempts import AttemptSender, Counter, Failed
 from ._balance import EndpointPool
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
+from ._endpoints import Endpoints
 from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
-from ._sample import PreparedSample, request_ids
+from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import ScoreRequest, ScoreRows, auto_block_size
+from ._wire import ScoreRequest, auto_block_size
 
-__all__ = ("Fetched", "SampleScorer", "ScoreAttemptError")
+__all__ = ("SampleScorer", "ScoreAttemptError")
 
 log = get_logger()
-
-
-class Fetched(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the KL stage needs for one sample."""
-
-    prepared: PreparedSample
-    teacher_rows: ScoreRows
-    student_ids: npt.NDArray[np.int64] | None
-    student_lps: npt.NDArray[np.float32] | None
-    student_rows: ScoreRows | None
-    attempts: int
-    admitted_at: float
 
 
 class ScoreAttemptError(Exception):
@@ -71,7 +59,6 @@ class SampleScorer:
         transport: Transport,
         stats: StatsRecorder,
         *,
-        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
         threads: anyio.CapacityLimiter | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -84,17 +71,24 @@ class SampleScorer:
             max_s=config.backoff_max_s,
             rng=self._rng,
         )
+        self.endpoints = Endpoints()  # every URL's load, health and capabilities
         self._pool = EndpointPool(
-            lambda url: self._stats.endpoint(url).in_flight,
+            self.endpoints,
             balance=config.balance,
             eject_after=config.eject_after_failures,
             cooldown_s=config.eject_cooldown_s,
             rng=self._rng,
         )
-        self._caps = Capabilities(config, stats)
+        self._caps = Capabilities(config, self.endpoints)
         self.fleets = FleetDirectory(transport, enabled=config.router_discovery == "auto")
         self._sender = AttemptSender(
-            config, transport, stats, self._pool, self._caps, decode=decode, threads=threads
+            config,
+            transport,
+            stats,
+            self.endpoints,
+            self._pool,
+            self._caps,
+            threads=threads,
         )
 
     # one logical request -------------------------------------------------------------

@@ -140,37 +140,6 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     directly when reachable from here) or a server (``router_discovery``)."""
 
 
-class _Endpoint:
-    __slots__ = (
-        "b64_topk",
-        "blocked_batch",
-        "cancelled",
-        "ejected",
-        "ejections",
-        "errors",
-        "hedge_wins",
-        "hedges",
-        "in_flight",
-        "per_position",
-        "readmissions",
-        "requests",
-    )
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.requests = 0
-        self.errors = 0
-        self.per_position: bool | None = None
-        self.b64_topk: bool | None = None
-        self.blocked_batch: bool | None = None
-        self.ejected = False
-        self.ejections = 0
-        self.readmissions = 0
-        self.hedges = 0
-        self.hedge_wins = 0
-        self.cancelled = 0
-
-
 #: The steps of :attr:`StreamStats.cpu_s`.
 CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl")
 
@@ -194,7 +163,6 @@ class StatsRecorder:
         self._latency: deque[float] = deque(maxlen=_RING)
         self._lag: deque[float] = deque(maxlen=_RING)
         self.lag_max = 0.0
-        self.endpoints: dict[str, _Endpoint] = {}
         self.kl_device = "cpu"
         self.kl_batches = 0
         self.kl_samples = 0
@@ -214,14 +182,6 @@ class StatsRecorder:
     def take(self, name: str) -> None:
         self._depth[name] -= 1
 
-    # endpoints --------------------------------------------------------------------
-    def endpoint(self, url: str) -> _Endpoint:
-        ep = self.endpoints.get(url)
-        if ep is None:
-            ep = self.endpoints[url] = _Endpoint()
-        return ep
-
-    # outcomes ---------------------------------------------------------------------
     def record_latency(self, seconds: float) -> None:
         self._latency.append(seconds)
 
@@ -263,23 +223,7 @@ class StatsRecorder:
             latency_p99_s=float(np.percentile(lat, 99)) if lat.size else None,
             loop_lag_p99_s=float(np.percentile(lag, 99)) if lag.size else None,
             loop_lag_max_s=self.lag_max,
-            endpoints={
-                url: EndpointStats(
-                    in_flight=ep.in_flight,
-                    requests=ep.requests,
-                    errors=ep.errors,
-                    per_position=ep.per_position,
-                    b64_topk=ep.b64_topk,
-                    blocked_batch=ep.blocked_batch,
-                    ejected=ep.ejected,
-                    ejections=ep.ejections,
-                    readmissions=ep.readmissions,
-                    hedges=ep.hedges,
-                    hedge_wins=ep.hedge_wins,
-                    cancelled=ep.cancelled,
-                )
-                for url, ep in self.endpoints.items()
-            },
+            endpoints={},  # filled by the stream from its Endpoints
             kl=KLStageStats(
                 device=self.kl_device,
                 batches=self.kl_batches,

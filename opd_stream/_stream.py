@@ -16,12 +16,10 @@ task is left behind.
 
 from __future__ import annotations
 
-import functools
-import time
 import types
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Self
+from typing import Self
 
 import anyio
 import msgspec
@@ -36,7 +34,6 @@ from ._sample import Sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
-from ._wire import ScoreRequest, ScoreRows, decode_score_response
 
 __all__ = ("OPDStream", "Results", "default_transport")
 
@@ -74,19 +71,6 @@ def default_transport(config: StreamConfig) -> Transport:
             "(or pass a transport)"
         ) from None
     return HttpxTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
-
-
-def _decode_in_thread(
-    body: bytes | bytearray, req: ScoreRequest
-) -> tuple[ScoreRows | BaseException, float]:
-    """Parse an answer with pyarrow (in a decode thread): the rows or the error, and the
-    thread's CPU seconds."""
-    start = time.thread_time()
-    try:
-        rows: ScoreRows | BaseException = decode_score_response(body, req, parser="arrow")
-    except Exception as exc:  # raised again in the caller's task
-        rows = exc
-    return rows, time.thread_time() - start
 
 
 class Results:
@@ -158,10 +142,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         transport: the HTTP transport; by default (see :func:`default_transport`) a pooled
             :class:`AiohttpTransport` under asyncio and a pooled ``HttpxTransport`` under
             trio (the ``httpx`` extra). Pass a ``MockTransport`` to run without sockets.
-        decode: override for the response decoder ``(body, request) -> ScoreRows``
-            (sync or async); by default an answer of at least ``decode_thread_bytes``
-            is parsed with pyarrow in one of ``decode_threads`` threads (the GIL is
-            released while it parses), a smaller one with msgspec on the event loop.
     """
 
     def __init__(
@@ -169,7 +149,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         config: StreamConfig,
         *,
         transport: Transport | None = None,
-        decode: Callable[[bytes | bytearray, ScoreRequest], Any] | None = None,
     ) -> None:
         if not isinstance(config, StreamConfig):
             raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
@@ -184,7 +163,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
         self._device = torch.device(resolve_kl_device(config))
         self._transport = transport
-        self._decode = decode
         self._stats = StatsRecorder()
         self._stats.kl_device = str(self._device)
         self._tg: anyio.abc.TaskGroup | None = None
@@ -204,7 +182,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 self.config,
                 transport,
                 self._stats,
-                decode=self._decode or self._default_decode,
                 threads=self._decode_limiter,
             )
             self._kl_limiter = anyio.CapacityLimiter(1)
@@ -218,25 +195,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.cancel_scope.cancel()
                 for results in list(self._runs):
                     results.close_receiver()  # handles the caller never closed
-
-    async def _default_decode(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
-        if len(body) < self.config.decode_thread_bytes:
-            start = time.thread_time()
-            try:
-                return decode_score_response(body, req)
-            finally:
-                self._stats.cpu["decode_loop"] += time.thread_time() - start
-        # A cancelled caller returns at once; the thread finishes the parse it is in (one
-        # answer: ~15 ns per byte, 0.5 s for a 36 MB answer) and its result is dropped.
-        rows, cpu = await anyio.to_thread.run_sync(
-            functools.partial(_decode_in_thread, body, req),
-            limiter=self._decode_limiter,
-            abandon_on_cancel=True,
-        )
-        self._stats.cpu["decode_threads"] += cpu
-        if isinstance(rows, BaseException):
-            raise rows
-        return rows
 
     async def _lag_ticker(self) -> None:
         while True:
@@ -270,4 +228,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         snap = self._stats.snapshot()
         if self._scorer is None:
             return snap
-        return msgspec.structs.replace(snap, fleets=self._scorer.fleets.snapshot())
+        return msgspec.structs.replace(
+            snap,
+            endpoints=self._scorer.endpoints.snapshot(),
+            fleets=self._scorer.fleets.snapshot(),
+        )

@@ -1,7 +1,10 @@
-"""SGLang ``/generate`` wire format: payload builders, response decoders, error bodies.
+"""A scoring request on the SGLang ``/generate`` wire: :class:`ScoreRequest` and its layout.
 
-Sans-IO: bytes in, bytes or numpy arrays out. The decoders live in :mod:`opd_stream._decode`
-and are re-exported here; this module owns :class:`ScoreRequest` and how it maps to HTTP.
+Sans-IO. This module owns :class:`ScoreRequest`, its checks, and how it maps to HTTP items
+(:func:`layout`: one :class:`~opd_stream._answers.Segment` per item; :func:`auto_block_size`).
+The bodies are built by :mod:`opd_stream._payloads`, answers decoded by
+:mod:`opd_stream._codec` (which picks the parser), error bodies read by
+:mod:`opd_stream._error_body`.
 
 A scoring request asks for, at the ``R`` response positions of ``tokens`` (``L = P + R``,
 ``P >= 1``): the sampled token's logprob (always), the top-``top_k`` (optional) and the
@@ -46,53 +49,29 @@ answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._decode import (
-    Generation,
-    ScoreRows,
-    Segment,
-    decode_generate_response,
-    decode_segments,
-    parse_student_topk,
-)
-from ._decode_arrow import decode_segments_arrow
+from ._answers import Segment
 from ._errors import InvalidSampleError
-from ._gc import gc_paused
-from ._redact import redact, redact_json
 
 __all__ = (
-    "Generation",
+    "AUTO_BLOCK_SIZES",
     "IdForm",
-    "Parser",
+    "Layout",
     "ScoreRequest",
-    "ScoreRows",
     "auto_block_size",
-    "build_generate_payload",
-    "build_block_payloads",
-    "build_score_payload",
-    "decode_block_answers",
-    "decode_generate_response",
-    "decode_score_response",
-    "parse_error_message",
-    "parse_student_topk",
-    "payload_size_hint",
+    "json_digits",
+    "layout",
     "resolved_block_size",
 )
 
 IdForm = Literal["per-position", "flat", "blocked", "blocks"]
-Parser = Literal["msgspec", "arrow"]
 
-_ENCODER = msgspec.json.Encoder()
 _MAX_ID = 2**31  # SGLang ships ids as int32; anything at or above this cannot be a token id
-_MESSAGE_CAP = 500
-_PREFIX_CAP = 200
-_REDACT_SPAN = _MESSAGE_CAP + (1 << 14)
 
 
 class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,7 +101,9 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
 
 
-class _Layout(msgspec.Struct, frozen=True, kw_only=True):
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """A checked request as HTTP items: one :class:`Segment` per item (a batch when several)."""
+
     tokens: npt.NDArray[np.int64]
     prompt_length: int
     batch: bool
@@ -185,14 +166,24 @@ _ENTRY_BYTES = 33  # one ``[lp,id,null]`` answer entry (spec: ~33 B)
 _ITEM_BYTES = 450  # one batch item's fixed answer fields (id, finish_reason, counts, ...)
 
 
+def json_digits(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The decimal digits of each non-negative id: its length in compact JSON."""
+    digits = np.ones(values.shape, dtype=np.int64)
+    if values.size == 0:
+        return digits
+    top = int(values.max())
+    for power in range(1, 19):
+        if top < 10**power:
+            break
+        digits += values >= 10**power
+    return digits
+
+
 def _json_int_bytes(values: npt.NDArray[np.int64]) -> float:
     """Mean bytes of one non-negative id in a compact JSON list (digits + comma)."""
     if values.size == 0:
         return 0.0
-    digits = np.ones(values.shape, dtype=np.int64)
-    for power in range(1, 10):
-        digits += values >= 10**power
-    return float(digits.mean()) + 1.0
+    return float(json_digits(values).mean()) + 1.0
 
 
 def auto_block_size(
@@ -247,23 +238,23 @@ def resolved_block_size(req: ScoreRequest) -> int:
     return auto_block_size(np.asarray(req.tokens), req.response_length, req.ids, top_k=req.top_k)
 
 
-def _layout(req: ScoreRequest) -> _Layout:
+def layout(req: ScoreRequest) -> Layout:
     """Validate ``req`` and derive the items, their layouts and expected ids."""
     tokens, p = _check_request(req)
     length, r, ids = tokens.shape[0], req.response_length, req.ids
     s = p - 1 if req.start == "prompt" else 0
     if ids is None:
         seg = Segment(length=length, start=s, rows=r)
-        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
+        return Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
     ids = ids.astype(np.int64, copy=False)
     if req.id_form == "per-position":
         seg = Segment(length=length, start=s, rows=r, expect=ids)
-        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
+        return Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
     if req.id_form == "flat":
         union = _sorted_unique(ids.reshape(-1))
         col = np.searchsorted(union, ids)
         seg = Segment(length=length, start=s, rows=r, expect=union, col=col)
-        return _Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[union])
+        return Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[union])
     # blocked: per-block unions in one vectorised pass over keys (block, id)
     b = resolved_block_size(req)
     n_blocks = -(-r // b)
@@ -299,349 +290,4 @@ def _layout(req: ScoreRequest) -> _Layout:
                 tail_col=int(tail_cols[blk]) if tail_cols is not None else -1,
             )
         )
-    return _Layout(tokens=tokens, prompt_length=p, batch=True, segments=segments, unions=unions)
-
-
-def build_score_payload(req: ScoreRequest) -> bytes:
-    """Encode ``req`` as one ``/generate`` JSON body (blocked: one SGLang batch body).
-
-    Keys appear in a fixed order: ``input_ids, sampling_params, return_logprob,
-    logprob_start_len, [top_logprobs_num], [token_ids_logprob |
-    token_ids_logprob_positions], [return_flat_raw_top_logprobs,
-    return_flat_raw_output_top_logprobs, return_flat_raw_top_logprobs_b64],
-    return_text_in_logprobs, stream``. The three flat flags (``topk_wire="b64"`` with
-    ``top_k > 0``) ask SGLang >= 0.5.23 for both the input and the output top-k as b64 flat
-    arrays; servers that do not know them ignore them and answer nested JSON.
-
-    Raises:
-        InvalidSampleError: a malformed request (names the field).
-    """
-    with gc_paused():
-        return _build(req)
-
-
-def _build(req: ScoreRequest) -> bytes:
-    if req.id_form == "blocks" and req.ids is not None:
-        raise ValueError("the 'blocks' id form is sent as several bodies: build_block_payloads")
-    lay = _layout(req)
-    body: dict[str, Any] = {}
-    if lay.batch:
-        lengths = [seg.length for seg in lay.segments]
-        body["input_ids"] = msgspec.Raw(_prefixes_json(lay.tokens, lengths))
-        body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
-        body["return_logprob"] = True
-        body["logprob_start_len"] = [seg.start for seg in lay.segments]
-    else:
-        body["input_ids"] = lay.tokens.tolist()
-        body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
-        body["return_logprob"] = True
-        body["logprob_start_len"] = lay.segments[0].start
-    if req.top_k > 0:
-        body["top_logprobs_num"] = req.top_k
-    if req.ids is not None:
-        if req.id_form == "per-position":
-            body["token_ids_logprob_positions"] = msgspec.Raw(
-                _positions_json(np.asarray(req.ids), lay.prompt_length)
-            )
-        elif lay.batch:
-            body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
-        else:
-            body["token_ids_logprob"] = lay.unions[0].tolist()
-    _finish(body, req)
-    return _ENCODER.encode(body)
-
-
-def _finish(body: dict[str, Any], req: ScoreRequest) -> None:
-    """The keys every scoring body ends with (b64 flags when asked, text off, no stream)."""
-    if req.top_k > 0 and req.topk_wire == "b64":
-        # output side too: the one (unused) output top-k row SGLang answers for
-        # max_new_tokens = 0 is ~23% smaller in b64 than as nested triples (417 vs 543 B at k=16)
-        body["return_flat_raw_top_logprobs"] = True
-        body["return_flat_raw_output_top_logprobs"] = True
-        body["return_flat_raw_top_logprobs_b64"] = True
-    body["return_text_in_logprobs"] = False
-    body["stream"] = False
-
-
-def build_block_payloads(req: ScoreRequest) -> list[bytes]:
-    """The ``"blocks"`` id form: one single (non-batch) ``/generate`` body per block.
-
-    The items of the blocked form (see the module docstring: block ``b`` is
-    ``input_ids = tokens[:P + end]`` (one token short for id-only requests),
-    ``logprob_start_len = P + start - 1``, ``token_ids_logprob`` = the block's id union),
-    each sent as an independent request with a single ``logprob_start_len``: what a proxy
-    that rejects per-item lists (sglang-router 0.3.2 answers them 422) forwards. Answers stay
-    ``O(R k B)`` in all, never the flat union's ``O(R^2 k)``.
-
-    Raises:
-        InvalidSampleError: a malformed request (names the field).
-    """
-    with gc_paused():
-        lay = _layout(req)
-        prefixes = _prefix_list(lay.tokens, [seg.length for seg in lay.segments])
-        out = []
-        for seg, union, prefix in zip(lay.segments, lay.unions, prefixes, strict=True):
-            body: dict[str, Any] = {
-                "input_ids": msgspec.Raw(prefix),
-                "sampling_params": {"temperature": 0, "max_new_tokens": 0},
-                "return_logprob": True,
-                "logprob_start_len": seg.start,
-            }
-            if req.top_k > 0:
-                body["top_logprobs_num"] = req.top_k
-            body["token_ids_logprob"] = union.tolist()
-            _finish(body, req)
-            out.append(_ENCODER.encode(body))
-        return out
-
-
-def decode_block_answers(
-    bodies: Sequence[bytes | bytearray], req: ScoreRequest, *, parser: Parser = "msgspec"
-) -> ScoreRows:
-    """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
-
-    The answers are checked together as the items of one batch answer (item ``n`` is block
-    ``n``: every check of :func:`decode_score_response`, in one vectorised pass); the result
-    equals the per-position one exactly.
-    """
-    lay = _layout(req)
-    if len(bodies) != len(lay.segments):
-        raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
-    joined = b"[" + b",".join(bodies) + b"]"
-    if parser == "arrow":
-        rows = decode_segments_arrow(
-            joined, batch=True, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
-        )
-        if rows is not None:
-            return rows
-    return decode_segments(
-        joined,
-        batch=True,
-        segments=lay.segments,
-        tokens=lay.tokens,
-        top_k=req.top_k,
-        per_position=False,
-    )
-
-
-_ROWS_PER_CHUNK = 1024
-
-
-def _positions_json(ids: npt.NDArray[np.int64], prompt_length: int) -> bytes:
-    """``[[],...,[],ids[0],ids[1],...]`` (``prompt_length`` empty rows) as compact JSON.
-
-    Encoded ``_ROWS_PER_CHUNK`` rows at a time: the same bytes as encoding the whole list,
-    but no single call holds the GIL for long, so a large payload built in a worker
-    thread leaves the event loop its turns (and no list of ``R * k`` ints exists at once).
-    """
-    parts = [b"[]"] * prompt_length
-    for lo in range(0, ids.shape[0], _ROWS_PER_CHUNK):
-        chunk = _ENCODER.encode(ids[lo : lo + _ROWS_PER_CHUNK].tolist())
-        parts.append(chunk[1:-1])
-    return b"[" + b",".join(parts) + b"]"
-
-
-def payload_size_hint(req: ScoreRequest) -> int:
-    """A cheap upper estimate of ``len(build_score_payload(req))`` (7 bytes per id sent)."""
-    ids = 0 if req.ids is None else int(req.ids.size)
-    tokens = int(req.tokens.size)
-    if req.id_form in ("blocked", "blocks") and req.ids is not None:
-        tokens *= -(-req.response_length // max(req.block_size, 1))  # a prefix per block
-    return 7 * (tokens + ids)
-
-
-def _prefix_list(tokens: npt.NDArray[np.int64], lengths: list[int]) -> list[bytes]:
-    """``[t0,...,t(n-1)]`` as compact JSON for each ``n`` in ``lengths`` (one encoding,
-    sliced; see :func:`_prefixes_json`)."""
-    whole = _ENCODER.encode(tokens.tolist())
-    end = _element_ends(tokens)
-    return [whole[: int(end[n])] + b"]" if n else b"[]" for n in lengths]
-
-
-def _element_ends(tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``end[n]`` (``n >= 1``): the offset just past element ``n - 1`` of ``tokens``'
-    compact JSON encoding, before its comma."""
-    digits = np.ones(tokens.shape[0], dtype=np.int64)
-    for power in range(1, 19):
-        digits += tokens >= 10**power
-    out: npt.NDArray[np.int64] = np.concatenate(([1], 1 + np.cumsum(digits + 1))) - 1
-    return out
-
-
-def _prefixes_json(tokens: npt.NDArray[np.int64], lengths: list[int]) -> bytes:
-    """``[[t0..t(n0-1)],[t0..t(n1-1)],...]`` as compact JSON, by slicing one encoding.
-
-    The blocked form re-sends the prefix once per block (``O(R/B * L)`` ids); encoding the
-    sequence once and copying byte ranges of it costs a memcpy per block instead of
-    building and encoding ``O(R/B * L)`` Python ints. Byte-identical to
-    ``msgspec.json.encode([tokens[:n].tolist() for n in lengths])`` for non-negative ids.
-    """
-    whole = _ENCODER.encode(tokens.tolist())  # b"[t0,t1,...]"
-    end = _element_ends(tokens)
-    # one copy of each prefix, straight into the result (memoryview slices copy nothing)
-    view = memoryview(whole)
-    parts: list[bytes | memoryview] = [b"["]
-    for i, n in enumerate(lengths):
-        if i:
-            parts.append(b",")
-        parts += (view[: int(end[n])], b"]") if n else (b"[]",)
-    parts.append(b"]")
-    return b"".join(parts)
-
-
-def decode_score_response(
-    body: bytes | bytearray, req: ScoreRequest, *, parser: Parser = "msgspec"
-) -> ScoreRows:
-    """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
-
-    ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
-    ``"msgspec"`` (cheapest in CPU) holds the GIL for the whole decode (~8 ns per byte).
-    ``"arrow"`` parses with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's
-    CPU): for large answers decoded in threads beside the event loop. An answer it does
-    not accept is decoded again with msgspec, which raises the precise error (see
-    :mod:`opd_stream._decode_arrow`).
-
-    Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
-    / response position, never payload values): ``finish_reason.type != "abort"``; every
-    requested field present; ``input_token_logprobs`` has ``L - s`` entries and echoes
-    ``tokens[s+1:]``; top-k rows in the response range are non-null with ``top_k`` entries
-    (or the b64 fields are consistent); requested-id rows return exactly the requested ids
-    in order (per-position: ``ids[t]``; flat / blocked: the sorted union); a batch answer has
-    one item per block. Stitched blocked results equal per-position ones exactly.
-
-    Raises:
-        MalformedResponseError: not JSON, truncated, wrong types, missing field, bad b64.
-        MisalignedResponseError: counts, echoed token ids or requested ids differ.
-        ServerAbortError: ``finish_reason.type == "abort"`` (with the server's message).
-        CapabilityError: ``"per_position"`` when a per-position request is answered
-            without ``input_token_ids_logprobs`` (the server ignored the field).
-        InvalidSampleError: ``req`` itself is malformed.
-    """
-    lay = _layout(req)
-    if parser == "arrow":
-        rows = decode_segments_arrow(
-            body, batch=lay.batch, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
-        )
-        if rows is not None:
-            return rows
-    return decode_segments(
-        body,
-        batch=lay.batch,
-        segments=lay.segments,
-        tokens=lay.tokens,
-        top_k=req.top_k,
-        per_position=req.ids is not None and req.id_form == "per-position",
-    )
-
-
-def parse_error_message(body: bytes | bytearray, *, secret: str | None = None) -> str:
-    """Extract the server's message from an SGLang error body; never raises.
-
-    Tries, in order: ``body["error"]["message"]``, ``body["error"]`` (a string),
-    ``body["message"]``, ``body["detail"]`` (a string, or other JSON re-encoded). Otherwise
-    returns a printable prefix of the body (at most 200 characters, non-printables escaped)
-    or ``"<empty body>"``. Messages are capped at 500 characters.
-
-    Secrets are masked first, before any cut or re-encoding (:func:`opd_stream._redact.redact`):
-    the token of every ``Bearer <token>`` the server echoed, and ``secret`` (the API key)
-    when given.
-    """
-    try:
-        return _parse_error_message(body, secret)
-    except Exception:  # pragma: no cover - defensive: this function must never raise
-        return "<unreadable body>"
-
-
-def _parse_error_message(body: bytes | bytearray, secret: str | None = None) -> str:
-    # Redaction sees a span longer than the cap by more than any header can be (aiohttp
-    # refuses header lines over 8 KiB), so a key that starts before the cut is masked whole.
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, TypeError, RecursionError):
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        candidates: list[Any] = [
-            err.get("message") if isinstance(err, dict) else None,
-            err,
-            obj.get("message"),
-        ]
-        for value in candidates:
-            if isinstance(value, str) and value:
-                return _cap(redact(value[:_REDACT_SPAN], secret), _MESSAGE_CAP)
-        detail = obj.get("detail")
-        if isinstance(detail, str) and detail:
-            return _cap(redact(detail[:_REDACT_SPAN], secret), _MESSAGE_CAP)
-        if detail is not None:
-            text = _ENCODER.encode(redact_json(detail, secret)).decode("utf-8", "replace")
-            return _cap(redact(text[:_REDACT_SPAN], secret), _MESSAGE_CAP)
-    text = bytes(body[:_REDACT_SPAN]).decode("utf-8", "backslashreplace").strip()
-    if not text:
-        return "<empty body>"
-    return _cap(redact(text, secret), _PREFIX_CAP)
-
-
-def _cap(text: str, limit: int) -> str:
-    """At most ``limit`` characters of ``text`` (redacted beforehand), non-printables escaped."""
-    cut = text[:limit]
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
-    return out + ("…" if len(text) > limit else "")
-
-
-def build_generate_payload(
-    prompts: list[list[int]] | list[int],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_logprobs_num: int = 0,
-    seed: int | None = None,
-    *,
-    topk_wire: Literal["b64", "json"] = "json",
-) -> bytes:
-    """Encode a sampling (rollout) ``/generate`` request, single or batch.
-
-    ``sampling_params`` holds ``temperature``, ``max_new_tokens`` and (if given)
-    ``sampling_seed``; ``return_logprob`` is true so that the answer carries
-    ``output_token_logprobs`` (and the output top-k when ``top_logprobs_num > 0``).
-    No ``logprob_start_len`` is sent (SGLang's -1: no input logprobs).
-
-    ``topk_wire="b64"`` (with ``top_logprobs_num > 0``) also sends
-    ``return_flat_raw_output_top_logprobs`` and ``return_flat_raw_top_logprobs_b64``
-    (after ``top_logprobs_num``): SGLang >= 0.5.23 then answers the output top-k as b64
-    float32 / int32 flat arrays instead of nested triples (about 3x smaller). Servers that do
-    not know the flags ignore them and answer nested rows; :func:`decode_generate_response`
-    accepts both. The default stays ``"json"``, which every server version answers alike.
-
-    Raises:
-        ValueError: empty prompts, a non-int id, ``max_new_tokens < 1``,
-            ``top_logprobs_num < 0``, an unknown ``topk_wire``.
-    """
-    if topk_wire not in ("b64", "json"):
-        raise ValueError(f"topk_wire must be 'b64' or 'json', got {topk_wire!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if top_logprobs_num < 0:
-        raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
-    if not prompts:
-        raise ValueError("prompts is empty")
-    seqs = [prompts] if not isinstance(prompts[0], list) else prompts
-    for n, seq in enumerate(seqs):
-        if not isinstance(seq, list) or not seq:
-            raise ValueError(f"prompt {n} is not a non-empty list of token ids")
-        if not all(type(t) is int and t >= 0 for t in seq):
-            raise ValueError(f"prompt {n} holds an id that is not a non-negative int")
-    sampling: dict[str, Any] = {"temperature": temperature, "max_new_tokens": max_new_tokens}
-    if seed is not None:
-        sampling["sampling_seed"] = seed
-    body: dict[str, Any] = {
-        "input_ids": prompts,
-        "sampling_params": sampling,
-        "return_logprob": True,
-    }
-    if top_logprobs_num > 0:
-        body["top_logprobs_num"] = top_logprobs_num
-        if topk_wire == "b64":
-            body["return_flat_raw_output_top_logprobs"] = True
-            body["return_flat_raw_top_logprobs_b64"] = True
-    body["return_text_in_logprobs"] = False
-    body["stream"] = False
-    return _ENCODER.encode(body)
+    return Layout(tokens=tokens, prompt_length=p, batch=True, segments=segments, unions=unions)

@@ -1,7 +1,8 @@
 """Teacher fleets: replica choice, passive health (ejection, probe re-admission) and hedging.
 
 The sans-IO rules of ``EndpointPool`` first, then the pipeline against replicas with injected
-slowness and failures: in-process replicas (asyncio and trio) and real aiohttp mock servers.
+slowness and failures: in-process replicas (asyncio, and trio on a virtual clock) and real
+aiohttp mock servers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import anyio
 import numpy as np
 import pytest
 from pipeline_reference import assert_matches, expected_result
+from trio.testing import MockClock
 
 from opd_stream import (
     MockTransport,
@@ -24,16 +26,40 @@ from opd_stream import (
     StreamConfig,
 )
 from opd_stream._balance import HEDGE_MIN_SAMPLES, EndpointPool
+from opd_stream._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 
 A, B, C, D = (f"http://replica-{i}:1" for i in range(4))
 
 
+@pytest.fixture(
+    params=[
+        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+        pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """asyncio on the real clock; trio on a virtual one (latencies, cool-downs and hedge
+    delays cost no wall time and are exact)."""
+    return request.param
+
+
 # --- sans-IO rules ---------------------------------------------------------------------
+class _Loads(Endpoints):
+    """Endpoints whose load is read from a dict the test controls."""
+
+    def __init__(self, loads: dict[str, int]) -> None:
+        super().__init__()
+        self._loads = loads
+
+    def load(self, url: str) -> int:
+        return self._loads.get(url, 0)
+
+
 def _pool(load: dict[str, int] | None = None, **kw: Any) -> EndpointPool:
     loads = load if load is not None else {}
-    return EndpointPool(lambda u: loads.get(u, 0), rng=random.Random(0), **kw)
+    return EndpointPool(_Loads(loads), rng=random.Random(0), **kw)
 
 
 def test_least_outstanding_of_two_replicas_always_takes_the_less_loaded() -> None:

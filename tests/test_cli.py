@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import opd_stream
+from opd_stream._config import render_config_table
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -68,7 +68,7 @@ def test_demo_in_sampled_token_mode_against_unpatched_teachers() -> None:
 def test_config_prints_the_configuration_table() -> None:
     proc = _run("config", timeout=60)
     assert proc.returncode == 0
-    assert proc.stdout.strip() == opd_stream.render_config_table().strip()
+    assert proc.stdout.strip() == render_config_table().strip()
 
 
 def test_bench_passes_its_own_flags_through() -> None:

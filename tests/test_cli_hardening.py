@@ -26,7 +26,7 @@ import torch
 from opd_stream import Candidates, Sample, SampleFailure, ScoredSample
 from opd_stream._cli import _parser, main
 from opd_stream._demo import _summary
-from opd_stream._scorefile import _LineReader, _open_input
+from opd_stream._scorefile_files import LineReader, open_input
 from opd_stream._scorefile_schema import LineRef, decode_line, render_result
 from opd_stream.testing.mock_sglang import serve_mock
 from opd_stream.testing.mock_sglang.__main__ import main as mock_main
@@ -80,14 +80,14 @@ class _Chunks(io.RawIOBase):
         return self.chunks.pop(0) if self.chunks else b""
 
 
-def _reader(chunks: list[bytes], max_line_bytes: int = 1 << 20) -> _LineReader:
+def _reader(chunks: list[bytes], max_line_bytes: int = 1 << 20) -> LineReader:
     def decode(data: bytes, line: int, seq: int) -> Sample:
         return decode_line(data, line=line, seq=seq)
 
-    return _LineReader(_Chunks(chunks), decode, max_line_bytes)  # type: ignore[arg-type]
+    return LineReader(_Chunks(chunks), decode, max_line_bytes)  # type: ignore[arg-type]
 
 
-def _drain(reader: _LineReader) -> list[Sample | SampleFailure]:
+def _drain(reader: LineReader) -> list[Sample | SampleFailure]:
     out: list[Sample | SampleFailure] = []
     while (batch := reader.read_batch()) is not None:
         out.extend(batch)
@@ -192,7 +192,7 @@ async def test_opening_a_fifo_with_no_writer_leaves_the_loop_free_and_can_be_can
     os.mkfifo(fifo)
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_open_input, str(fifo))
+            tg.start_soon(open_input, str(fifo))
             await anyio.wait_all_tasks_blocked()  # the loop runs while open() blocks
             scope.cancel()
     assert scope.cancelled_caught

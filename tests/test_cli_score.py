@@ -29,7 +29,7 @@ from pipeline_reference import Expected, expected_result, rollout_topk_rows
 from opd_stream import InvalidSampleError, Sample
 from opd_stream._cli import main
 from opd_stream._progress import Progress
-from opd_stream._scorefile import _LineReader
+from opd_stream._scorefile_files import LineReader
 from opd_stream._scorefile_schema import LineRef, decode_line
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 
@@ -175,12 +175,12 @@ def test_decode_line_error_messages_never_repeat_values() -> None:
 def test_line_reader_splits_chunks_counts_blank_lines_and_reads_a_last_line_without_newline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import opd_stream._scorefile as scorefile
+    import opd_stream._scorefile_files as scorefile_files
 
-    monkeypatch.setattr(scorefile, "_READ_CHUNK", 7)  # lines span several chunks
+    monkeypatch.setattr(scorefile_files, "READ_CHUNK", 7)  # lines span several chunks
     ok = b'{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}'
     data = ok + b"\r\n\n   \n" + b"{oops\n" + ok  # CRLF, blank lines, no final newline
-    reader = _LineReader(io.BytesIO(data), lambda d, line, seq: decode_line(d, line=line, seq=seq))
+    reader = LineReader(io.BytesIO(data), lambda d, line, seq: decode_line(d, line=line, seq=seq))
     items = []
     while (batch := reader.read_batch()) is not None:
         items.extend(batch)

@@ -23,16 +23,20 @@ from hypothesis import strategies as st
 from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
 
 from opd_stream import OPDStreamError
-from opd_stream._decode import decode_generate_response
-from opd_stream._decode_arrow import decode_generate_arrow, decode_segments_arrow
-from opd_stream._wire import ScoreRequest, ScoreRows, build_score_payload, decode_score_response
+from opd_stream._answers import ScoreRows
+from opd_stream._codec import decode_score_response
+from opd_stream._decode_arrow import decode_segments_arrow
+from opd_stream._decode_arrow_generate import decode_generate_arrow
+from opd_stream._decode_generate import decode_generate_response
+from opd_stream._payloads import build_score_payload
+from opd_stream._wire import ScoreRequest
 from opd_stream.testing.inprocess import InProcessSGLang
 
 _LENIENT = "Expected `int`, got `float`"
 
 
 def _fast(body: bytes | bytearray, req: ScoreRequest) -> ScoreRows | None:
-    from opd_stream._wire import _layout
+    from opd_stream._wire import layout as _layout
 
     lay = _layout(req)
     return decode_segments_arrow(
@@ -251,7 +255,7 @@ def test_a_tiny_positive_logprob_from_float_rounding_is_accepted() -> None:
 
 
 def _gen_answers() -> dict[str, bytes]:
-    from opd_stream._wire import build_generate_payload
+    from opd_stream._payloads import build_generate_payload
 
     server = InProcessSGLang("student", 0)
     out = {}

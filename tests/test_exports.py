@@ -19,8 +19,18 @@ def test_all_lists_every_public_name_and_nothing_else() -> None:
         and not isinstance(value, types.ModuleType)
         and name != "annotations"
     }
-    # the names that need torch are loaded on first access (import opd_stream does not)
-    assert set(opd_stream.__all__) - {"__version__"} == public | opd_stream._TORCH_NAMES
+    assert set(opd_stream.__all__) - {"__version__"} == public
+
+
+def test_the_top_level_is_what_an_application_needs() -> None:
+    # the wire and KL building blocks live in documented submodules
+    for name in ("ScoreRequest", "build_score_payload", "topk_reverse_kl", "TopKBatch"):
+        assert name not in opd_stream.__all__
+    from opd_stream import kl, wire
+
+    assert wire.build_score_payload is not None
+    assert kl.topk_reverse_kl is not None
+    assert len(opd_stream.__all__) <= 40
 
 
 def test_every_exported_name_resolves() -> None:
@@ -40,7 +50,9 @@ def test_readme_configuration_table_is_the_generated_one() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert opd_stream.render_config_table() in readme
+    from opd_stream._config import render_config_table
+
+    assert render_config_table() in readme
 
 
 def test_the_version_is_the_installed_distributions() -> None:

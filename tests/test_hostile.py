@@ -31,8 +31,8 @@ from opd_stream import (
 )
 from opd_stream._budget import ByteBudget, current_lease
 from opd_stream._cli import main
+from opd_stream._error_body import parse_error_message
 from opd_stream._redact import redact
-from opd_stream._wire import parse_error_message
 from opd_stream.testing import capture_events
 
 KEY = "sk-Zq81-7f3aQv9c1e5b2d4XwY"  # 26 characters, none of them in the padding

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from pipeline_reference import expected_result, rollout_topk_rows
 
-from opd_stream import ConfigError, MockTransport, Response
+from opd_stream import ConfigError, MockTransport, Response, Sample, SampleFailure
 from opd_stream.integrations import miles
+from opd_stream.integrations.miles._flags import STRATEGIES, WEIGHT_MODES
 from opd_stream.testing.mock_sglang import serve_mock
 
 
@@ -283,8 +284,8 @@ def test_post_process_rejects_a_reward_that_is_not_ours() -> None:
 
 # --- issue 14: Miles rollouts as they really are -----------------------------------------
 def _short_rows_supported() -> bool:
-    """Whether the row parser takes short and empty rows (``_decode.parse_student_topk``)."""
-    from opd_stream._decode import parse_student_topk
+    """Whether the row parser takes short and empty rows (``_student_topk.parse_student_topk``)."""
+    from opd_stream._student_topk import parse_student_topk
 
     try:
         parse_student_topk([[], [[-0.1, 3], None]], 2, 2)
@@ -383,7 +384,7 @@ def _multi_args(**kw: Any) -> Namespace:
 @needs_short_rows
 @pytest.mark.parametrize(
     ("strategy", "weight_mode"),
-    [(s, w) for s in miles._STRATEGIES for w in miles._WEIGHT_MODES],
+    [(s, w) for s in STRATEGIES for w in WEIGHT_MODES],
 )
 async def test_merged_multi_turn_samples_are_scored_like_the_reference(
     strategy: str, weight_mode: str
@@ -565,8 +566,8 @@ async def test_an_invalid_sample_is_a_value_error_and_http_errors_are_not() -> N
     finally:
         await miles.close()
     assert isinstance(info.value, ValueError) and info.value.reason == "invalid_sample"
-    failure = miles.SampleFailure(
-        sample=miles.Sample([1], 0), index=0, reason="teacher_http_503", message="x", attempts=4
+    failure = SampleFailure(
+        sample=Sample([1], 0), index=0, reason="teacher_http_503", message="x", attempts=4
     )
     err = miles.sample_error(failure)
     assert type(err) is miles.OPDSampleError and not isinstance(err, ValueError | TimeoutError)

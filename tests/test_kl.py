@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kl_padding import pad_batch, pad_topk_batch
 from kl_reference import Missing, reference_position, reference_sampled
 
 from opd_stream import _klselect
@@ -23,8 +24,6 @@ from opd_stream._kl import (
     TopKBatch,
     WeightMode,
     needed_inputs,
-    pad_batch,
-    pad_topk_batch,
     sampled_reverse_kl,
     topk_reverse_kl,
 )

@@ -23,12 +23,11 @@ from kl_reference import reference_position
 import opd_stream._kl as kl
 import opd_stream._klselect as klselect
 from opd_stream import Sample
+from opd_stream._answers import ScoreRows
 from opd_stream._errors import MissingLogprobError
 from opd_stream._kl import STRATEGIES, WEIGHT_MODES, Strategy, TopKBatch, WeightMode
 from opd_stream._klstage import score_batch
-from opd_stream._sample import PreparedSample, ScoredSample
-from opd_stream._scorer import Fetched
-from opd_stream._wire import ScoreRows
+from opd_stream._sample import Fetched, PreparedSample, ScoredSample
 
 # (device, index backend): the CPU default, the other devices' code run on CPU, CUDA.
 PATHS = [

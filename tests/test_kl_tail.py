@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kl_padding import pad_batch
 from kl_reference import TAIL_MIN, reference_full_reverse_kl, reference_position
 
 from opd_stream._errors import MissingLogprobError
@@ -23,7 +24,6 @@ from opd_stream._kl import (
     STRATEGIES,
     Strategy,
     TopKBatch,
-    pad_batch,
     topk_reverse_kl,
 )
 from opd_stream._kl import TAIL_MIN as LIB_TAIL_MIN

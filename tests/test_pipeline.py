@@ -452,19 +452,23 @@ async def test_a_failing_independent_request_fails_the_sample_and_cancels_the_ot
     assert cancelled == 2
 
 
-async def test_an_unexpected_error_fails_only_its_sample_with_internal_error() -> None:
-    servers = _servers()
+async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opd_stream import _codec
 
-    def decode(body: bytes, req: Any) -> Any:
+    servers = _servers()
+    real = _codec.decode_score_response
+
+    def decode(body: bytes, req: Any, *, parser: Any = "msgspec") -> Any:
         if req.tokens[0] == 7:  # a decoder bug that strikes one sample
             raise KeyError("boom")
-        from opd_stream import decode_score_response
+        return real(body, req, parser=parser)
 
-        return decode_score_response(body, req)
-
+    monkeypatch.setattr(_codec, "decode_score_response", decode)
     samples = _samples(4)
     samples[2] = Sample([7, *samples[2].tokens[1:]], samples[2].response_length)
-    async with OPDStream(_cfg(), transport=mock_transport(servers), decode=decode) as stream:
+    async with OPDStream(_cfg(), transport=mock_transport(servers)) as stream:
         out = sorted(await _collect(stream, samples), key=lambda r: r.index)
     assert [type(r).__name__ for r in out] == [
         "ScoredSample",

@@ -151,3 +151,14 @@ async def test_golden_payloads_for_every_strategy_and_id_form(strategy: str, for
 
     assert decoded(servers[T].bodies) == want_teacher
     assert decoded(servers[S].bodies) == want_student
+
+
+def test_the_strategy_table_covers_every_strategy_once() -> None:
+    from opd_stream._kltypes import STRATEGIES
+    from opd_stream._plan import STRATEGY_NEEDS
+
+    assert tuple(STRATEGY_NEEDS) == STRATEGIES
+    for strategy, needs in STRATEGY_NEEDS.items():
+        # a strategy reads at least one top-k, and is twice as wide only when it joins both
+        assert needs.student_topk or needs.teacher_topk, strategy
+        assert needs.width == (2 if strategy in ("union", "xor") else 1)

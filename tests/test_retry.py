@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-from datetime import UTC, datetime
-from email.utils import format_datetime
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opd_stream._config import StreamConfig
 from opd_stream._errors import (
     CapabilityError,
     ConfigError,
@@ -21,12 +18,13 @@ from opd_stream._errors import (
     MalformedResponseError,
     MisalignedResponseError,
     MissingLogprobError,
+    OPDStreamError,
     ResponseTooLarge,
     RoutingError,
     ServerAbortError,
     ServerHTTPError,
 )
-from opd_stream._retry import RetryPolicy, is_retryable, parse_retry_after
+from opd_stream._retry import RetryPolicy
 
 FAR = 1e9  # a deadline that never binds
 
@@ -132,75 +130,17 @@ def test_no_delay_when_the_sleep_would_reach_the_deadline() -> None:
     attempt=st.integers(1, 12),
     now=st.floats(0.0, 1e6, allow_nan=False),
     budget=st.floats(-5.0, 5.0, allow_nan=False),
-    retry_after=st.none() | st.floats(-1.0, 10.0, allow_nan=False),
 )
 def test_a_delay_never_sleeps_past_the_deadline(
-    seed: int, attempt: int, now: float, budget: float, retry_after: float | None
+    seed: int, attempt: int, now: float, budget: float
 ) -> None:
     policy = RetryPolicy(8, 0.05, 2.0, rng=random.Random(seed))
     deadline = now + budget
-    delay = policy.delay(attempt, now, deadline, retry_after=retry_after)
+    delay = policy.delay(attempt, now, deadline)
     if delay is not None:
         assert attempt < 8
         assert delay >= 0.0
         assert now + delay < deadline
-        if retry_after is not None:
-            assert delay >= retry_after
-
-
-# --------------------------------------------------------------------------- Retry-After
-
-
-def test_retry_after_raises_the_delay_to_the_hint() -> None:
-    jittered = random.Random(11).uniform(0.0, 0.05)
-    policy = RetryPolicy(4, 0.05, 2.0, rng=random.Random(11))
-    assert policy.delay(1, 0.0, FAR, retry_after=3.0) == max(jittered, 3.0)
-
-
-def test_a_short_retry_after_keeps_the_jittered_delay() -> None:
-    jittered = random.Random(11).uniform(0.0, 2.0)
-    policy = RetryPolicy(4, 2.0, 2.0, rng=random.Random(11))
-    assert policy.delay(1, 0.0, FAR, retry_after=1e-9) == max(jittered, 1e-9)
-
-
-def test_retry_after_beyond_the_deadline_gives_up() -> None:
-    policy = RetryPolicy(4, 0.05, 2.0, rng=random.Random(0))
-    assert policy.delay(1, now=0.0, deadline=5.0, retry_after=5.0) is None
-    assert policy.delay(1, now=0.0, deadline=5.0, retry_after=4.0) == 4.0
-
-
-@pytest.mark.parametrize("hint", [-1.0, math.nan, 0.0])
-def test_meaningless_retry_after_is_ignored(hint: float) -> None:
-    expected = random.Random(2).uniform(0.0, 0.05)
-    policy = RetryPolicy(4, 0.05, 2.0, rng=random.Random(2))
-    assert policy.delay(1, 0.0, FAR, retry_after=hint) == expected
-
-
-@pytest.mark.parametrize(
-    ("header", "seconds"),
-    [
-        ("3", 3.0),
-        (" 1.5 ", 1.5),
-        ("0", 0.0),
-        ("-4", 0.0),
-        (None, None),
-        ("", None),
-        ("soon", None),
-        ("nan", None),
-        ("inf", None),
-        ("1e400", None),
-    ],
-)
-def test_parse_retry_after_seconds(header: str | None, seconds: float | None) -> None:
-    assert parse_retry_after(header) == seconds
-
-
-def test_parse_retry_after_http_date() -> None:
-    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
-    header = format_datetime(datetime(2026, 1, 2, 3, 4, 35, tzinfo=UTC), usegmt=True)
-    assert parse_retry_after(header, now_epoch=now.timestamp()) == 30.0
-    assert parse_retry_after(header, now_epoch=now.timestamp() + 60) == 0.0
-    assert parse_retry_after(header) is None  # no clock given: the date form is ignored
 
 
 # --------------------------------------------------------------------------- construction
@@ -219,16 +159,8 @@ def test_parse_retry_after_http_date() -> None:
     ],
 )
 def test_invalid_policy_is_a_config_error(args: tuple[int, float, float], field: str) -> None:
-    with pytest.raises(ConfigError, match=f"^{field}: "):
+    with pytest.raises(ConfigError, match=rf"^{field}\b"):
         RetryPolicy(*args)
-
-
-def test_policy_from_config() -> None:
-    cfg = StreamConfig.from_env(
-        {}, teachers="http://t:1", max_attempts=6, backoff_initial_s=0.2, backoff_max_s=3.0
-    )
-    policy = RetryPolicy.from_config(cfg)
-    assert (policy.max_attempts, policy.initial_s, policy.max_s) == (6, 0.2, 3.0)
 
 
 # --------------------------------------------------------------------------- retryable errors
@@ -262,11 +194,9 @@ def _error_id(value: object) -> str:
         (RoutingError("who"), False),
         (InvalidSampleError("tokens", "empty"), False),
         (MissingLogprobError("teacher", 3, 0), False),
-        (ValueError("bug"), False),
-        (TimeoutError("raw"), False),
-        (KeyboardInterrupt(), False),
     ],
     ids=_error_id,
 )
-def test_is_retryable_follows_the_error_tree(exc: BaseException, retryable: bool) -> None:
-    assert is_retryable(exc) is retryable
+def test_retryable_follows_the_error_tree(exc: OPDStreamError, retryable: bool) -> None:
+    # what the scorer reads before asking RetryPolicy.delay for a backoff
+    assert exc.retryable is retryable

@@ -22,7 +22,8 @@ from kl_reference import reference_position
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream._kl import STRATEGIES, WEIGHT_MODES
-from opd_stream._sample import PAD_ID, request_ids
+from opd_stream._sample import request_ids
+from opd_stream._student_topk import PAD_ID
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T, S = "http://teacher:1", "http://student:2"

@@ -10,6 +10,7 @@ import base64
 import json
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,10 @@ import wire_fakes as wf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opd_stream._answers import ScoreRows
+from opd_stream._codec import decode_score_response
+from opd_stream._decode_generate import decode_generate_response
+from opd_stream._error_body import parse_error_message
 from opd_stream._errors import (
     CapabilityError,
     InvalidSampleError,
@@ -26,15 +31,9 @@ from opd_stream._errors import (
     MisalignedResponseError,
     ServerAbortError,
 )
-from opd_stream._wire import (
-    ScoreRequest,
-    ScoreRows,
-    build_score_payload,
-    decode_generate_response,
-    decode_score_response,
-    parse_error_message,
-    parse_student_topk,
-)
+from opd_stream._payloads import build_score_payload
+from opd_stream._student_topk import parse_student_topk
+from opd_stream._wire import ScoreRequest
 
 # P = 3, R = 5, L = 8; with start="prompt" s = 2 and every input_* list has 6 entries.
 TOK = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int64)
@@ -281,33 +280,6 @@ def test_truncated_body_is_malformed() -> None:
         decode_score_response(body[:-7], make(top_k=2))
 
 
-def test_missing_meta_info_names_the_field() -> None:
-    with pytest.raises(MalformedResponseError, match=r"`\$\.meta_info`"):
-        decode(make(), {"text": "", "output_ids": []})
-
-
-def test_missing_input_token_logprobs_names_the_field() -> None:
-    obj = fake(make())
-    del obj["meta_info"]["input_token_logprobs"]
-    with pytest.raises(MalformedResponseError, match=r"`\$\.meta_info\.input_token_logprobs`"):
-        decode(make(), obj)
-
-
-def test_missing_input_top_logprobs_names_the_field() -> None:
-    obj = fake(make(top_k=2))
-    del obj["meta_info"]["input_top_logprobs"]
-    with pytest.raises(MalformedResponseError, match=r"`\$\.meta_info\.input_top_logprobs`"):
-        decode(make(top_k=2), obj)
-
-
-def test_flat_answer_without_requested_ids_names_the_field() -> None:
-    req = make(ids=IDS, id_form="flat")
-    obj = fake(req)
-    del obj["meta_info"]["input_token_ids_logprobs"]
-    with pytest.raises(MalformedResponseError, match=r"input_token_ids_logprobs`"):
-        decode(req, obj)
-
-
 def test_per_position_answer_from_an_unpatched_server_is_a_capability_error() -> None:
     req = make(ids=IDS, top_k=2)
     body = wf.respond(build_score_payload(req), per_position=False)
@@ -316,138 +288,12 @@ def test_per_position_answer_from_an_unpatched_server_is_a_capability_error() ->
     assert info.value.capability == "per_position"
 
 
-def test_wrong_value_type_reports_the_msgspec_path() -> None:
-    obj = fake(make())
-    obj["meta_info"]["input_token_logprobs"][2][1] = "4"
-    with pytest.raises(
-        MalformedResponseError, match=r"`\$\.meta_info\.input_token_logprobs\[2\]\[1\]`"
-    ):
-        decode(make(), obj)
-
-
-def test_entry_without_a_token_id_is_malformed() -> None:
-    obj = fake(make(top_k=2))
-    obj["meta_info"]["input_top_logprobs"][1][0] = [-0.5]
-    with pytest.raises(MalformedResponseError, match=r"input_top_logprobs\[1\]\[0\]"):
-        decode(make(top_k=2), obj)
-
-
-def test_token_entry_count_mismatch_is_misaligned() -> None:
-    obj = fake(make())
-    del obj["meta_info"]["input_token_logprobs"][0]
-    with pytest.raises(MisalignedResponseError, match="has 5 entries, expected 6"):
-        decode(make(), obj)
-
-
 def test_token_id_mismatch_names_the_absolute_position_not_the_ids() -> None:
     obj = fake(make())
     obj["meta_info"]["input_token_logprobs"][3][1] = 987654  # entry 3 <-> position 2 + 3
     with pytest.raises(MisalignedResponseError, match="absolute position 5") as info:
         decode(make(), obj)
     assert "987654" not in str(info.value)
-
-
-def test_prompt_token_mismatch_is_caught_with_start_zero() -> None:
-    req = make(start="zero")
-    obj = fake(req)
-    obj["meta_info"]["input_token_logprobs"][1][1] = 39
-    with pytest.raises(MisalignedResponseError, match="absolute position 1"):
-        decode(req, obj)
-
-
-def test_topk_row_count_mismatch_is_misaligned() -> None:
-    obj = fake(make(top_k=2))
-    obj["meta_info"]["input_top_logprobs"].append(obj["meta_info"]["input_top_logprobs"][1])
-    with pytest.raises(MisalignedResponseError, match="has 7 entries, expected 6"):
-        decode(make(top_k=2), obj)
-
-
-def test_topk_row_with_wrong_width_names_its_position() -> None:
-    obj = fake(make(top_k=2))
-    obj["meta_info"]["input_top_logprobs"][2].pop()
-    with pytest.raises(
-        MisalignedResponseError, match=r"absolute position 4 \(response position 1\) has 1"
-    ):
-        decode(make(top_k=2), obj)
-
-
-def test_null_topk_row_in_the_response_range_is_misaligned() -> None:
-    obj = fake(make(top_k=2))
-    obj["meta_info"]["input_top_logprobs"][5] = None
-    with pytest.raises(MisalignedResponseError, match=r"absolute position 7 .* null"):
-        decode(make(top_k=2), obj)
-
-
-def test_per_position_row_in_another_order_is_misaligned() -> None:
-    req = make(ids=IDS)
-    obj = fake(req)
-    obj["meta_info"]["input_token_ids_logprobs"][4].reverse()
-    with pytest.raises(MisalignedResponseError, match=r"response position 3.* request order"):
-        decode(req, obj)
-
-
-def test_per_position_row_with_another_id_is_misaligned() -> None:
-    req = make(ids=IDS)
-    obj = fake(req)
-    obj["meta_info"]["input_token_ids_logprobs"][1][0][1] = 33
-    with pytest.raises(MisalignedResponseError, match="response position 0"):
-        decode(req, obj)
-
-
-def test_flat_row_missing_a_union_id_is_misaligned() -> None:
-    req = make(ids=IDS, id_form="flat")
-    obj = fake(req)
-    obj["meta_info"]["input_token_ids_logprobs"][3].pop(0)
-    with pytest.raises(MisalignedResponseError, match="response position 2"):
-        decode(req, obj)
-
-
-def test_flat_union_in_another_order_is_misaligned() -> None:
-    req = make(ids=IDS, id_form="flat")
-    obj = fake(req)
-    obj["meta_info"]["input_token_ids_logprobs"][1].reverse()
-    with pytest.raises(MisalignedResponseError, match="request order"):
-        decode(req, obj)
-
-
-def test_null_requested_id_row_is_misaligned() -> None:
-    req = make(ids=IDS)
-    obj = fake(req)
-    obj["meta_info"]["input_token_ids_logprobs"][2] = None
-    with pytest.raises(MisalignedResponseError, match="response position 1"):
-        decode(req, obj)
-
-
-def test_abort_on_http_200_raises_server_abort_with_the_servers_message() -> None:
-    obj = {
-        "text": "",
-        "output_ids": [],
-        "meta_info": {
-            "id": "x",
-            "finish_reason": {
-                "type": "abort",
-                "message": "Abort before prefill",
-                "status_code": None,
-                "err_type": None,
-            },
-            "prompt_tokens": 8,
-        },
-    }
-    with pytest.raises(ServerAbortError, match="Abort before prefill"):
-        decode(make(ids=IDS, top_k=2), obj)
-
-
-def test_batch_answer_with_a_missing_item_is_misaligned() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    items = fake(req)
-    with pytest.raises(MisalignedResponseError, match="2 items, expected 3"):
-        decode(req, items[:2])
-
-
-def test_blocked_request_answered_with_a_single_object_is_malformed() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    with pytest.raises(MalformedResponseError, match="array"):
-        decode(req, fake(req)[0])
 
 
 def test_blocked_item_errors_name_the_item_path() -> None:
@@ -470,31 +316,6 @@ def test_blocked_id_only_item_asks_its_last_row_from_the_output_row() -> None:
         assert int(TOK[p + end - 1]) in union  # the tail row's target token
 
 
-def test_blocked_id_only_item_without_its_output_row_is_malformed() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    items = fake(req)
-    del items[1]["meta_info"]["output_token_ids_logprobs"]
-    with pytest.raises(MalformedResponseError, match=r"\$\[1\]\.meta_info\.output_token_ids"):
-        decode(req, items)
-
-
-def test_blocked_id_only_output_row_with_a_missing_id_is_misaligned() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    items = fake(req)
-    items[0]["meta_info"]["output_token_ids_logprobs"][0].pop()
-    with pytest.raises(MisalignedResponseError, match=r"output_token_ids.*response position 1"):
-        decode(req, items)
-
-
-def test_blocked_item_with_a_wrong_union_is_misaligned() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    items = fake(req)
-    for row in items[1]["meta_info"]["input_token_ids_logprobs"][1:]:
-        row.pop()
-    with pytest.raises(MisalignedResponseError, match=r"\$\[1\].*response position 2"):
-        decode(req, items)
-
-
 @pytest.mark.parametrize("item", [0, 1])
 def test_blocked_row_with_its_ids_swapped_is_misaligned_at_its_own_item(item: int) -> None:
     req = make(ids=IDS, id_form="blocked", block_size=2)
@@ -505,14 +326,6 @@ def test_blocked_row_with_its_ids_swapped_is_misaligned_at_its_own_item(item: in
         decode(req, items)
     assert f"$[{item}]" in str(info.value)
     assert f"response position {2 * item}" in str(info.value)
-
-
-def test_abort_in_one_batch_item_fails_the_answer() -> None:
-    req = make(ids=IDS, id_form="blocked", block_size=2)
-    items = fake(req)
-    items[2]["meta_info"]["finish_reason"] = {"type": "abort", "message": "shutdown"}
-    with pytest.raises(ServerAbortError, match="shutdown"):
-        decode(req, items)
 
 
 # --- values ----------------------------------------------------------------------------
@@ -531,13 +344,6 @@ def test_null_logprobs_decode_to_minus_inf() -> None:
     assert rows.top_logprobs[1, 1] == -np.inf
     assert rows.id_logprobs is not None
     assert rows.id_logprobs[2, 0] == -np.inf
-
-
-def test_value_above_the_float32_range_is_malformed() -> None:
-    obj = fake(make())
-    obj["meta_info"]["input_token_logprobs"][2][0] = 1e39
-    with pytest.raises(MalformedResponseError, match="float32 range"):
-        decode(make(), obj)
 
 
 def test_value_below_the_float32_range_becomes_minus_inf() -> None:
@@ -589,61 +395,331 @@ def test_b64_keeps_minus_inf_and_maps_nan_to_minus_inf() -> None:
     assert not np.isnan(rows.top_logprobs).any()
 
 
-def test_b64_plus_inf_is_malformed() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_val_flat_b64"] = b64_floats([-0.5, math.inf] * 5)
-    with pytest.raises(MalformedResponseError, match="float32 range"):
-        decode(make(**B64), obj)
+# --- an answer with one thing broken: the error and its message --------------------------
+
+Edit = Callable[[Any], Any]
+BLOCKED = {"ids": IDS, "id_form": "blocked", "block_size": 2}
 
 
-def test_b64_corrupt_base64_is_malformed() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_idx_flat_b64"] = "AAA$AAAA"
-    with pytest.raises(MalformedResponseError, match="idx_flat_b64` is not valid base64"):
-        decode(make(**B64), obj)
+def _at(obj: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
 
 
-def test_b64_buffer_of_the_wrong_byte_length_is_malformed() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_val_flat_b64"] = b64_floats([-0.5] * 9)
-    with pytest.raises(MalformedResponseError, match="36 bytes, expected 40"):
-        decode(make(**B64), obj)
+def drop(*path: Any) -> Edit:
+    """Delete the field or entry at ``path``."""
+
+    def edit(obj: Any) -> Any:
+        del _at(obj, path[:-1])[path[-1]]
+        return obj
+
+    return edit
 
 
-def test_b64_shape_with_another_k_is_misaligned() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_shape"] = [2, 5]
-    with pytest.raises(MisalignedResponseError, match="_shape"):
-        decode(make(**B64), obj)
+def put(*path: Any, value: Any) -> Edit:
+    """Set the field or entry at ``path`` to ``value``."""
+
+    def edit(obj: Any) -> Any:
+        _at(obj, path[:-1])[path[-1]] = value
+        return obj
+
+    return edit
 
 
-def test_b64_rows_must_cover_the_entries_after_the_null_prefix() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_null_prefix"] = 2
-    with pytest.raises(MisalignedResponseError, match="null_prefix 2 \\+ 5 rows"):
-        decode(make(**B64), obj)
+def call(*path: Any, method: str, args: tuple[Any, ...] = ()) -> Edit:
+    """Call a list method (``pop``, ``reverse``) on the list at ``path``."""
+
+    def edit(obj: Any) -> Any:
+        getattr(_at(obj, path), method)(*args)
+        return obj
+
+    return edit
 
 
-def test_b64_wrong_dtype_marker_is_malformed() -> None:
-    obj = fake(make(**B64))
-    obj["meta_info"]["input_top_logprobs_val_flat_b64_dtype"] = "float16"
-    with pytest.raises(MalformedResponseError, match="float16"):
-        decode(make(**B64), obj)
+def repeat_row(*path: Any, row: int) -> Edit:
+    """Append a copy of row ``row`` to the list at ``path``."""
+
+    def edit(obj: Any) -> Any:
+        rows = _at(obj, path)
+        rows.append(rows[row])
+        return obj
+
+    return edit
 
 
-def test_b64_answer_without_shape_names_the_field() -> None:
-    obj = fake(make(**B64))
-    del obj["meta_info"]["input_top_logprobs_shape"]
-    with pytest.raises(MalformedResponseError, match=r"`\$\.meta_info\.input_top_logprobs_shape`"):
-        decode(make(**B64), obj)
+def pop_each_row_after_entry_zero(*path: Any) -> Edit:
+    def edit(obj: Any) -> Any:
+        for row in _at(obj, path)[1:]:
+            row.pop()
+        return obj
+
+    return edit
 
 
-def test_b64_negative_top_id_is_malformed() -> None:
-    obj = fake(make(**B64))
-    idx = struct.pack("<10i", *([3, -1] * 5))
-    obj["meta_info"]["input_top_logprobs_idx_flat_b64"] = base64.b64encode(idx).decode()
-    with pytest.raises(MalformedResponseError, match="negative token id"):
-        decode(make(**B64), obj)
+ABORT_ANSWER = {
+    "text": "",
+    "output_ids": [],
+    "meta_info": {
+        "id": "x",
+        "finish_reason": {
+            "type": "abort",
+            "message": "Abort before prefill",
+            "status_code": None,
+            "err_type": None,
+        },
+        "prompt_tokens": 8,
+    },
+}
+M = "meta_info"
+
+
+# (request fields, the change to its answer, the error, its message)
+BROKEN_ANSWERS = [
+    # shape and types
+    pytest.param(
+        {},
+        lambda obj: {"text": "", "output_ids": []},
+        MalformedResponseError,
+        r"`\$\.meta_info`",
+        id="missing-meta-info",
+    ),
+    pytest.param(
+        {},
+        drop(M, "input_token_logprobs"),
+        MalformedResponseError,
+        r"`\$\.meta_info\.input_token_logprobs`",
+        id="missing-input-token-logprobs",
+    ),
+    pytest.param(
+        {"top_k": 2},
+        drop(M, "input_top_logprobs"),
+        MalformedResponseError,
+        r"`\$\.meta_info\.input_top_logprobs`",
+        id="missing-input-top-logprobs",
+    ),
+    pytest.param(
+        {"ids": IDS, "id_form": "flat"},
+        drop(M, "input_token_ids_logprobs"),
+        MalformedResponseError,
+        r"input_token_ids_logprobs`",
+        id="flat-without-requested-ids",
+    ),
+    pytest.param(
+        {},
+        put(M, "input_token_logprobs", 2, 1, value="4"),
+        MalformedResponseError,
+        r"`\$\.meta_info\.input_token_logprobs\[2\]\[1\]`",
+        id="wrong-value-type-names-the-msgspec-path",
+    ),
+    pytest.param(
+        {"top_k": 2},
+        put(M, "input_top_logprobs", 1, 0, value=[-0.5]),
+        MalformedResponseError,
+        r"input_top_logprobs\[1\]\[0\]",
+        id="entry-without-a-token-id",
+    ),
+    # rows and token ids
+    pytest.param(
+        {},
+        drop(M, "input_token_logprobs", 0),
+        MisalignedResponseError,
+        "has 5 entries, expected 6",
+        id="token-entry-count-mismatch",
+    ),
+    pytest.param(
+        {"start": "zero"},
+        put(M, "input_token_logprobs", 1, 1, value=39),
+        MisalignedResponseError,
+        "absolute position 1",
+        id="prompt-token-mismatch-with-start-zero",
+    ),
+    pytest.param(
+        {"top_k": 2},
+        repeat_row(M, "input_top_logprobs", row=1),
+        MisalignedResponseError,
+        "has 7 entries, expected 6",
+        id="topk-row-count-mismatch",
+    ),
+    pytest.param(
+        {"top_k": 2},
+        call(M, "input_top_logprobs", 2, method="pop"),
+        MisalignedResponseError,
+        r"absolute position 4 \(response position 1\) has 1",
+        id="topk-row-with-wrong-width-names-its-position",
+    ),
+    pytest.param(
+        {"top_k": 2},
+        put(M, "input_top_logprobs", 5, value=None),
+        MisalignedResponseError,
+        r"absolute position 7 .* null",
+        id="null-topk-row-in-the-response-range",
+    ),
+    # requested ids
+    pytest.param(
+        {"ids": IDS},
+        call(M, "input_token_ids_logprobs", 4, method="reverse"),
+        MisalignedResponseError,
+        r"response position 3.* request order",
+        id="per-position-row-in-another-order",
+    ),
+    pytest.param(
+        {"ids": IDS},
+        put(M, "input_token_ids_logprobs", 1, 0, 1, value=33),
+        MisalignedResponseError,
+        "response position 0",
+        id="per-position-row-with-another-id",
+    ),
+    pytest.param(
+        {"ids": IDS, "id_form": "flat"},
+        call(M, "input_token_ids_logprobs", 3, method="pop", args=(0,)),
+        MisalignedResponseError,
+        "response position 2",
+        id="flat-row-missing-a-union-id",
+    ),
+    pytest.param(
+        {"ids": IDS, "id_form": "flat"},
+        call(M, "input_token_ids_logprobs", 1, method="reverse"),
+        MisalignedResponseError,
+        "request order",
+        id="flat-union-in-another-order",
+    ),
+    pytest.param(
+        {"ids": IDS},
+        put(M, "input_token_ids_logprobs", 2, value=None),
+        MisalignedResponseError,
+        "response position 1",
+        id="null-requested-id-row",
+    ),
+    pytest.param(
+        {"ids": IDS, "top_k": 2},
+        lambda obj: ABORT_ANSWER,
+        ServerAbortError,
+        "Abort before prefill",
+        id="abort-on-http-200-with-the-servers-message",
+    ),
+    # blocked (batch) answers
+    pytest.param(
+        BLOCKED,
+        lambda items: items[:2],
+        MisalignedResponseError,
+        "2 items, expected 3",
+        id="batch-answer-with-a-missing-item",
+    ),
+    pytest.param(
+        BLOCKED,
+        lambda items: items[0],
+        MalformedResponseError,
+        "array",
+        id="blocked-request-answered-with-a-single-object",
+    ),
+    pytest.param(
+        BLOCKED,
+        drop(1, M, "output_token_ids_logprobs"),
+        MalformedResponseError,
+        r"\$\[1\]\.meta_info\.output_token_ids",
+        id="blocked-id-only-item-without-its-output-row",
+    ),
+    pytest.param(
+        BLOCKED,
+        call(0, M, "output_token_ids_logprobs", 0, method="pop"),
+        MisalignedResponseError,
+        r"output_token_ids.*response position 1",
+        id="blocked-id-only-output-row-with-a-missing-id",
+    ),
+    pytest.param(
+        BLOCKED,
+        pop_each_row_after_entry_zero(1, M, "input_token_ids_logprobs"),
+        MisalignedResponseError,
+        r"\$\[1\].*response position 2",
+        id="blocked-item-with-a-wrong-union",
+    ),
+    pytest.param(
+        BLOCKED,
+        put(2, M, "finish_reason", value={"type": "abort", "message": "shutdown"}),
+        ServerAbortError,
+        "shutdown",
+        id="abort-in-one-batch-item",
+    ),
+    # values
+    pytest.param(
+        {},
+        put(M, "input_token_logprobs", 2, 0, value=1e39),
+        MalformedResponseError,
+        "float32 range",
+        id="value-above-the-float32-range",
+    ),
+    # b64 top-k
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_val_flat_b64", value=b64_floats([-0.5, math.inf] * 5)),
+        MalformedResponseError,
+        "float32 range",
+        id="b64-plus-inf",
+    ),
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_idx_flat_b64", value="AAA$AAAA"),
+        MalformedResponseError,
+        "idx_flat_b64` is not valid base64",
+        id="b64-corrupt-base64",
+    ),
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_val_flat_b64", value=b64_floats([-0.5] * 9)),
+        MalformedResponseError,
+        "36 bytes, expected 40",
+        id="b64-buffer-of-the-wrong-byte-length",
+    ),
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_shape", value=[2, 5]),
+        MisalignedResponseError,
+        "_shape",
+        id="b64-shape-with-another-k",
+    ),
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_null_prefix", value=2),
+        MisalignedResponseError,
+        "null_prefix 2 \\+ 5 rows",
+        id="b64-rows-must-cover-the-entries-after-the-null-prefix",
+    ),
+    pytest.param(
+        B64,
+        put(M, "input_top_logprobs_val_flat_b64_dtype", value="float16"),
+        MalformedResponseError,
+        "float16",
+        id="b64-wrong-dtype-marker",
+    ),
+    pytest.param(
+        B64,
+        drop(M, "input_top_logprobs_shape"),
+        MalformedResponseError,
+        r"`\$\.meta_info\.input_top_logprobs_shape`",
+        id="b64-answer-without-shape",
+    ),
+    pytest.param(
+        B64,
+        put(
+            M,
+            "input_top_logprobs_idx_flat_b64",
+            value=base64.b64encode(struct.pack("<10i", *([3, -1] * 5))).decode(),
+        ),
+        MalformedResponseError,
+        "negative token id",
+        id="b64-negative-top-id",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "edit", "error", "match"), BROKEN_ANSWERS)
+def test_a_broken_answer_raises_its_error_naming_what_is_wrong(
+    fields: dict[str, Any], edit: Edit, error: type[Exception], match: str
+) -> None:
+    req = make(**fields)
+    with pytest.raises(error, match=match):
+        decode(req, edit(fake(req)))
 
 
 # --- error bodies ----------------------------------------------------------------------
@@ -817,7 +893,7 @@ def test_student_topk_pads_short_and_empty_rows_at_their_end() -> None:
 
 
 def test_student_topk_padding_id_is_minus_one() -> None:
-    from opd_stream._decode import PAD_ID
+    from opd_stream._student_topk import PAD_ID
 
     assert PAD_ID == -1
 

@@ -15,12 +15,10 @@ import msgspec
 import numpy as np
 
 from .._transport import MockTransport, Response
+from .mock_sglang._answer import build_item_response
+from .mock_sglang._errors import RequestError
 from .mock_sglang._model import MockModel, Role
-from .mock_sglang._protocol import (
-    RequestError,
-    build_item_response,
-    parse_generate_request,
-)
+from .mock_sglang._request import parse_generate_request
 
 __all__ = ("Fault", "InProcessSGLang", "mock_transport")
 

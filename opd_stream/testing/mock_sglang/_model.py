@@ -31,6 +31,8 @@ from typing import Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from ._mixing import largest_prime_at_most, scalar_mix, splitmix
+
 __all__ = ("HeadRows", "MockModel", "Role")
 
 Role = Literal["teacher", "student"]
@@ -38,43 +40,11 @@ Role = Literal["teacher", "student"]
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-_MASK64 = (1 << 64) - 1
-_C1 = 0x9E3779B97F4A7C15
 _C2 = 0xC2B2AE3D27D4EB4F
 _C3 = 0x165667B19E3779F9
 _C4 = 0xD6E8FEB86659FD93
 _GTABLE_SIZE = 65537  # prime
 _NB = 1024  # number of progression steps available per half
-
-
-def _splitmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Vectorised splitmix64 finaliser (wrapping uint64 arithmetic on arrays)."""
-    x = x + np.uint64(_C1)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _scalar_mix(x: int) -> int:
-    """Python-int splitmix64 (for seeds and salts)."""
-    x = (x + _C1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _largest_prime_at_most(n: int) -> int:
-    def is_prime(m: int) -> bool:
-        if m < 2:
-            return False
-        if m % 2 == 0:
-            return m == 2
-        r = math.isqrt(m)
-        return all(m % d for d in range(3, r + 1, 2))
-
-    while not is_prime(n):
-        n -= 1
-    return n
 
 
 class HeadRows(NamedTuple):
@@ -148,7 +118,7 @@ class MockModel:
         half = self.head_size // 2
         self._half = half
         reserved = 2 if masked_ids is None else 0
-        self._m = _largest_prime_at_most((self.vocab_size - reserved) // 2)
+        self._m = largest_prime_at_most((self.vocab_size - reserved) // 2)
         if self._m < max(2 * half, 8):
             raise ValueError("vocab_size too small for head_size (need vocab_size >= 4*head_size)")
         if masked_ids is None:
@@ -171,7 +141,7 @@ class MockModel:
             [pow(int(s), -1, self._m) for s in steps], dtype=np.int64
         )
         role_id = 1 if role == "teacher" else 2
-        self._role_salt = np.uint64(_scalar_mix((self.seed << 2) ^ role_id ^ 0x5EED))
+        self._role_salt = np.uint64(scalar_mix((self.seed << 2) ^ role_id ^ 0x5EED))
         self._ar: IntArray = np.arange(half, dtype=np.int64)
         self._arh: IntArray = np.arange(self.head_size, dtype=np.int64)
 
@@ -201,9 +171,9 @@ class MockModel:
         prev1 = tok[pos - 1].astype(np.uint64)
         prev2 = np.where(pos >= 2, tok[np.maximum(pos - 2, 0)], -1).astype(np.uint64)
         upos = pos.astype(np.uint64)
-        kc = _splitmix(_splitmix(prev1 * np.uint64(_C2) ^ prev2 * np.uint64(_C3)) ^ upos)
-        kb = _splitmix((pos // self.block_size).astype(np.uint64) * np.uint64(_C4))
-        kr = _splitmix(kc ^ self._role_salt)
+        kc = splitmix(splitmix(prev1 * np.uint64(_C2) ^ prev2 * np.uint64(_C3)) ^ upos)
+        kb = splitmix((pos // self.block_size).astype(np.uint64) * np.uint64(_C4))
+        kr = splitmix(kc ^ self._role_salt)
         m64 = np.uint64(m)
         a = np.stack([(kb % m64).astype(np.int64), (kc % m64).astype(np.int64)], axis=1)
         bi = np.stack(

@@ -1,0 +1,148 @@
+"""The answer codec: a scoring request's body built, its answer decoded, and where each runs.
+
+Plain sync functions; the async shell (:mod:`opd_stream._attempts`) asks
+:func:`build_in_thread` / :func:`decode_in_thread` whether a step goes to a worker thread
+and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
+
+Which parser: on the event loop msgspec (the cheapest in CPU; it holds the GIL, ~8 ns per
+byte), in a decode thread pyarrow (it releases the GIL while it parses, ~1.9x msgspec's
+CPU, and hands an answer it does not accept back to msgspec for the precise error).
+Which thread: a request body (by :func:`~opd_stream._payloads.payload_size_hint`) or an
+answer of at least ``decode_thread_bytes`` goes to one of ``decode_threads`` worker
+threads, a smaller one stays on the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+from ._answers import ScoreRows
+from ._decode_arrow import decode_segments_arrow
+from ._decode_score import decode_segments
+from ._payloads import build_score_payload, payload_size_hint
+from ._wire import ScoreRequest, layout
+
+__all__ = (
+    "Parser",
+    "build_in_thread",
+    "decode",
+    "decode_block_answers",
+    "decode_in_thread",
+    "decode_score_response",
+    "timed_build",
+    "timed_decode",
+)
+
+Parser = Literal["msgspec", "arrow"]
+
+
+def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
+    """Whether ``req``'s body is built in a worker thread (estimated at ``threshold`` bytes
+    or more)."""
+    return payload_size_hint(req) >= threshold
+
+
+def decode_in_thread(size: int, threshold: int) -> bool:
+    """Whether an answer of ``size`` bytes is decoded in a worker thread (with pyarrow)."""
+    return size >= threshold
+
+
+def timed_build(req: ScoreRequest) -> tuple[bytes, float]:
+    """``req``'s body and the CPU seconds of the thread that built it."""
+    start = time.thread_time()
+    body = build_score_payload(req)
+    return body, time.thread_time() - start
+
+
+def decode(body: bytes | bytearray, req: ScoreRequest, *, in_thread: bool) -> ScoreRows:
+    """Decode an answer with the parser for where it runs (pyarrow in a thread, else msgspec)."""
+    return decode_score_response(body, req, parser="arrow" if in_thread else "msgspec")
+
+
+def timed_decode(
+    body: bytes | bytearray, req: ScoreRequest
+) -> tuple[ScoreRows | BaseException, float]:
+    """Decode in a worker thread (pyarrow): the rows or the error (raised again in the
+    caller's task), and the thread's CPU seconds."""
+    start = time.thread_time()
+    try:
+        rows: ScoreRows | BaseException = decode(body, req, in_thread=True)
+    except Exception as exc:  # raised again in the caller's task
+        rows = exc
+    return rows, time.thread_time() - start
+
+
+def decode_score_response(
+    body: bytes | bytearray, req: ScoreRequest, *, parser: Parser = "msgspec"
+) -> ScoreRows:
+    """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
+
+    ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
+    ``"msgspec"`` (cheapest in CPU) holds the GIL for the whole decode (~8 ns per byte).
+    ``"arrow"`` parses with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's
+    CPU): for large answers decoded in threads beside the event loop. An answer it does
+    not accept is decoded again with msgspec, which raises the precise error (see
+    :mod:`opd_stream._decode_arrow`).
+
+    Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
+    / response position, never payload values): ``finish_reason.type != "abort"``; every
+    requested field present; ``input_token_logprobs`` has ``L - s`` entries and echoes
+    ``tokens[s+1:]``; top-k rows in the response range are non-null with ``top_k`` entries
+    (or the b64 fields are consistent); requested-id rows return exactly the requested ids
+    in order (per-position: ``ids[t]``; flat / blocked: the sorted union); a batch answer has
+    one item per block. Stitched blocked results equal per-position ones exactly.
+
+    Raises:
+        MalformedResponseError: not JSON, truncated, wrong types, missing field, bad b64.
+        MisalignedResponseError: counts, echoed token ids or requested ids differ.
+        ServerAbortError: ``finish_reason.type == "abort"`` (with the server's message).
+        CapabilityError: ``"per_position"`` when a per-position request is answered
+            without ``input_token_ids_logprobs`` (the server ignored the field).
+        InvalidSampleError: ``req`` itself is malformed.
+    """
+    lay = layout(req)
+    if parser == "arrow":
+        rows = decode_segments_arrow(
+            body, batch=lay.batch, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+        )
+        if rows is not None:
+            return rows
+    return decode_segments(
+        body,
+        batch=lay.batch,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=req.top_k,
+        per_position=req.ids is not None and req.id_form == "per-position",
+    )
+
+
+def decode_block_answers(
+    bodies: Sequence[bytes | bytearray], req: ScoreRequest, *, parser: Parser = "msgspec"
+) -> ScoreRows:
+    """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
+
+    The answers are checked together as the items of one batch answer (item ``n`` is block
+    ``n``: every check of :func:`decode_score_response`, in one vectorised pass); the result
+    equals the per-position one exactly.
+    """
+    lay = layout(req)
+    if len(bodies) != len(lay.segments):
+        raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
+    joined = b"[" + b",".join(bodies) + b"]"
+    if parser == "arrow":
+        rows = decode_segments_arrow(
+            joined, batch=True, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+        )
+        if rows is not None:
+            return rows
+    return decode_segments(
+        joined,
+        batch=True,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=req.top_k,
+        per_position=False,
+    )

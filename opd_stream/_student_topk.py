@@ -1,0 +1,192 @@
+"""The rollout engine's student top-k (``Sample.student_top_logprobs``) as arrays.
+
+Two forms, both validated once at intake by :func:`opd_stream._sample.prepare_sample`:
+rows of ``[logprob, token_id(, text)]`` entries (:func:`parse_student_topk`) and a pair of
+``[R, >= k]`` arrays (:func:`student_topk_arrays`). Short and empty rows are padded at
+their end with id :data:`PAD_ID` (logprob ``-inf``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ._decode_checks import LOGPROB_TOLERANCE, to_logprobs
+from ._decode_entries import ENTRY_ID, ENTRY_LP, Entry
+from ._errors import InvalidSampleError
+
+__all__ = ("MAX_TOKEN_ID", "PAD_ID", "parse_student_topk", "student_topk_arrays")
+
+#: The id of a padding slot in student top-k arrays: a row with fewer than ``k`` entries
+#: is padded at its end with it (logprob ``-inf``).
+PAD_ID = -1
+#: Token ids must fit SGLang's int32 flat top-k arrays.
+MAX_TOKEN_ID = 2**31 - 1
+
+_ROW_IN_PATH = re.compile(r" - at `\$\[(\d+)\]")
+
+
+def parse_student_topk(
+    rows: Sequence[Sequence[Any]], response_length: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Parse the rollout engine's student top-k rows into arrays.
+
+    Args:
+        rows: ``R`` rows (one per response token), each a sequence of entries
+            ``[logprob, token_id]`` or ``[logprob, token_id, text]`` (SGLang triples), best
+            first. Python ``int`` ids and ``float``/``int``/``None`` logprobs (as JSON
+            decoding gives); ``None`` means ``-inf``. A ``None`` entry is skipped. A row may
+            hold fewer than ``k`` entries, or none (``[]``: Miles' multi-turn merge leaves
+            such rows on observation spans).
+        response_length: ``R``; ``len(rows)`` must equal it.
+        k: how many entries to keep per row (the first ``k`` present).
+
+    Returns:
+        ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``; a row with fewer than
+        ``k`` entries is padded at its end with id ``-1`` and logprob ``-inf``.
+
+    Raises:
+        InvalidSampleError: (field ``student_top_logprobs``) wrong row count, an entry that
+            is not ``[number|null, int, ...]`` (bools rejected), a negative id, duplicate
+            ids in a row, a NaN / ``+inf`` logprob, or a logprob above ``1e-4`` (not a
+            logprob). The message names the row.
+    """
+    field = "student_top_logprobs"
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+        raise InvalidSampleError(field, f"expected a sequence of rows, got {type(rows).__name__}")
+    if len(rows) != response_length:
+        raise InvalidSampleError(
+            field, f"has {len(rows)} rows, expected response_length = {response_length}"
+        )
+    try:
+        parsed = msgspec.convert(rows, list[list[Entry | None]])
+    except msgspec.ValidationError as exc:
+        text = str(exc)  # e.g. "Expected `int`, got `bool` - at `$[3][1][1]`"
+        row = _ROW_IN_PATH.search(text)
+        raise InvalidSampleError(field, f"row {row.group(1)}: {text}" if row else text) from None
+    total = response_length * k
+    kept: Sequence[Sequence[Entry | None]] = parsed
+    if set(map(len, parsed)) - {k}:
+        kept = [row[:k] for row in parsed]
+    entries = list(chain.from_iterable(kept))
+    if len(entries) == total and None not in entries:  # every row full: the common case
+        ids = np.fromiter(map(ENTRY_ID, entries), dtype=np.int64, count=total)
+        lps = np.fromiter(map(ENTRY_LP, entries), dtype=np.float64, count=total)
+        if total and int(ids.min()) < 0:
+            r = int(np.argmax(ids < 0)) // k
+            raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    else:
+        ids, lps = _padded_topk(parsed, k)
+    ids, lps = ids.reshape(response_length, k), lps.reshape(response_length, k)
+    # fromiter turned None into NaN; a NaN the caller sent is an error, a None is -inf.
+    for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
+        if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
+            raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
+    _check_student_topk(ids, lps, field)
+    return ids, to_logprobs(lps, field)
+
+
+def _present(row: list[Entry | None]) -> list[Entry]:
+    return [e for e in row if e is not None]
+
+
+def _padded_topk(
+    parsed: list[list[Entry | None]], k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Rows with skipped (``None``) entries or fewer than ``k`` entries, padded at the end
+    with id ``PAD_ID`` and a NaN logprob (``-inf`` after conversion), flat ``[R * k]``."""
+    r = len(parsed)
+    ids = np.full((r, k), PAD_ID, dtype=np.int64)
+    lps = np.full((r, k), np.nan, dtype=np.float64)
+    for n, row in enumerate(parsed):
+        present = _present(row)[:k]
+        if present:
+            if min(e.id for e in present) < 0:
+                raise InvalidSampleError(
+                    "student_top_logprobs", f"row {n} holds a negative token id"
+                )
+            ids[n, : len(present)] = [e.id for e in present]
+            lps[n, : len(present)] = [np.nan if e.lp is None else e.lp for e in present]
+    return ids.reshape(-1), lps.reshape(-1)
+
+
+def _check_student_topk(
+    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
+) -> None:
+    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
+        rows = mask.any(axis=1)  # [R, k] -> [R]; reshape(R, -1) fails when R == 0
+        return int(np.argmax(rows)) if rows.any() else None
+
+    if (r := first_row(ids < PAD_ID)) is not None:  # padded rows checked their own ids
+        raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    if ids.shape[1] > 1:
+        s = np.sort(ids, axis=1)
+        if (r := first_row((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != PAD_ID))) is not None:
+            raise InvalidSampleError(field, f"row {r} holds a duplicate token id")
+    if (r := first_row(np.isposinf(lps))) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a +inf logprob")
+    if (r := first_row(lps > 1e-4)) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a value > 0, which is not a logprob")
+
+
+def student_topk_arrays(
+    ids: Any, logprobs: Any, r: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """The array form of ``student_top_logprobs``: ``(ids [R, >=k], logprobs [R, >=k])``.
+
+    Validated like the row form, vectorised: integer ids in ``[0, MAX_TOKEN_ID]``, no
+    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``. A row
+    with fewer than ``k`` entries is padded at its end with id ``-1`` (whatever the logprob
+    there, which is ignored and becomes ``-inf``), the form the row parser gives for short
+    and empty rows; padding before a real id is an error. ``ids`` and ``logprobs`` are
+    numpy arrays (a caller's tensors are converted by ``prepare_sample``).
+    """
+    field = "student_top_logprobs"
+    if ids.dtype.kind not in "iu":
+        raise InvalidSampleError(field, f"ids must be an integer array, got dtype {ids.dtype}")
+    if logprobs.dtype.kind != "f":
+        raise InvalidSampleError(
+            field, f"logprobs must be a float array, got dtype {logprobs.dtype}"
+        )
+    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != r or ids.shape[1] < k:
+        raise InvalidSampleError(
+            field,
+            f"(ids, logprobs) must both have shape [R={r}, >= k={k}], "
+            f"got {ids.shape} and {logprobs.shape}",
+        )
+    ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
+    lps = np.asarray(logprobs[:, :k], dtype=np.float64)
+
+    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
+        rows = mask.any(axis=1)
+        return int(np.argmax(rows)) if rows.any() else None
+
+    pad = ids == PAD_ID
+    padded = bool(pad.any())
+    if padded:
+        lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
+    checks = (
+        (ids < PAD_ID, "a negative token id"),
+        (ids > MAX_TOKEN_ID, f"a token id above {MAX_TOKEN_ID}"),
+        (np.isnan(lps), "a NaN logprob"),
+        (np.isposinf(lps), "a +inf logprob"),
+        (lps > LOGPROB_TOLERANCE, "a value > 0, which is not a logprob"),
+    )
+    for mask, what in checks:
+        if (row := first_row(mask)) is not None:
+            raise InvalidSampleError(field, f"row {row} holds {what}")
+    if padded and k > 1 and (row := first_row(pad[:, :-1] & ~pad[:, 1:])) is not None:
+        raise InvalidSampleError(
+            field, f"row {row} holds padding (id {PAD_ID}) before a token id: pad at the end"
+        )
+    if k > 1:
+        srt = np.sort(ids, axis=1)
+        if (row := first_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID))) is not None:
+            raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
+    return ids, lps.astype(np.float32)

@@ -1,0 +1,239 @@
+"""The shared engine of the Miles adapter: :class:`MilesEngine` (one long-lived
+``stream.run()`` fed by concurrent ``reward_func`` calls), the Miles sample -> :class:`Sample`
+mapping and the errors ``reward_func`` raises, in the reference's families."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterable, Mapping
+from typing import Any, Final, cast
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ..._config import StreamConfig
+from ..._errors import OPDStreamError
+from ..._pipeline import Submission
+from ..._router import DEFAULT_TEACHER, show_value
+from ..._sample import Sample, SampleFailure, ScoredSample
+from ..._stream import OPDStream
+from ..._transport import Transport
+
+__all__ = (
+    "MilesEngine",
+    "MilesInvalidSampleError",
+    "MilesRoutingError",
+    "MilesTimeoutError",
+    "OPDSampleError",
+    "TEACHER_PROMPT_KEY",
+    "sample_error",
+)
+
+_TOP_KEY: Final = "opd_student_top_logprobs"
+TEACHER_PROMPT_KEY: Final = "opd_teacher_prompt_ids"
+"""The sample metadata key of the teacher's own prompt (token ids), for a teacher that sees
+another context than the student (privileged context, self-distillation): when present (not
+None), teacher requests send it + the response (``Sample.teacher_prompt_ids``)."""
+
+
+class OPDSampleError(OPDStreamError):
+    """A sample could not be scored; ``reason`` is the :class:`SampleFailure` reason.
+
+    Raised as one of its subclasses where the reference raises a ``ValueError`` or a
+    ``TimeoutError`` (see :func:`sample_error`).
+    """
+
+    def __init__(self, failure: SampleFailure, message: str | None = None) -> None:
+        super().__init__(message or f"OPD scoring failed ({failure.reason}): {failure.message}")
+        self.reason = failure.reason
+        self.attempts = failure.attempts
+
+
+class MilesRoutingError(OPDSampleError, ValueError):
+    """The sample's teacher key is missing or names no teacher, and there is no ``default``
+    teacher (the reference raises ``ValueError`` with the same wording)."""
+
+
+class MilesInvalidSampleError(OPDSampleError, ValueError):
+    """The sample itself is invalid (``invalid_sample``), or a selected candidate has no
+    logprob (``missing_logprob``): the reference raises ``ValueError`` for both."""
+
+
+class MilesTimeoutError(OPDSampleError, TimeoutError):
+    """A request did not finish within ``request_deadline_s`` (``deadline_exceeded``); the
+    reference's aiohttp timeout is a ``TimeoutError`` too."""
+
+
+_VALUE_ERROR_REASONS: Final = frozenset({"invalid_sample", "missing_logprob"})
+
+
+def sample_error(failure: SampleFailure) -> OPDSampleError:
+    """The exception :func:`reward_func` raises for ``failure``, in the reference's family:
+    :class:`MilesRoutingError` (``routing``), :class:`MilesInvalidSampleError`
+    (``invalid_sample``, ``missing_logprob``), :class:`MilesTimeoutError`
+    (``deadline_exceeded``), else :class:`OPDSampleError`."""
+    if failure.reason == "routing":
+        return MilesRoutingError(failure, failure.message)
+    if failure.reason in _VALUE_ERROR_REASONS:
+        return MilesInvalidSampleError(failure)
+    if failure.reason == "deadline_exceeded":
+        return MilesTimeoutError(failure)
+    return OPDSampleError(failure)
+
+
+def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
+    """A :class:`Sample` from a duck-typed Miles sample (tokens, response_length, metadata).
+
+    Only what the reference reads is taken: the student top-k rows
+    (``metadata["opd_student_top_logprobs"]``, its last R rows) when the strategy reads the
+    student's top-k, never ``rollout_log_probs`` (the reference does not use them: a
+    merged multi-turn sample's 0.0 on observation spans, or any other value there, must not
+    fail the sample). Rows may be short or empty (``[]``), and hold ``None`` entries. The
+    teacher's own prompt, when the sample has one, is ``metadata[TEACHER_PROMPT_KEY]``.
+    """
+    response_length = int(sample.response_length)
+    metadata = getattr(sample, "metadata", None)
+    metadata = metadata if isinstance(metadata, Mapping) else {}
+    top = None
+    if config.top_k > 0 and config.strategy != "only-teacher":
+        top = metadata.get(_TOP_KEY)
+        if top is not None:
+            top = list(top)[-response_length:] if response_length > 0 else []
+    return Sample(
+        list(sample.tokens),
+        response_length,
+        metadata=metadata,
+        student_top_logprobs=top,
+        sample_id=key,
+        teacher_prompt_ids=metadata.get(TEACHER_PROMPT_KEY),
+    )
+
+
+def _route_error(config: StreamConfig, metadata: Mapping[str, Any]) -> str | None:
+    """The reference's message when the sample's teacher key is missing or unknown and no
+    ``default`` teacher is configured, else None (the same rule as the stream's router)."""
+    teachers = config.teachers
+    if DEFAULT_TEACHER in teachers:
+        return None
+    key = config.teacher_key
+    name = metadata.get(key)
+    if name is not None and str(name) in teachers:
+        return None
+    if name is not None:
+        return (
+            f"Sample metadata[{key!r}]={show_value(name)} matches no teacher name configured "
+            f"by --opd-teacher-urls (known: {sorted(teachers)}) and no 'default' entry is "
+            "configured."
+        )
+    return (
+        f"Sample metadata is missing teacher key {key!r} and no 'default' teacher entry "
+        "is configured."
+    )
+
+
+class MilesEngine:
+    """One long-lived ``stream.run()`` shared by concurrent :meth:`score` calls.
+
+    Bound to the asyncio loop of its first :meth:`score` call. Not reusable after
+    :meth:`aclose`.
+
+    Args:
+        config: the stream configuration.
+        transport: passed to :class:`OPDStream` (default: pooled aiohttp).
+    """
+
+    def __init__(self, config: StreamConfig, *, transport: Transport | None = None) -> None:
+        self.config = config
+        self._transport = transport
+        self._keys = itertools.count()
+        self._pending: dict[int, asyncio.Future[ScoredSample | SampleFailure]] = {}
+        self._send: MemoryObjectSendStream[Submission] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.stream: OPDStream | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the engine runs on (``None`` before the first call)."""
+        return self._loop
+
+    def _start(self) -> MemoryObjectSendStream[Submission]:
+        if self._closed:
+            raise RuntimeError("MilesEngine is closed")
+        if self._error is not None:
+            raise OPDStreamError(
+                f"the shared OPD stream stopped: {type(self._error).__name__}: {self._error}"
+            )
+        loop = asyncio.get_running_loop()
+        if self._send is not None:
+            if loop is not self._loop:
+                raise RuntimeError("MilesEngine used from a different event loop")
+            return self._send
+        send, receive = anyio.create_memory_object_stream[Submission](self.config.max_inflight)
+        self._send, self._loop = send, loop
+        self._task = loop.create_task(self._serve(receive), name="opd_stream.miles")
+        return send
+
+    async def _serve(self, receive: MemoryObjectReceiveStream[Submission]) -> None:
+        # Each item carries its caller's cancel scope (the pipeline's Submission).
+        samples = cast(AsyncIterable[Sample], receive)
+        try:
+            async with OPDStream(self.config, transport=self._transport) as stream:
+                self.stream = stream
+                async with receive, stream.run(samples) as results:
+                    async for item in results:
+                        future = self._pending.pop(item.sample.sample_id, None)
+                        if future is not None and not future.done():
+                            future.set_result(item)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self.stream = None
+            error = self._error or OPDStreamError("the shared OPD stream ended")
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+
+    async def score(self, sample: Any) -> ScoredSample | SampleFailure:
+        """Score one duck-typed sample through the shared stream; wait for its result."""
+        key = next(self._keys)
+        prepared = _to_sample(sample, key, self.config)
+        message = _route_error(self.config, prepared.metadata)
+        if message is not None:  # before the stream, in the reference's words
+            failure = SampleFailure(
+                sample=prepared, index=-1, reason="routing", message=message, attempts=0
+            )
+            raise MilesRoutingError(failure, message)
+        send = self._start()
+        assert self._loop is not None
+        future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
+        self._pending[key] = future
+        scope = anyio.CancelScope()
+        try:
+            await send.send(Submission(prepared, scope))
+            return await future
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise OPDStreamError("the shared OPD stream is not running") from None
+        finally:
+            self._pending.pop(key, None)
+            # No result: the caller stopped waiting (asyncio cancels the awaited future with
+            # the task) or the stream failed. Its requests in flight stop too.
+            if not future.done() or future.cancelled():
+                scope.cancel()
+
+    async def aclose(self) -> None:
+        """End the input, let samples already sent finish, and wait for the background task."""
+        self._closed = True
+        send, self._send = self._send, None
+        task, self._task = self._task, None
+        if send is not None:
+            await send.aclose()
+        if task is not None:
+            with contextlib.suppress(Exception):  # already delivered to the callers
+                await task

@@ -1,0 +1,200 @@
+"""Miles' reference OPD flags -> :class:`~opd_stream.StreamConfig`
+(:func:`config_from_miles_args`), with the reference's validation rules and wording."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from ..._config import StreamConfig
+from ..._errors import ConfigError
+from ..._router import parse_teacher_urls
+
+__all__ = ("STRATEGIES", "WEIGHT_MODES", "config_from_miles_args")
+
+STRATEGIES: Final = ("only-student", "only-teacher", "intersection", "union", "xor")
+"""The reference's ``--opd-top-k-strategy`` choices."""
+WEIGHT_MODES: Final = ("student_p", "teacher_p", "none")
+"""The reference's ``--opd-reward-weight-mode`` choices."""
+
+# Flag attribute -> the value that means "not set" (argparse defaults of the reference).
+_OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
+    "opd_type": None,
+    "opd_log_prob_top_k": 0,
+    "opd_top_k_strategy": "only-student",
+    "opd_reward_weight_mode": "student_p",
+    "opd_topk_per_position": False,
+    "opd_teacher_urls": None,
+    "opd_teacher_key": "opd_teacher",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_set(value: Any, default: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (list, tuple)) and not value:
+        return False
+    return bool(value != default)
+
+
+def _miles_teacher_entries(teacher_urls: Any) -> list[str]:
+    """``--opd-teacher-urls`` as a list of entries, checked with the reference's rules and
+    wording (split on the first ``=``; a malformed entry or a duplicate name is an error)."""
+    entries: Iterable[Any] = (
+        [e for e in teacher_urls.split(",") if e.strip()]
+        if isinstance(teacher_urls, str)
+        else teacher_urls
+    )
+    seen: set[str] = set()
+    out: list[str] = []
+    for entry in entries:
+        if not isinstance(entry, str):
+            raise ConfigError(f"Invalid --opd-teacher-urls entry {entry!r}; expected NAME=URL.")
+        name, sep, url = entry.partition("=")
+        name, url = name.strip(), url.strip()
+        if not sep or not name or not url:
+            raise ConfigError(f"Invalid --opd-teacher-urls entry {entry!r}; expected NAME=URL.")
+        if name in seen:
+            raise ConfigError(f"Duplicate teacher name {name!r} in --opd-teacher-urls.")
+        seen.add(name)
+        out.append(entry)
+    return out
+
+
+def config_from_miles_args(
+    args: Any, *, environ: Mapping[str, str] | None = None, **overrides: Any
+) -> StreamConfig:
+    """Map Miles' reference OPD flags (an ``argparse.Namespace``) to a :class:`StreamConfig`.
+
+    Every field no flag sets comes from its ``OPD_STREAM_*`` environment variable
+    (:meth:`StreamConfig.from_env`): ``OPD_STREAM_MAX_INFLIGHT``,
+    ``OPD_STREAM_REQUEST_DEADLINE_S``, ``OPD_STREAM_ATTEMPT_TIMEOUT_S``,
+    ``OPD_STREAM_API_KEY``, ... Where a flag and a variable both speak, the flag wins.
+
+    Mapping (spec opd-semantics §7):
+
+    * ``--opd-teacher-urls NAME=URL ...`` (a list, or one comma-separated string) ->
+      ``teachers``; without it ``--rm-url`` is the single teacher ``default``. A URL may end
+      in ``/generate`` (Miles' spelling), or name several replicas joined with ``|``.
+      (``OPD_STREAM_TEACHERS`` is always overridden: Miles needs one of those flags.)
+    * ``--opd-teacher-key`` -> ``teacher_key``; ``--opd-log-prob-top-k`` -> ``top_k``;
+      ``--opd-top-k-strategy`` -> ``strategy`` (ignored in sampled-token mode, as in the
+      reference); ``--opd-reward-weight-mode`` -> ``weight_mode``. These always win (their
+      argparse defaults are opd_stream's defaults).
+    * ``--opd-topk-per-position`` -> ``id_scoring="per-position"`` (fail loudly on an
+      unpatched server, like the reference); without it ``OPD_STREAM_ID_SCORING``, default
+      ``auto`` (per-position where the server supports it, else position blocks: the same
+      numbers as the reference's flat union, without its quadratic answers).
+    * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
+      ``OPD_STREAM_STUDENT_URL``.
+    * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
+      ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
+      (the reference would wait forever).
+
+    Args:
+        args: the parsed Miles arguments (any object with those attributes).
+        environ: the variables to read; ``None`` reads ``os.environ``.
+        **overrides: further :class:`StreamConfig` fields (they win over everything).
+
+    Raises:
+        ConfigError: (a ``ValueError``) the reference's validation rules (an OPD flag
+            without ``--use-opd``; ``--opd-type`` other than ``sglang``; no teacher; a
+            malformed or duplicate ``--opd-teacher-urls`` entry, in the reference's
+            words), an unknown strategy or weight mode, an invalid ``OPD_STREAM_*``
+            variable, or any StreamConfig problem; the message names the flag or variable.
+    """
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    if not get("use_opd", False):
+        set_flags = [
+            _flag(name)
+            for name, default in _OPD_FLAG_DEFAULTS.items()
+            if _is_set(get(name), default)
+        ]
+        if set_flags:
+            raise ConfigError(f"{', '.join(set_flags)} given without --use-opd")
+        raise ConfigError("--use-opd is not set: there is nothing for opd_stream to score")
+    opd_type = get("opd_type")
+    if opd_type != "sglang":
+        if get("opd_teacher_urls"):
+            raise ConfigError(
+                "--opd-teacher-urls is only supported with --opd-type=sglang "
+                f"(--opd-type is {opd_type!r})."
+            )
+        raise ConfigError(
+            f"--opd-type is {opd_type!r}: opd_stream scores against SGLang teacher servers, "
+            "so it needs --opd-type sglang"
+        )
+
+    teacher_urls = get("opd_teacher_urls")
+    teachers: Any
+    if teacher_urls:
+        entries = _miles_teacher_entries(teacher_urls)
+        try:
+            teachers = parse_teacher_urls(entries)
+        except ConfigError as exc:
+            raise ConfigError(f"--opd-teacher-urls: {exc}") from None
+    elif get("rm_url"):
+        teachers = str(get("rm_url"))
+    else:
+        raise ConfigError(
+            "--opd-type sglang needs a teacher: set --rm-url (single teacher) or "
+            "--opd-teacher-urls NAME=URL ..."
+        )
+
+    top_k = int(get("opd_log_prob_top_k", 0) or 0)
+    if top_k < 0:
+        raise ConfigError(f"--opd-log-prob-top-k must be >= 0, got {top_k}")
+    strategy = get("opd_top_k_strategy", "only-student") or "only-student"
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"Unknown OPD top-k strategy: {strategy} "
+            f"(--opd-top-k-strategy must be one of {', '.join(STRATEGIES)})"
+        )
+    weight_mode = get("opd_reward_weight_mode", "student_p") or "student_p"
+    if weight_mode not in WEIGHT_MODES:
+        raise ConfigError(
+            f"Unknown OPD reward weight mode: {weight_mode} "
+            f"(--opd-reward-weight-mode must be one of {', '.join(WEIGHT_MODES)})"
+        )
+
+    fields: dict[str, Any] = {
+        "teachers": teachers,
+        "teacher_key": get("opd_teacher_key") or "opd_teacher",
+        "top_k": top_k,
+        "strategy": strategy if top_k > 0 else "only-student",
+        "weight_mode": weight_mode,
+    }
+    if get("opd_topk_per_position", False):
+        fields["id_scoring"] = "per-position"
+    ip, port = get("sglang_router_ip"), get("sglang_router_port")
+    if ip and port:
+        host = f"[{ip}]" if ":" in str(ip) else str(ip)
+        fields["student_url"] = f"http://{host}:{int(port)}"
+    timeout = get("sglang_router_request_timeout_secs")
+    if timeout is not None and not isinstance(timeout, bool) and timeout > 0:
+        if not math.isfinite(float(timeout)):
+            raise ConfigError("--sglang-router-request-timeout-secs must be finite")
+        fields["request_deadline_s"] = float(timeout)
+    fields.update(overrides)
+    try:
+        return StreamConfig.from_env(environ, **fields)
+    except ConfigError as exc:
+        flag = {
+            "student_url": "--sglang-router-ip/--sglang-router-port",
+            "strategy": "--opd-top-k-strategy",
+            "teachers": "--rm-url/--opd-teacher-urls",
+            "teacher_key": "--opd-teacher-key",
+            "request_deadline_s": "--sglang-router-request-timeout-secs",
+        }
+        named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
+        hints = [flag[name.strip()] for name in named if name.strip() in flag]
+        hint = ", ".join(hints)
+        raise ConfigError(f"{exc}" + (f" (Miles flags: {hint})" if hint else "")) from None

@@ -1,0 +1,29 @@
+"""The KL building blocks, for trainers that compute signals from their own arrays.
+
+Importing this module imports torch. The stream uses these internally.
+
+* :func:`topk_reverse_kl` over a :class:`TopKBatch` gives a :class:`TopKResult` (the
+  per-position signal and the per-candidate arrays), for every strategy in
+  :data:`STRATEGIES` and weight mode in :data:`WEIGHT_MODES`;
+* :func:`sampled_reverse_kl`: the sampled-token estimate ``student_lp - teacher_lp``;
+* :data:`LOGPROB_FLOOR`: the value a ``-inf`` logprob takes inside the candidate math.
+
+The exact semantics are in ``docs/semantics.md``.
+"""
+
+from __future__ import annotations
+
+from ._kl import TopKBatch, TopKResult, sampled_reverse_kl, topk_reverse_kl
+from ._kltypes import LOGPROB_FLOOR, STRATEGIES, WEIGHT_MODES, Strategy, WeightMode
+
+__all__ = (
+    "LOGPROB_FLOOR",
+    "STRATEGIES",
+    "WEIGHT_MODES",
+    "Strategy",
+    "TopKBatch",
+    "TopKResult",
+    "WeightMode",
+    "sampled_reverse_kl",
+    "topk_reverse_kl",
+)

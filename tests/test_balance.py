@@ -232,6 +232,11 @@ def _check_scored(out: list[Any], model: MockModel) -> None:
         assert_matches(item, exp)
 
 
+# on the real clock: a virtual clock's autojump would end the 60 s cool-down (and shape the
+# latency race) as soon as the loop idles
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {"debug": True}), ("trio", {})], ids=["asyncio", "trio"]
+)
 async def test_failing_replica_is_ejected_and_every_sample_is_still_scored() -> None:
     urls = (A, B, C, D)
     fleet = _Fleet(urls)
@@ -282,6 +287,11 @@ async def _warm_up(stream: OPDStream) -> None:
     assert all(isinstance(r, ScoredSample) for r in out)
 
 
+# on the real clock: a virtual clock's autojump would end the 60 s cool-down (and shape the
+# latency race) as soon as the loop idles
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {"debug": True}), ("trio", {})], ids=["asyncio", "trio"]
+)
 async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> None:
     urls = (A, B, C, D)
     fleet = _Fleet(urls)

@@ -6,11 +6,10 @@
     student fetch, decode) --[kl]--> KL stage (batched, worker thread) --[emit]-->
     emitter (order, accounting) --[output]--> the caller's ``async for``
 
-Invalid samples and fetch failures go straight to ``emit``. Every admitted sample holds
-one of ``max_inflight`` slots until its result is handed to the output channel, so memory
-is bounded by the configured capacities whatever the input size, and a slow consumer stops
-intake. All stage tasks live in one task group per run, inside the stream's task group.
-"""
+Invalid samples and fetch failures go straight to ``emit``. Every admitted sample holds one
+of ``max_inflight`` slots until its result is handed over, so memory is bounded by the
+configured capacities and a slow consumer stops intake. The stage tasks live in one task
+group per run, inside the stream's (the drawing with modules: ``docs/internals.md``)."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from ._router import TeacherRouter
 from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepare_sample
 from ._scorer import SampleScorer, ScoreAttemptError
 from ._stats import StatsRecorder
+from ._student_topk import rows_convert_in_thread
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +160,9 @@ class _Pipeline:
         self.outstanding += 1
         admitted_at = time.monotonic()
         try:
-            prepared = self._prepare(sample, index)
+            prepare = partial(self._prepare, sample, index)  # big Python rows: in a thread
+            in_thread = rows_convert_in_thread(sample, self.cfg.top_k)
+            prepared = await anyio.to_thread.run_sync(prepare) if in_thread else prepare()
         except (InvalidSampleError, RoutingError) as exc:
             await self._send("emit", emit, sample_failure(sample, index, exc, 0, self.secret))
         else:

@@ -172,3 +172,33 @@ async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -
     assert (cpu["decode_threads"] > 0) is threaded
     assert (cpu["decode_loop"] > 0) is not threaded
     assert cpu["prepare"] > 0 and cpu["build"] > 0 and cpu["kl"] > 0
+
+
+async def test_big_python_topk_rows_are_converted_off_the_loop_with_the_same_results() -> None:
+    # 2048 x 16 entries: converted in a worker thread (rows_convert_in_thread)
+    from opd_stream._student_topk import rows_convert_in_thread
+    from opd_stream.testing.mock_sglang import MockModel
+
+    model = MockModel("student", 1)
+    rng = np.random.default_rng(3)
+    r, k = 2048, 16
+    tokens = rng.integers(0, 30000, 64 + r)
+    ids, lps = model.topk_in(model.head_rows(tokens, np.arange(64, 64 + r)), k)
+    rows = [
+        [[float(lp), int(i)] for lp, i in zip(lr, ir, strict=True)]
+        for lr, ir in zip(lps.astype(np.float32).tolist(), ids.tolist(), strict=True)
+    ]
+    bad_rows = [list(row) for row in rows]
+    bad_rows[1000] = [[float("nan"), 5], *rows[1000][1:]]
+    as_rows = Sample(tokens.tolist(), r, student_top_logprobs=rows)
+    as_arrays = Sample(tokens.tolist(), r, student_top_logprobs=(ids, lps.astype(np.float32)))
+    bad = Sample(tokens.tolist(), r, student_top_logprobs=bad_rows)
+    assert rows_convert_in_thread(as_rows, k) and not rows_convert_in_thread(as_arrays, k)
+    async with OPDStream(_cfg(top_k=k), transport=mock_transport(_servers())) as stream:
+        async with stream.run([as_rows, as_arrays, bad]) as results:
+            out = sorted([x async for x in results], key=lambda x: x.index)
+    a, b, c = out
+    assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
+    assert a.reverse_kl is not None and b.reverse_kl is not None
+    assert np.array_equal(a.reverse_kl.numpy(), b.reverse_kl.numpy())
+    assert getattr(c, "reason", None) == "invalid_sample" and "row 1000" in c.message

@@ -18,9 +18,10 @@ from ._balance import EndpointPool
 from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
 from ._codec import (
+    Answer,
+    answer_size,
     build_in_thread,
     decode,
-    decode_block_answers,
     decode_in_thread,
     timed_build,
     timed_decode,
@@ -267,19 +268,20 @@ class AttemptSender:
             return await self._attempt_held(side, url, req)
 
     async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+        answer: Answer
         if req.id_form == "blocks" and req.ids is not None:
-            rows = await self._blocks_attempt(side, url, req)
+            answer = await self._post_blocks(side, url, req)
         else:
             answer = await self._post(side, url, await self._build_body(req))
-            self._stats.stage_active["decode"] += 1
-            try:
-                rows = await self._decode_body(answer, req)
-            except ServerError as exc:
-                exc.side = side
-                exc.url = url
-                raise
-            finally:
-                self._stats.stage_active["decode"] -= 1
+        self._stats.stage_active["decode"] += 1
+        try:
+            rows = await self._decode_body(answer, req)
+        except ServerError as exc:
+            exc.side = side
+            exc.url = url
+            raise
+        finally:
+            self._stats.stage_active["decode"] -= 1
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
@@ -312,7 +314,9 @@ class AttemptSender:
             raise ServerHTTPError(resp.status, message, side=side, url=url)
         return resp.body
 
-    async def _blocks_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _post_blocks(
+        self, side: Side, url: str, req: ScoreRequest
+    ) -> list[bytes | bytearray]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
@@ -326,15 +330,7 @@ class AttemptSender:
         async with anyio.create_task_group() as tg:
             for n in range(len(bodies)):
                 tg.start_soon(one, n)
-        start = time.thread_time()
-        try:
-            return decode_block_answers(answers, req)
-        except ServerError as exc:
-            exc.side = side
-            exc.url = url
-            raise
-        finally:
-            self._stats.cpu["decode_loop"] += time.thread_time() - start
+        return answers
 
     def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:
         if req.topk_wire != "b64":
@@ -365,10 +361,11 @@ class AttemptSender:
         self._stats.cpu["build"] += cpu
         return body
 
-    async def _decode_body(self, body: bytes | bytearray, req: ScoreRequest) -> ScoreRows:
+    async def _decode_body(self, body: Answer, req: ScoreRequest) -> ScoreRows:
         """The answer decoded: a large one with pyarrow in one of the decode threads (the
         GIL released while it parses), a small one with msgspec on the loop (``_codec``)."""
-        if self._threads is None or not decode_in_thread(len(body), self._cfg.decode_thread_bytes):
+        size = answer_size(body)
+        if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
             start = time.thread_time()
             try:
                 return decode(body, req, in_thread=False)

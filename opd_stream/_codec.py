@@ -25,7 +25,9 @@ from ._payloads import build_score_payload, payload_size_hint
 from ._wire import ScoreRequest, layout
 
 __all__ = (
+    "Answer",
     "Parser",
+    "answer_size",
     "build_in_thread",
     "decode",
     "decode_block_answers",
@@ -36,6 +38,15 @@ __all__ = (
 )
 
 Parser = Literal["msgspec", "arrow"]
+#: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
+Answer = bytes | bytearray | Sequence[bytes | bytearray]
+
+
+def answer_size(answer: Answer) -> int:
+    """The bytes of an answer (all its blocks)."""
+    if isinstance(answer, bytes | bytearray):
+        return len(answer)
+    return sum(map(len, answer))
 
 
 def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
@@ -56,19 +67,20 @@ def timed_build(req: ScoreRequest) -> tuple[bytes, float]:
     return body, time.thread_time() - start
 
 
-def decode(body: bytes | bytearray, req: ScoreRequest, *, in_thread: bool) -> ScoreRows:
+def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> ScoreRows:
     """Decode an answer with the parser for where it runs (pyarrow in a thread, else msgspec)."""
-    return decode_score_response(body, req, parser="arrow" if in_thread else "msgspec")
+    parser: Parser = "arrow" if in_thread else "msgspec"
+    if isinstance(answer, bytes | bytearray):
+        return decode_score_response(answer, req, parser=parser)
+    return decode_block_answers(answer, req, parser=parser)
 
 
-def timed_decode(
-    body: bytes | bytearray, req: ScoreRequest
-) -> tuple[ScoreRows | BaseException, float]:
+def timed_decode(answer: Answer, req: ScoreRequest) -> tuple[ScoreRows | BaseException, float]:
     """Decode in a worker thread (pyarrow): the rows or the error (raised again in the
     caller's task), and the thread's CPU seconds."""
     start = time.thread_time()
     try:
-        rows: ScoreRows | BaseException = decode(body, req, in_thread=True)
+        rows: ScoreRows | BaseException = decode(answer, req, in_thread=True)
     except Exception as exc:  # raised again in the caller's task
         rows = exc
     return rows, time.thread_time() - start

@@ -18,6 +18,7 @@ Memory: besides the per-answer cap, both transports charge what they read to the
 
 from __future__ import annotations
 
+import abc
 import inspect
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -125,7 +126,7 @@ class MockTransport:
         return await self._call("GET", url, b"", max_bytes)
 
 
-class PooledTransport:
+class PooledTransport(abc.ABC):
     """What both pooled HTTP transports share (aiohttp here, httpx in ``_transport_httpx``):
     the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
     refusal of a compressed answer, reading a body under the byte cap while charging the
@@ -161,8 +162,10 @@ class PooledTransport:
     async def get(self, url: str, *, max_bytes: int) -> Response:
         return await self._request("GET", url, None, max_bytes)
 
-    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
-        raise NotImplementedError  # pragma: no cover
+    @abc.abstractmethod
+    async def _request(
+        self, method: str, url: str, body: bytes | None, max_bytes: int
+    ) -> Response: ...
 
     @staticmethod
     def _check_head(encoding: str, declared: int | None, max_bytes: int, url: str) -> None:

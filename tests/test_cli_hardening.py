@@ -211,8 +211,8 @@ def _blocked_in_open(pid: int) -> bool:
 
 
 def test_the_first_ctrl_c_interrupts_score_waiting_on_a_fifo(tmp_path: Path) -> None:
-    if not Path("/proc/self/wchan").exists():
-        pytest.skip("needs /proc/<pid>/wchan")
+    if sys.platform != "linux":  # on Linux (CI included) /proc/<pid>/wchan is always there
+        pytest.skip("needs Linux's /proc/<pid>/wchan")
     fifo = tmp_path / "in.fifo"
     os.mkfifo(fifo)
     proc = subprocess.Popen(

@@ -202,3 +202,25 @@ async def test_big_python_topk_rows_are_converted_off_the_loop_with_the_same_res
     assert a.reverse_kl is not None and b.reverse_kl is not None
     assert np.array_equal(a.reverse_kl.numpy(), b.reverse_kl.numpy())
     assert getattr(c, "reason", None) == "invalid_sample" and "row 1000" in c.message
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["on-the-loop", "in-threads"])
+async def test_blocks_sent_as_independent_requests_give_per_position_values(
+    threaded: bool,
+) -> None:
+    samples = _samples(5, seed=4)
+    common = {"top_k": 4, "student_url": S, "strategy": "union"}
+    async with OPDStream(_cfg(**common), transport=mock_transport(_servers())) as stream:
+        async with stream.run(samples) as results:
+            want = sorted([r async for r in results], key=lambda r: r.index)
+    threshold = 1 if threaded else 1 << 30
+    blocks = _cfg(**common, id_scoring="blocks", id_block_size=2, decode_thread_bytes=threshold)
+    async with OPDStream(blocks, transport=mock_transport(_servers())) as stream:
+        async with stream.run(samples) as results:
+            got = sorted([r async for r in results], key=lambda r: r.index)
+        cpu = stream.stats().cpu_s
+    assert (cpu["decode_threads"] > 0) is threaded
+    for a, b in zip(want, got, strict=True):
+        assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
+        assert a.reverse_kl is not None and b.reverse_kl is not None
+        assert a.reverse_kl.tolist() == b.reverse_kl.tolist()

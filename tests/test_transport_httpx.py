@@ -87,16 +87,19 @@ def _ok(body: bytes = b'{"ok": true}') -> Reply:
     return lambda head, req: (_answer(body), False)
 
 
-TRANSPORTS = ["httpx", "aiohttp"]
+# aiohttp runs on asyncio only (the reason the httpx transport exists): no trio x aiohttp case
+_COMBOS = [("asyncio", "httpx"), ("asyncio", "aiohttp"), ("trio", "httpx")]
+both_transports = pytest.mark.parametrize(
+    ("anyio_backend", "transport_name"), _COMBOS, ids=[f"{b}-{t}" for b, t in _COMBOS]
+)
 
 
-@pytest.fixture(params=TRANSPORTS)
-def make(request: pytest.FixtureRequest, anyio_backend_name: str) -> Callable[..., Any]:
-    if request.param == "aiohttp" and anyio_backend_name != "asyncio":
-        pytest.skip("aiohttp runs on asyncio only (the reason the httpx transport exists)")
-    return HttpxTransport if request.param == "httpx" else AiohttpTransport
+@pytest.fixture
+def make(transport_name: str) -> Callable[..., Any]:
+    return HttpxTransport if transport_name == "httpx" else AiohttpTransport
 
 
+@both_transports
 async def test_an_answer_is_read_whole_over_one_pooled_connection(make: Any) -> None:
     async with raw_server(_ok()) as server, make(api_key="k3y") as transport:
         for _ in range(3):
@@ -110,6 +113,7 @@ async def test_an_answer_is_read_whole_over_one_pooled_connection(make: Any) -> 
     assert "content-type: application/json" in head
 
 
+@both_transports
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_a_body_over_the_cap_is_refused(make: Any, chunked: bool) -> None:
     body = b"x" * 5000
@@ -125,6 +129,7 @@ async def test_a_body_over_the_cap_is_refused(make: Any, chunked: bool) -> None:
         assert len(resp.body) == 5000
 
 
+@both_transports
 async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
     raw = _answer(b"\x1f\x8b" + b"\0" * 20, headers="Content-Encoding: gzip\r\n")
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
@@ -132,6 +137,7 @@ async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
             await transport.post(server.url, b"{}", max_bytes=1 << 20)
 
 
+@both_transports
 async def test_a_redirect_is_not_followed(make: Any) -> None:
     raw = _answer(b"", status="302 Found", headers="Location: http://127.0.0.1:1/elsewhere\r\n")
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
@@ -140,6 +146,7 @@ async def test_a_redirect_is_not_followed(make: Any) -> None:
     assert len(server.heads) == 1
 
 
+@both_transports
 async def test_a_cut_body_and_a_refused_connection_are_connection_failures(make: Any) -> None:
     cut = _answer(b"x" * 10)[:-5]  # announces 10 bytes, sends 5, closes
     async with raw_server(lambda h, b: (cut, True)) as server, make() as transport:
@@ -151,6 +158,7 @@ async def test_a_cut_body_and_a_refused_connection_are_connection_failures(make:
             await transport.get(url + "/health", max_bytes=1024)
 
 
+@both_transports
 async def test_the_transport_charges_what_it_reads_to_the_running_lease(make: Any) -> None:
     budget = ByteBudget(1 << 20)
     async with raw_server(_ok(b"y" * 3000)) as server, make() as transport:

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from ._process import stop_process
+
 __all__ = ("RouterUnavailable", "SGLangRouter")
 
 
@@ -131,16 +133,8 @@ class SGLangRouter:
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            stop_process(proc)
 
     def __exit__(
         self,

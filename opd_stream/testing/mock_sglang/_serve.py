@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from .._process import stop_process
 from ._app import MockServer
 from ._model import Role
 from ._options import MockOptions
@@ -211,20 +212,8 @@ class MockProcess:
 
     def _end(self, *, terminate: bool) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            if terminate:
-                proc.terminate()
-            else:
-                proc.kill()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            stop_process(proc, terminate=terminate)
 
     def __enter__(self) -> MockProcess:
         self.start()

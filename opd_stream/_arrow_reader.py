@@ -15,7 +15,8 @@ msgspec fails the answer as malformed. No SGLang release writes either.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +24,7 @@ import numpy.typing as npt
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
-__all__ = ("ArrowEntries", "ArrowRows", "gather", "read_rows")
+__all__ = ("Answers", "ArrowAnswers", "Reader", "ArrowEntries", "ArrowRows", "gather", "read_rows")
 
 _I64_LIMIT = 2.0**63
 _MAX_BODY = 2**31 - 64  # the reader's block size is an int32
@@ -118,6 +119,13 @@ class ArrowEntries:
             return  # NaN (a null id) fails the first test
         self.ids, self.lps, self.ok = ids, v[starts], True
 
+    @classmethod
+    def of(cls, ids: npt.NDArray[np.float64], lps: npt.NDArray[np.float64]) -> ArrowEntries:
+        """Entries another reader already checked (ids as doubles, NaN for null)."""
+        out = cls.__new__(cls)
+        out.ids, out.lps, out.ok = ids, lps, True
+        return out
+
 
 class ArrowRows:
     """A ``list<list<list<double>>>`` field (rows of entries, a row may be null), checked."""
@@ -134,8 +142,80 @@ class ArrowRows:
         self.entries = ArrowEntries(rows.values)
         self.ok = self.entries.ok
 
+    @classmethod
+    def of(
+        cls,
+        item_null: npt.NDArray[np.bool_],
+        item_off: npt.NDArray[np.intp],
+        row_null: npt.NDArray[np.bool_],
+        row_width: npt.NDArray[np.intp],
+        entries: ArrowEntries,
+    ) -> ArrowRows:
+        """Rows another reader already parsed: per item its rows (``item_off``), per row
+        its width (a null row is 0 wide)."""
+        out = cls.__new__(cls)
+        out.item_null, out.item_off = item_null, item_off
+        out.row_null, out.row_width = row_null, row_width
+        out.entry_off = np.concatenate(([0], np.cumsum(row_width)))
+        out.entries, out.ok = entries, entries.ok
+        return out
+
     def count(self, n: int) -> int:
         return int(self.item_off[n + 1] - self.item_off[n])
+
+
+class Answers(Protocol):
+    """Every item's ``meta_info``, parsed into checked columns by a reader (pyarrow's, or
+    the compiled scanner of :mod:`opd_stream._jit_reader`)."""
+
+    def __len__(self) -> int: ...
+
+    def values(self, name: str) -> list[Any]:
+        """A scalar or string field's value per item (``None`` where null or absent)."""
+
+    def finish_types(self) -> list[str | None]: ...
+
+    def entries(self, name: str) -> tuple[ArrowEntries, npt.NDArray[np.intp]] | None:
+        """A list-of-entries field of every item and each item's entry offsets, or
+        ``None`` when an item lacks it."""
+
+    def rows(self, name: str) -> ArrowRows:
+        """A list-of-rows field of every item."""
+
+
+#: Parses a body (``batch``: a JSON array of items) into :class:`Answers`, or ``None``.
+Reader = Callable[[bytes | bytearray, bool], "Answers | None"]
+
+
+class ArrowAnswers:
+    """Every item's ``meta_info`` as the reader parsed it (a ``StructArray``), seen through
+    the accessors the scoring decoder uses (:mod:`opd_stream._decode_arrow`)."""
+
+    __slots__ = ("_metas",)
+
+    def __init__(self, metas: pa.StructArray) -> None:
+        self._metas = metas
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def values(self, name: str) -> list[Any]:
+        """A field's value per item (``None`` where null or absent)."""
+        return self._metas.field(name).to_pylist()  # type: ignore[no-any-return]
+
+    def finish_types(self) -> list[str | None]:
+        return self._metas.field("finish_reason").field("type").to_pylist()  # type: ignore[no-any-return]
+
+    def entries(self, name: str) -> tuple[ArrowEntries, npt.NDArray[np.intp]] | None:
+        """A list-of-entries field of every item and each item's entry offsets, or
+        ``None`` when an item lacks it."""
+        field = self._metas.field(name)
+        if field.null_count:
+            return None
+        return ArrowEntries(field.values), field.offsets.to_numpy()
+
+    def rows(self, name: str) -> ArrowRows:
+        return ArrowRows(self._metas.field(name))
 
 
 def gather(starts: npt.NDArray[np.intp], widths: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:

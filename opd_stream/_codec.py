@@ -19,8 +19,10 @@ from collections.abc import Sequence
 from typing import Literal
 
 from ._answers import ScoreRows
-from ._decode_arrow import decode_segments_arrow
+from ._arrow_reader import Reader
+from ._decode_arrow import decode_segments_arrow, read_answers_arrow
 from ._decode_score import decode_segments
+from ._jit_reader import available, prepare, read_answers_jit
 from ._payloads import build_score_payload, payload_size_hint
 from ._wire import ScoreRequest, layout
 
@@ -33,13 +35,15 @@ __all__ = (
     "decode_block_answers",
     "decode_in_thread",
     "decode_score_response",
+    "parser_for",
     "timed_build",
     "timed_decode",
 )
 
-Parser = Literal["msgspec", "arrow"]
+Parser = Literal["msgspec", "arrow", "jit"]
 #: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
 Answer = bytes | bytearray | Sequence[bytes | bytearray]
+_READERS: dict[str, Reader] = {"arrow": read_answers_arrow, "jit": read_answers_jit}
 
 
 def answer_size(answer: Answer) -> int:
@@ -67,9 +71,17 @@ def timed_build(req: ScoreRequest) -> tuple[bytes, float]:
     return body, time.thread_time() - start
 
 
+def parser_for(*, in_thread: bool) -> Parser:
+    """The parser for where a decode runs: the compiled scanner once it is ready (a decode
+    thread compiles it on first use), else pyarrow in a thread and msgspec on the loop."""
+    if available() or (in_thread and prepare()):
+        return "jit"
+    return "arrow" if in_thread else "msgspec"
+
+
 def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> ScoreRows:
-    """Decode an answer with the parser for where it runs (pyarrow in a thread, else msgspec)."""
-    parser: Parser = "arrow" if in_thread else "msgspec"
+    """Decode an answer with the parser for where it runs (:func:`parser_for`)."""
+    parser = parser_for(in_thread=in_thread)
     if isinstance(answer, bytes | bytearray):
         return decode_score_response(answer, req, parser=parser)
     return decode_block_answers(answer, req, parser=parser)
@@ -115,9 +127,14 @@ def decode_score_response(
         InvalidSampleError: ``req`` itself is malformed.
     """
     lay = layout(req)
-    if parser == "arrow":
+    if parser != "msgspec":
         rows = decode_segments_arrow(
-            body, batch=lay.batch, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+            body,
+            batch=lay.batch,
+            segments=lay.segments,
+            tokens=lay.tokens,
+            top_k=req.top_k,
+            reader=_READERS[parser],
         )
         if rows is not None:
             return rows
@@ -144,9 +161,14 @@ def decode_block_answers(
     if len(bodies) != len(lay.segments):
         raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
     joined = b"[" + b",".join(bodies) + b"]"
-    if parser == "arrow":
+    if parser != "msgspec":
         rows = decode_segments_arrow(
-            joined, batch=True, segments=lay.segments, tokens=lay.tokens, top_k=req.top_k
+            joined,
+            batch=True,
+            segments=lay.segments,
+            tokens=lay.tokens,
+            top_k=req.top_k,
+            reader=_READERS[parser],
         )
         if rows is not None:
             return rows

@@ -32,14 +32,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ._answers import ScoreRows, Segment
-from ._arrow_reader import ArrowEntries, ArrowRows, gather, read_rows
+from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
 from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
 from ._errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pyarrow as pa
+    pass
 
-__all__ = ("decode_segments_arrow",)
+__all__ = ("decode_segments_arrow", "read_answers_arrow")
 
 _FLAT_FIELDS = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
 
@@ -73,13 +73,13 @@ def _schema() -> Any:
     return pa.schema([("meta_info", meta)])
 
 
-def _parse(body: bytes | bytearray, batch: bool) -> Any:
-    """The ``meta_info`` of every item, as one StructArray, or ``None``."""
+def read_answers_arrow(body: bytes | bytearray, batch: bool) -> Answers | None:
+    """The ``meta_info`` of every item, read by pyarrow, or ``None``."""
     table = read_rows(body, batch, _schema())
     if table is None:
         return None
     column = table.column(0).combine_chunks()
-    return column if column.null_count == 0 else None
+    return ArrowAnswers(column) if column.null_count == 0 else None
 
 
 def decode_segments_arrow(
@@ -89,31 +89,32 @@ def decode_segments_arrow(
     segments: Sequence[Segment],
     tokens: npt.NDArray[np.int64],
     top_k: int,
+    reader: Reader = read_answers_arrow,
 ) -> ScoreRows | None:
     """The answer as :func:`opd_stream._decode_score.decode_segments` decodes it, or ``None``.
 
-    ``None`` means: decode it with msgspec (which raises the precise error, or, for the
-    rare valid answer this parser cannot take, such as an entry with a text element,
+    ``reader`` parses the body into columns: pyarrow's JSON reader by default, or the
+    compiled scanner (:func:`opd_stream._jit_reader.read_answers_jit`). ``None`` means:
+    decode it with the next parser (msgspec at the end, which raises the precise error, or,
+    for the rare valid answer a reader cannot take, such as an entry with a text element,
     decodes it). Never raises for a bad answer.
     """
     try:
-        return _decode(body, batch, segments, tokens, top_k)
+        return _decode(reader(body, batch), segments, tokens, top_k, batch)
     except ProtocolError:
         return None
 
 
 def _decode(
-    body: bytes | bytearray,
-    batch: bool,
+    metas: Answers | None,
     segments: Sequence[Segment],
     tokens: npt.NDArray[np.int64],
     top_k: int,
+    batch: bool,
 ) -> ScoreRows | None:
-    metas = _parse(body, batch)
     if metas is None or len(metas) != len(segments):
         return None
-    fr_type = metas.field("finish_reason").field("type")
-    if "abort" in fr_type.to_pylist():
+    if "abort" in metas.finish_types():
         return None
     n_items = len(segments)
     n_entries = np.array([seg.length - seg.start for seg in segments], dtype=np.intp)
@@ -122,15 +123,14 @@ def _decode(
     n_in = rows - n_tail
 
     # every declared list field is checked whole, as msgspec type-checks it whole
-    tok_field = metas.field("input_token_logprobs")
-    if tok_field.null_count:
+    got_tok = metas.entries("input_token_logprobs")
+    if got_tok is None:
         return None
-    tok = ArrowEntries(tok_field.values)
-    tok_off = tok_field.offsets.to_numpy()
+    tok, tok_off = got_tok
     if not tok.ok or not np.array_equal(np.diff(tok_off), n_entries):
         return None
     fields = {
-        name: ArrowRows(metas.field(name))
+        name: metas.rows(name)
         for name in ("input_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
     }
     if not all(f.ok for f in fields.values()):
@@ -166,7 +166,6 @@ def _decode(
     elif n_tail.any():
         return None
 
-    weight = metas.field("weight_version")
     return ScoreRows(
         token_ids=np.array(tokens[tokens.shape[0] - int(rows.sum()) :], dtype=np.int64),
         token_logprobs=token_lp,
@@ -174,7 +173,7 @@ def _decode(
         top_logprobs=top_lps,
         id_logprobs=id_lp,
         used_b64=used_b64,
-        weight_version=weight[0].as_py() if n_items else None,
+        weight_version=metas.values("weight_version")[0] if n_items else None,
     )
 
 
@@ -196,17 +195,15 @@ def _selected_rows(
 
 
 def _topk(
-    metas: pa.StructArray,
+    metas: Answers,
     nested: ArrowRows,
     segments: Sequence[Segment],
     top_k: int,
     n_entries: npt.NDArray[np.intp],
     batch: bool,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
-    flat = [metas.field(f"input_top_logprobs_{name}") for name in _FLAT_FIELDS]
-    has_b64 = ~(flat[0].is_null().to_numpy(zero_copy_only=False)) | ~(
-        flat[1].is_null().to_numpy(zero_copy_only=False)
-    )
+    val, idx = (metas.values(f"input_top_logprobs_{name}") for name in _FLAT_FIELDS[:2])
+    has_b64 = np.array([v is not None or i is not None for v, i in zip(val, idx, strict=True)])
     rows = np.array([seg.rows for seg in segments], dtype=np.intp)
     if has_b64.all():
         return _b64_topk(metas, segments, top_k, n_entries)
@@ -228,15 +225,15 @@ def _topk(
 
 
 def _b64_topk(
-    metas: pa.StructArray,
+    metas: Answers,
     segments: Sequence[Segment],
     top_k: int,
     n_entries: npt.NDArray[np.intp],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
     """The b64 flat top-k of every item (the checks of ``_decode_checks.flat_topk``)."""
-    shapes = metas.field("input_top_logprobs_shape").to_pylist()
-    prefixes = metas.field("input_top_logprobs_null_prefix").to_pylist()
-    texts = [metas.field(f"input_top_logprobs_{name}").to_pylist() for name in _FLAT_FIELDS]
+    shapes = metas.values("input_top_logprobs_shape")
+    prefixes = metas.values("input_top_logprobs_null_prefix")
+    texts = [metas.values(f"input_top_logprobs_{name}") for name in _FLAT_FIELDS]
     ids_parts: list[npt.NDArray[np.int64]] = []
     lp_parts: list[npt.NDArray[np.float32]] = []
     for n, seg in enumerate(segments):

@@ -55,7 +55,7 @@ from ._decode_entries import (
 )
 from ._errors import CapabilityError, MalformedResponseError, MisalignedResponseError
 
-__all__ = ("decode_segments",)
+__all__ = ("decode_metas", "decode_segments")
 
 
 class _Meta(msgspec.Struct, gc=False, frozen=True):
@@ -85,6 +85,18 @@ class _Response(msgspec.Struct, gc=False, frozen=True):
 
 _SINGLE = msgspec.json.Decoder(_Response)
 _BATCH = msgspec.json.Decoder(list[_Response])
+
+
+def decode_metas(body: bytes | bytearray, batch: bool) -> list[_Meta] | None:
+    """Every item's ``meta_info`` decoded with this decoder's types, or ``None`` when the
+    body does not decode or an item has no ``meta_info`` (the compiled scanner
+    validates an answer's envelope with it, :mod:`opd_stream._jit_reader`)."""
+    try:
+        items = _BATCH.decode(body) if batch else [_SINGLE.decode(body)]
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    metas = [item.meta_info for item in items]
+    return None if None in metas else metas  # type: ignore[return-value]
 
 
 def _b64_topk(

@@ -1,0 +1,426 @@
+"""The compiled scanner of scoring answers (numba, ``nogil``): the answer's logprob lists
+straight into numpy buffers, with the GIL released for the whole scan.
+
+Plain functions over a ``uint8`` view of the body; :mod:`opd_stream._jit_reader` compiles
+them off the event loop and turns what they return into the checked columns the array
+decoder (:mod:`opd_stream._decode_arrow`) reads.
+
+What the scan does, in one pass:
+
+- It follows the JSON structure of the whole body (objects, arrays, strings with their
+  escapes) without judging it: msgspec later decodes everything *outside* the lists it
+  cut out, with the precise decoder's own types, so the envelope is validated there.
+- Where a key of an answer's ``meta_info`` object (depth 2, or 3 in a batch) names one
+  of the four logprob lists (:data:`KEYS`) and its value opens with ``[``, it parses that
+  value under a strict grammar and records its span, so the caller can cut it out.
+
+The strict grammar accepts a subset of what msgspec's types accept, and nothing else:
+an entry is ``[logprob, id]`` or ``[logprob, id, null]``; a logprob a JSON number or
+``null``; an id a JSON integer below 2^53; a row ``null`` or a list of entries.
+Anything else (a text element, an id written ``5.0``, a key spelled with an escape, a
+duplicate key, nesting deeper than :data:`MAX_DEPTH`) ends the scan with :data:`UNUSUAL`
+and the answer goes to the next parser, which either takes it or raises the precise error.
+
+Numbers: a logprob with at most 18 significant digits and a decimal exponent within
+±22 whose digits fit in 2^53 is converted exactly (one correctly rounded IEEE operation,
+as any correct parser gives). Others (17-18 digit mantissas are common: SGLang prints a
+float32 as its shortest double repr) are within a few double ulps; they are accepted only
+when their float32 rounding (what the decoders keep) is unambiguous and they are nowhere
+near a threshold the checks compare against, else :data:`UNUSUAL`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+__all__ = ("CAPACITY", "KEYS", "MAX_DEPTH", "OK", "UNUSUAL", "scan")
+
+OK = 0
+#: Not for this parser: the answer goes to the next one (never an error by itself).
+UNUSUAL = 1
+#: The output buffers were too small (cannot happen with :func:`buffer_sizes`).
+CAPACITY = 2
+
+#: The lists the scan parses, by index in the records it returns. Index 0 is a list of
+#: entries, the others lists of rows.
+KEYS = (
+    b"input_token_logprobs",
+    b"input_top_logprobs",
+    b"input_token_ids_logprobs",
+    b"output_token_ids_logprobs",
+)
+_META = b"meta_info"
+_N_KEYS = len(KEYS)
+MAX_DEPTH = 64
+
+_P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
+_EXACT_MANTISSA = 2**53
+_F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exact
+_F32_TINY = 1.2e-38  # float32's smallest normal: below it, fall back
+_TOLERANCE = 1e-4  # _decode_checks.LOGPROB_TOLERANCE: a logprob near it falls back
+_KEY_BYTES = np.frombuffer(b"".join(KEYS), dtype=np.uint8).copy()
+_KEY_STARTS = np.cumsum([0] + [len(k) for k in KEYS]).astype(np.int64)
+_META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
+
+# record columns (int64 [n_records, 8])
+R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
+
+
+@numba.njit(nogil=True, cache=True)
+def _ws(b, i, n):  # type: ignore[no-untyped-def]
+    while i < n:
+        c = b[i]
+        if c == 32 or c == 10 or c == 13 or c == 9:
+            i += 1
+        else:
+            return i
+    return i
+
+
+@numba.njit(nogil=True, cache=True)
+def _is_null(b, i, n):  # type: ignore[no-untyped-def]
+    return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
+
+
+@numba.njit(nogil=True, cache=True)
+def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
+    """Whether an approximate double ``v`` (within a few ulps of the exact value) rounds
+    to the same float32 as the exact value would, far from every checked threshold."""
+    a = abs(v)
+    if a >= _F32_SAFE or a < _F32_TINY:
+        return False
+    if v > 0.0 and abs(v - _TOLERANCE) <= 1e-12:
+        return False
+    f = np.float64(np.float32(v))
+    _, e = math.frexp(a)
+    # half the float32 spacing of the binade below |v| (the smaller, so conservative)
+    half = math.ldexp(1.0, e - 26)
+    return half - abs(v - f) > a * 1e-14
+
+
+@numba.njit(nogil=True, cache=True)
+def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
+    """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
+    neg = False
+    if i < n and b[i] == 45:
+        neg = True
+        i += 1
+    if i >= n or b[i] < 48 or b[i] > 57:
+        return i, 0.0, False
+    m = 0
+    nd = 0
+    e = 0
+    inexact = False
+    if b[i] == 48:
+        i += 1
+        if i < n and 48 <= b[i] <= 57:
+            return i, 0.0, False
+    else:
+        while i < n:
+            c = b[i]
+            if c < 48 or c > 57:
+                break
+            if nd < 18:
+                m = m * 10 + (int(c) - 48)
+                nd += 1
+            else:
+                e += 1
+                if c != 48:
+                    inexact = True
+            i += 1
+    if i < n and b[i] == 46:
+        i += 1
+        if i >= n or b[i] < 48 or b[i] > 57:
+            return i, 0.0, False
+        while i < n:
+            c = b[i]
+            if c < 48 or c > 57:
+                break
+            if nd < 18:
+                if m != 0 or c != 48:
+                    m = m * 10 + (int(c) - 48)
+                    if m != 0:
+                        nd += 1
+                e -= 1
+            elif c != 48:
+                inexact = True
+            i += 1
+    if i < n and (b[i] == 101 or b[i] == 69):
+        i += 1
+        eneg = False
+        if i < n and (b[i] == 43 or b[i] == 45):
+            eneg = b[i] == 45
+            i += 1
+        if i >= n or b[i] < 48 or b[i] > 57:
+            return i, 0.0, False
+        x = 0
+        while i < n:
+            c = b[i]
+            if c < 48 or c > 57:
+                break
+            if x < 100000:
+                x = x * 10 + (int(c) - 48)
+            i += 1
+        e += -x if eneg else x
+    if m == 0:
+        return i, (-0.0 if neg else 0.0), True
+    if e < -44 or e > 22:
+        return i, 0.0, False
+    if e >= 0:
+        v = float(m) * p10[e]
+    elif e >= -22:
+        v = float(m) / p10[-e]
+    else:
+        v = float(m) / p10[22] / p10[-e - 22]
+        inexact = True
+    if neg:
+        v = -v
+    if (inexact or m > _EXACT_MANTISSA or e < -22) and not _f32_unambiguous(v):
+        return i, 0.0, False
+    return i, v, True
+
+
+@numba.njit(nogil=True, cache=True)
+def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
+    """A ``[`` entry, ... ``]`` list at ``b[i]`` (which is ``[``): (next index, entries
+    after it, status)."""
+    cap = lps.shape[0]
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 93:
+        return i + 1, ne, OK
+    while True:
+        if i >= n or b[i] != 91:
+            return i, ne, UNUSUAL
+        if ne >= cap:
+            return i, ne, CAPACITY
+        i = _ws(b, i + 1, n)
+        if _is_null(b, i, n):
+            lps[ne] = np.nan
+            i += 4
+        else:
+            i, v, ok = _number(b, i, n, p10)
+            if not ok:
+                return i, ne, UNUSUAL
+            lps[ne] = v
+        i = _ws(b, i, n)
+        if i >= n or b[i] != 44:
+            return i, ne, UNUSUAL
+        i = _ws(b, i + 1, n)
+        neg = False
+        if i < n and b[i] == 45:
+            neg = True
+            i += 1
+        if i >= n or b[i] < 48 or b[i] > 57:
+            return i, ne, UNUSUAL
+        d = 0
+        nd = 0
+        if b[i] == 48:
+            i += 1
+            nd = 1
+        else:
+            while i < n:
+                c = b[i]
+                if c < 48 or c > 57:
+                    break
+                d = d * 10 + (int(c) - 48)
+                nd += 1
+                i += 1
+        if nd > 16 or d >= _EXACT_MANTISSA:  # beyond exact doubles: the others decide
+            return i, ne, UNUSUAL
+        if i < n and (b[i] == 46 or b[i] == 101 or b[i] == 69):
+            return i, ne, UNUSUAL
+        if i < n and 48 <= b[i] <= 57:  # a leading zero
+            return i, ne, UNUSUAL
+        ids[ne] = -d if neg else d
+        i = _ws(b, i, n)
+        if i < n and b[i] == 44:
+            i = _ws(b, i + 1, n)
+            if not _is_null(b, i, n):
+                return i, ne, UNUSUAL
+            i = _ws(b, i + 4, n)
+        if i >= n or b[i] != 93:
+            return i, ne, UNUSUAL
+        ne += 1
+        i = _ws(b, i + 1, n)
+        if i < n and b[i] == 44:
+            i = _ws(b, i + 1, n)
+            continue
+        if i < n and b[i] == 93:
+            return i + 1, ne, OK
+        return i, ne, UNUSUAL
+
+
+@numba.njit(nogil=True, cache=True)
+def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-untyped-def]
+    """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
+    cap = widths.shape[0]
+    i = _ws(b, i + 1, n)
+    if i < n and b[i] == 93:
+        return i + 1, ne, nr, OK
+    while True:
+        if nr >= cap:
+            return i, ne, nr, CAPACITY
+        if _is_null(b, i, n):
+            widths[nr] = 0
+            nulls[nr] = 1
+            i += 4
+        elif i < n and b[i] == 91:
+            i, ne2, st = _entries(b, i, n, p10, lps, ids, ne)
+            if st != OK:
+                return i, ne2, nr, st
+            widths[nr] = ne2 - ne
+            nulls[nr] = 0
+            ne = ne2
+        else:
+            return i, ne, nr, UNUSUAL
+        nr += 1
+        i = _ws(b, i, n)
+        if i < n and b[i] == 44:
+            i = _ws(b, i + 1, n)
+            continue
+        if i < n and b[i] == 93:
+            return i + 1, ne, nr, OK
+        return i, ne, nr, UNUSUAL
+
+
+@numba.njit(nogil=True, cache=True)
+def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
+    """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
+    for k in range(starts.shape[0] - 1):
+        ks, ke = starts[k], starts[k + 1]
+        if ke - ks != e - s:
+            continue
+        same = True
+        for j in range(e - s):
+            if b[s + j] != keys[ks + j]:
+                same = False
+                break
+        if same:
+            return k
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _same(b, s, e, word):  # type: ignore[no-untyped-def]
+    if e - s != word.shape[0]:
+        return False
+    for j in range(e - s):  # noqa: SIM110 (numba compiles no generators)
+        if b[s + j] != word[j]:
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped-def]
+    """Scan a whole answer (see the module docstring).
+
+    Returns ``(status, n_records, n_items, n_entries, n_rows)``. Each record is one cut
+    list: key index, item, byte span, rows range (rows lists) and entries range, in body
+    order (so per key in item order).
+    """
+    n = b.shape[0]
+    p10 = _P10
+    keys = _KEY_BYTES
+    kstarts = _KEY_STARTS
+    meta = _META_BYTES
+    key_depth = 3 if batch else 2
+    stack = np.zeros(MAX_DEPTH + 1, dtype=np.uint8)  # 1 object, 2 array
+    seen = np.zeros(_N_KEYS, dtype=np.int64)
+    depth = 0
+    item = -1 if batch else 0
+    nrec = 0
+    ne = 0
+    nr = 0
+    s_start = -1
+    s_end = -1
+    s_escaped = False
+    meta_key = False  # the last key at depth key_depth - 1 was "meta_info"
+    in_meta = False
+    i = 0
+    while i < n:
+        c = b[i]
+        if c == 34:  # a string: skip it, remember where it was
+            s_start = i + 1
+            s_escaped = False
+            i += 1
+            while i < n:
+                c = b[i]
+                if c == 92:
+                    s_escaped = True
+                    i += 2
+                    continue
+                if c == 34:
+                    break
+                i += 1
+            if i >= n:
+                return UNUSUAL, nrec, item + 1, ne, nr
+            s_end = i
+            i += 1
+            continue
+        if c == 58:  # ':' after a key
+            i = _ws(b, i + 1, n)
+            if depth == key_depth - 1 and stack[depth] == 1:
+                meta_key = (not s_escaped) and _same(b, s_start, s_end, meta)
+                if s_escaped:
+                    return UNUSUAL, nrec, item + 1, ne, nr
+                continue
+            if not (in_meta and depth == key_depth and stack[depth] == 1):
+                continue
+            if s_escaped:
+                return UNUSUAL, nrec, item + 1, ne, nr
+            k = _key_index(b, s_start, s_end, keys, kstarts)
+            if k < 0:
+                continue
+            if seen[k] == item + 1:
+                return UNUSUAL, nrec, item + 1, ne, nr  # a duplicate key
+            seen[k] = item + 1
+            if i >= n or b[i] != 91:
+                continue  # null (or a wrong type, which msgspec names): left in place
+            if nrec >= records.shape[0]:
+                return CAPACITY, nrec, item + 1, ne, nr
+            start, ne0, nr0 = i, ne, nr
+            if k == 0:
+                i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
+            else:
+                i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr)
+            if st != OK:
+                return st, nrec, item + 1, ne, nr
+            records[nrec, R_KEY] = k
+            records[nrec, R_ITEM] = item
+            records[nrec, R_START] = start
+            records[nrec, R_END] = i
+            records[nrec, R_ROW0] = nr0
+            records[nrec, R_ROW1] = nr
+            records[nrec, R_ENT0] = ne0
+            records[nrec, R_ENT1] = ne
+            nrec += 1
+            continue
+        if c == 123 or c == 91:
+            if depth >= MAX_DEPTH:
+                return UNUSUAL, nrec, item + 1, ne, nr
+            opened_object = c == 123
+            if opened_object and depth == key_depth - 1 and meta_key:
+                in_meta = True
+            if batch and opened_object and depth == 1 and stack[1] == 2:
+                item += 1
+            depth += 1
+            stack[depth] = 1 if opened_object else 2
+            i += 1
+            continue
+        if c == 125 or c == 93:
+            if depth == 0:
+                return UNUSUAL, nrec, item + 1, ne, nr
+            if depth == key_depth:
+                in_meta = False
+            if depth == key_depth - 1:
+                meta_key = False
+            depth -= 1
+            i += 1
+            continue
+        if c == 44 and depth == key_depth - 1:
+            meta_key = False
+        i += 1
+    return OK, nrec, item + 1, ne, nr

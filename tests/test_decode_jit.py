@@ -1,0 +1,264 @@
+"""The compiled scanner (``opd_stream._jit_reader``) against the msgspec decoder, on the
+same bytes.
+
+The rule: the scanner accepts an answer only when the msgspec decoder accepts it, and then
+gives exactly the same arrays (it has no leniency: an id written ``5.0`` is handed back);
+every other answer is handed back (``None``), and ``decode_score_response(parser="jit")``
+raises the msgspec decoder's error, type and message.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+import wire_fakes as wf
+from hypothesis import given
+from hypothesis import strategies as st
+from test_decode_arrow import MOCK
+from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
+
+from opd_stream import OPDStreamError
+from opd_stream._answers import ScoreRows
+from opd_stream._codec import decode_score_response, parser_for
+from opd_stream._decode_arrow import decode_segments_arrow
+from opd_stream._jit_reader import available, prepare, read_answers_jit
+from opd_stream._payloads import build_score_payload
+from opd_stream._wire import ScoreRequest, layout
+from opd_stream.testing.inprocess import InProcessSGLang
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled() -> None:
+    assert prepare(), "numba could not compile the scanner"
+
+
+def _jit(body: bytes | bytearray, req: ScoreRequest) -> ScoreRows | None:
+    lay = layout(req)
+    return decode_segments_arrow(
+        body,
+        batch=lay.batch,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=req.top_k,
+        reader=read_answers_jit,
+    )
+
+
+def _assert_same(a: ScoreRows, b: ScoreRows) -> None:
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray), name
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+            assert np.array_equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def _differential(body: bytes, req: ScoreRequest) -> ScoreRows | None:
+    fast = _jit(body, req)
+    try:
+        slow: ScoreRows | OPDStreamError = decode_score_response(body, req)
+    except OPDStreamError as exc:
+        slow = exc
+    if fast is not None:
+        assert not isinstance(slow, OPDStreamError), f"jit accepted what msgspec rejects: {slow}"
+        _assert_same(slow, fast)
+    try:
+        public: ScoreRows | OPDStreamError = decode_score_response(body, req, parser="jit")
+    except OPDStreamError as exc:
+        public = exc
+    if isinstance(slow, OPDStreamError):
+        assert type(public) is type(slow) and str(public) == str(slow)
+    else:
+        assert isinstance(public, ScoreRows)
+        _assert_same(slow, public)
+    return fast
+
+
+def test_the_scanner_compiles_and_is_the_parser_of_choice() -> None:
+    assert available()
+    assert parser_for(in_thread=True) == "jit"
+    assert parser_for(in_thread=False) == "jit"
+
+
+@pytest.mark.parametrize(("name", "req"), MOCK, ids=[n for n, _ in MOCK])
+def test_mock_answers_decode_to_identical_arrays(name: str, req: ScoreRequest) -> None:
+    body = InProcessSGLang("teacher", 1).handle("POST", "/generate", build_score_payload(req)).body
+    fast = _jit(body, req)
+    assert fast is not None, "the scanner handed a valid answer back"
+    _assert_same(decode_score_response(body, req), fast)
+    _assert_same(decode_score_response(bytearray(body), req, parser="jit"), fast)
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_fake_answers_decode_to_identical_arrays(name: str) -> None:
+    body = wf.encode(VALID[name])
+    assert _differential(body, REQUESTS[name]) is not None
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_pretty_printed_answers_are_scanned_too(name: str) -> None:
+    body = json.dumps(VALID[name], indent=2).encode()
+    assert _differential(body, REQUESTS[name]) is not None
+
+
+@FUZZ
+@given(
+    name=st.sampled_from(sorted(REQUESTS)),
+    data=st.data(),
+    n_mutations=st.integers(min_value=1, max_value=3),
+)
+def test_mutated_answers_are_accepted_only_when_msgspec_accepts_them(
+    name: str, data: st.DataObject, n_mutations: int
+) -> None:
+    obj = copy.deepcopy(VALID[name])
+    for _ in range(n_mutations):
+        path = data.draw(st.sampled_from(_paths(obj)))
+        op = data.draw(
+            st.sampled_from(["replace", "delete", "duplicate", "truncate", "bump", "b64-flip"])
+        )
+        obj = _mutate(obj, path, op, data.draw(field_values) if op == "replace" else None)
+    _differential(json.dumps(obj).encode(), REQUESTS[name])
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(REQUESTS)), value=json_values)
+def test_random_json_is_handed_back_with_msgspecs_error(name: str, value: Any) -> None:
+    _differential(json.dumps(value).encode(), REQUESTS[name])
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(REQUESTS)), data=st.data())
+def test_truncated_and_corrupted_bodies_are_handed_back(name: str, data: st.DataObject) -> None:
+    body = wf.encode(VALID[name])
+    cut = data.draw(st.integers(min_value=0, max_value=len(body)))
+    junk = data.draw(st.binary(max_size=8))
+    _differential(body[:cut] + junk, REQUESTS[name])
+
+
+def _per_position(edit: Any) -> bytes:
+    obj = copy.deepcopy(VALID["ids-per-position"])
+    obj["meta_info"]["input_token_ids_logprobs"][-1][0][0] = -0.5
+    return edit(json.dumps(obj, separators=(",", ":"))).encode()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("label", "edit", "taken"),
+    [
+        ("NaN literal", lambda s: s.replace("-0.5", "NaN", 1), False),
+        ("a boolean logprob", lambda s: s.replace("-0.5", "true", 1), False),
+        ("a text element", lambda s: s.replace("[-0.5,", '[-0.5,"x",', 1), False),
+        ("a second object after the answer", lambda s: s + "\n" + s, False),
+        ("duplicate meta_info", lambda s: s[:-1] + ',"meta_info":{}}', False),
+        ("a byte-order mark", lambda s: "\ufeff" + s, False),
+        (
+            "a key spelled with an escape",
+            lambda s: s.replace('"input_token_ids_logprobs"', '"input\\u005ftoken_ids_logprobs"'),
+            False,
+        ),
+        (
+            "a duplicate logprob key",
+            lambda s: s.replace('"meta_info":{', '"meta_info":{"input_token_logprobs":null,', 1),
+            False,
+        ),
+        ("a leading zero in a logprob", lambda s: s.replace("-0.5", "-00.5", 1), False),
+        ("an exponent logprob", lambda s: s.replace("-0.5", "-5E-1", 1), True),
+        (
+            "a logprob with 25 digits",
+            lambda s: s.replace("-0.5", "-0.5000000000000000000000001", 1),
+            True,
+        ),
+        ("minus zero", lambda s: s.replace("-0.5", "-0.0", 1), True),
+        ("a tiny logprob", lambda s: s.replace("-0.5", "-1e-44", 1), False),
+    ],
+)
+def test_edge_answers_get_the_msgspec_outcome(label: str, edit: Any, taken: bool) -> None:
+    body = _per_position(edit)
+    fast = _differential(body, REQUESTS["ids-per-position"])
+    assert (fast is not None) is taken, label
+
+
+def test_an_integral_float_id_is_handed_back() -> None:
+    obj = copy.deepcopy(VALID["ids-per-position"])
+    row = obj["meta_info"]["input_token_ids_logprobs"][-1]
+    text = json.dumps(obj, separators=(",", ":"))
+    body = text.replace(f",{row[0][1]},", f",{row[0][1]}.0,", 1).encode()
+    assert body != text.encode()
+    assert _jit(body, REQUESTS["ids-per-position"]) is None
+    with pytest.raises(OPDStreamError, match="Expected `int`, got `float`"):
+        decode_score_response(body, REQUESTS["ids-per-position"], parser="jit")
+
+
+def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
+    obj = copy.deepcopy(VALID["plain"])
+    obj["meta_info"]["finish_reason"] = {"type": "abort", "message": "queue full"}
+    body = wf.encode(obj)
+    assert _jit(body, REQUESTS["plain"]) is None
+    with pytest.raises(OPDStreamError, match="queue full") as info:
+        decode_score_response(body, REQUESTS["plain"], parser="jit")
+    assert info.value.reason == "aborted"
+
+
+def test_an_unknown_field_nested_deeper_than_the_scanner_goes_gets_msgspecs_outcome() -> None:
+    plain = wf.encode(VALID["ids-per-position"])
+    for levels in (10, 70, 100_000):
+        body = b'{"deep":' + b"[" * levels + b"]" * levels + b"," + plain[1:]
+        _differential(body, REQUESTS["ids-per-position"])
+
+
+def _f32_neighbours() -> list[float]:
+    """Doubles at and just around float32 rounding midpoints, and float32 values."""
+    out = []
+    rng = np.random.default_rng(3)
+    for f in -rng.random(200).astype(np.float32) * 20:
+        bits = struct.unpack("<I", struct.pack("<f", f))[0]
+        up = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+        mid = (float(f) + float(up)) / 2
+        out += [float(f), mid, np.nextafter(mid, 0.0), np.nextafter(mid, -1.0)]
+    return out
+
+
+def test_logprobs_at_float32_midpoints_round_as_msgspec_rounds_them() -> None:
+    req = REQUESTS["ids-per-position"]
+    values = _f32_neighbours()
+    taken = 0
+    for v in values:
+        obj = copy.deepcopy(VALID["ids-per-position"])
+        obj["meta_info"]["input_token_ids_logprobs"][-1][0][0] = v
+        taken += _differential(wf.encode(obj), req) is not None
+    assert taken >= len(values) // 4  # float32 values and most neighbours are scanned
+
+
+@FUZZ
+@given(
+    value=st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
+    | st.floats(min_value=-1e-30, max_value=0.0)
+    | st.floats(width=32, max_value=0.0, allow_nan=False, allow_infinity=False),
+    style=st.sampled_from(["repr", "e", "f"]),
+)
+def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) -> None:
+    text = {"repr": repr(value), "e": f"{value:.20e}", "f": f"{value:.30f}"}[style]
+    body = _per_position(lambda s: s.replace("-0.5", text, 1))
+    _differential(body, REQUESTS["ids-per-position"])
+
+
+def test_without_numba_the_other_parsers_remain(monkeypatch: pytest.MonkeyPatch) -> None:
+    import opd_stream._jit_reader as jr
+
+    monkeypatch.setattr(jr, "_kernel", None)
+    monkeypatch.setattr(jr, "_failed", True)
+    assert not prepare()
+    assert parser_for(in_thread=True) == "arrow"
+    assert parser_for(in_thread=False) == "msgspec"
+    body = wf.encode(VALID["plain"])
+    assert read_answers_jit(body, False) is None
+    _assert_same(
+        decode_score_response(body, REQUESTS["plain"]),
+        decode_score_response(body, REQUESTS["plain"], parser="jit"),
+    )

@@ -46,8 +46,9 @@ def mocks(*specs: tuple[str, int, MockOptions | None]) -> Iterator[list[MockProc
 
 
 class ClientMeter:
-    """Client CPU (this process, all threads, plus its non-mock child processes such as the
-    decode pool), wall time and peak RSS (sampled every 20 ms) over a ``with`` block."""
+    """Client CPU (this process, all threads, plus its non-mock child processes; not the
+    meter's own sampling thread), wall time and peak RSS (sampled every 20 ms) over a
+    ``with`` block."""
 
     def __init__(self, exclude_pids: Iterable[int] = ()) -> None:
         self._me = psutil.Process()
@@ -56,6 +57,7 @@ class ClientMeter:
         self.wall_s = 0.0
         self.peak_rss = 0
         self.rss_start = 0
+        self._own_cpu = 0.0
         self._stop = threading.Event()
 
     def _children_cpu(self) -> dict[int, float]:
@@ -77,8 +79,11 @@ class ClientMeter:
         return total
 
     def _sample(self) -> None:
+        # the sampler's own CPU (reading /proc) is not the client's: it is subtracted
+        start = time.thread_time()
         while not self._stop.wait(0.02):
             self.peak_rss = max(self.peak_rss, self._rss())
+        self._own_cpu = time.thread_time() - start
 
     def __enter__(self) -> ClientMeter:
         gc.collect()
@@ -95,9 +100,9 @@ class ClientMeter:
         cpu = time.process_time() - self._cpu0
         kids = self._children_cpu()
         cpu += sum(v - self._kids0.get(pid, 0.0) for pid, v in kids.items())
-        self.cpu_s = cpu
         self._stop.set()
         self._thread.join()
+        self.cpu_s = max(0.0, cpu - self._own_cpu)
         self.peak_rss = max(self.peak_rss, self._rss())
 
 

@@ -28,7 +28,7 @@ def _parse_lines(modes: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {vals} |")
     lines += [
         "",
-        "2 decode threads vs 1 (arrow decoder, wall): "
+        "2 decode threads vs 1 (the threaded decoder, wall): "
         + ", ".join(f"{label} {m['decode_threads_speedup']:.2f}x" for label, m in modes.items()),
         "",
         "### opd_stream's client CPU by step (us per response token; `stats().cpu_s`)",

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from opd_stream import Sample, StreamConfig
-from opd_stream._codec import decode_score_response
+from opd_stream._codec import decode_score_response, parser_for
 from opd_stream._payloads import build_score_payload
 from opd_stream._student_topk import parse_student_topk
 from opd_stream._wire import ScoreRequest, auto_block_size
@@ -204,15 +204,17 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
 
     The parsing floor is the fastest of two libraries outside this project on the same
     bytes: msgspec's untyped decode with the GC off, and pyarrow's JSON reader. Beside them:
-    opd_stream's two decoders (msgspec on the event loop; pyarrow in decode threads, with
-    every check), and the arrow decoder's wall time with 1 and 2 threads (how decode
-    throughput scales with cores when the GIL is released).
+    opd_stream's three decoders, each with every check (msgspec, the fallback on the event
+    loop; pyarrow's reader; the compiled scanner, used wherever it is ready), and the
+    threaded decoder's wall time with 1 and 2 threads (how decode throughput scales with
+    cores when the GIL is released).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     def each(fn: Callable[[bytes, ScoreRequest], Any]) -> Callable[[], None]:
         return lambda: [fn(body, req) for body, req in bodies] and None
 
+    threaded = parser_for(in_thread=True)  # compiles the scanner if it can
     res = {
         "msgspec.json.decode, untyped, gc off": _best_cpu(
             each(lambda b, _: msgspec.json.decode(b)), gc_off=True
@@ -225,16 +227,24 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
             each(lambda b, r: decode_score_response(b, r, parser="arrow")), gc_off=False
         ),
     }
+    if threaded == "jit":
+        res["opd_stream compiled scanner"] = _best_cpu(
+            each(lambda b, r: decode_score_response(b, r, parser="jit")), gc_off=False
+        )
     work = bodies * max(1, 8 // max(len(bodies), 1))
     for threads in (1, 2):
         with ThreadPoolExecutor(threads) as pool:
             best = math.inf
             for _ in range(3):
                 t = time.perf_counter()
-                list(pool.map(lambda br: decode_score_response(*br, parser="arrow"), work))
+                list(pool.map(lambda br: decode_score_response(*br, parser=threaded), work))
                 best = min(best, time.perf_counter() - t)
-        res[f"arrow decoder wall, {threads} thread(s)"] = best
+        res[f"{THREAD_WALL} {threads} thread(s)"] = best
     return res
+
+
+#: The threaded decoder's wall time (the scanner where numba is installed, else pyarrow).
+THREAD_WALL = "threaded decoder wall,"
 
 
 FLOOR_PARSERS = ("msgspec.json.decode, untyped, gc off", "pyarrow.json.read_json")
@@ -339,10 +349,10 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 "decode_floor_per_1m_tokens": {
                     name: v / floor_tok * 1e6
                     for name, v in floors.items()
-                    if not name.startswith("arrow decoder wall")
+                    if not name.startswith(THREAD_WALL)
                 },
-                "decode_threads_speedup": floors["arrow decoder wall, 1 thread(s)"]
-                / floors["arrow decoder wall, 2 thread(s)"],
+                "decode_threads_speedup": floors[f"{THREAD_WALL} 1 thread(s)"]
+                / floors[f"{THREAD_WALL} 2 thread(s)"],
                 "cpu_us_per_token_by_step": cpu_by_step(opd.stats, toks, mo.cpu_s),
                 "cpu_ratio_baseline_over_opd": b["cpu_s_per_1m_tokens"] / o["cpu_s_per_1m_tokens"],
                 "wall_ratio_baseline_over_opd": b["wall_s"] / o["wall_s"],

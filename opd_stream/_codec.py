@@ -4,12 +4,15 @@ Plain sync functions; the async shell (:mod:`opd_stream._attempts`) asks
 :func:`build_in_thread` / :func:`decode_in_thread` whether a step goes to a worker thread
 and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
 
-Which parser: on the event loop msgspec (the cheapest in CPU; it holds the GIL, ~8 ns per
-byte), in a decode thread pyarrow (it releases the GIL while it parses, ~1.9x msgspec's
-CPU, and hands an answer it does not accept back to msgspec for the precise error).
-Which thread: a request body (by :func:`~opd_stream._payloads.payload_size_hint`) or an
-answer of at least ``decode_thread_bytes`` goes to one of ``decode_threads`` worker
-threads, a smaller one stays on the loop.
+Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream._jit_reader`,
+numba: about half of msgspec's untyped decode in CPU, GIL released) wherever it is ready;
+a decode thread compiles it on first use. Until then, or without numba: pyarrow in a decode
+thread (GIL released, ~1.9x msgspec's CPU) and msgspec on the event loop (~8 ns per byte,
+GIL held). A faster parser hands an answer it does not accept on, msgspec last, which
+raises the precise error. Which thread: a request body (by
+:func:`~opd_stream._payloads.payload_size_hint`) or an answer of at least
+``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
+stays on the loop.
 """
 
 from __future__ import annotations
@@ -79,23 +82,26 @@ def parser_for(*, in_thread: bool) -> Parser:
     return "arrow" if in_thread else "msgspec"
 
 
-def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> ScoreRows:
-    """Decode an answer with the parser for where it runs (:func:`parser_for`)."""
+def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> tuple[ScoreRows, Parser]:
+    """Decode an answer with the parser for where it runs (:func:`parser_for`): the rows,
+    and the parser that gave them (``"msgspec"`` where the fast one handed it on)."""
     parser = parser_for(in_thread=in_thread)
     if isinstance(answer, bytes | bytearray):
-        return decode_score_response(answer, req, parser=parser)
-    return decode_block_answers(answer, req, parser=parser)
+        return _decode_one(answer, req, parser)
+    return _decode_blocks(answer, req, parser)
 
 
-def timed_decode(answer: Answer, req: ScoreRequest) -> tuple[ScoreRows | BaseException, float]:
-    """Decode in a worker thread (pyarrow): the rows or the error (raised again in the
-    caller's task), and the thread's CPU seconds."""
+def timed_decode(
+    answer: Answer, req: ScoreRequest
+) -> tuple[tuple[ScoreRows, Parser] | BaseException, float]:
+    """Decode in a worker thread: the rows and their parser, or the error (raised again in
+    the caller's task), and the thread's CPU seconds."""
     start = time.thread_time()
     try:
-        rows: ScoreRows | BaseException = decode(answer, req, in_thread=True)
+        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, in_thread=True)
     except Exception as exc:  # raised again in the caller's task
-        rows = exc
-    return rows, time.thread_time() - start
+        got = exc
+    return got, time.thread_time() - start
 
 
 def decode_score_response(
@@ -103,11 +109,12 @@ def decode_score_response(
 ) -> ScoreRows:
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
-    ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
-    ``"msgspec"`` (cheapest in CPU) holds the GIL for the whole decode (~8 ns per byte).
-    ``"arrow"`` parses with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's
-    CPU): for large answers decoded in threads beside the event loop. An answer it does
-    not accept is decoded again with msgspec, which raises the precise error (see
+    ``parser`` picks how the JSON is read; all give the same arrays and the same errors.
+    ``"msgspec"`` holds the GIL for the whole decode (~8 ns per byte). ``"arrow"`` parses
+    with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's CPU). ``"jit"``
+    uses the compiled scanner (GIL released, ~3.5 ns per byte) when it is ready
+    (:func:`opd_stream._jit_reader.prepare`). An answer the fast parser does not accept is
+    decoded again with msgspec, which raises the precise error (see
     :mod:`opd_stream._decode_arrow`).
 
     Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
@@ -126,6 +133,12 @@ def decode_score_response(
             without ``input_token_ids_logprobs`` (the server ignored the field).
         InvalidSampleError: ``req`` itself is malformed.
     """
+    return _decode_one(body, req, parser)[0]
+
+
+def _decode_one(
+    body: bytes | bytearray, req: ScoreRequest, parser: Parser
+) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
     if parser != "msgspec":
         rows = decode_segments_arrow(
@@ -137,7 +150,7 @@ def decode_score_response(
             reader=_READERS[parser],
         )
         if rows is not None:
-            return rows
+            return rows, parser
     return decode_segments(
         body,
         batch=lay.batch,
@@ -145,7 +158,7 @@ def decode_score_response(
         tokens=lay.tokens,
         top_k=req.top_k,
         per_position=req.ids is not None and req.id_form == "per-position",
-    )
+    ), "msgspec"
 
 
 def decode_block_answers(
@@ -157,6 +170,12 @@ def decode_block_answers(
     ``n``: every check of :func:`decode_score_response`, in one vectorised pass); the result
     equals the per-position one exactly.
     """
+    return _decode_blocks(bodies, req, parser)[0]
+
+
+def _decode_blocks(
+    bodies: Sequence[bytes | bytearray], req: ScoreRequest, parser: Parser
+) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
     if len(bodies) != len(lay.segments):
         raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
@@ -171,7 +190,7 @@ def decode_block_answers(
             reader=_READERS[parser],
         )
         if rows is not None:
-            return rows
+            return rows, parser
     return decode_segments(
         joined,
         batch=True,
@@ -179,4 +198,4 @@ def decode_block_answers(
         tokens=lay.tokens,
         top_k=req.top_k,
         per_position=False,
-    )
+    ), "msgspec"

@@ -56,6 +56,18 @@ _META = b"meta_info"
 _N_KEYS = len(KEYS)
 MAX_DEPTH = 64
 
+
+
+def _compiled(fn):  # type: ignore[no-untyped-def]
+    """``numba.njit(nogil=True)``, cached on disk where numba finds a writable place (next
+    to this module, else the user's cache directory); without one, numba refuses
+    ``cache=True`` outright, so compile uncached."""
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:
+        return numba.njit(nogil=True)(fn)
+
+
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _EXACT_MANTISSA = 2**53
 _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exact
@@ -69,7 +81,7 @@ _META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = b[i]
@@ -80,12 +92,12 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
     return i
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
     """Whether an approximate double ``v`` (within a few ulps of the exact value) rounds
     to the same float32 as the exact value would, far from every checked threshold."""
@@ -101,7 +113,7 @@ def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
     return half - abs(v - f) > a * 1e-14
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
@@ -183,7 +195,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     return i, v, True
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
     """A ``[`` entry, ... ``]`` list at ``b[i]`` (which is ``[``): (next index, entries
     after it, status)."""
@@ -253,7 +265,7 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
         return i, ne, UNUSUAL
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-untyped-def]
     """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
     cap = widths.shape[0]
@@ -286,7 +298,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
         return i, ne, nr, UNUSUAL
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
     for k in range(starts.shape[0] - 1):
@@ -303,7 +315,7 @@ def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     if e - s != word.shape[0]:
         return False
@@ -313,7 +325,7 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     return True
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped-def]
     """Scan a whole answer (see the module docstring).
 

@@ -63,6 +63,10 @@ def prepare() -> bool:
         return False
     try:
         if _kernel is None and not _failed:
+            import numba
+
+            if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
+                raise RuntimeError("NUMBA_DISABLE_JIT is set")
             from . import _jit_kernel
 
             _run(_jit_kernel, _WARM_BODY, False)

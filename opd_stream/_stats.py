@@ -132,9 +132,14 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     cpu_s: dict[str, float]
     """CPU seconds of each synchronous step, measured in the thread that ran it:
     ``prepare`` (sample checks, top-k rows into arrays), ``build`` (request payloads),
-    ``decode_loop`` (answers decoded with msgspec on the event loop), ``decode_threads``
+    ``decode_loop`` (answers decoded on the event loop), ``decode_threads``
     (answers parsed in decode threads), ``kl`` (KL batches). What the process spent
     beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
+    decoded: dict[str, int] = msgspec.field(default_factory=dict)
+    """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, the
+    ``jit`` extra), ``arrow`` (pyarrow's reader, in decode threads until the scanner is
+    compiled, or without numba), ``msgspec`` (on the loop without the scanner, and every
+    answer a faster parser handed on)."""
     fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
     """Each configured server URL asked so far: an sglang-router (and its workers, used
     directly when reachable from here) or a server (``router_discovery``)."""
@@ -142,6 +147,8 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 
 #: The steps of :attr:`StreamStats.cpu_s`.
 CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl")
+#: The parsers of :attr:`StreamStats.decoded`.
+PARSERS = ("jit", "arrow", "msgspec")
 
 
 class StatsRecorder:
@@ -169,6 +176,7 @@ class StatsRecorder:
         self.kl_seconds = 0.0
         self._kl_batch: deque[float] = deque(maxlen=_RING)
         self.cpu: defaultdict[str, float] = defaultdict(float)
+        self.decoded: defaultdict[str, int] = defaultdict(int)
 
     # channels ---------------------------------------------------------------------
     def channel(self, name: str, capacity: int) -> None:
@@ -233,4 +241,5 @@ class StatsRecorder:
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
             cpu_s={step: float(self.cpu[step]) for step in CPU_STEPS},
+            decoded={parser: self.decoded[parser] for parser in PARSERS},
         )

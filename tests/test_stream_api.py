@@ -97,6 +97,38 @@ async def test_answers_parsed_in_decode_threads_give_identical_results() -> None
         assert a.teacher_logprobs.tolist() == b.teacher_logprobs.tolist()
 
 
+async def test_every_parser_gives_identical_results_and_stats_say_which_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import opd_stream._jit_reader as jr
+
+    samples = _samples(6, seed=4)
+    cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
+
+    async def run(**kw: Any) -> tuple[list[Any], dict[str, int]]:
+        async with OPDStream(_cfg(**cfg_topk, **kw), transport=mock_transport(_servers())) as st:
+            async with st.run(samples) as results:
+                out = sorted([r async for r in results], key=lambda r: r.index)
+            return out, st.stats().decoded
+
+    assert jr.prepare()
+    scanned, by_jit = await run(decode_threads=2, decode_thread_bytes=1)
+    assert by_jit["jit"] > 0 and by_jit["arrow"] == 0
+    monkeypatch.setattr(jr, "_kernel", None)
+    monkeypatch.setattr(jr, "_failed", True)  # as without numba
+    pooled, by_arrow = await run(decode_threads=2, decode_thread_bytes=1)
+    assert by_arrow["arrow"] > 0 and by_arrow["jit"] == 0
+    inline, by_msgspec = await run(decode_thread_bytes=1 << 30)
+    assert by_msgspec["msgspec"] > 0 and by_msgspec["jit"] == by_msgspec["arrow"] == 0
+    for a, b, c in zip(scanned, pooled, inline, strict=True):
+        assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
+        assert isinstance(c, ScoredSample)
+        assert a.reverse_kl is not None and b.reverse_kl is not None and c.reverse_kl is not None
+        assert a.reverse_kl.tolist() == b.reverse_kl.tolist() == c.reverse_kl.tolist()
+        assert a.teacher_logprobs.tolist() == b.teacher_logprobs.tolist()
+        assert a.teacher_logprobs.tolist() == c.teacher_logprobs.tolist()
+
+
 async def test_capability_detection_is_logged_once_per_endpoint() -> None:
     servers = {
         T: InProcessSGLang("teacher", 1, per_position="unpatched"),

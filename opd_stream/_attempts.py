@@ -356,7 +356,9 @@ class AttemptSender:
             body, cpu = timed_build(req)
         else:
             body, cpu = await anyio.to_thread.run_sync(
-                timed_build, req, limiter=self._threads, abandon_on_cancel=True
+                functools.partial(timed_build, req, in_thread=True),
+                limiter=self._threads,
+                abandon_on_cancel=True,
             )
         self._stats.cpu["build"] += cpu
         return body

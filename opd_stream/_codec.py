@@ -25,7 +25,8 @@ from ._answers import ScoreRows
 from ._arrow_reader import Reader
 from ._decode_arrow import decode_segments_arrow, read_answers_arrow
 from ._decode_score import decode_segments
-from ._jit_reader import available, prepare, read_answers_jit
+from ._jit import available, prepare
+from ._jit_reader import read_answers_jit
 from ._payloads import build_score_payload, payload_size_hint
 from ._wire import ScoreRequest, layout
 
@@ -67,9 +68,12 @@ def decode_in_thread(size: int, threshold: int) -> bool:
     return size >= threshold
 
 
-def timed_build(req: ScoreRequest) -> tuple[bytes, float]:
-    """``req``'s body and the CPU seconds of the thread that built it."""
+def timed_build(req: ScoreRequest, *, in_thread: bool = False) -> tuple[bytes, float]:
+    """``req``'s body and the CPU seconds of the thread that built it (a worker thread,
+    ``in_thread``, compiles the kernels on first use)."""
     start = time.thread_time()
+    if in_thread:
+        prepare()
     body = build_score_payload(req)
     return body, time.thread_time() - start
 
@@ -113,7 +117,7 @@ def decode_score_response(
     ``"msgspec"`` holds the GIL for the whole decode (~8 ns per byte). ``"arrow"`` parses
     with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's CPU). ``"jit"``
     uses the compiled scanner (GIL released, ~3.5 ns per byte) when it is ready
-    (:func:`opd_stream._jit_reader.prepare`). An answer the fast parser does not accept is
+    (:func:`opd_stream._jit.prepare`). An answer the fast parser does not accept is
     decoded again with msgspec, which raises the precise error (see
     :mod:`opd_stream._decode_arrow`).
 

@@ -1,9 +1,11 @@
-"""The compiled scanner of scoring answers (numba, ``nogil``): the answer's logprob lists
-straight into numpy buffers, with the GIL released for the whole scan.
+"""The compiled kernels (numba, ``nogil``: the GIL is released while they run): the
+scanner of scoring answers, which reads an answer's logprob lists straight into numpy
+buffers, and the writer of per-position id rows for request payloads.
 
-Plain functions over a ``uint8`` view of the body; :mod:`opd_stream._jit_reader` compiles
-them off the event loop and turns what they return into the checked columns the array
-decoder (:mod:`opd_stream._decode_arrow`) reads.
+Plain functions over numpy arrays; :mod:`opd_stream._jit` compiles them off the event loop,
+:mod:`opd_stream._jit_reader` turns what the scan returns into the checked columns the
+column decoder (:mod:`opd_stream._decode_arrow`) reads, and :mod:`opd_stream._payloads`
+writes per-position payloads with :func:`id_rows_json`.
 
 What the scan does, in one pass:
 
@@ -32,11 +34,22 @@ near a threshold the checks compare against, else :data:`UNUSUAL`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
 
-__all__ = ("CAPACITY", "KEYS", "MAX_DEPTH", "OK", "UNUSUAL", "scan")
+__all__ = (
+    "CAPACITY",
+    "KEYS",
+    "MAX_DEPTH",
+    "OK",
+    "UNUSUAL",
+    "id_rows_json",
+    "run_scan",
+    "scan",
+    "warm",
+)
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
@@ -55,7 +68,6 @@ KEYS = (
 _META = b"meta_info"
 _N_KEYS = len(KEYS)
 MAX_DEPTH = 64
-
 
 
 def _compiled(fn):  # type: ignore[no-untyped-def]
@@ -436,3 +448,84 @@ def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped
             meta_key = False
         i += 1
     return OK, nrec, item + 1, ne, nr
+
+
+def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
+    """:func:`scan` over ``body`` with buffers big enough for any body of its size:
+    ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls,
+    records)``. Allocated with ``np.empty``: pages a scan does not touch cost nothing."""
+    n = len(body)
+    b = np.frombuffer(body, dtype=np.uint8)
+    if b.flags.writeable:  # one compiled variant: read-only bytes
+        b = b.view()
+        b.flags.writeable = False
+    entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
+    rows = n // 3 + 1  # the shortest row, "[],", 3
+    lps = np.empty(entries, dtype=np.float64)
+    ids = np.empty(entries, dtype=np.int64)
+    widths = np.empty(rows, dtype=np.int32)
+    nulls = np.empty(rows, dtype=np.uint8)
+    records = np.empty((n // 8 + 8, 8), dtype=np.int64)
+    got = scan(b, batch, lps, ids, widths, nulls, records)
+    return got, lps, ids, widths, nulls, records
+
+
+@_compiled
+def _write_id_rows(ids, out):  # type: ignore[no-untyped-def]
+    """``ids`` (int64 ``[R, k]``, each in ``[0, 2^62)``) as ``[a,b],[c,d]`` into ``out``;
+    the bytes written, or -1 for an id out of that range."""
+    digits = np.empty(20, dtype=np.uint8)
+    pos = 0
+    for r in range(ids.shape[0]):
+        if r:
+            out[pos] = 44
+            pos += 1
+        out[pos] = 91
+        pos += 1
+        for j in range(ids.shape[1]):
+            if j:
+                out[pos] = 44
+                pos += 1
+            v = ids[r, j]
+            if v < 0 or v >= 4611686018427387904:
+                return -1
+            nd = 0
+            while True:
+                digits[nd] = 48 + v % 10
+                v //= 10
+                nd += 1
+                if v == 0:
+                    break
+            for t in range(nd - 1, -1, -1):
+                out[pos] = digits[t]
+                pos += 1
+        out[pos] = 93
+        pos += 1
+    return pos
+
+
+def id_rows_json(ids: Any) -> bytes | None:
+    """``[a,b],[c,d]`` for int64 ``ids [R, k]`` (rows of non-negative ids), the same bytes
+    as ``msgspec.json.encode(ids.tolist())[1:-1]``; ``None`` for a negative id. The GIL is
+    released while it writes."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    r, k = ids.shape
+    out = np.empty(max(r * (3 + 21 * k), 1), dtype=np.uint8)  # "[...]," and "digits,"
+    n = _write_id_rows(ids, out)
+    return None if n < 0 else out[:n].tobytes()
+
+
+#: A tiny answer that makes numba compile every path of the scan once.
+_WARM_BODY = (
+    b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"input_token_logprobs":'
+    b'[[null,1,null],[-0.5,2]],"input_token_ids_logprobs":[null,[[-1.25e-3,3,null]]],'
+    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]]}}'
+)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every kernel, with the argument types they
+    are always called with."""
+    run_scan(_WARM_BODY, False)
+    run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
+    id_rows_json(np.zeros((1, 1), dtype=np.int64))

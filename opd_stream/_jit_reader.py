@@ -8,19 +8,13 @@ the b64 fields, and every other key) with the msgspec decoder's own types
 scan does not take, or whose envelope does not decode, gives ``None``: the next parser
 decodes it (and, if it is bad, names the fault).
 
-Compiling: the kernel is compiled by numba on first use (about 2-5 s of CPU on a 2-core
-machine; about 0.2 s when numba's on-disk cache, next to the module, already holds it).
-:func:`prepare` does it, blocking, in whichever decode thread first needs it; until it is
-done every answer goes to the other parsers, and if numba is missing or fails, it stays so
-(logged once at DEBUG).
+The kernel is compiled on first use in a worker thread (:mod:`opd_stream._jit`); until
+then, and without numba, this reader gives ``None`` and the other parsers decode.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -28,83 +22,19 @@ import numpy.typing as npt
 
 from ._arrow_reader import ArrowEntries, ArrowRows
 from ._decode_score import decode_metas
+from ._jit import compiled
 
-__all__ = ("JitAnswers", "available", "prepare", "read_answers_jit")
-
-_log = logging.getLogger("opd_stream")
-_lock = threading.Lock()
-_kernel: ModuleType | None = None
-_failed = False
-
-#: A tiny answer that makes numba compile every path of the scan once.
-_WARM_BODY = (
-    b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"input_token_logprobs":'
-    b'[[null,1,null],[-0.5,2]],"input_token_ids_logprobs":[null,[[-1.25e-3,3,null]]],'
-    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]]}}'
-)
-
-
-def available() -> bool:
-    """Whether the scanner is compiled and ready."""
-    return _kernel is not None
-
-
-def prepare() -> bool:
-    """Compile (or load from numba's cache) the scanner, blocking; whether it is usable.
-
-    Thread-safe: while one thread compiles, another caller gets ``False`` at once (its
-    answer goes to another parser). After a failure (numba missing or broken) it is never
-    tried again in this process.
-    """
-    global _kernel, _failed
-    if _kernel is not None:
-        return True
-    if _failed or not _lock.acquire(blocking=False):
-        return False
-    try:
-        if _kernel is None and not _failed:
-            import numba
-
-            if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
-                raise RuntimeError("NUMBA_DISABLE_JIT is set")
-            from . import _jit_kernel
-
-            _run(_jit_kernel, _WARM_BODY, False)
-            _run(_jit_kernel, b"[" + _WARM_BODY + b"]", True)
-            _kernel = _jit_kernel
-    except Exception as exc:  # numba absent or unusable here: the other parsers remain
-        _failed = True
-        _log.debug("opd_stream: compiled answer scanner unavailable: %s", type(exc).__name__)
-    finally:
-        _lock.release()
-    return _kernel is not None
-
-
-def _run(kernel: Any, body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
-    n = len(body)
-    b = np.frombuffer(body, dtype=np.uint8)
-    if b.flags.writeable:  # one compiled variant: read-only bytes
-        b = b.view()
-        b.flags.writeable = False
-    entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
-    rows = n // 3 + 1  # the shortest row, "[],", 3
-    lps = np.empty(entries, dtype=np.float64)
-    ids = np.empty(entries, dtype=np.int64)
-    widths = np.empty(rows, dtype=np.int32)
-    nulls = np.empty(rows, dtype=np.uint8)
-    records = np.empty((n // 8 + 8, 8), dtype=np.int64)
-    got = kernel.scan(b, batch, lps, ids, widths, nulls, records)
-    return got, lps, ids, widths, nulls, records
+__all__ = ("JitAnswers", "read_answers_jit")
 
 
 def read_answers_jit(body: bytes | bytearray, batch: bool) -> JitAnswers | None:
     """Every item's ``meta_info``, the logprob lists scanned into arrays, or ``None``
     (scanner not ready, or an answer it does not take)."""
-    kernel = _kernel
+    kernel = compiled()
     if kernel is None or not body:
         return None
-    (status, n_rec, n_items, n_ent, n_rows), lps, ids, widths, nulls, records = _run(
-        kernel, body, batch
+    (status, n_rec, n_items, n_ent, n_rows), lps, ids, widths, nulls, records = kernel.run_scan(
+        body, batch
     )
     if status != kernel.OK:
         return None

@@ -26,7 +26,8 @@ from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
 from opd_stream._codec import decode_score_response, parser_for
 from opd_stream._decode_arrow import decode_segments_arrow
-from opd_stream._jit_reader import available, prepare, read_answers_jit
+from opd_stream._jit import available, prepare
+from opd_stream._jit_reader import read_answers_jit
 from opd_stream._payloads import build_score_payload
 from opd_stream._wire import ScoreRequest, layout
 from opd_stream.testing.inprocess import InProcessSGLang
@@ -249,7 +250,7 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
 
 
 def test_without_numba_the_other_parsers_remain(monkeypatch: pytest.MonkeyPatch) -> None:
-    import opd_stream._jit_reader as jr
+    import opd_stream._jit as jr
 
     monkeypatch.setattr(jr, "_kernel", None)
     monkeypatch.setattr(jr, "_failed", True)

@@ -444,7 +444,7 @@ def _valid_answer(tokens: list[int], lp: float) -> dict[str, Any]:
 async def test_a_deeply_nested_unknown_field_is_malformed_or_skipped_never_internal(
     parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import opd_stream._jit_reader as jr
+    import opd_stream._jit as jr
 
     nest = 100_000
     tokens = [1, 2, 3, 4]

@@ -100,7 +100,7 @@ async def test_answers_parsed_in_decode_threads_give_identical_results() -> None
 async def test_every_parser_gives_identical_results_and_stats_say_which_ran(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import opd_stream._jit_reader as jr
+    import opd_stream._jit as jr
 
     samples = _samples(6, seed=4)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}

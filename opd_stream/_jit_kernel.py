@@ -46,6 +46,7 @@ __all__ = (
     "OK",
     "UNUSUAL",
     "id_rows_json",
+    "rows_scan",
     "run_scan",
     "scan",
     "warm",
@@ -450,6 +451,36 @@ def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped
     return OK, nrec, item + 1, ne, nr
 
 
+@_compiled
+def _scan_rows(b, lps, ids, widths, nulls):  # type: ignore[no-untyped-def]
+    """A whole body that is one list of rows (the grammar of a ``meta_info`` rows list):
+    ``(status, entries, rows)``."""
+    n = b.shape[0]
+    i = _ws(b, 0, n)
+    if i >= n or b[i] != 91:
+        return UNUSUAL, 0, 0
+    i, ne, nr, st = _rows(b, i, n, _P10, lps, ids, 0, widths, nulls, 0)
+    if st == OK and _ws(b, i, n) != n:
+        st = UNUSUAL
+    return st, ne, nr
+
+
+def rows_scan(body: bytes) -> tuple[Any, ...] | None:
+    """A JSON list of rows of ``[logprob, id(, null)]`` entries (what ``msgspec.json``
+    writes for a rollout's Python top-k rows) into ``(lps, ids, widths, nulls)`` (per
+    entry, per row; a null logprob is NaN), or ``None`` for anything else."""
+    n = len(body)
+    b = np.frombuffer(body, dtype=np.uint8)
+    lps = np.empty(n // 6 + 1, dtype=np.float64)
+    ids = np.empty(n // 6 + 1, dtype=np.int64)
+    widths = np.empty(n // 3 + 1, dtype=np.int32)
+    nulls = np.empty(n // 3 + 1, dtype=np.uint8)
+    status, ne, nr = _scan_rows(b, lps, ids, widths, nulls)
+    if status != OK:
+        return None
+    return lps[:ne], ids[:ne], widths[:nr], nulls[:nr]
+
+
 def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
     """:func:`scan` over ``body`` with buffers big enough for any body of its size:
     ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls,
@@ -528,4 +559,5 @@ def warm() -> None:
     are always called with."""
     run_scan(_WARM_BODY, False)
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
+    rows_scan(b"[[[-0.5,1,null]],null]")
     id_rows_json(np.zeros((1, 1), dtype=np.int64))

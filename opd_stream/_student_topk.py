@@ -8,6 +8,7 @@ their end with id :data:`PAD_ID` (logprob ``-inf``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from itertools import chain
@@ -20,6 +21,7 @@ import numpy.typing as npt
 from ._decode_checks import LOGPROB_TOLERANCE, to_logprobs
 from ._decode_entries import ENTRY_ID, ENTRY_LP, Entry
 from ._errors import InvalidSampleError
+from ._jit import compiled
 
 __all__ = (
     "MAX_TOKEN_ID",
@@ -70,6 +72,11 @@ def parse_student_topk(
         raise InvalidSampleError(
             field, f"has {len(rows)} rows, expected response_length = {response_length}"
         )
+    fast = _scanned_topk(rows, response_length, k)
+    if fast is not None:
+        ids, lps = fast
+        _check_student_topk(ids, lps, field)
+        return ids, to_logprobs(lps, field)
     try:
         parsed = msgspec.convert(rows, list[list[Entry | None]])
     except msgspec.ValidationError as exc:
@@ -96,6 +103,45 @@ def parse_student_topk(
             raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
     _check_student_topk(ids, lps, field)
     return ids, to_logprobs(lps, field)
+
+
+_ROWS_JSON = msgspec.json.Encoder()
+
+
+def _scanned_topk(
+    rows: Sequence[Sequence[Any]], r: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+    """Full rows of plain entries, through the compiled scanner (:mod:`opd_stream._jit`):
+    ``msgspec.json`` writes the rows (no Python object per entry), the scan reads them back
+    into arrays (GIL released), ~1.5x cheaper than converting entry by entry. ``None`` (the
+    entry-by-entry path decides, and names any fault) when the kernels are not compiled or
+    anything is unusual: a short or long row, a ``None`` entry, a text element, a bool, an
+    object msgspec cannot write.
+
+    JSON has no NaN or infinity (msgspec writes ``null`` for them, as for ``None``), so the
+    logprob of each entry read as null is looked up in the caller's row: ``None`` and
+    ``-inf`` are ``-inf``, ``+inf`` stays (rejected by the checks), NaN is an error.
+    """
+    kernel = compiled()
+    if kernel is None:
+        return None
+    try:
+        body = _ROWS_JSON.encode(rows)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    got = kernel.rows_scan(body)
+    if got is None:
+        return None
+    lps, ids, widths, nulls = got
+    if widths.shape[0] != r or nulls.any() or (widths != k).any() or (ids < 0).any():
+        return None
+    lps, ids = lps.reshape(r, k), ids.reshape(r, k)
+    for row, col in zip(*np.nonzero(np.isnan(lps)), strict=True):
+        lp = rows[row][col][0]
+        if lp is not None and math.isnan(lp):
+            raise InvalidSampleError("student_top_logprobs", f"row {int(row)} holds a NaN logprob")
+        lps[row, col] = -np.inf if lp is None else lp
+    return ids, lps
 
 
 def _present(row: list[Entry | None]) -> list[Entry]:

@@ -263,3 +263,32 @@ def test_without_numba_the_other_parsers_remain(monkeypatch: pytest.MonkeyPatch)
         decode_score_response(body, REQUESTS["plain"]),
         decode_score_response(body, REQUESTS["plain"], parser="jit"),
     )
+
+
+_ALPHABET = b'[]{},:"\\0123456789.-eE nul'
+
+
+@FUZZ
+@given(
+    data=st.binary(max_size=600)
+    | st.lists(st.sampled_from(list(_ALPHABET)), max_size=600).map(bytes)
+    | st.sampled_from(sorted(REQUESTS)).flatmap(
+        lambda name: st.integers(0, len(wf.encode(VALID[name]))).map(
+            lambda cut: wf.encode(VALID[name])[:cut]
+        )
+    ),
+    batch=st.booleans(),
+)
+def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch: bool) -> None:
+    import opd_stream._jit as jr
+
+    kernel = jr.compiled()
+    assert kernel is not None
+    (status, n_rec, n_items, n_ent, n_rows), lps, ids, widths, nulls, records = kernel.run_scan(
+        data, batch
+    )
+    assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
+    assert 0 <= n_ent <= lps.shape[0] and 0 <= n_rows <= widths.shape[0]
+    for rec in records[:n_rec]:
+        assert 0 <= rec[kernel.R_START] < rec[kernel.R_END] <= len(data)
+    assert read_answers_jit(data, batch) is None or data.lstrip()[:1] in (b"{", b"[")

@@ -284,7 +284,7 @@ def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch
 
     kernel = jr.compiled()
     assert kernel is not None
-    (status, n_rec, n_items, n_ent, n_rows), lps, ids, widths, nulls, records = kernel.run_scan(
+    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, records = kernel.run_scan(
         data, batch
     )
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space

@@ -458,14 +458,14 @@ async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
     from opd_stream import _codec
 
     servers = _servers()
-    real = _codec.decode_score_response
+    real = _codec._decode_one
 
-    def decode(body: bytes, req: Any, *, parser: Any = "msgspec") -> Any:
+    def decode(body: bytes, req: Any, parser: Any) -> Any:
         if req.tokens[0] == 7:  # a decoder bug that strikes one sample
             raise KeyError("boom")
-        return real(body, req, parser=parser)
+        return real(body, req, parser)
 
-    monkeypatch.setattr(_codec, "decode_score_response", decode)
+    monkeypatch.setattr(_codec, "_decode_one", decode)
     samples = _samples(4)
     samples[2] = Sample([7, *samples[2].tokens[1:]], samples[2].response_length)
     async with OPDStream(_cfg(), transport=mock_transport(servers)) as stream:

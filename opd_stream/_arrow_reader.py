@@ -14,6 +14,8 @@ msgspec fails the answer as malformed. No SGLang release writes either.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -175,6 +177,10 @@ class Answers(Protocol):
 
     def finish_types(self) -> list[str | None]: ...
 
+    def b64(self, name: str) -> list[bytes | None] | None:
+        """A base64 string field decoded per item (``None`` where null or absent), or
+        ``None`` when one is not valid base64 (``b64decode(validate=True)``)."""
+
     def entries(self, name: str) -> tuple[ArrowEntries, npt.NDArray[np.intp]] | None:
         """A list-of-entries field of every item and each item's entry offsets, or
         ``None`` when an item lacks it."""
@@ -205,6 +211,15 @@ class ArrowAnswers:
 
     def finish_types(self) -> list[str | None]:
         return self._metas.field("finish_reason").field("type").to_pylist()  # type: ignore[no-any-return]
+
+    def b64(self, name: str) -> list[bytes | None] | None:
+        try:
+            return [
+                None if text is None else base64.b64decode(text, validate=True)
+                for text in self.values(name)
+            ]
+        except (binascii.Error, ValueError):
+            return None
 
     def entries(self, name: str) -> tuple[ArrowEntries, npt.NDArray[np.intp]] | None:
         """A list-of-entries field of every item and each item's entry offsets, or

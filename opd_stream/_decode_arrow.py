@@ -24,8 +24,6 @@ untyped decode (no checks, no arrays) ~3.4.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -235,15 +233,20 @@ def _b64_topk(
     """The b64 flat top-k of every item (the checks of ``_decode_checks.flat_topk``)."""
     shapes = metas.values("input_top_logprobs_shape")
     prefixes = metas.values("input_top_logprobs_null_prefix")
-    texts = [metas.values(f"input_top_logprobs_{name}") for name in _FLAT_FIELDS]
+    vals = metas.b64("input_top_logprobs_val_flat_b64")
+    idxs = metas.b64("input_top_logprobs_idx_flat_b64")
+    if vals is None or idxs is None:
+        return None  # not valid base64: msgspec's decoder names it
+    val_dtypes = metas.values("input_top_logprobs_val_flat_b64_dtype")
+    idx_dtypes = metas.values("input_top_logprobs_idx_flat_b64_dtype")
     ids_parts: list[npt.NDArray[np.int64]] = []
     lp_parts: list[npt.NDArray[np.float32]] = []
     for n, seg in enumerate(segments):
         shape, prefix = shapes[n], prefixes[n]
-        val, idx, val_dtype, idx_dtype = (t[n] for t in texts)
+        v_raw, i_raw, val_dtype, idx_dtype = vals[n], idxs[n], val_dtypes[n], idx_dtypes[n]
         if (
-            val is None
-            or idx is None
+            v_raw is None
+            or i_raw is None
             or shape is None
             or prefix is None
             or len(shape) != 2
@@ -256,11 +259,6 @@ def _b64_topk(
         if not (0 <= rows < 2**31 and k == top_k and prefix >= 0):
             return None
         if prefix + rows != n_entries[n] or rows < seg.rows:
-            return None
-        try:
-            v_raw = base64.b64decode(val, validate=True)
-            i_raw = base64.b64decode(idx, validate=True)
-        except (binascii.Error, ValueError):
             return None
         if len(v_raw) != 4 * rows * k or len(i_raw) != 4 * rows * k:
             return None

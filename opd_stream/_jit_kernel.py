@@ -14,7 +14,9 @@ What the scan does, in one pass:
   cut out, with the precise decoder's own types, so the envelope is validated there.
 - Where a key of an answer's ``meta_info`` object (depth 2, or 3 in a batch) names one
   of the four logprob lists (:data:`KEYS`) and its value opens with ``[``, it parses that
-  value under a strict grammar and records its span, so the caller can cut it out.
+  value under a strict grammar and records its span, so the caller can cut it out; where
+  it names one of the two base64 flat top-k strings, it decodes the string (canonical
+  base64 only) into a byte buffer and records its span likewise.
 
 The strict grammar accepts a subset of what msgspec's types accept, and nothing else:
 an entry is ``[logprob, id]`` or ``[logprob, id, null]``; a logprob a JSON number or
@@ -43,6 +45,7 @@ __all__ = (
     "CAPACITY",
     "KEYS",
     "MAX_DEPTH",
+    "N_LISTS",
     "OK",
     "UNUSUAL",
     "id_rows_json",
@@ -58,14 +61,18 @@ UNUSUAL = 1
 #: The output buffers were too small (cannot happen with :func:`buffer_sizes`).
 CAPACITY = 2
 
-#: The lists the scan parses, by index in the records it returns. Index 0 is a list of
-#: entries, the others lists of rows.
+#: The values the scan parses, by index in the records it returns. Index 0 is a list of
+#: entries, 1-3 lists of rows (:data:`N_LISTS` lists in all), the rest base64 strings
+#: (the flat top-k), decoded into the ``raw`` buffer.
 KEYS = (
     b"input_token_logprobs",
     b"input_top_logprobs",
     b"input_token_ids_logprobs",
     b"output_token_ids_logprobs",
+    b"input_top_logprobs_val_flat_b64",
+    b"input_top_logprobs_idx_flat_b64",
 )
+N_LISTS = 4
 _META = b"meta_info"
 _N_KEYS = len(KEYS)
 MAX_DEPTH = 64
@@ -312,6 +319,58 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
 
 
 @_compiled
+def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
+    """A JSON string at ``b[i]`` (which is ``"``) of canonical base64 (no escapes, no
+    whitespace, exactly the padding its length needs), decoded into ``raw[nb:]``:
+    (index after the closing quote, bytes end, status). A subset of what
+    ``base64.b64decode(validate=True)`` accepts, decoded alike."""
+    cap = raw.shape[0]
+    i += 1
+    acc = 0
+    bits = 0
+    alpha = 0
+    pads = 0
+    while i < n:
+        c = b[i]
+        if c == 34:
+            break
+        if c == 61:
+            pads += 1
+            i += 1
+            continue
+        if pads:
+            return i, nb, UNUSUAL
+        if 65 <= c <= 90:
+            v = c - 65
+        elif 97 <= c <= 122:
+            v = c - 71
+        elif 48 <= c <= 57:
+            v = c + 4
+        elif c == 43:
+            v = 62
+        elif c == 47:
+            v = 63
+        else:
+            return i, nb, UNUSUAL
+        alpha += 1
+        acc = ((acc << 6) | v) & 0xFFFFFF
+        bits += 6
+        if bits >= 8:
+            bits -= 8
+            if nb >= cap:
+                return i, nb, CAPACITY
+            raw[nb] = (acc >> bits) & 0xFF
+            nb += 1
+        i += 1
+    if i >= n:
+        return i, nb, UNUSUAL
+    tail = alpha % 4
+    if not ((pads == 0 and tail == 0) or (pads == 1 and tail == 3) or (pads == 2 and tail == 2)):
+        return i, nb, UNUSUAL
+    return i + 1, nb, OK
+
+
+@_compiled
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
     for k in range(starts.shape[0] - 1):
@@ -339,12 +398,12 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
 
 
 @_compiled
-def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped-def]
+def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-untyped-def]
     """Scan a whole answer (see the module docstring).
 
     Returns ``(status, n_records, n_items, n_entries, n_rows)``. Each record is one cut
-    list: key index, item, byte span, rows range (rows lists) and entries range, in body
-    order (so per key in item order).
+    value: key index, item, byte span, rows range (rows lists) and entries range (for a
+    b64 string: its bytes in ``raw``), in body order (so per key in item order).
     """
     n = b.shape[0]
     p10 = _P10
@@ -359,6 +418,7 @@ def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped
     nrec = 0
     ne = 0
     nr = 0
+    nb = 0
     s_start = -1
     s_end = -1
     s_escaped = False
@@ -402,10 +462,27 @@ def scan(b, batch, lps, ids, widths, nulls, records):  # type: ignore[no-untyped
             if seen[k] == item + 1:
                 return UNUSUAL, nrec, item + 1, ne, nr  # a duplicate key
             seen[k] = item + 1
-            if i >= n or b[i] != 91:
-                continue  # null (or a wrong type, which msgspec names): left in place
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
+            if k >= N_LISTS:  # a b64 field
+                if i >= n or b[i] != 34:
+                    continue  # null (or a wrong type, which msgspec names): left in place
+                start, nb0 = i, nb
+                i, nb, st = _b64(b, i, n, raw, nb)
+                if st != OK:
+                    return st, nrec, item + 1, ne, nr
+                records[nrec, R_KEY] = k
+                records[nrec, R_ITEM] = item
+                records[nrec, R_START] = start
+                records[nrec, R_END] = i
+                records[nrec, R_ROW0] = 0
+                records[nrec, R_ROW1] = 0
+                records[nrec, R_ENT0] = nb0
+                records[nrec, R_ENT1] = nb
+                nrec += 1
+                continue
+            if i >= n or b[i] != 91:
+                continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
             if k == 0:
                 i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
@@ -483,7 +560,7 @@ def rows_scan(body: bytes) -> tuple[Any, ...] | None:
 
 def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
     """:func:`scan` over ``body`` with buffers big enough for any body of its size:
-    ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls,
+    ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
     records)``. Allocated with ``np.empty``: pages a scan does not touch cost nothing."""
     n = len(body)
     b = np.frombuffer(body, dtype=np.uint8)
@@ -496,9 +573,10 @@ def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
     ids = np.empty(entries, dtype=np.int64)
     widths = np.empty(rows, dtype=np.int32)
     nulls = np.empty(rows, dtype=np.uint8)
+    raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
     records = np.empty((n // 8 + 8, 8), dtype=np.int64)
-    got = scan(b, batch, lps, ids, widths, nulls, records)
-    return got, lps, ids, widths, nulls, records
+    got = scan(b, batch, lps, ids, widths, nulls, raw, records)
+    return got, lps, ids, widths, nulls, raw, records
 
 
 @_compiled
@@ -550,7 +628,8 @@ def id_rows_json(ids: Any) -> bytes | None:
 _WARM_BODY = (
     b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"input_token_logprobs":'
     b'[[null,1,null],[-0.5,2]],"input_token_ids_logprobs":[null,[[-1.25e-3,3,null]]],'
-    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]]}}'
+    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]],'
+    b'"input_top_logprobs_val_flat_b64":"AAAAAA==","input_top_logprobs_idx_flat_b64":"AQID"}}'
 )
 
 

@@ -1,8 +1,9 @@
 """The compiled scanner (:mod:`opd_stream._jit_kernel`) as a reader of scoring answers.
 
-:func:`read_answers_jit` runs the scan (GIL released), cuts the logprob lists it parsed
-out of the body, decodes what is left (the envelope: ``finish_reason``, ``weight_version``,
-the b64 fields, and every other key) with the msgspec decoder's own types
+:func:`read_answers_jit` runs the scan (GIL released), cuts the logprob lists and base64
+strings it parsed out of the body, decodes what is left (the envelope: ``finish_reason``,
+``weight_version``, the b64 shape fields, and every other key) with the msgspec decoder's
+own types
 (:func:`opd_stream._decode_score.decode_metas`), and hands the array decoder
 (:mod:`opd_stream._decode_arrow`) the same columns pyarrow's reader would. An answer the
 scan does not take, or whose envelope does not decode, gives ``None``: the next parser
@@ -33,27 +34,28 @@ def read_answers_jit(body: bytes | bytearray, batch: bool) -> JitAnswers | None:
     kernel = compiled()
     if kernel is None or not body:
         return None
-    (status, n_rec, n_items, n_ent, n_rows), lps, ids, widths, nulls, records = kernel.run_scan(
-        body, batch
-    )
+    got, lps, ids, widths, nulls, raw, records = kernel.run_scan(body, batch)
+    status, n_rec, n_items, n_ent, n_rows = got
     if status != kernel.OK:
         return None
     rec = records[:n_rec]
-    pieces: list[bytes | bytearray] = []
+    view = memoryview(body)
+    pieces: list[bytes | memoryview] = []
     pos = 0
-    for start, end in rec[:, [kernel.R_START, kernel.R_END]].tolist():
-        pieces += (body[pos:start], b"[]")
+    for key, start, end in rec[:, [kernel.R_KEY, kernel.R_START, kernel.R_END]].tolist():
+        pieces += (view[pos:start], b"[]" if key < kernel.N_LISTS else b'""')
         pos = end
-    pieces.append(body[pos:])
+    pieces.append(view[pos:])
     metas = decode_metas(b"".join(pieces), batch)
     if metas is None or len(metas) != n_items:
         return None
     keys = [k.decode() for k in kernel.KEYS]
     for key, item in rec[:, [kernel.R_KEY, kernel.R_ITEM]].tolist():
-        if getattr(metas[item], keys[key]) != []:  # the envelope must agree with the scan
+        # the envelope must agree with the scan
+        if getattr(metas[item], keys[key]) != ([] if key < kernel.N_LISTS else ""):
             return None
     return JitAnswers(
-        metas, keys, rec, lps[:n_ent], ids[:n_ent], widths[:n_rows], nulls[:n_rows], kernel
+        metas, keys, rec, lps[:n_ent], ids[:n_ent], widths[:n_rows], nulls[:n_rows], raw, kernel
     )
 
 
@@ -61,7 +63,7 @@ class JitAnswers:
     """:class:`~opd_stream._arrow_reader.Answers` from the scan: the cut lists' columns
     come from the kernel's buffers, everything else from the decoded envelope."""
 
-    __slots__ = ("_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_rec", "_widths")
+    __slots__ = ("_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_rec", "_widths")
 
     def __init__(
         self,
@@ -72,11 +74,12 @@ class JitAnswers:
         ids: npt.NDArray[np.int64],
         widths: npt.NDArray[np.int32],
         nulls: npt.NDArray[np.uint8],
+        raw: npt.NDArray[np.uint8],
         kernel: Any,
     ) -> None:
         self._metas, self._keys, self._rec = metas, keys, rec
         self._lps, self._ids, self._widths, self._nulls = lps, ids, widths, nulls
-        self._k = kernel
+        self._raw, self._k = raw, kernel
 
     def __len__(self) -> int:
         return len(self._metas)
@@ -86,6 +89,16 @@ class JitAnswers:
 
     def finish_types(self) -> list[str | None]:
         return [None if m.finish_reason is None else m.finish_reason.type for m in self._metas]
+
+    def b64(self, name: str) -> list[bytes | None] | None:
+        k = self._k
+        out: list[bytes | None] = [None] * len(self._metas)
+        for n, r in enumerate(self._records(name)):
+            if r is not None:
+                out[n] = self._raw[r[k.R_ENT0] : r[k.R_ENT1]].tobytes()
+            elif getattr(self._metas[n], name) is not None:
+                return None  # a string the scan did not decode: cannot happen, but be sure
+        return out
 
     def _records(self, name: str) -> list[list[int] | None]:
         """The record of ``name`` per item (``None``: null or absent)."""

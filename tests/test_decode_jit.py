@@ -284,7 +284,7 @@ def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch
 
     kernel = jr.compiled()
     assert kernel is not None
-    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, records = kernel.run_scan(
+    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.run_scan(
         data, batch
     )
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
@@ -292,3 +292,31 @@ def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch
     for rec in records[:n_rec]:
         assert 0 <= rec[kernel.R_START] < rec[kernel.R_END] <= len(data)
     assert read_answers_jit(data, batch) is None or data.lstrip()[:1] in (b"{", b"[")
+
+
+def _b64_answer(edit: Any) -> bytes:
+    obj = copy.deepcopy(VALID["topk-b64"])
+    meta = (obj[-1] if isinstance(obj, list) else obj)["meta_info"]
+    meta["input_top_logprobs_val_flat_b64"] = edit(meta["input_top_logprobs_val_flat_b64"])
+    return wf.encode(obj)
+
+
+@pytest.mark.parametrize(
+    ("label", "edit", "taken"),
+    [
+        ("as sent", lambda t: t, True),
+        ("an escaped slash", lambda t: t.replace("/", "\\/") if "/" in t else t + "\\/", False),
+        ("excess padding", lambda t: t + "====" if not t.endswith("=") else t, False),
+        ("a space inside", lambda t: t[:4] + " " + t[4:], False),
+        ("a non-alphabet character", lambda t: t[:4] + "*" + t[5:], False),
+        ("padding inside", lambda t: t[:4] + "=" + t[5:], False),
+        ("one character short", lambda t: t[:-1], False),
+        ("empty", lambda t: "", False),
+    ],
+)
+def test_b64_strings_are_read_as_b64decode_reads_them(label: str, edit: Any, taken: bool) -> None:
+    body = _b64_answer(lambda t: edit(t))
+    if "\\/" in label or "escaped" in label:
+        body = body.replace(b"\\\\/", b"\\/")  # one JSON escape, not an escaped backslash
+    fast = _differential(body, REQUESTS["topk-b64"])
+    assert (fast is not None) is taken, label

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ._decode_checks import spread
+
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
 
@@ -236,5 +238,5 @@ class ArrowAnswers:
 def gather(starts: npt.NDArray[np.intp], widths: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
     """Concatenated ``arange(s, s + w)`` for each (s, w)."""
     total = int(widths.sum())
-    base = np.repeat(starts - (np.cumsum(widths) - widths), widths)
+    base = spread(starts - (np.cumsum(widths) - widths), widths)
     return base + np.arange(total, dtype=np.intp)

@@ -13,7 +13,10 @@ scenario 1 quick, batches of 8 x 1024 tokens, only-student, top-k 16: ~48 ms wal
 batch for ~6 ms of CPU before this layout, ~15 ms for ~2 ms now). So the stage keeps the
 number of such calls low and independent of the batch size: the per-sample arrays are
 joined and the results split with plain memory copies (``memoryview``/``bytearray``, which
-keep the GIL), not one numpy/torch call per sample and array.
+keep the GIL), not one numpy/torch call per sample and array. A copy of
+``_GIL_FREE_COPY`` bytes or more (a long response's top-k: a 16384 x 64 float32 array is
+4 MiB, ~2-5 ms to copy, more with fresh pages) is numpy's instead, which releases the GIL:
+held that long, the loop would stall.
 
 Results: every tensor of a :class:`~opd_stream._sample.ScoredSample` owns its memory (a
 copy of the sample's rows of the batch result). Views into the batch tensors would save
@@ -55,6 +58,8 @@ from ._kl import (
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
 
 __all__ = ("empty_result", "score_batch", "timed_score_batch")
+
+_GIL_FREE_COPY = 1 << 20
 
 
 def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
@@ -116,7 +121,10 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
         for a in arrays:
             if a.size:
                 src = np.ascontiguousarray(a, dtype=dtype).data.cast("B")
-                dst[offset : offset + src.nbytes] = src
+                if src.nbytes >= _GIL_FREE_COPY:  # a long copy: numpy's, the GIL released
+                    np.copyto(block[offset : offset + src.nbytes], np.frombuffer(src, np.uint8))
+                else:
+                    dst[offset : offset + src.nbytes] = src
                 offset += src.nbytes
         host = block[start:offset].view(dtype).reshape(n, width)
         fields[name] = torch.from_numpy(host)
@@ -129,7 +137,9 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
 
 def _own(a: npt.NDArray[Any]) -> torch.Tensor:
     """A CPU tensor holding a copy of the C-contiguous ``a`` (a plain memory copy that keeps
-    the GIL; see the module doc)."""
+    the GIL, see the module doc; numpy's, which releases it, from ``_GIL_FREE_COPY``)."""
+    if a.nbytes >= _GIL_FREE_COPY:
+        return torch.from_numpy(a.copy())
     return torch.from_numpy(np.frombuffer(bytearray(a.data), dtype=a.dtype).reshape(a.shape))
 
 

@@ -24,6 +24,7 @@ import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol, Self
 
+import anyio.lowlevel
 import msgspec
 
 from ._budget import current_lease
@@ -38,6 +39,8 @@ __all__ = (
 )
 
 _READ_CHUNK = 1 << 18
+#: Bytes read between two turns given to the event loop (see ``_read_body``).
+_YIELD_BYTES = 1 << 20
 
 
 class Response(msgspec.Struct, frozen=True):
@@ -186,12 +189,17 @@ class PooledTransport(abc.ABC):
         ``Content-Length`` included), each chunk charged to the task's budget lease."""
         lease = current_lease()
         buf = bytearray()
+        since_yield = 0
         async for chunk in chunks:
             if len(buf) + len(chunk) > max_bytes:
                 raise ResponseTooLarge(max_bytes, url=url)
             if lease is not None:
                 await lease.grow(len(chunk))
             buf += chunk
+            since_yield += len(chunk)
+            if since_yield >= _YIELD_BYTES:  # buffered chunks come without a suspension:
+                since_yield = 0  # let the loop run between megabytes of copying
+                await anyio.lowlevel.checkpoint()
         if lease is not None:
             lease.done_reading()
         return buf

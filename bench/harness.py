@@ -58,6 +58,8 @@ class ClientMeter:
         self.peak_rss = 0
         self.rss_start = 0
         self._own_cpu = 0.0
+        self._kids: list[psutil.Process] = []
+        self._kids_at = -1e9
         self._stop = threading.Event()
 
     def _children_cpu(self) -> dict[int, float]:
@@ -71,11 +73,18 @@ class ClientMeter:
         return out
 
     def _rss(self) -> int:
+        # Listing children walks all of /proc (milliseconds, with the GIL held, which the
+        # measured event loop would feel as lag): the list is refreshed once a second.
+        now = time.monotonic()
+        if now - self._kids_at >= 1.0:
+            self._kids_at = now
+            self._kids = [
+                ch for ch in self._me.children(recursive=True) if ch.pid not in self._exclude
+            ]
         total = self._me.memory_info().rss
-        for ch in self._me.children(recursive=True):
-            if ch.pid not in self._exclude:
-                with contextlib.suppress(psutil.Error):
-                    total += ch.memory_info().rss
+        for ch in self._kids:
+            with contextlib.suppress(psutil.Error):
+                total += ch.memory_info().rss
         return total
 
     def _sample(self) -> None:

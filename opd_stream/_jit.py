@@ -1,4 +1,5 @@
-"""The compiled kernels (:mod:`opd_stream._jit_kernel`, numba): compiled once per process,
+"""The compiled kernels (:mod:`opd_stream._jit_kernel`, :mod:`opd_stream._jit_ids`, numba,
+called through :mod:`opd_stream._jit_calls`): compiled once per process,
 off the event loop, or never.
 
 numba is optional (the ``jit`` extra). :func:`prepare` imports it and compiles the kernels
@@ -53,10 +54,10 @@ def prepare() -> bool:
 
             if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
                 raise RuntimeError("NUMBA_DISABLE_JIT is set")
-            from . import _jit_kernel
+            from . import _jit_calls
 
-            _jit_kernel.warm()
-            _kernel = _jit_kernel
+            _jit_calls.warm()
+            _kernel = _jit_calls
     except Exception as exc:  # numba absent or unusable here: the other paths remain
         _failed = True
         _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)

@@ -1,11 +1,12 @@
-"""The compiled kernels (numba, ``nogil``: the GIL is released while they run): the
-scanner of scoring answers, which reads an answer's logprob lists straight into numpy
-buffers, and the writer of per-position id rows for request payloads.
+"""The compiled scanner (numba, ``nogil``: the GIL is released while it runs): a scoring
+answer's logprob lists (and a rollout's top-k rows) straight into numpy buffers.
 
-Plain functions over numpy arrays; :mod:`opd_stream._jit` compiles them off the event loop,
+Plain functions over numpy arrays, called through :mod:`opd_stream._jit_calls`;
 :mod:`opd_stream._jit_reader` turns what the scan returns into the checked columns the
-column decoder (:mod:`opd_stream._decode_arrow`) reads, and :mod:`opd_stream._payloads`
-writes per-position payloads with :func:`id_rows_json`.
+column decoder (:mod:`opd_stream._decode_arrow`) reads. Every function the scan calls is
+in this one file, on purpose: numba's disk cache keys a compiled function on its own file
+only, so a callee in another file could be served stale after an edit (the reason this
+module is longer than the project's 400-line rule).
 
 What the scan does, in one pass:
 
@@ -36,7 +37,6 @@ near a threshold the checks compare against, else :data:`UNUSUAL`.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numba
 import numpy as np
@@ -47,18 +47,24 @@ __all__ = (
     "MAX_DEPTH",
     "N_LISTS",
     "OK",
+    "R_END",
+    "R_ENT0",
+    "R_ENT1",
+    "R_ITEM",
+    "R_KEY",
+    "R_ROW0",
+    "R_ROW1",
+    "R_START",
     "UNUSUAL",
-    "id_rows_json",
-    "rows_scan",
-    "run_scan",
+    "njit_cached",
     "scan",
-    "warm",
+    "scan_rows",
 )
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
 UNUSUAL = 1
-#: The output buffers were too small (cannot happen with :func:`buffer_sizes`).
+#: The output buffers were too small (cannot happen with ``_jit_calls``' sizes).
 CAPACITY = 2
 
 #: The values the scan parses, by index in the records it returns. Index 0 is a list of
@@ -78,7 +84,7 @@ _N_KEYS = len(KEYS)
 MAX_DEPTH = 64
 
 
-def _compiled(fn):  # type: ignore[no-untyped-def]
+def njit_cached(fn):  # type: ignore[no-untyped-def]
     """``numba.njit(nogil=True)``, cached on disk where numba finds a writable place (next
     to this module, else the user's cache directory); without one, numba refuses
     ``cache=True`` outright, so compile uncached."""
@@ -101,7 +107,7 @@ _META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 
 
-@_compiled
+@njit_cached
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = b[i]
@@ -112,12 +118,12 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
     return i
 
 
-@_compiled
+@njit_cached
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
 
 
-@_compiled
+@njit_cached
 def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
     """Whether an approximate double ``v`` (within a few ulps of the exact value) rounds
     to the same float32 as the exact value would, far from every checked threshold."""
@@ -133,7 +139,7 @@ def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
     return half - abs(v - f) > a * 1e-14
 
 
-@_compiled
+@njit_cached
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
@@ -215,7 +221,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     return i, v, True
 
 
-@_compiled
+@njit_cached
 def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
     """A ``[`` entry, ... ``]`` list at ``b[i]`` (which is ``[``): (next index, entries
     after it, status)."""
@@ -285,7 +291,7 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
         return i, ne, UNUSUAL
 
 
-@_compiled
+@njit_cached
 def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-untyped-def]
     """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
     cap = widths.shape[0]
@@ -318,7 +324,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
         return i, ne, nr, UNUSUAL
 
 
-@_compiled
+@njit_cached
 def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     """A JSON string at ``b[i]`` (which is ``"``) of canonical base64 (no escapes, no
     whitespace, exactly the padding its length needs), decoded into ``raw[nb:]``:
@@ -370,7 +376,7 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     return i + 1, nb, OK
 
 
-@_compiled
+@njit_cached
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
     for k in range(starts.shape[0] - 1):
@@ -387,7 +393,7 @@ def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     return -1
 
 
-@_compiled
+@njit_cached
 def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     if e - s != word.shape[0]:
         return False
@@ -397,7 +403,7 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     return True
 
 
-@_compiled
+@njit_cached
 def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-untyped-def]
     """Scan a whole answer (see the module docstring).
 
@@ -528,8 +534,8 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     return OK, nrec, item + 1, ne, nr
 
 
-@_compiled
-def _scan_rows(b, lps, ids, widths, nulls):  # type: ignore[no-untyped-def]
+@njit_cached
+def scan_rows(b, lps, ids, widths, nulls):  # type: ignore[no-untyped-def]
     """A whole body that is one list of rows (the grammar of a ``meta_info`` rows list):
     ``(status, entries, rows)``."""
     n = b.shape[0]
@@ -540,103 +546,3 @@ def _scan_rows(b, lps, ids, widths, nulls):  # type: ignore[no-untyped-def]
     if st == OK and _ws(b, i, n) != n:
         st = UNUSUAL
     return st, ne, nr
-
-
-def rows_scan(body: bytes) -> tuple[Any, ...] | None:
-    """A JSON list of rows of ``[logprob, id(, null)]`` entries (what ``msgspec.json``
-    writes for a rollout's Python top-k rows) into ``(lps, ids, widths, nulls)`` (per
-    entry, per row; a null logprob is NaN), or ``None`` for anything else."""
-    n = len(body)
-    b = np.frombuffer(body, dtype=np.uint8)
-    lps = np.empty(n // 6 + 1, dtype=np.float64)
-    ids = np.empty(n // 6 + 1, dtype=np.int64)
-    widths = np.empty(n // 3 + 1, dtype=np.int32)
-    nulls = np.empty(n // 3 + 1, dtype=np.uint8)
-    status, ne, nr = _scan_rows(b, lps, ids, widths, nulls)
-    if status != OK:
-        return None
-    return lps[:ne], ids[:ne], widths[:nr], nulls[:nr]
-
-
-def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
-    """:func:`scan` over ``body`` with buffers big enough for any body of its size:
-    ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
-    records)``. Allocated with ``np.empty``: pages a scan does not touch cost nothing."""
-    n = len(body)
-    b = np.frombuffer(body, dtype=np.uint8)
-    if b.flags.writeable:  # one compiled variant: read-only bytes
-        b = b.view()
-        b.flags.writeable = False
-    entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
-    rows = n // 3 + 1  # the shortest row, "[],", 3
-    lps = np.empty(entries, dtype=np.float64)
-    ids = np.empty(entries, dtype=np.int64)
-    widths = np.empty(rows, dtype=np.int32)
-    nulls = np.empty(rows, dtype=np.uint8)
-    raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
-    records = np.empty((n // 8 + 8, 8), dtype=np.int64)
-    got = scan(b, batch, lps, ids, widths, nulls, raw, records)
-    return got, lps, ids, widths, nulls, raw, records
-
-
-@_compiled
-def _write_id_rows(ids, out):  # type: ignore[no-untyped-def]
-    """``ids`` (int64 ``[R, k]``, each in ``[0, 2^62)``) as ``[a,b],[c,d]`` into ``out``;
-    the bytes written, or -1 for an id out of that range."""
-    digits = np.empty(20, dtype=np.uint8)
-    pos = 0
-    for r in range(ids.shape[0]):
-        if r:
-            out[pos] = 44
-            pos += 1
-        out[pos] = 91
-        pos += 1
-        for j in range(ids.shape[1]):
-            if j:
-                out[pos] = 44
-                pos += 1
-            v = ids[r, j]
-            if v < 0 or v >= 4611686018427387904:
-                return -1
-            nd = 0
-            while True:
-                digits[nd] = 48 + v % 10
-                v //= 10
-                nd += 1
-                if v == 0:
-                    break
-            for t in range(nd - 1, -1, -1):
-                out[pos] = digits[t]
-                pos += 1
-        out[pos] = 93
-        pos += 1
-    return pos
-
-
-def id_rows_json(ids: Any) -> bytes | None:
-    """``[a,b],[c,d]`` for int64 ``ids [R, k]`` (rows of non-negative ids), the same bytes
-    as ``msgspec.json.encode(ids.tolist())[1:-1]``; ``None`` for a negative id. The GIL is
-    released while it writes."""
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    r, k = ids.shape
-    out = np.empty(max(r * (3 + 21 * k), 1), dtype=np.uint8)  # "[...]," and "digits,"
-    n = _write_id_rows(ids, out)
-    return None if n < 0 else out[:n].tobytes()
-
-
-#: A tiny answer that makes numba compile every path of the scan once.
-_WARM_BODY = (
-    b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"input_token_logprobs":'
-    b'[[null,1,null],[-0.5,2]],"input_token_ids_logprobs":[null,[[-1.25e-3,3,null]]],'
-    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]],'
-    b'"input_top_logprobs_val_flat_b64":"AAAAAA==","input_top_logprobs_idx_flat_b64":"AQID"}}'
-)
-
-
-def warm() -> None:
-    """Compile (or load from numba's cache) every kernel, with the argument types they
-    are always called with."""
-    run_scan(_WARM_BODY, False)
-    run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
-    rows_scan(b"[[[-0.5,1,null]],null]")
-    id_rows_json(np.zeros((1, 1), dtype=np.int64))

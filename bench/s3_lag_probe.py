@@ -5,10 +5,10 @@ process: a short warm pass (4 samples), then ``--passes`` measured passes over a
 samples, each printing lag p99 / max, the garbage collections over 10 ms while measuring
 and which parser decoded the answers. ``--parser arrow`` hides the compiled scanner (as
 without numba). Seen on this 2-core machine: the first pass (the mocks still compute most
-answers, which arrive spread out) keeps p99 at 5-8 ms; later passes (every answer replayed
-at once from the mocks' caches, as in scenario 3, whose warm pass covers all samples) reach
-20-35 ms with either parser, with no long collection in the window; asyncio's debug mode
-names ``_Pipeline.worker`` task steps of over 15 ms, not yet attributed.
+answers, which arrive spread out) keeps p99 at 3-8 ms; later passes (every answer replayed
+at once from the mocks' caches, as in scenario 3, whose warm pass covers all samples) at
+13-19 ms, most of it the one join of each 46 MB body on the loop (before it was a single
+join, the growing bytearray's reallocs made that 16-35 ms).
 
     .venv/bin/python -m bench.s3_lag_probe [--parser jit|arrow] [--samples 16] [--passes 3]
 """

@@ -28,7 +28,7 @@ from ._decode_score import decode_segments
 from ._jit import available, prepare
 from ._jit_reader import read_answers_jit
 from ._payloads import build_score_payload, payload_size_hint
-from ._wire import ScoreRequest, layout
+from ._wire import Layout, ScoreRequest, layout
 
 __all__ = (
     "Answer",
@@ -144,25 +144,39 @@ def _decode_one(
     body: bytes | bytearray, req: ScoreRequest, parser: Parser
 ) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
+    per_position = req.ids is not None and req.id_form == "per-position"
+    return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
+
+
+def _decode_laid(
+    body: bytes | bytearray,
+    lay: Layout,
+    batch: bool,
+    top_k: int,
+    parser: Parser,
+    per_position: bool,
+) -> tuple[ScoreRows, Parser]:
+    """``parser``'s reader first (unless msgspec), msgspec for what it hands back."""
     if parser != "msgspec":
         rows = decode_segments_arrow(
             body,
-            batch=lay.batch,
+            batch=batch,
             segments=lay.segments,
             tokens=lay.tokens,
-            top_k=req.top_k,
+            top_k=top_k,
             reader=_READERS[parser],
         )
         if rows is not None:
             return rows, parser
-    return decode_segments(
+    got = decode_segments(
         body,
-        batch=lay.batch,
+        batch=batch,
         segments=lay.segments,
         tokens=lay.tokens,
-        top_k=req.top_k,
-        per_position=req.ids is not None and req.id_form == "per-position",
-    ), "msgspec"
+        top_k=top_k,
+        per_position=per_position,
+    )
+    return got, "msgspec"
 
 
 def decode_block_answers(
@@ -184,22 +198,4 @@ def _decode_blocks(
     if len(bodies) != len(lay.segments):
         raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
     joined = b"[" + b",".join(bodies) + b"]"
-    if parser != "msgspec":
-        rows = decode_segments_arrow(
-            joined,
-            batch=True,
-            segments=lay.segments,
-            tokens=lay.tokens,
-            top_k=req.top_k,
-            reader=_READERS[parser],
-        )
-        if rows is not None:
-            return rows, parser
-    return decode_segments(
-        joined,
-        batch=True,
-        segments=lay.segments,
-        tokens=lay.tokens,
-        top_k=req.top_k,
-        per_position=False,
-    ), "msgspec"
+    return _decode_laid(joined, lay, True, req.top_k, parser, False)

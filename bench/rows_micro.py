@@ -3,10 +3,11 @@
 A rollout engine that decoded SGLang's nested JSON hands over ``R`` rows of ``k`` entries,
 ``[logprob, id]`` pairs or ``[logprob, id, None]`` triples (the Miles form). Turning them
 into int64 / float32 arrays is pure Python-object work (it holds the GIL whatever runs it).
-This compares, on the same rows, what ``opd_stream`` does (``parse_student_topk``: msgspec
-validates every entry, then ``np.fromiter``) with the other ways measured, each marked by
-whether it checks what ``parse_student_topk`` checks (types, bools, ids in int64, short
-rows). CPU time per response token, the least of several repeats, GC off.
+This compares, on the same rows, what ``opd_stream`` does (``parse_student_topk``: with
+numba, ``msgspec.msgpack`` writes the rows and the compiled reader takes them back; without
+it, msgspec validates every entry, then ``np.fromiter``) with the other ways measured, each
+marked by whether it checks what ``parse_student_topk`` checks (types, bools, ids in int64,
+short rows). CPU time per response token, the least of several repeats, GC off.
 
 Run::
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from opd_stream import _jit
 from opd_stream._student_topk import parse_student_topk
 
 __all__ = ("main",)
@@ -37,6 +39,14 @@ def _rows(r: int, k: int, width: int, seed: int = 0) -> list[list[list[Any]]]:
         lps = (-rng.random(k) * 10).astype(np.float32).tolist()
         out.append([[lp, i, None][:width] for lp, i in zip(lps, ids, strict=True)])
     return out
+
+
+def _entry_by_entry(rows: list[Any], r: int, k: int) -> Any:
+    kernel, _jit._kernel = _jit._kernel, None
+    try:
+        return parse_student_topk(rows, r, k)
+    finally:
+        _jit._kernel = kernel
 
 
 def _nested_array(rows: list[Any], r: int, k: int) -> Any:
@@ -57,6 +67,7 @@ def _flat_slices(rows: list[Any], r: int, k: int) -> Any:
 
 WAYS: dict[str, tuple[Callable[[list[Any], int, int], Any], str]] = {
     "opd_stream parse_student_topk": (parse_student_topk, "every check"),
+    "opd_stream without numba (entry by entry)": (_entry_by_entry, "every check"),
     "np.array(rows, float64)": (_nested_array, "no type checks; full rows only"),
     "np.array(rows, object) + astype": (_object_array, "no type checks; full rows only"),
     "flatten + np.array of slices": (_flat_slices, "no type checks; uniform entries only"),
@@ -83,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--response", type=int, default=2048)
     p.add_argument("--k", type=int, default=16)
     a = p.parse_args(argv)
+    if not _jit.prepare():
+        print("numba unavailable: both opd_stream rows are the entry-by-entry path")
     print(f"R = {a.response}, k = {a.k}; us of CPU per response token (GC off)")
     print("| rows | way | us/token | checks |")
     print("|---|---|---|---|")

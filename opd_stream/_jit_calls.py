@@ -27,8 +27,8 @@ from ._jit_kernel import (
     R_START,
     UNUSUAL,
     scan,
-    scan_rows,
 )
+from ._jit_rows import read_rows
 
 __all__ = (
     "KEYS",
@@ -44,26 +44,22 @@ __all__ = (
     "R_START",
     "UNUSUAL",
     "id_rows_json",
-    "rows_scan",
+    "rows_read",
     "run_scan",
     "warm",
 )
 
 
-def rows_scan(body: bytes) -> tuple[Any, ...] | None:
-    """A JSON list of rows of ``[logprob, id(, null)]`` entries (what ``msgspec.json``
-    writes for a rollout's Python top-k rows) into ``(lps, ids, widths, nulls)`` (per
-    entry, per row; a null logprob is NaN), or ``None`` for anything else."""
-    n = len(body)
+def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
+    """The msgpack of a rollout's ``r`` Python top-k rows into ``(lps float64 [r * k],
+    ids int64 [r * k])``, each row's first ``k`` entries (a ``nil`` logprob is ``-inf``),
+    or ``None`` for anything :func:`opd_stream._jit_rows.read_rows` does not take."""
     b = np.frombuffer(body, dtype=np.uint8)
-    lps = np.empty(n // 6 + 1, dtype=np.float64)
-    ids = np.empty(n // 6 + 1, dtype=np.int64)
-    widths = np.empty(n // 3 + 1, dtype=np.int32)
-    nulls = np.empty(n // 3 + 1, dtype=np.uint8)
-    status, ne, nr = scan_rows(b, lps, ids, widths, nulls)
-    if status != OK:
+    lps = np.empty(r * k, dtype=np.float64)
+    ids = np.empty(r * k, dtype=np.int64)
+    if read_rows(b, r, k, lps, lps.view(np.uint64), ids) != OK:
         return None
-    return lps[:ne], ids[:ne], widths[:nr], nulls[:nr]
+    return lps, ids
 
 
 def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
@@ -96,10 +92,16 @@ _WARM_BODY = (
 )
 
 
+#: Two rows in every form :func:`rows_read` takes (msgspec.msgpack of
+#: ``[[[-0.5, 1, None], [None, -2, "a"]], [[0, 2**40]]]``, written out so that warming
+#: needs no msgspec).
+_WARM_ROWS = bytes.fromhex("929293cbbfe000000000000001c093c0fea161919200cf0000010000000000")
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) every kernel, with the argument types they
     are always called with."""
     run_scan(_WARM_BODY, False)
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
-    rows_scan(b"[[[-0.5,1,null]],null]")
+    rows_read(_WARM_ROWS, 2, 1)
     id_rows_json(np.zeros((1, 1), dtype=np.int64))

@@ -58,7 +58,6 @@ __all__ = (
     "UNUSUAL",
     "njit_cached",
     "scan",
-    "scan_rows",
 )
 
 OK = 0
@@ -532,17 +531,3 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             meta_key = False
         i += 1
     return OK, nrec, item + 1, ne, nr
-
-
-@njit_cached
-def scan_rows(b, lps, ids, widths, nulls):  # type: ignore[no-untyped-def]
-    """A whole body that is one list of rows (the grammar of a ``meta_info`` rows list):
-    ``(status, entries, rows)``."""
-    n = b.shape[0]
-    i = _ws(b, 0, n)
-    if i >= n or b[i] != 91:
-        return UNUSUAL, 0, 0
-    i, ne, nr, st = _rows(b, i, n, _P10, lps, ids, 0, widths, nulls, 0)
-    if st == OK and _ws(b, i, n) != n:
-        st = UNUSUAL
-    return st, ne, nr

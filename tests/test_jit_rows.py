@@ -43,14 +43,21 @@ _LPS = (
     | st.floats(width=32, max_value=0.0, allow_nan=False)
     | st.sampled_from([None, -math.inf, math.inf, math.nan, 0, -3, 5e-5, 1e-3, True])
 )
-_IDS = st.integers(0, 200_000) | st.sampled_from([-1, -7, 2**40, 2**64, 3.0, False])
-_ENTRY = st.builds(lambda lp, i, w: [lp, i, None][:w], _LPS, _IDS, st.sampled_from([2, 3, 3]))
+_IDS = (
+    st.integers(0, 200_000)
+    | st.integers(-(2**63), 2**63 - 1)  # every msgpack integer width, signed and unsigned
+    | st.sampled_from([-1, -7, -129, 2**40, 2**63, 2**64, 3.0, False])
+)
+_TEXT = st.sampled_from([None, None, "", "a", "é" * 40, "x" * 300, 7, b"b"])
+_ENTRY = st.builds(
+    lambda lp, i, text, w: [lp, i, text][:w], _LPS, _IDS, _TEXT, st.sampled_from([2, 3, 3])
+) | st.sampled_from([None, [], [-0.5], [-0.5, 1, None, 2], (-0.5, 2), {"lp": -1.0}])
 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), r=st.integers(0, 6), k=st.integers(1, 4))
 def test_any_rows_give_the_same_arrays_or_error(data: st.DataObject, r: int, k: int) -> None:
-    width = st.just(k) | st.integers(0, k + 1)
+    width = st.just(k) | st.integers(0, k + 3)
     rows = data.draw(
         st.lists(
             width.flatmap(lambda w: st.lists(_ENTRY, min_size=w, max_size=w)),
@@ -61,20 +68,49 @@ def test_any_rows_give_the_same_arrays_or_error(data: st.DataObject, r: int, k: 
     _both(rows, r, k)
 
 
-def test_miles_rows_take_the_scanner_and_match(monkeypatch: pytest.MonkeyPatch) -> None:
-    rng = np.random.default_rng(5)
-    rows = [
-        [[float(np.float32(-rng.random() * 9)), int(i), None] for i in rng.choice(9000, 8, False)]
-        for _ in range(300)
-    ]
-    rows[3][2][0] = None  # a -inf logprob
-    calls = []
+def _rows_read_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record whether each call of the compiled reader took its rows."""
+    calls: list[bool] = []
     kernel = jit.compiled()
     assert kernel is not None
-    real = kernel.rows_scan
-    monkeypatch.setattr(kernel, "rows_scan", lambda body: calls.append(1) or real(body))
-    assert _both(rows, 300, 8)[0] == "ok"
-    assert calls  # the scanner read them
+    real = kernel.rows_read
+
+    def spy(body: bytes, r: int, k: int) -> Any:
+        got = real(body, r, k)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(kernel, "rows_read", spy)
+    return calls
+
+
+@pytest.mark.parametrize("values", ["float32", "float64"])
+def test_miles_rows_take_the_reader_and_match(values: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    lps = -rng.random((300, 10)) * 9
+    if values == "float32":
+        lps = lps.astype(np.float32).astype(np.float64)
+    rows = [
+        [[float(lp), int(i), None] for lp, i in zip(lr, rng.choice(9000, 10, False), strict=True)]
+        for lr in lps
+    ]
+    rows[3][2][0] = None  # a -inf logprob
+    rows[4][1][2] = "tok"  # SGLang's text element
+    rows[5][0][0] = -0.0
+    calls = _rows_read_calls(monkeypatch)
+    assert _both(rows, 300, 8)[0] == "ok"  # 10 entries a row, the first 8 kept
+    assert calls == [True]
+
+
+def test_the_reader_gives_every_logprob_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    lps = np.array([-0.0, -1e-300, -5e-324, -1.0000000000000002, -(2.0**-149), -3e38, -1e39])
+    rows = [[[float(lp), n]] for n, lp in enumerate(lps)]
+    calls = _rows_read_calls(monkeypatch)
+    _, lp32 = parse_student_topk(rows, len(rows), 1)
+    assert calls == [True]
+    with np.errstate(over="ignore"):  # -1e39 is -inf in float32
+        want = lps.astype(np.float32).reshape(-1, 1)
+    assert lp32.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ._jit_checks import FAULTS, topk_faults
 from ._jit_ids import id_rows_json
 from ._jit_kernel import (
     KEYS,
@@ -45,6 +46,7 @@ __all__ = (
     "UNUSUAL",
     "id_rows_json",
     "rows_read",
+    "topk_check",
     "run_scan",
     "warm",
 )
@@ -60,6 +62,17 @@ def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
     if read_rows(b, r, k, lps, lps.view(np.uint64), ids) != OK:
         return None
     return lps, ids
+
+
+def topk_check(
+    ids: Any, lps: Any, pad_id: int, max_id: int, tolerance: float
+) -> tuple[Any, dict[str, int]]:
+    """A student top-k's checks in one compiled pass (:func:`opd_stream._jit_checks.
+    topk_faults`): ``(logprobs as float32 [R, k], {fault: first row})``, the faults
+    named as in :data:`opd_stream._jit_checks.FAULTS`, only those found."""
+    out = np.empty(ids.shape, dtype=np.float32)
+    first = topk_faults(ids, lps, pad_id, max_id, tolerance, out)
+    return out, {name: int(row) for name, row in zip(FAULTS, first, strict=True) if row >= 0}
 
 
 def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
@@ -105,3 +118,6 @@ def warm() -> None:
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
     rows_read(_WARM_ROWS, 2, 1)
     id_rows_json(np.zeros((1, 1), dtype=np.int64))
+    ids = np.zeros((1, 1), dtype=np.int64)
+    for dtype in (np.float64, np.float32):
+        topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

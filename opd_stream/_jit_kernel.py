@@ -110,10 +110,9 @@ R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = b[i]
-        if c == 32 or c == 10 or c == 13 or c == 9:
-            i += 1
-        else:
+        if c > 32 or (c != 32 and c != 10 and c != 13 and c != 9):  # most often the first
             return i
+        i += 1
     return i
 
 
@@ -136,6 +135,32 @@ def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
     # half the float32 spacing of the binade below |v| (the smaller, so conservative)
     half = math.ldexp(1.0, e - 26)
     return half - abs(v - f) > a * 1e-14
+
+
+_ASCII_ZEROS = np.uint64(0x3030303030303030)
+_HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
+_PLUS_SIX = np.uint64(0x0606060606060606)
+_ALL_THREES = np.uint64(0x3333333333333333)
+_LANES8 = np.uint64(0x00FF00FF00FF00FF)
+_LANES16 = np.uint64(0x0000FFFF0000FFFF)
+_LANES32 = np.uint64(0xFFFFFFFF)
+
+
+@njit_cached
+def _eight_digits(b, i):  # type: ignore[no-untyped-def]
+    """The value of the eight ASCII digits at ``b[i : i + 8]``, or -1 if any byte is not
+    a digit (SWAR: the bytes as one little-endian word, three multiplies)."""
+    x = np.uint64(0)
+    for j in range(8):
+        x |= np.uint64(b[i + j]) << np.uint64(8 * j)
+    # each byte: high nibble 3, and the byte + 6 still has high nibble 3 (0x30-0x39)
+    if (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4)) != _ALL_THREES:
+        return np.int64(-1)
+    x -= _ASCII_ZEROS
+    x = (x * np.uint64(10) + (x >> np.uint64(8))) & _LANES8  # pairs: 10 * first + second
+    x = (x * np.uint64(100) + (x >> np.uint64(16))) & _LANES16
+    x = (x * np.uint64(10000) + (x >> np.uint64(32))) & _LANES32
+    return np.int64(x)
 
 
 @njit_cached
@@ -172,6 +197,15 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
         i += 1
         if i >= n or b[i] < 48 or b[i] > 57:
             return i, 0.0, False
+        # eight digits at a time once past the leading zeros, while they fit 18 digits
+        while m != 0 and nd <= 10 and i + 8 <= n:
+            x = _eight_digits(b, i)
+            if x < 0:
+                break
+            m = m * 100000000 + x
+            nd += 8
+            e -= 8
+            i += 8
         while i < n:
             c = b[i]
             if c < 48 or c > 57:

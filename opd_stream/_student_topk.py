@@ -73,9 +73,7 @@ def parse_student_topk(
         )
     fast = _scanned_topk(rows, response_length, k)
     if fast is not None:
-        ids, lps = fast
-        _check_student_topk(ids, lps, field)
-        return ids, to_logprobs(lps, field)
+        return _checked_rows(*fast, field)
     try:
         parsed = msgspec.convert(rows, list[list[Entry | None]])
     except msgspec.ValidationError as exc:
@@ -100,8 +98,7 @@ def parse_student_topk(
     for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
         if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
             raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
-    _check_student_topk(ids, lps, field)
-    return ids, to_logprobs(lps, field)
+    return _checked_rows(ids, lps, field)
 
 
 _ROWS_MSGPACK = msgspec.msgpack.Encoder()
@@ -163,6 +160,56 @@ def _padded_topk(
     return ids.reshape(-1), lps.reshape(-1)
 
 
+#: The faults of the row form, in the order they are reported (NaN is judged before, where
+#: a ``None`` can still be told from a NaN; padding only ever ends a row).
+_ROW_FAULTS = (
+    ("negative_id", "a negative token id"),
+    ("duplicate", "a duplicate token id"),
+    ("lp_posinf", "a +inf logprob"),
+    ("lp_above", "a value > 0, which is not a logprob"),
+)
+#: The faults of the array form, in the order they are reported.
+_ARRAY_FAULTS = (
+    ("negative_id", "a negative token id"),
+    ("id_above", f"a token id above {MAX_TOKEN_ID}"),
+    ("lp_nan", "a NaN logprob"),
+    ("lp_posinf", "a +inf logprob"),
+    ("lp_above", "a value > 0, which is not a logprob"),
+    ("pad_before_id", f"padding (id {PAD_ID}) before a token id: pad at the end"),
+    ("duplicate", "a duplicate token id"),
+)
+
+
+def _compiled_check(
+    ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.floating[Any]],
+    field: str,
+    faults: tuple[tuple[str, str], ...],
+) -> npt.NDArray[np.float32] | None:
+    """The checks in one compiled pass: the float32 logprobs (``-inf`` for padding and
+    NaN), or ``None`` without the kernels. Raises for the first of ``faults`` found."""
+    kernel = compiled()
+    if kernel is None:
+        return None
+    out, found = kernel.topk_check(ids, lps, PAD_ID, MAX_TOKEN_ID, LOGPROB_TOLERANCE)
+    for name, what in faults:
+        if name in found:
+            raise InvalidSampleError(field, f"row {found[name]} holds {what}")
+    out_: npt.NDArray[np.float32] = out
+    return out_
+
+
+def _checked_rows(
+    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """The row form's ids and logprobs (NaN for ``None``, NaN-checked), checked."""
+    out = _compiled_check(ids, lps, field, _ROW_FAULTS)
+    if out is not None:
+        return ids, out
+    _check_student_topk(ids, lps, field)
+    return ids, to_logprobs(lps, field)
+
+
 def _check_student_topk(
     ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
 ) -> None:
@@ -208,6 +255,10 @@ def student_topk_arrays(
             f"got {ids.shape} and {logprobs.shape}",
         )
     ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
+    if logprobs.dtype in (np.float32, np.float64):
+        checked = _compiled_check(ids, np.ascontiguousarray(logprobs[:, :k]), field, _ARRAY_FAULTS)
+        if checked is not None:
+            return ids, checked
     lps = np.asarray(logprobs[:, :k], dtype=np.float64)
 
     def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
@@ -236,7 +287,8 @@ def student_topk_arrays(
         srt = np.sort(ids, axis=1)
         if (row := first_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID))) is not None:
             raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
-    return ids, lps.astype(np.float32)
+    with np.errstate(over="ignore"):  # below -float32 max: -inf, as it should
+        return ids, lps.astype(np.float32)
 
 
 _ROWS_IN_THREAD = 1 << 15

@@ -249,6 +249,29 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
     _differential(body, REQUESTS["ids-per-position"])
 
 
+def test_eight_digits_at_once_only_when_all_eight_are_digits() -> None:
+    from opd_stream._jit_kernel import _eight_digits
+
+    for pos in range(8):
+        for byte in range(256):
+            text = bytearray(b"12345678")
+            text[pos] = byte
+            got = _eight_digits(np.frombuffer(bytes(text), dtype=np.uint8), 0)
+            want = int(text) if text.isdigit() else -1
+            assert got == want, (pos, byte)
+    for value in (0, 9, 10_000_000, 99_999_999, 12_345_678, 90_000_009):
+        assert _eight_digits(np.frombuffer(b"%08d" % value, dtype=np.uint8), 0) == value
+
+
+@FUZZ
+@given(digits=st.text("0123456789", min_size=1, max_size=40), point=st.integers(0, 40))
+def test_long_digit_runs_are_read_as_msgspec_reads_them(digits: str, point: int) -> None:
+    point = min(point, len(digits) - 1)
+    text = "-" + digits[: point + 1].lstrip("0").rjust(1, "0") + "." + digits[point + 1 :] + "1"
+    body = _per_position(lambda s: s.replace("-0.5", text, 1))
+    _differential(body, REQUESTS["ids-per-position"])
+
+
 def test_without_numba_the_other_parsers_remain(monkeypatch: pytest.MonkeyPatch) -> None:
     import opd_stream._jit as jr
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import opd_stream._jit as jit
 from opd_stream import InvalidSampleError
-from opd_stream._student_topk import parse_student_topk
+from opd_stream._student_topk import parse_student_topk, student_topk_arrays
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -123,3 +123,43 @@ def test_a_bad_logprob_is_named_alike(
     rows = [[[-0.5, 1, None], [-1.0, 2, None]], [[lp, 3, None], [-2.0, 4, None]]]
     kind, text = _both(rows, 2, 2)[:2]
     assert kind == "error" and message in text and "row 1" in text
+
+
+def _array_outcome(ids: Any, lps: Any, r: int, k: int) -> Any:
+    try:
+        got_ids, got_lps = student_topk_arrays(ids, lps, r, k)
+    except InvalidSampleError as exc:
+        return ("error", str(exc))
+    return ("ok", got_ids.tobytes(), got_ids.shape, got_lps.tobytes(), got_lps.dtype)
+
+
+_ARRAY_IDS = st.sampled_from([0, 1, 2, 3, 70_000, 2**31 - 1, 2**31, -1, -1, -2])
+_ARRAY_LPS = st.sampled_from([-0.5, -0.0, 0.0, 5e-5, 2e-4, -np.inf, np.inf, np.nan, -1e39, -3.0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    r=st.integers(0, 5),
+    k=st.integers(1, 4) | st.just(40),
+    extra=st.integers(0, 2),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+def test_the_compiled_array_checks_match_the_vectorised_ones(
+    data: st.DataObject, r: int, k: int, extra: int, dtype: Any
+) -> None:
+    width = k + extra
+    flat_ids = data.draw(st.lists(_ARRAY_IDS, min_size=r * width, max_size=r * width))
+    flat_lps = data.draw(st.lists(_ARRAY_LPS, min_size=r * width, max_size=r * width))
+    ids = np.array(flat_ids, dtype=np.int64).reshape(r, width)
+    with np.errstate(over="ignore"):
+        lps = np.array(flat_lps, dtype=np.float64).astype(dtype).reshape(r, width)
+    if data.draw(st.booleans()):  # mostly valid: distinct ids, padding at the end
+        ids = np.tile(np.arange(width, dtype=np.int64), (r, 1))
+        ids[:, width - data.draw(st.integers(0, width)) :] = -1
+        lps = np.where(np.isnan(lps) | (lps > 0), -1.0, lps).astype(dtype)
+    fast = _array_outcome(ids, lps, r, k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jit, "_kernel", None)
+        slow = _array_outcome(ids, lps, r, k)
+    assert fast == slow

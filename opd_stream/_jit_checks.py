@@ -1,0 +1,92 @@
+"""The compiled checks of a student top-k (numba, ``nogil``): every fault the vectorised
+checks of :mod:`opd_stream._student_topk` look for, in one pass over ``[R, k]`` arrays
+instead of a dozen (and no ``np.sort`` of the whole array), with the float32 logprobs
+written on the way.
+
+Its own module: it calls no function of another file (numba's disk cache keys a compiled
+function on its own file only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit_kernel import njit_cached
+
+__all__ = ("FAULTS", "topk_faults")
+
+#: The faults, in the order of what :func:`topk_faults` returns.
+FAULTS = (
+    "negative_id",  # below the padding id
+    "id_above",  # above ``max_id``
+    "lp_nan",
+    "lp_posinf",
+    "lp_above",  # above ``tolerance`` (+inf included)
+    "pad_before_id",  # a padding id before a token id in the row
+    "duplicate",  # a token id twice in the row (padding ignored)
+)
+NEGATIVE_ID, ID_ABOVE, LP_NAN, LP_POSINF, LP_ABOVE, PAD_BEFORE_ID, DUPLICATE = range(7)
+N_FAULTS = len(FAULTS)
+_SMALL_K = 32  # up to here, a row's ids are compared pairwise; above, sorted
+
+
+@njit_cached
+def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-untyped-def]
+    """Check ``ids`` (int64 ``[R, k]``) and ``lps`` (float ``[R, k]``) and write ``lps`` as
+    float32 into ``out`` (``-inf`` where the id is ``pad_id``, whatever the logprob there,
+    and for a NaN).
+
+    Returns int64 ``[len(FAULTS)]``: for each fault, the first row that holds it, or -1. A
+    logprob in a padding slot is never judged; a duplicate ignores padding ids.
+    """
+    r, k = ids.shape
+    first = np.full(N_FAULTS, -1, dtype=np.int64)
+    scratch = np.empty(k, dtype=np.int64)
+    for row in range(r):
+        seen_pad = False
+        for j in range(k):
+            d = ids[row, j]
+            if d == pad_id:
+                seen_pad = True
+                out[row, j] = -np.inf
+                continue
+            if seen_pad and first[PAD_BEFORE_ID] < 0:
+                first[PAD_BEFORE_ID] = row
+            if d < pad_id and first[NEGATIVE_ID] < 0:
+                first[NEGATIVE_ID] = row
+            if d > max_id and first[ID_ABOVE] < 0:
+                first[ID_ABOVE] = row
+            v = lps[row, j]
+            if v != v:
+                out[row, j] = -np.inf
+                if first[LP_NAN] < 0:
+                    first[LP_NAN] = row
+                continue
+            out[row, j] = v
+            if v > tolerance:
+                if v == np.inf and first[LP_POSINF] < 0:
+                    first[LP_POSINF] = row
+                if first[LP_ABOVE] < 0:
+                    first[LP_ABOVE] = row
+        if first[DUPLICATE] >= 0:
+            continue
+        if k <= _SMALL_K:
+            for j in range(1, k):
+                d = ids[row, j]
+                if d == pad_id:
+                    continue
+                for jj in range(j):
+                    if ids[row, jj] == d:
+                        first[DUPLICATE] = row
+                        break
+                if first[DUPLICATE] >= 0:
+                    break
+        else:
+            for j in range(k):
+                scratch[j] = ids[row, j]
+            scratch.sort()
+            for j in range(1, k):
+                if scratch[j] == scratch[j - 1] and scratch[j] != pad_id:
+                    first[DUPLICATE] = row
+                    break
+    return first

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_checks import FAULTS, topk_faults
-from ._jit_ids import id_rows_json
+from ._jit_checks import FAULTS, first_duplicate_row, topk_faults
+from ._jit_ids import positions_json
 from ._jit_kernel import (
     KEYS,
     N_LISTS,
@@ -44,7 +44,8 @@ __all__ = (
     "R_ROW1",
     "R_START",
     "UNUSUAL",
-    "id_rows_json",
+    "first_duplicate_row",
+    "positions_json",
     "rows_read",
     "topk_check",
     "run_scan",
@@ -117,7 +118,8 @@ def warm() -> None:
     run_scan(_WARM_BODY, False)
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True)
     rows_read(_WARM_ROWS, 2, 1)
-    id_rows_json(np.zeros((1, 1), dtype=np.int64))
+    positions_json(np.zeros((1, 1), dtype=np.int64), 1)
     ids = np.zeros((1, 1), dtype=np.int64)
+    first_duplicate_row(ids, -1)
     for dtype in (np.float64, np.float32):
         topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

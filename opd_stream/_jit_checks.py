@@ -13,7 +13,7 @@ import numpy as np
 
 from ._jit_kernel import njit_cached
 
-__all__ = ("FAULTS", "topk_faults")
+__all__ = ("FAULTS", "first_duplicate_row", "topk_faults")
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (
@@ -28,6 +28,38 @@ FAULTS = (
 NEGATIVE_ID, ID_ABOVE, LP_NAN, LP_POSINF, LP_ABOVE, PAD_BEFORE_ID, DUPLICATE = range(7)
 N_FAULTS = len(FAULTS)
 _SMALL_K = 32  # up to here, a row's ids are compared pairwise; above, sorted
+
+
+@njit_cached
+def _has_duplicate(ids, row, pad_id, scratch):  # type: ignore[no-untyped-def]
+    """Whether row ``row`` of ``ids`` holds an id other than ``pad_id`` twice."""
+    k = ids.shape[1]
+    if k <= _SMALL_K:
+        for j in range(1, k):
+            d = ids[row, j]
+            if d != pad_id:
+                for jj in range(j):
+                    if ids[row, jj] == d:
+                        return True
+        return False
+    for j in range(k):
+        scratch[j] = ids[row, j]
+    scratch.sort()
+    for j in range(1, k):  # noqa: SIM110 (a generator in any() does not compile)
+        if scratch[j] == scratch[j - 1] and scratch[j] != pad_id:
+            return True
+    return False
+
+
+@njit_cached
+def first_duplicate_row(ids, pad_id):  # type: ignore[no-untyped-def]
+    """The first row of ``ids`` (int64 ``[R, k]``) that holds an id other than ``pad_id``
+    twice, or -1."""
+    scratch = np.empty(ids.shape[1], dtype=np.int64)
+    for row in range(ids.shape[0]):
+        if _has_duplicate(ids, row, pad_id, scratch):
+            return row
+    return -1
 
 
 @njit_cached
@@ -68,25 +100,6 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
                     first[LP_POSINF] = row
                 if first[LP_ABOVE] < 0:
                     first[LP_ABOVE] = row
-        if first[DUPLICATE] >= 0:
-            continue
-        if k <= _SMALL_K:
-            for j in range(1, k):
-                d = ids[row, j]
-                if d == pad_id:
-                    continue
-                for jj in range(j):
-                    if ids[row, jj] == d:
-                        first[DUPLICATE] = row
-                        break
-                if first[DUPLICATE] >= 0:
-                    break
-        else:
-            for j in range(k):
-                scratch[j] = ids[row, j]
-            scratch.sort()
-            for j in range(1, k):
-                if scratch[j] == scratch[j - 1] and scratch[j] != pad_id:
-                    first[DUPLICATE] = row
-                    break
+        if first[DUPLICATE] < 0 and _has_duplicate(ids, row, pad_id, scratch):
+            first[DUPLICATE] = row
     return first

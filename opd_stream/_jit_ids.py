@@ -12,49 +12,73 @@ import numpy as np
 
 from ._jit_kernel import njit_cached
 
-__all__ = ("id_rows_json",)
+__all__ = ("positions_json",)
+
+#: "00" "01" ... "99": two digits per table step, half the divisions.
+_PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()
+_LIMIT = 4611686018427387904  # 2^62: any id below it has at most 19 digits
 
 
 @njit_cached
-def _write_id_rows(ids, out):  # type: ignore[no-untyped-def]
-    """``ids`` (int64 ``[R, k]``, each in ``[0, 2^62)``) as ``[a,b],[c,d]`` into ``out``;
-    the bytes written, or -1 for an id out of that range."""
-    digits = np.empty(20, dtype=np.uint8)
+def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
+    """``[[],...,[],[a,b],[c,d]]`` (``empty_rows`` empty rows, then the rows of ``ids``,
+    int64 ``[R, k]``, each in ``[0, 2^62)``) into ``out``; the bytes written, or -1 for an
+    id out of that range."""
     pos = 0
+    out[pos] = 91
+    pos += 1
+    for _ in range(empty_rows):
+        out[pos] = 91
+        out[pos + 1] = 93
+        out[pos + 2] = 44
+        pos += 3
     for r in range(ids.shape[0]):
-        if r:
-            out[pos] = 44
-            pos += 1
         out[pos] = 91
         pos += 1
         for j in range(ids.shape[1]):
-            if j:
-                out[pos] = 44
-                pos += 1
             v = ids[r, j]
-            if v < 0 or v >= 4611686018427387904:
+            if v < 0 or v >= _LIMIT:
                 return -1
-            nd = 0
-            while True:
-                digits[nd] = 48 + v % 10
-                v //= 10
+            nd = 1
+            t = v
+            while t >= 10:
+                t //= 10
                 nd += 1
-                if v == 0:
-                    break
-            for t in range(nd - 1, -1, -1):
-                out[pos] = digits[t]
-                pos += 1
+            end = pos + nd
+            while v >= 100:
+                q = v // 100
+                p = 2 * (v - 100 * q)
+                out[end - 2] = _PAIRS[p]
+                out[end - 1] = _PAIRS[p + 1]
+                end -= 2
+                v = q
+            if v >= 10:
+                out[end - 2] = _PAIRS[2 * v]
+                out[end - 1] = _PAIRS[2 * v + 1]
+            else:
+                out[end - 1] = 48 + v
+            pos += nd
+            out[pos] = 44
+            pos += 1
+        if ids.shape[1]:
+            pos -= 1  # the last comma of the row
         out[pos] = 93
-        pos += 1
-    return pos
+        out[pos + 1] = 44
+        pos += 2
+    if ids.shape[0] or empty_rows:
+        pos -= 1  # the last comma
+    out[pos] = 93
+    return pos + 1
 
 
-def id_rows_json(ids: Any) -> bytes | None:
-    """``[a,b],[c,d]`` for int64 ``ids [R, k]`` (rows of non-negative ids), the same bytes
-    as ``msgspec.json.encode(ids.tolist())[1:-1]``; ``None`` for a negative id. The GIL is
-    released while it writes."""
+def positions_json(ids: Any, empty_rows: int) -> memoryview | None:
+    """``[[],...,[],ids[0],ids[1],...]`` (``empty_rows`` empty rows before the rows of
+    int64 ``ids [R, k]``, non-negative), the same bytes as
+    ``msgspec.json.encode([[]] * empty_rows + ids.tolist())``, as a view of the buffer it
+    was written into (no copy); ``None`` for a negative id. The GIL is released while it
+    writes."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     r, k = ids.shape
-    out = np.empty(max(r * (3 + 21 * k), 1), dtype=np.uint8)  # "[...]," and "digits,"
-    n = _write_id_rows(ids, out)
-    return None if n < 0 else out[:n].tobytes()
+    out = np.empty(2 + 3 * empty_rows + r * (3 + 20 * k), dtype=np.uint8)
+    n = _write_positions(ids, empty_rows, out)
+    return None if n < 0 else out.data[:n]

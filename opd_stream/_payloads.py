@@ -121,21 +121,21 @@ def build_block_payloads(req: ScoreRequest) -> list[bytes]:
 _ROWS_PER_CHUNK = 1024
 
 
-def _positions_json(ids: npt.NDArray[np.int64], prompt_length: int) -> bytes:
+def _positions_json(ids: npt.NDArray[np.int64], prompt_length: int) -> bytes | memoryview:
     """``[[],...,[],ids[0],ids[1],...]`` (``prompt_length`` empty rows) as compact JSON.
 
     Written by the compiled kernel once it is ready (:mod:`opd_stream._jit`; ~10x
-    cheaper, GIL released); else encoded ``_ROWS_PER_CHUNK`` rows at a time: the same
-    bytes as encoding the whole list, but no single call holds the GIL for long, so a
+    cheaper, GIL released, no copy); else encoded ``_ROWS_PER_CHUNK`` rows at a time: the
+    same bytes as encoding the whole list, but no single call holds the GIL for long, so a
     large payload built in a worker thread leaves the event loop its turns (and no list of
     ``R * k`` ints exists at once).
     """
-    parts = [b"[]"] * prompt_length
     kernel = compiled()
-    rows = None if kernel is None or not ids.size else kernel.id_rows_json(ids)
-    if rows is not None:  # the compiled writer: one call, the GIL released
-        parts.append(rows)
-        return b"[" + b",".join(parts) + b"]"
+    written = None if kernel is None else kernel.positions_json(ids, prompt_length)
+    if written is not None:  # the compiled writer: one call, the GIL released
+        view: memoryview = written
+        return view
+    parts = [b"[]"] * prompt_length
     for lo in range(0, ids.shape[0], _ROWS_PER_CHUNK):
         chunk = _ENCODER.encode(ids[lo : lo + _ROWS_PER_CHUNK].tolist())
         parts.append(chunk[1:-1])

@@ -57,6 +57,7 @@ import numpy.typing as npt
 
 from ._answers import Segment
 from ._errors import InvalidSampleError
+from ._jit import compiled
 
 __all__ = (
     "AUTO_BLOCK_SIZES",
@@ -140,13 +141,20 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
             raise InvalidSampleError("ids", f"dtype {ids.dtype} is not an integer type")
         if int(ids.min()) < 0 or int(ids.max()) >= _MAX_ID:
             raise InvalidSampleError("ids", f"an id is outside [0, {_MAX_ID})")
-        s = np.sort(ids, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-        if dup.any():
-            raise InvalidSampleError(
-                "ids", f"duplicate id in the row of response position {int(np.argmax(dup))}"
-            )
+        if (row := _duplicate_row(ids)) is not None:
+            raise InvalidSampleError("ids", f"duplicate id in the row of response position {row}")
     return tokens.astype(np.int64, copy=False), length - r
+
+
+def _duplicate_row(ids: npt.NDArray[np.integer[Any]]) -> int | None:
+    """The first row of ``ids`` (``[R, k]``, non-negative) that holds an id twice."""
+    kernel = compiled()
+    if kernel is not None:
+        row = int(kernel.first_duplicate_row(np.ascontiguousarray(ids, dtype=np.int64), -1))
+        return None if row < 0 else row
+    s = np.sort(ids, axis=1)
+    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    return int(np.argmax(dup)) if dup.any() else None
 
 
 def _sorted_unique(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

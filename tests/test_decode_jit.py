@@ -307,9 +307,7 @@ def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch
 
     kernel = jr.compiled()
     assert kernel is not None
-    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.run_scan(
-        data, batch
-    )
+    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.run_scan(data, batch)
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
     assert 0 <= n_ent <= lps.shape[0] and 0 <= n_rows <= widths.shape[0]
     for rec in records[:n_rec]:

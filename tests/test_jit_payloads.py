@@ -25,19 +25,23 @@ def _compiled() -> None:
         np.int64,
         hnp.array_shapes(min_dims=2, max_dims=2, min_side=0, max_side=9),
         elements=st.integers(0, 2**62 - 1),
-    )
+    ),
+    empty=st.integers(0, 3),
 )
-def test_id_rows_are_written_as_msgspec_writes_them(ids: np.ndarray) -> None:
+def test_id_rows_are_written_as_msgspec_writes_them(ids: np.ndarray, empty: int) -> None:
     kernel = jit.compiled()
     assert kernel is not None
-    assert kernel.id_rows_json(ids) == msgspec.json.encode(ids.tolist())[1:-1]
+    want = msgspec.json.encode([[]] * empty + ids.tolist())
+    assert bytes(kernel.positions_json(ids, empty)) == want
 
 
 def test_a_negative_or_huge_id_is_left_to_msgspec() -> None:
     kernel = jit.compiled()
     assert kernel is not None
-    assert kernel.id_rows_json(np.array([[3, -1]])) is None
-    assert kernel.id_rows_json(np.array([[2**62]])) is None
+    assert kernel.positions_json(np.array([[3, -1]]), 2) is None
+    assert kernel.positions_json(np.array([[2**62]]), 0) is None
+    top = 2**62 - 1
+    assert bytes(kernel.positions_json(np.array([[top, 0]]), 0)) == b"[[%d,0]]" % top
 
 
 @pytest.mark.parametrize(("r", "k"), [(1, 1), (7, 3), (300, 16)])
@@ -51,3 +55,24 @@ def test_per_position_payloads_are_the_same_bytes_with_and_without_the_kernel(
     fast = build_score_payload(req)
     monkeypatch.setattr(jit, "_kernel", None)
     assert build_score_payload(req) == fast
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=hnp.arrays(
+        np.int64,
+        st.tuples(st.integers(0, 6), st.sampled_from([1, 2, 5, 33, 40])),
+        elements=st.integers(0, 6),
+    )
+)
+def test_a_duplicate_id_is_found_in_the_same_row_with_and_without_the_kernel(
+    ids: np.ndarray,
+) -> None:
+    from opd_stream._wire import _duplicate_row
+
+    fast = _duplicate_row(ids)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jit, "_kernel", None)
+        assert _duplicate_row(ids) == fast
+    rows = [r for r in range(ids.shape[0]) if len(set(ids[r].tolist())) < ids.shape[1]]
+    assert fast == (rows[0] if rows else None)

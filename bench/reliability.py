@@ -369,14 +369,10 @@ async def _drain(
     stream: OPDStream,
     samples: list[Sample] | AsyncIterator[Sample],
     out: list[ScoredSample | SampleFailure],
-    reached: tuple[int, anyio.Event] | None = None,
 ) -> None:
-    """Collect the results of one run into ``out``; set ``reached[1]`` at ``reached[0]``."""
+    """Collect the results of one run into ``out``."""
     async with stream.run(samples) as results:
-        async for item in results:
-            out.append(item)
-            if reached is not None and len(out) >= reached[0]:
-                reached[1].set()
+        out.extend([item async for item in results])
 
 
 def _own_tasks() -> set[asyncio.Task[Any]]:
@@ -444,24 +440,34 @@ async def run_fault_mode(mode: FaultMode, n: int = DEFAULT_N, *, seed: int = 0) 
     return run
 
 
-async def _restart_mid_run(proc: MockProcess, kill: anyio.Event, restarted: anyio.Event) -> None:
-    """Kill ``proc`` once ``kill`` is set and it has requests in flight (so that the kill
-    costs something to recover from), start it again, then set ``restarted``."""
-    await kill.wait()
-    for _ in range(1000):  # poll the server's own gauge, for up to ~5 s
-        if await _in_flight(proc.url) > 0:
-            break
-        await anyio.sleep(0.005)
+async def _restart_mid_run(proc: MockProcess, restarted: anyio.Event) -> None:
+    """Kill ``proc`` while it certainly holds one of the run's requests, start it again,
+    then set ``restarted``.
+
+    The replica is first told to hang every request it gets (``fault_hang=1.0``: held
+    until its client goes away, counted as a hang), and is killed as soon as it holds one:
+    that request can only end by the kill, so the kill always costs a retry. (Killing when
+    its in-flight gauge showed requests raced them on a loaded machine: they could finish
+    before the kill landed, and nothing was retried.) The restarted process has its
+    original options again.
+    """
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proc.url + "/mock/options", json={"fault_hang": 1.0}) as r:
+            r.raise_for_status()
+        while True:  # poll the server's own counter; the caller's deadline bounds the wait
+            if await _hangs(session, proc.url):
+                break
+            await anyio.sleep(0.005)
     await anyio.to_thread.run_sync(proc.restart)
     restarted.set()
 
 
-async def _in_flight(url: str) -> int:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session, session.get(url + "/mock/stats") as resp:
+async def _hangs(session: Any, url: str) -> int:
+    async with session.get(url + "/mock/stats") as resp:
         stats = msgspec.json.decode(await resp.read())
-    return int(stats["in_flight"])
+    return int(stats["faults"].get("hang", 0))
 
 
 async def _gated(samples: list[Sample], half: int, gate: anyio.Event) -> AsyncIterator[Sample]:
@@ -500,17 +506,15 @@ async def _run_streams(
         async with anyio.create_task_group() as tg:
             a: list[Sample] | AsyncIterator[Sample] = workload.topk_samples
             b: list[Sample] | AsyncIterator[Sample] = workload.sampled_samples
-            reached: tuple[int, anyio.Event] | None = None
             if procs:
-                # kill a quarter in; the second half waits for the restart, so the
-                # restarted replica can be seen taking work again
+                # kill while it holds a request; the second half waits for the restart,
+                # so the restarted replica can be seen taking work again
                 restarted = anyio.Event()
                 n = len(workload.topk_samples)
                 a = _gated(workload.topk_samples, n // 2, restarted)
                 b = _gated(workload.sampled_samples, n // 2, restarted)
-                reached = (n // 4, anyio.Event())
-                tg.start_soon(_restart_mid_run, procs[0], reached[1], restarted)
-            tg.start_soon(_drain, sa, a, out_a, reached)
+                tg.start_soon(_restart_mid_run, procs[0], restarted)
+            tg.start_soon(_drain, sa, a, out_a)
             tg.start_soon(_drain, sb, b, out_b)
         wall = time.monotonic() - start
         stats = [sa.stats(), sb.stats()]

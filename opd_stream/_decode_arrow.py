@@ -35,6 +35,7 @@ from ._answers import ScoreRows, Segment
 from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
 from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
 from ._errors import ProtocolError
+from ._jit import compiled
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -156,13 +157,15 @@ def _decode(
     if any(seg.expect is not None for seg in segments):
         if any(seg.expect is None for seg in segments):
             return None  # no layout mixes them
-        got_ids = _id_rows(fields, segments, n_entries, n_in, n_tail)
-        if got_ids is None:
-            return None
-        ids_f, lps_f, tail_values = got_ids
-        id_lp = id_values(ids_f.astype(np.int64), lps_f, segments, batch)
-        if n_tail.any():
-            token_lp = with_tail_values(token_lp, tail_values, segments, batch)
+        id_lp = _picked_id_rows(fields["input_token_ids_logprobs"], segments, n_entries)
+        if id_lp is None:  # the general path (any layout; it names the fault)
+            got_ids = _id_rows(fields, segments, n_entries, n_in, n_tail)
+            if got_ids is None:
+                return None
+            ids_f, lps_f, tail_values = got_ids
+            id_lp = id_values(ids_f.astype(np.int64), lps_f, segments, batch)
+            if n_tail.any():
+                token_lp = with_tail_values(token_lp, tail_values, segments, batch)
     elif n_tail.any():
         return None
 
@@ -175,6 +178,37 @@ def _decode(
         used_b64=used_b64,
         weight_version=metas.values("weight_version")[0] if n_items else None,
     )
+
+
+def _picked_id_rows(
+    f: ArrowRows, segments: Sequence[Segment], n_entries: npt.NDArray[np.intp]
+) -> npt.NDArray[np.float32] | None:
+    """One per-position item's requested-id rows through the compiled pick
+    (:func:`opd_stream._jit_checks.pick_id_rows`): float32 ``[R, k]``, or ``None`` (no
+    kernels, another layout, or anything the general path must judge and name)."""
+    kernel = compiled()
+    if kernel is None or len(segments) != 1:
+        return None
+    seg = segments[0]
+    if seg.expect is None or seg.expect.ndim != 2 or seg.col is not None or seg.tail_col >= 0:
+        return None
+    if f.item_null[0] or f.count(0) != n_entries[0] or seg.rows > n_entries[0]:
+        return None
+    out = np.empty(seg.expect.shape, dtype=np.float32)
+    ok, top = kernel.pick_id_rows(
+        np.asarray(f.entries.ids, dtype=np.float64),
+        np.asarray(f.entries.lps, dtype=np.float64),
+        np.asarray(f.entry_off, dtype=np.intp),
+        np.asarray(f.row_width, dtype=np.intp),
+        np.asarray(f.row_null, dtype=bool),
+        int(f.item_off[1]) - seg.rows,
+        np.ascontiguousarray(seg.expect, dtype=np.int64),
+        out,
+    )
+    if not ok or top > LOGPROB_TOLERANCE:
+        return None
+    picked: npt.NDArray[np.float32] = out
+    return picked
 
 
 def _selected_rows(

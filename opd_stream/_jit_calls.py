@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_checks import FAULTS, first_duplicate_row, topk_faults
+from ._jit_checks import FAULTS, first_duplicate_row, pick_id_rows, topk_faults
 from ._jit_ids import positions_json
 from ._jit_kernel import (
     KEYS,
@@ -45,6 +45,7 @@ __all__ = (
     "R_START",
     "UNUSUAL",
     "first_duplicate_row",
+    "pick_id_rows",
     "positions_json",
     "rows_read",
     "topk_check",
@@ -121,5 +122,8 @@ def warm() -> None:
     positions_json(np.zeros((1, 1), dtype=np.int64), 1)
     ids = np.zeros((1, 1), dtype=np.int64)
     first_duplicate_row(ids, -1)
+    one = np.zeros(1, dtype=np.intp)
+    out = np.empty((1, 1), dtype=np.float32)
+    pick_id_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
     for dtype in (np.float64, np.float32):
         topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._jit_kernel import njit_cached
 
-__all__ = ("FAULTS", "first_duplicate_row", "topk_faults")
+__all__ = ("FAULTS", "first_duplicate_row", "pick_id_rows", "topk_faults")
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (
@@ -103,3 +103,32 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
         if first[DUPLICATE] < 0 and _has_duplicate(ids, row, pad_id, scratch):
             first[DUPLICATE] = row
     return first
+
+
+@njit_cached
+def pick_id_rows(e_ids, e_lps, entry_off, row_width, row_null, first_row, expect, out):  # type: ignore[no-untyped-def]
+    """The per-position requested-id rows of one answer, checked and picked in one pass.
+
+    Rows ``first_row .. first_row + R - 1`` (entry ``j`` of row ``t`` at ``entry_off[row]
+    + j`` of ``e_ids`` / ``e_lps``) must each be non-null, ``k`` wide, and return exactly
+    ``expect[t]`` (int64 ``[R, k]``) in order; their logprobs go to ``out`` (float32
+    ``[R, k]``, NaN as ``-inf``). Returns ``(ok, largest logprob)``; on ``ok`` False the
+    caller takes its general path, which names the fault.
+    """
+    r, k = expect.shape
+    top = -np.inf
+    for t in range(r):
+        row = first_row + t
+        if row_null[row] or row_width[row] != k:
+            return False, top
+        base = entry_off[row]
+        for j in range(k):
+            if e_ids[base + j] != expect[t, j]:
+                return False, top
+            v = e_lps[base + j]
+            if v != v:
+                out[t, j] = -np.inf
+            else:
+                top = max(top, v)
+                out[t, j] = v
+    return True, top

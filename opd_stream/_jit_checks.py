@@ -1,7 +1,8 @@
 """The compiled checks of a student top-k (numba, ``nogil``): every fault the vectorised
 checks of :mod:`opd_stream._student_topk` look for, in one pass over ``[R, k]`` arrays
-instead of a dozen (and no ``np.sort`` of the whole array), with the float32 logprobs
-written on the way.
+instead of a dozen (duplicates found by hashing each row's ids, not by sorting them),
+with the float32 logprobs written on the way; and the per-position id rows of an answer,
+checked and picked (:func:`pick_id_rows`).
 
 Its own module: it calls no function of another file (numba's disk cache keys a compiled
 function on its own file only).
@@ -27,27 +28,42 @@ FAULTS = (
 )
 NEGATIVE_ID, ID_ABOVE, LP_NAN, LP_POSINF, LP_ABOVE, PAD_BEFORE_ID, DUPLICATE = range(7)
 N_FAULTS = len(FAULTS)
-_SMALL_K = 32  # up to here, a row's ids are compared pairwise; above, sorted
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier
 
 
 @njit_cached
-def _has_duplicate(ids, row, pad_id, scratch):  # type: ignore[no-untyped-def]
-    """Whether row ``row`` of ``ids`` holds an id other than ``pad_id`` twice."""
-    k = ids.shape[1]
-    if k <= _SMALL_K:
-        for j in range(1, k):
-            d = ids[row, j]
-            if d != pad_id:
-                for jj in range(j):
-                    if ids[row, jj] == d:
-                        return True
-        return False
-    for j in range(k):
-        scratch[j] = ids[row, j]
-    scratch.sort()
-    for j in range(1, k):  # noqa: SIM110 (a generator in any() does not compile)
-        if scratch[j] == scratch[j - 1] and scratch[j] != pad_id:
-            return True
+def _id_table(k):  # type: ignore[no-untyped-def]
+    """An open-addressing table for the ids of one row: (ids, row stamps, shift), sized a
+    power of two at least ``4 k`` (a probe finds a free slot in ~1.2 steps)."""
+    bits = 4
+    while (1 << bits) < 4 * k:
+        bits += 1
+    return (
+        np.empty(1 << bits, dtype=np.int64),
+        np.full(1 << bits, -1, dtype=np.int64),
+        np.uint64(64 - bits),
+    )
+
+
+@njit_cached
+def _has_duplicate(ids, row, pad_id, tab, stamps, shift):  # type: ignore[no-untyped-def]
+    """Whether row ``row`` of ``ids`` holds an id other than ``pad_id`` twice: each id is
+    put in the table (``_id_table``; a slot is this row's when its stamp is ``row``, so
+    nothing is cleared between rows), where a second one finds the first."""
+    mask = tab.shape[0] - 1
+    for j in range(ids.shape[1]):
+        d = ids[row, j]
+        if d == pad_id:
+            continue
+        slot = np.int64((np.uint64(d) * _GOLDEN) >> shift)
+        while stamps[slot] == row:
+            if tab[slot] == d:
+                return True
+            slot = (slot + 1) & mask
+        stamps[slot] = row
+        tab[slot] = d
     return False
 
 
@@ -55,9 +71,9 @@ def _has_duplicate(ids, row, pad_id, scratch):  # type: ignore[no-untyped-def]
 def first_duplicate_row(ids, pad_id):  # type: ignore[no-untyped-def]
     """The first row of ``ids`` (int64 ``[R, k]``) that holds an id other than ``pad_id``
     twice, or -1."""
-    scratch = np.empty(ids.shape[1], dtype=np.int64)
+    tab, stamps, shift = _id_table(ids.shape[1])
     for row in range(ids.shape[0]):
-        if _has_duplicate(ids, row, pad_id, scratch):
+        if _has_duplicate(ids, row, pad_id, tab, stamps, shift):
             return row
     return -1
 
@@ -73,7 +89,7 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
     """
     r, k = ids.shape
     first = np.full(N_FAULTS, -1, dtype=np.int64)
-    scratch = np.empty(k, dtype=np.int64)
+    tab, stamps, shift = _id_table(k)
     for row in range(r):
         seen_pad = False
         for j in range(k):
@@ -100,7 +116,7 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
                     first[LP_POSINF] = row
                 if first[LP_ABOVE] < 0:
                     first[LP_ABOVE] = row
-        if first[DUPLICATE] < 0 and _has_duplicate(ids, row, pad_id, scratch):
+        if first[DUPLICATE] < 0 and _has_duplicate(ids, row, pad_id, tab, stamps, shift):
             first[DUPLICATE] = row
     return first
 

@@ -61,7 +61,7 @@ def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
     b = np.frombuffer(body, dtype=np.uint8)
     lps = np.empty(r * k, dtype=np.float64)
     ids = np.empty(r * k, dtype=np.int64)
-    if read_rows(b, r, k, lps, lps.view(np.uint64), ids) != OK:
+    if not read_rows(b, r, k, lps, lps.view(np.uint64), ids):
         return None
     return lps, ids
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit_kernel import njit_cached
+from ._jit_kernel import njit_cached, njit_leaf
 
 __all__ = ("FAULTS", "first_duplicate_row", "pick_id_rows", "topk_faults")
 
@@ -47,7 +47,7 @@ def _id_table(k):  # type: ignore[no-untyped-def]
     )
 
 
-@njit_cached
+@njit_leaf
 def _has_duplicate(ids, row, pad_id, tab, stamps, shift):  # type: ignore[no-untyped-def]
     """Whether row ``row`` of ``ids`` holds an id other than ``pad_id`` twice: each id is
     put in the table (``_id_table``; a slot is this row's when its stamp is ``row``, so
@@ -121,7 +121,7 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
     return first
 
 
-@njit_cached
+@njit_leaf
 def pick_id_rows(e_ids, e_lps, entry_off, row_width, row_null, first_row, expect, out):  # type: ignore[no-untyped-def]
     """The per-position requested-id rows of one answer, checked and picked in one pass.
 

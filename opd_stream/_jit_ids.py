@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_kernel import njit_cached
+from ._jit_kernel import njit_leaf
 
 __all__ = ("positions_json",)
 
@@ -19,7 +19,7 @@ _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8
 _LIMIT = 4611686018427387904  # 2^62: any id below it has at most 19 digits
 
 
-@njit_cached
+@njit_leaf
 def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
     """``[[],...,[],[a,b],[c,d]]`` (``empty_rows`` empty rows, then the rows of ``ids``,
     int64 ``[R, k]``, each in ``[0, 2^62)``) into ``out``; the bytes written, or -1 for an

@@ -6,21 +6,21 @@ logprobs come back bit for bit (NaN and infinities included) and the reader's wo
 byte walk. Called through :mod:`opd_stream._jit_calls`; it calls no function of another
 file (numba's disk cache keys a compiled function on its own file only).
 
-What it accepts, and nothing else (:data:`UNUSUAL` for the rest, which the entry-by-entry
-conversion then takes or rejects with its precise error): an outer array of ``R`` arrays;
-entries that are arrays of 2 or 3 elements; a logprob that is a float64, ``nil`` (written
-``-inf``) or an integer within ``±2^53``; an id that is an integer within int64; a third
-element that is ``nil`` or a string (skipped: the text is never used); at least ``k``
-entries in every row, of which the first ``k`` are kept (the rest are still read and
-checked). A ``nil`` entry, a short row, a bool, a float32, a map or anything else is
-:data:`UNUSUAL`.
+What it accepts, and nothing else (it answers ``False`` for the rest, which the
+entry-by-entry conversion then takes or rejects with its precise error): an outer array
+of ``R`` arrays; entries that are arrays of 2 or 3 elements; a logprob that is a
+float64, ``nil`` (written ``-inf``) or an integer within ``±2^53``; an id that is an
+integer within int64; a third element that is ``nil`` or a string (skipped: the text is
+never used); at least ``k`` entries in every row, of which the first ``k`` are kept (the
+rest are still read and checked). A ``nil`` entry, a short row, a bool, a float32, a map
+or anything else is unusual.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._jit_kernel import OK, UNUSUAL, njit_cached
+from ._jit_kernel import njit_leaf
 
 __all__ = ("read_rows",)
 
@@ -28,7 +28,7 @@ _U8 = np.uint64(8)
 _EXACT = 2**53
 
 
-@njit_cached
+@njit_leaf
 def _uint(b, i, size):  # type: ignore[no-untyped-def]
     """The big-endian unsigned integer of ``size`` bytes at ``b[i]``."""
     v = np.uint64(0)
@@ -37,7 +37,7 @@ def _uint(b, i, size):  # type: ignore[no-untyped-def]
     return v
 
 
-@njit_cached
+@njit_leaf
 def _int(b, i, n):  # type: ignore[no-untyped-def]
     """A msgpack integer at ``b[i]``: (next index, value, ok); ``ok`` is False for
     anything else and for an unsigned value beyond int64."""
@@ -66,7 +66,7 @@ def _int(b, i, n):  # type: ignore[no-untyped-def]
     return i, np.int64(0), False
 
 
-@njit_cached
+@njit_leaf
 def _array(b, i, n):  # type: ignore[no-untyped-def]
     """A msgpack array header at ``b[i]``: (next index, length); length -1 if not one."""
     if i >= n:
@@ -81,7 +81,7 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
     return i, -1
 
 
-@njit_cached
+@njit_leaf
 def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
     """A ``nil`` or a string at ``b[i]``: the next index, or -1."""
     c = b[i]
@@ -101,7 +101,7 @@ def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
     return start + size if start + size <= n else -1
 
 
-@njit_cached
+@njit_leaf
 def _be64(b, i):  # type: ignore[no-untyped-def]
     """The big-endian uint64 at ``b[i]``."""
     return (
@@ -116,21 +116,22 @@ def _be64(b, i):  # type: ignore[no-untyped-def]
     )
 
 
-@njit_cached
+@njit_leaf
 def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
     """Read ``b`` (the msgpack of ``r`` rows) into ``lps`` / ``lp_bits`` (one float64
-    buffer and its uint64 view, ``r * k``) and ``ids`` (int64, ``r * k``): :data:`OK` or
-    :data:`UNUSUAL`. The common forms (a float64 logprob, a small id, a ``nil`` text) are
-    tested first, inline; :func:`_int` and :func:`_skip_text` take the rest."""
+    buffer and its uint64 view, ``r * k``) and ``ids`` (int64, ``r * k``): whether it
+    took them (``False``: unusual, the entry-by-entry conversion decides). The common
+    forms (a float64 logprob, a small id, a ``nil`` text) are tested first, inline;
+    :func:`_int` and :func:`_skip_text` take the rest."""
     n = b.shape[0]
     i, rows = _array(b, 0, n)
     if rows != r:
-        return UNUSUAL
+        return False
     out = 0
     for _ in range(r):
         i, width = _array(b, i, n)
         if width < k:
-            return UNUSUAL
+            return False
         for e in range(width):
             if i + 12 > n:  # the shortest entry is 3 bytes; the slow checks take it
                 i, size = _array(b, i, n)
@@ -139,14 +140,14 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                 size = np.int64(c) - 0x90
                 i += 1
             if size != 2 and size != 3:
-                return UNUSUAL
+                return False
             if i >= n:
-                return UNUSUAL
+                return False
             c = b[i]
             keep = e < k
             if c == 0xCB:
                 if i + 9 > n:
-                    return UNUSUAL
+                    return False
                 if keep:
                     lp_bits[out] = _be64(b, i + 1)
                 i += 9
@@ -157,11 +158,11 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             else:
                 i, v, ok = _int(b, i, n)
                 if not ok or v > _EXACT or v < -_EXACT:
-                    return UNUSUAL
+                    return False
                 if keep:
                     lps[out] = np.float64(v)
             if i >= n:
-                return UNUSUAL
+                return False
             c = b[i]
             if c <= 0x7F:
                 d = np.int64(c)
@@ -180,17 +181,17 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             else:
                 i, d, ok = _int(b, i, n)
                 if not ok:
-                    return UNUSUAL
+                    return False
             if keep:
                 ids[out] = d
                 out += 1
             if size == 3:
                 if i >= n:
-                    return UNUSUAL
+                    return False
                 if b[i] == 0xC0:
                     i += 1
                 else:
                     i = _skip_text(b, i, n)
                     if i < 0:
-                        return UNUSUAL
-    return OK if i == n else UNUSUAL
+                        return False
+    return i == n

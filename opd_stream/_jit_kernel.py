@@ -36,7 +36,6 @@ near a threshold the checks compare against, else :data:`UNUSUAL`.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numba
@@ -115,6 +114,7 @@ def _njit(fn: Any, **options: Any) -> Any:
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _EXACT_MANTISSA = 2**53
 _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exact
+_2_POW_M26 = 2.0**-26
 _F32_TINY = 1.2e-38  # float32's smallest normal: below it, fall back
 _TOLERANCE = 1e-4  # _decode_checks.LOGPROB_TOLERANCE: a logprob near it falls back
 _KEY_BYTES = np.frombuffer(b"".join(KEYS), dtype=np.uint8).copy()
@@ -149,11 +149,18 @@ def _f32_unambiguous(v):  # type: ignore[no-untyped-def]
         return False
     if v > 0.0 and abs(v - _TOLERANCE) <= 1e-12:
         return False
-    f = np.float64(np.float32(v))
-    _, e = math.frexp(a)
-    # half the float32 spacing of the binade below |v| (the smaller, so conservative)
-    half = math.ldexp(1.0, e - 26)
-    return half - abs(v - f) > a * 1e-14
+    f32 = np.float32(v)
+    f = np.float64(f32)
+    d = abs(v - f)
+    # f's rounding interval reaches at least |f| 2^-25 on either side: well inside it
+    # (the common case, a float32 printed as a double), no neighbour is needed
+    if d < a * _2_POW_M26:
+        return True
+    # else the distance to the nearer rounding boundary, the midpoint between f and a
+    # float32 neighbour (exact in float64)
+    lo = (f + np.float64(np.nextafter(f32, np.float32(-np.inf)))) * 0.5
+    hi = (f + np.float64(np.nextafter(f32, np.float32(np.inf)))) * 0.5
+    return min(abs(v - lo), abs(v - hi)) > a * 1e-14
 
 
 _ASCII_ZEROS = np.uint64(0x3030303030303030)

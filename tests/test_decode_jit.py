@@ -249,6 +249,15 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
     _differential(body, REQUESTS["ids-per-position"])
 
 
+def test_full_double_logprobs_are_scanned_not_handed_back() -> None:
+    # a double that is no float32 (a server computing in float64) is still taken: its
+    # float32 rounding is unambiguous unless it lies within ~1e-14 of a rounding boundary
+    rng = np.random.default_rng(3)
+    for value in -rng.random(40) * 10:
+        body = _per_position(lambda s, v=value: s.replace("-0.5", repr(float(v)), 1))
+        assert _differential(body, REQUESTS["ids-per-position"]) is not None
+
+
 def test_eight_digits_at_once_only_when_all_eight_are_digits() -> None:
     from opd_stream._jit_kernel import _eight_digits
 

@@ -16,6 +16,7 @@ __all__ = ("positions_json",)
 
 #: "00" "01" ... "99": two digits per table step, half the divisions.
 _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()
+_POWERS = np.array([10**i for i in range(19)], dtype=np.int64)  # a digit count, no division
 _LIMIT = 4611686018427387904  # 2^62: any id below it has at most 19 digits
 
 
@@ -40,9 +41,7 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
             if v < 0 or v >= _LIMIT:
                 return -1
             nd = 1
-            t = v
-            while t >= 10:
-                t //= 10
+            while nd < 19 and v >= _POWERS[nd]:
                 nd += 1
             end = pos + nd
             while v >= 100:

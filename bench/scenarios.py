@@ -202,6 +202,21 @@ def _arrow_read(body: bytes) -> Any:
 _FLOOR_REPS = 7
 
 
+def floor_parsers(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
+    """CPU seconds of the two libraries that make the parsing floor, each the least of
+    ``_FLOOR_REPS`` runs (more than the rest: the floor's noise only ever lowers it)."""
+
+    def each(fn: Callable[[bytes], Any]) -> Callable[[], Any]:
+        return lambda: [fn(body) for body, _ in bodies]
+
+    return {
+        "msgspec.json.decode, untyped, gc off": _best_cpu(
+            each(msgspec.json.decode), gc_off=True, reps=_FLOOR_REPS
+        ),
+        "pyarrow.json.read_json": _best_cpu(each(_arrow_read), gc_off=False, reps=_FLOOR_REPS),
+    }
+
+
 def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
     """CPU seconds to parse ``bodies`` alone, per parser, and the threads' wall times.
 
@@ -218,14 +233,8 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
         return lambda: [fn(body, req) for body, req in bodies] and None
 
     threaded = parser_for(in_thread=True)  # compiles the scanner if it can
-    # the floor is the least of more runs than the rest: its noise only ever lowers it
     res = {
-        "msgspec.json.decode, untyped, gc off": _best_cpu(
-            each(lambda b, _: msgspec.json.decode(b)), gc_off=True, reps=_FLOOR_REPS
-        ),
-        "pyarrow.json.read_json": _best_cpu(
-            each(lambda b, _: _arrow_read(b)), gc_off=False, reps=_FLOOR_REPS
-        ),
+        **floor_parsers(bodies),
         "opd_stream msgspec decoder": _best_cpu(
             each(lambda b, r: decode_score_response(b, r)), gc_off=False
         ),
@@ -304,6 +313,11 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 strategy=strategy,
                 id_form="per-position",
             )
+            # the floor, measured right before and right after opd_stream's run (the least
+            # of both: this machine's speed drifts over minutes)
+            floor_samples = samples[: sz.s1_floor_samples]
+            bodies = await _fetch_bodies(floor_samples, teacher, student, k, strategy)
+            floor_before = floor_parsers(bodies)
             _settle()
             progress(f"s1 {label}: baseline")
             with ClientMeter(pids) as mb:
@@ -340,9 +354,10 @@ async def s1_rollout_tail(sz: Sizes, progress: Progress) -> dict[str, Any]:
             check = compare(opd, base)
             check["failures"] = len(opd.failures)
             progress(f"s1 {label}: decode floor")
-            floor_samples = samples[: sz.s1_floor_samples]
-            bodies = await _fetch_bodies(floor_samples, teacher, student, k, strategy)
             floors = decode_floor(bodies)
+            for name, before in floor_before.items():
+                floors[name] = min(floors[name], before)
+            del bodies
             floor_tok = _tokens(floor_samples)
             floor_per_1m = min(floors[p] for p in FLOOR_PARSERS) / floor_tok * 1e6
             o, b = om.as_dict(), bm.as_dict()

@@ -130,6 +130,22 @@ async def test_a_body_over_the_cap_is_refused(make: Any, chunked: bool) -> None:
 
 
 @both_transports
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_long_body_comes_back_byte_for_byte(make: Any, chunked: bool) -> None:
+    # many reads: with a Content-Length each goes straight into a buffer of that size
+    body = bytes(range(256)) * 12_289  # ~3 MiB, no two neighbouring chunks alike
+    if chunked:
+        pieces = [body[i : i + 70_001] for i in range(0, len(body), 70_001)]
+        data = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+        raw = _answer(data, headers="Transfer-Encoding: chunked\r\n", length=False)
+    else:
+        raw = _answer(body)
+    async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
+        resp = await transport.post(server.url, b"{}", max_bytes=len(body))
+        assert bytes(resp.body) == body
+
+
+@both_transports
 async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
     raw = _answer(b"\x1f\x8b" + b"\0" * 20, headers="Content-Encoding: gzip\r\n")
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:

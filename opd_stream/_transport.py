@@ -184,53 +184,30 @@ class PooledTransport(abc.ABC):
             raise ResponseTooLarge(max_bytes, url=url)
 
     @staticmethod
-    async def _read_body(
-        chunks: AsyncIterator[bytes], max_bytes: int, url: str, declared: int | None = None
-    ) -> bytearray:
+    async def _read_body(chunks: AsyncIterator[bytes], max_bytes: int, url: str) -> bytearray:
         """The body, chunk by chunk: the cap enforced as it is read (a lying or absent
-        ``Content-Length`` included), each chunk charged to the task's budget lease.
-
-        With a ``Content-Length`` (``declared``, already checked against the cap) each chunk
-        is copied, as it comes, into a buffer of that size: the one copy of the body is
-        spread over its chunks, between which the loop gets its turns. Joining them at the
-        end would hold the loop for the whole copy at once (5-20 ms for a 46 MB answer),
-        and a bytearray grown chunk by chunk is copied again at each realloc that cannot
-        grow in place (glibc serves it from the heap once numpy's large frees raised its
-        mmap threshold: ~10 full copies of a 46 MB body). Without one (or past it) the
-        chunks are kept and joined once.
-        """
+        ``Content-Length`` included), each chunk charged to the task's budget lease."""
         lease = current_lease()
-        buf = bytearray(declared) if declared else bytearray()
-        view = memoryview(buf)
         parts: list[bytes] = []
-        size = copied = since_yield = 0
-        try:
-            async for chunk in chunks:
-                n = len(chunk)
-                if size + n > max_bytes:
-                    raise ResponseTooLarge(max_bytes, url=url)
-                if lease is not None:
-                    await lease.grow(n)
-                if not parts and size + n <= len(buf):
-                    view[size : size + n] = chunk
-                    copied += n
-                else:  # no length declared, or more bytes than it said
-                    parts.append(chunk)
-                size += n
-                since_yield += n
-                if since_yield >= _YIELD_BYTES:  # buffered chunks come without a suspension:
-                    since_yield = 0  # let the loop run between megabytes
-                    await anyio.lowlevel.checkpoint()
-        finally:
-            view.release()
+        size = since_yield = 0
+        async for chunk in chunks:
+            if size + len(chunk) > max_bytes:
+                raise ResponseTooLarge(max_bytes, url=url)
+            if lease is not None:
+                await lease.grow(len(chunk))
+            parts.append(chunk)
+            size += len(chunk)
+            since_yield += len(chunk)
+            if since_yield >= _YIELD_BYTES:  # buffered chunks come without a suspension:
+                since_yield = 0  # let the loop run between megabytes
+                await anyio.lowlevel.checkpoint()
         if lease is not None:
             lease.done_reading()
-        if parts:
-            del buf[copied:]
-            return bytearray().join([buf, *parts])
-        if size < len(buf):  # fewer bytes than declared (the clients raise before this)
-            del buf[size:]
-        return buf
+        # One copy at the end: a bytearray grown chunk by chunk is copied again at each
+        # realloc that cannot grow in place (glibc serves it from the heap once numpy's
+        # large frees raised its mmap threshold), ~10 full copies of a 46 MB body, each
+        # holding the loop for milliseconds.
+        return bytearray().join(parts)
 
     def _failed(self, exc: BaseException, url: str) -> ConnectionFailed:
         """A connection problem below HTTP semantics; what the server sent back is redacted
@@ -320,7 +297,7 @@ class AiohttpTransport(PooledTransport):
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
                 )
                 chunks = resp.content.iter_chunked(_READ_CHUNK)
-                buf = await self._read_body(chunks, max_bytes, url, resp.content_length)
+                buf = await self._read_body(chunks, max_bytes, url)
                 return Response(resp.status, buf)  # no copy: see Response
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,

@@ -7,8 +7,9 @@ and which parser decoded the answers. ``--parser arrow`` hides the compiled scan
 without numba). Seen on this 2-core machine: the first pass (the mocks still compute most
 answers, which arrive spread out) keeps p99 at 3-8 ms; later passes (every answer replayed
 at once from the mocks' caches, as in scenario 3, whose warm pass covers all samples) at
-13-19 ms, most of it the one join of each 46 MB body on the loop (before it was a single
-join, the growing bytearray's reallocs made that 16-35 ms).
+14-16 ms, max 27-45 ms, since each body is copied into its buffer chunk by chunk as it
+comes (the same day, joining each 46 MB body at the end gave 19-22 ms, max 55-98 ms; a
+bytearray grown chunk by chunk, 16-35 ms before that).
 
     .venv/bin/python -m bench.s3_lag_probe [--parser jit|arrow] [--samples 16] [--passes 3]
 """

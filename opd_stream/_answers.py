@@ -14,7 +14,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("Generation", "ScoreRows", "Segment")
+__all__ = ("Body", "Generation", "ScoreRows", "Segment")
+
+#: An answer's body as the transports give it: ``bytes``, or what it was read into without
+#: another copy (a ``bytearray`` the chunks were joined into, or a ``memoryview`` of the
+#: buffer they were copied into as they came). Read-only by convention; every decoder
+#: takes any of the three.
+Body = bytes | bytearray | memoryview
 
 
 class ScoreRows(msgspec.Struct, frozen=True, kw_only=True):

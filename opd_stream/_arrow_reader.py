@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ._answers import Body
 from ._decode_checks import spread
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,7 +40,7 @@ _BATCH_END = re.compile(rb"\}[ \t\r\n]*\][ \t\r\n]*\Z")
 _ITEM_SEP = b"},{"
 
 
-def _ndjson(body: bytes | bytearray, batch: bool) -> tuple[bytes | bytearray, int] | None:
+def _ndjson(body: Body, batch: bool) -> tuple[Body, int] | None:
     """The bytes to give the reader (one object per row) and the rows they must hold.
 
     The reader takes newline-delimited objects, not a JSON array, so a batch answer
@@ -56,11 +57,11 @@ def _ndjson(body: bytes | bytearray, batch: bool) -> tuple[bytes | bytearray, in
     head, tail = _BATCH_SHAPE.match(body), _BATCH_END.search(body)
     if head is None or tail is None or tail.start() < head.end():
         return None
-    inner = body[head.end() : tail.start() + 1]
+    inner = bytes(body[head.end() : tail.start() + 1])  # (a copy: the edit makes one anyway)
     return inner.replace(_ITEM_SEP, b"}\n{"), inner.count(_ITEM_SEP) + 1
 
 
-def read_rows(body: bytes | bytearray, batch: bool, schema: Any) -> Any:
+def read_rows(body: Body, batch: bool, schema: Any) -> Any:
     """The reader's table (a row per item), or ``None``."""
     import pyarrow as pa
     import pyarrow.json as pj
@@ -192,7 +193,7 @@ class Answers(Protocol):
 
 
 #: Parses a body (``batch``: a JSON array of items) into :class:`Answers`, or ``None``.
-Reader = Callable[[bytes | bytearray, bool], "Answers | None"]
+Reader = Callable[[Body, bool], "Answers | None"]
 
 
 class ArrowAnswers:

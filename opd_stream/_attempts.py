@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import anyio
 
-from ._answers import ScoreRows
+from ._answers import Body, ScoreRows
 from ._balance import EndpointPool
 from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
@@ -290,7 +290,7 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
-    async def _post(self, side: Side, url: str, body: bytes) -> bytes | bytearray:
+    async def _post(self, side: Side, url: str, body: bytes) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body."""
         ep = self._endpoints(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
@@ -316,13 +316,13 @@ class AttemptSender:
 
     async def _post_blocks(
         self, side: Side, url: str, req: ScoreRequest
-    ) -> list[bytes | bytearray]:
+    ) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
         bodies = build_block_payloads(req)
         self._stats.cpu["build"] += time.thread_time() - start
-        answers: list[bytes | bytearray] = [b""] * len(bodies)
+        answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
             answers[n] = await self._post(side, url, bodies[n])

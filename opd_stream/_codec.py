@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from ._answers import ScoreRows
+from ._answers import Body, ScoreRows
 from ._arrow_reader import Reader
 from ._decode_arrow import decode_segments_arrow, read_answers_arrow
 from ._decode_score import decode_segments
@@ -46,13 +46,13 @@ __all__ = (
 
 Parser = Literal["msgspec", "arrow", "jit"]
 #: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
-Answer = bytes | bytearray | Sequence[bytes | bytearray]
+Answer = Body | Sequence[Body]
 _READERS: dict[str, Reader] = {"arrow": read_answers_arrow, "jit": read_answers_jit}
 
 
 def answer_size(answer: Answer) -> int:
     """The bytes of an answer (all its blocks)."""
-    if isinstance(answer, bytes | bytearray):
+    if isinstance(answer, Body):
         return len(answer)
     return sum(map(len, answer))
 
@@ -90,7 +90,7 @@ def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> tuple[Score
     """Decode an answer with the parser for where it runs (:func:`parser_for`): the rows,
     and the parser that gave them (``"msgspec"`` where the fast one handed it on)."""
     parser = parser_for(in_thread=in_thread)
-    if isinstance(answer, bytes | bytearray):
+    if isinstance(answer, Body):
         return _decode_one(answer, req, parser)
     return _decode_blocks(answer, req, parser)
 
@@ -109,7 +109,7 @@ def timed_decode(
 
 
 def decode_score_response(
-    body: bytes | bytearray, req: ScoreRequest, *, parser: Parser = "msgspec"
+    body: Body, req: ScoreRequest, *, parser: Parser = "msgspec"
 ) -> ScoreRows:
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
@@ -141,7 +141,7 @@ def decode_score_response(
 
 
 def _decode_one(
-    body: bytes | bytearray, req: ScoreRequest, parser: Parser
+    body: Body, req: ScoreRequest, parser: Parser
 ) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
     per_position = req.ids is not None and req.id_form == "per-position"
@@ -149,7 +149,7 @@ def _decode_one(
 
 
 def _decode_laid(
-    body: bytes | bytearray,
+    body: Body,
     lay: Layout,
     batch: bool,
     top_k: int,
@@ -180,7 +180,7 @@ def _decode_laid(
 
 
 def decode_block_answers(
-    bodies: Sequence[bytes | bytearray], req: ScoreRequest, *, parser: Parser = "msgspec"
+    bodies: Sequence[Body], req: ScoreRequest, *, parser: Parser = "msgspec"
 ) -> ScoreRows:
     """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
 
@@ -192,7 +192,7 @@ def decode_block_answers(
 
 
 def _decode_blocks(
-    bodies: Sequence[bytes | bytearray], req: ScoreRequest, parser: Parser
+    bodies: Sequence[Body], req: ScoreRequest, parser: Parser
 ) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
     if len(bodies) != len(lay.segments):

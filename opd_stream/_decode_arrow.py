@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import ScoreRows, Segment
+from ._answers import Body, ScoreRows, Segment
 from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
 from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
 from ._errors import ProtocolError
@@ -74,7 +74,7 @@ def _schema() -> Any:
     return pa.schema([("meta_info", meta)])
 
 
-def read_answers_arrow(body: bytes | bytearray, batch: bool) -> Answers | None:
+def read_answers_arrow(body: Body, batch: bool) -> Answers | None:
     """The ``meta_info`` of every item, read by pyarrow, or ``None``."""
     table = read_rows(body, batch, _schema())
     if table is None:
@@ -84,7 +84,7 @@ def read_answers_arrow(body: bytes | bytearray, batch: bool) -> Answers | None:
 
 
 def decode_segments_arrow(
-    body: bytes | bytearray,
+    body: Body,
     *,
     batch: bool,
     segments: Sequence[Segment],

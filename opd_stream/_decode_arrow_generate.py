@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import Generation
+from ._answers import Body, Generation
 from ._arrow_reader import ArrowEntries, ArrowRows, gather, read_rows
 from ._decode_checks import generation_flat_topk, to_logprobs
 from ._errors import ProtocolError
@@ -46,17 +46,17 @@ def _generation_schema() -> Any:
     return pa.schema([("output_ids", pa.list_(pa.int64())), ("meta_info", meta)])
 
 
-def decode_generate_arrow(body: bytes | bytearray) -> list[Generation] | None:
+def decode_generate_arrow(body: Body) -> list[Generation] | None:
     """A sampling answer as :func:`opd_stream._decode_generate.decode_generate_response` decodes
     it, or ``None`` (then decode it with msgspec, which raises the precise error)."""
-    batch = body[:64].lstrip()[:1] == b"["
+    batch = bytes(body[:64]).lstrip()[:1] == b"["
     try:
         return _generations(body, batch)
     except ProtocolError:
         return None
 
 
-def _generations(body: bytes | bytearray, batch: bool) -> list[Generation] | None:
+def _generations(body: Body, batch: bool) -> list[Generation] | None:
     table = read_rows(body, batch, _generation_schema())
     if table is None:
         return None

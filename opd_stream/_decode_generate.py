@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from ._answers import Generation, Segment
+from ._answers import Body, Generation, Segment
 from ._decode_checks import generation_flat_topk, to_logprobs
 from ._decode_entries import (
     ENTRY_ID,
@@ -52,7 +52,7 @@ _GENERATE = msgspec.json.Decoder(_GenResponse | list[_GenResponse])
 
 
 def decode_generate_response(
-    body: bytes | bytearray, *, parser: str = "msgspec"
+    body: Body, *, parser: str = "msgspec"
 ) -> list[Generation]:
     """Decode a sampling ``/generate`` answer (single object or batch array).
 

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import ScoreRows, Segment
+from ._answers import Body, ScoreRows, Segment
 from ._decode_checks import (
     FlatTopK,
     cat,
@@ -87,7 +87,7 @@ _SINGLE = msgspec.json.Decoder(_Response)
 _BATCH = msgspec.json.Decoder(list[_Response])
 
 
-def decode_metas(body: bytes | bytearray, batch: bool) -> list[_Meta] | None:
+def decode_metas(body: Body, batch: bool) -> list[_Meta] | None:
     """Every item's ``meta_info`` decoded with this decoder's types, or ``None`` when the
     body does not decode or an item has no ``meta_info`` (the compiled scanner
     validates an answer's envelope with it, :mod:`opd_stream._jit_reader`)."""
@@ -133,7 +133,7 @@ def _b64_topk(
 
 
 def decode_segments(
-    body: bytes | bytearray,
+    body: Body,
     *,
     batch: bool,
     segments: Sequence[Segment],
@@ -163,7 +163,7 @@ def decode_segments(
 
 
 def _decode_segments(
-    body: bytes | bytearray,
+    body: Body,
     batch: bool,
     segments: Sequence[Segment],
     tokens: npt.NDArray[np.int64],

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
+from ._answers import Body
 from ._errors import ConfigError, OPDStreamError
 from ._logging import get_logger
 from ._router import endpoint_url, normalize_server_url
@@ -54,7 +55,7 @@ class _Workers(msgspec.Struct):
     workers: list[_Worker]
 
 
-def parse_router_workers(body: bytes | bytearray) -> list[str] | None:
+def parse_router_workers(body: Body) -> list[str] | None:
     """The worker URLs an sglang-router lists (``GET /workers``), or ``None`` when the answer
     is not a router's worker list, or the fleet cannot be addressed worker by worker.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from ._answers import Body
 from ._redact import redact, redact_json
 
 __all__ = ("parse_error_message",)
@@ -17,7 +18,7 @@ _PREFIX_CAP = 200
 _REDACT_SPAN = _MESSAGE_CAP + (1 << 14)
 
 
-def parse_error_message(body: bytes | bytearray, *, secret: str | None = None) -> str:
+def parse_error_message(body: Body, *, secret: str | None = None) -> str:
     """Extract the server's message from an SGLang error body; never raises.
 
     Tries, in order: ``body["error"]["message"]``, ``body["error"]`` (a string),
@@ -35,7 +36,7 @@ def parse_error_message(body: bytes | bytearray, *, secret: str | None = None) -
         return "<unreadable body>"
 
 
-def _parse_error_message(body: bytes | bytearray, secret: str | None = None) -> str:
+def _parse_error_message(body: Body, secret: str | None = None) -> str:
     # Redaction sees a span longer than the cap by more than any header can be (aiohttp
     # refuses header lines over 8 KiB), so a key that starts before the cut is masked whole.
     try:

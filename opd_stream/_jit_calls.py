@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ._answers import Body
 from ._jit_checks import FAULTS, first_duplicate_row, pick_id_rows, topk_faults
 from ._jit_ids import positions_json
 from ._jit_kernel import (
@@ -77,7 +78,7 @@ def topk_check(
     return out, {name: int(row) for name, row in zip(FAULTS, first, strict=True) if row >= 0}
 
 
-def run_scan(body: bytes | bytearray, batch: bool) -> tuple[Any, ...]:
+def run_scan(body: Body, batch: bool) -> tuple[Any, ...]:
     """:func:`scan` over ``body`` with buffers big enough for any body of its size:
     ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
     records)``. Allocated with ``np.empty``: pages a scan does not touch cost nothing."""

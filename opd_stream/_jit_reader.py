@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._answers import Body
 from ._arrow_reader import ArrowEntries, ArrowRows
 from ._decode_score import decode_metas
 from ._jit import compiled
@@ -28,7 +29,7 @@ from ._jit import compiled
 __all__ = ("JitAnswers", "read_answers_jit")
 
 
-def read_answers_jit(body: bytes | bytearray, batch: bool) -> JitAnswers | None:
+def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
     """Every item's ``meta_info``, the logprob lists scanned into arrays, or ``None``
     (scanner not ready, or an answer it does not take)."""
     kernel = compiled()

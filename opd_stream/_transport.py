@@ -26,7 +26,9 @@ from typing import Protocol, Self
 
 import anyio.lowlevel
 import msgspec
+import numpy as np
 
+from ._answers import Body
 from ._budget import current_lease
 from ._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
 from ._redact import redact
@@ -46,13 +48,13 @@ _YIELD_BYTES = 1 << 20
 class Response(msgspec.Struct, frozen=True):
     """An HTTP answer: status code and the whole body.
 
-    ``body`` is ``bytes`` or (from :class:`AiohttpTransport`) the ``bytearray`` it was
-    read into: copying a 36 MB answer into ``bytes`` would hold the event loop ~30 ms.
-    Treat it as read-only.
+    ``body`` is a :data:`~opd_stream._answers.Body`: ``bytes``, or from the built-in
+    transports what it was read into (copying a 36 MB answer into ``bytes`` would hold the
+    event loop ~30 ms). Treat it as read-only.
     """
 
     status: int
-    body: bytes | bytearray
+    body: Body
 
 
 class Transport(Protocol):
@@ -184,30 +186,46 @@ class PooledTransport(abc.ABC):
             raise ResponseTooLarge(max_bytes, url=url)
 
     @staticmethod
-    async def _read_body(chunks: AsyncIterator[bytes], max_bytes: int, url: str) -> bytearray:
+    async def _read_body(
+        chunks: AsyncIterator[bytes], max_bytes: int, url: str, declared: int | None = None
+    ) -> Body:
         """The body, chunk by chunk: the cap enforced as it is read (a lying or absent
-        ``Content-Length`` included), each chunk charged to the task's budget lease."""
+        ``Content-Length`` included), each chunk charged to the task's budget lease.
+
+        With a ``Content-Length`` (``declared``, already checked against the cap), each
+        chunk is copied as it comes into an uninitialised buffer of that size (numpy's:
+        ``bytearray(n)`` would zero it first, on the loop), given back as a memoryview: the
+        one copy of the body is spread over its chunks, between which the loop gets its
+        turns. Without one (or past it), the chunks are kept and joined once at the end
+        (a single copy, but one that holds the loop: 5-20 ms for a 46 MB answer; a
+        bytearray grown chunk by chunk would be copied again at each realloc that cannot
+        grow in place, ~10 copies of such a body once glibc serves it from the heap).
+        """
         lease = current_lease()
+        view = np.empty(declared or 0, dtype=np.uint8).data
         parts: list[bytes] = []
-        size = since_yield = 0
+        size = copied = since_yield = 0
         async for chunk in chunks:
-            if size + len(chunk) > max_bytes:
+            n = len(chunk)
+            if size + n > max_bytes:
                 raise ResponseTooLarge(max_bytes, url=url)
             if lease is not None:
-                await lease.grow(len(chunk))
-            parts.append(chunk)
-            size += len(chunk)
-            since_yield += len(chunk)
+                await lease.grow(n)
+            if not parts and copied + n <= len(view):
+                view[copied : copied + n] = chunk
+                copied += n
+            else:  # no length declared, or more bytes than it said
+                parts.append(chunk)
+            size += n
+            since_yield += n
             if since_yield >= _YIELD_BYTES:  # buffered chunks come without a suspension:
                 since_yield = 0  # let the loop run between megabytes
                 await anyio.lowlevel.checkpoint()
         if lease is not None:
             lease.done_reading()
-        # One copy at the end: a bytearray grown chunk by chunk is copied again at each
-        # realloc that cannot grow in place (glibc serves it from the heap once numpy's
-        # large frees raised its mmap threshold), ~10 full copies of a 46 MB body, each
-        # holding the loop for milliseconds.
-        return bytearray().join(parts)
+        if parts:
+            return bytearray().join([view[:copied], *parts])
+        return view[:copied] if copied < len(view) else view
 
     def _failed(self, exc: BaseException, url: str) -> ConnectionFailed:
         """A connection problem below HTTP semantics; what the server sent back is redacted
@@ -297,7 +315,7 @@ class AiohttpTransport(PooledTransport):
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
                 )
                 chunks = resp.content.iter_chunked(_READ_CHUNK)
-                buf = await self._read_body(chunks, max_bytes, url)
+                buf = await self._read_body(chunks, max_bytes, url, resp.content_length)
                 return Response(resp.status, buf)  # no copy: see Response
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,

@@ -90,16 +90,14 @@ class HttpxTransport(PooledTransport):
             raise RuntimeError("HttpxTransport used outside its 'async with' block")
         try:
             async with client.stream(method, url, content=body) as resp:
-                declared = resp.headers.get("Content-Length", "").strip()
+                text = resp.headers.get("Content-Length", "").strip()
+                declared = int(text) if text.isdigit() else None
                 self._check_head(
-                    resp.headers.get("Content-Encoding", ""),
-                    int(declared) if declared.isdigit() else None,
-                    max_bytes,
-                    url,
+                    resp.headers.get("Content-Encoding", ""), declared, max_bytes, url
                 )
                 chunks = resp.aiter_raw()
                 try:
-                    buf = await self._read_body(chunks, max_bytes, url)
+                    buf = await self._read_body(chunks, max_bytes, url, declared)
                 except ResponseTooLarge:
                     await _abandon(resp, chunks)
                     raise

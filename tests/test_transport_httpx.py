@@ -189,3 +189,26 @@ async def test_a_stream_picks_aiohttp_under_asyncio_and_httpx_under_trio(
     cfg = StreamConfig.from_env({}, teachers="http://127.0.0.1:1", kl_device="cpu")
     want = AiohttpTransport if anyio_backend_name == "asyncio" else HttpxTransport
     assert type(default_transport(cfg)) is want
+
+
+@pytest.mark.parametrize(
+    ("declared", "pieces"),
+    [
+        (9, [b"abc", b"def", b"ghi"]),  # as declared: one buffer, filled as it came
+        (4, [b"abc", b"def", b"ghi"]),  # more than declared: the rest kept and joined
+        (12, [b"abc", b"def", b"ghi"]),  # fewer than declared (a client would have raised)
+        (None, [b"abc", b"def", b"ghi"]),  # no length: joined once
+        (0, []),
+    ],
+)
+async def test_a_body_is_read_whole_whatever_its_declared_length(
+    declared: int | None, pieces: list[bytes]
+) -> None:
+    from opd_stream._transport import PooledTransport
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    body = await PooledTransport._read_body(chunks(), 1 << 20, "http://x", declared)
+    assert bytes(body) == b"".join(pieces)

@@ -60,9 +60,10 @@ def parse_student_topk(
 
     Raises:
         InvalidSampleError: (field ``student_top_logprobs``) wrong row count, an entry that
-            is not ``[number|null, int, ...]`` (bools rejected), a negative id, duplicate
-            ids in a row, a NaN / ``+inf`` logprob, or a logprob above ``1e-4`` (not a
-            logprob). The message names the row.
+            is not ``[number|null, int, ...]`` (bools rejected), a negative id or one above
+            ``MAX_TOKEN_ID`` (SGLang's arrays are int32), duplicate ids in a row, a NaN /
+            ``+inf`` logprob, or a logprob above ``1e-4`` (not a logprob). The message names
+            the row.
     """
     field = "student_top_logprobs"
     if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
@@ -164,6 +165,7 @@ def _padded_topk(
 #: a ``None`` can still be told from a NaN; padding only ever ends a row).
 _ROW_FAULTS = (
     ("negative_id", "a negative token id"),
+    ("id_above", f"a token id above {MAX_TOKEN_ID}"),
     ("duplicate", "a duplicate token id"),
     ("lp_posinf", "a +inf logprob"),
     ("lp_above", "a value > 0, which is not a logprob"),
@@ -219,6 +221,8 @@ def _check_student_topk(
 
     if (r := first_row(ids < PAD_ID)) is not None:  # padded rows checked their own ids
         raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    if (r := first_row(ids > MAX_TOKEN_ID)) is not None:
+        raise InvalidSampleError(field, f"row {r} holds a token id above {MAX_TOKEN_ID}")
     if ids.shape[1] > 1:
         s = np.sort(ids, axis=1)
         if (r := first_row((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != PAD_ID))) is not None:

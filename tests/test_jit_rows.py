@@ -163,3 +163,9 @@ def test_the_compiled_array_checks_match_the_vectorised_ones(
         m.setattr(jit, "_kernel", None)
         slow = _array_outcome(ids, lps, r, k)
     assert fast == slow
+
+
+def test_an_id_beyond_int32_is_named_alike_in_both_row_paths() -> None:
+    rows = [[[-0.5, 1, None], [-1.0, 2, None]], [[-0.7, 2**31, None], [-2.0, 4, None]]]
+    kind, text = _both(rows, 2, 2)[:2]
+    assert kind == "error" and "row 1 holds a token id above 2147483647" in text

@@ -3,7 +3,7 @@ called through :mod:`opd_stream._jit_calls`): compiled once per process,
 off the event loop, or never.
 
 numba is optional (the ``jit`` extra). :func:`prepare` imports it and compiles the kernels
-(about 2-5 s of CPU on a 2-core machine the first time; about 0.2 s in later processes,
+(about 10-15 s of CPU on a 2-core machine the first time; about 0.4 s in later processes,
 from numba's on-disk cache next to the module or in the user's cache directory). It is
 called, blocking, by the worker thread that first builds a payload or decodes an answer;
 while it runs, and after a failure (numba missing, too old for this numpy, or

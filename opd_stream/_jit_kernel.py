@@ -436,6 +436,21 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
 
 
 @njit_leaf
+def _record(records, at, key, item, start, end, row0, row1, ent0, ent1):  # type: ignore[no-untyped-def]
+    """Row ``at`` of ``records``: which value (``key``, ``item``), where it sits in the body
+    (``start .. end``), and its rows and entries (or bytes in ``raw``, for base64) in the
+    output buffers."""
+    records[at, R_KEY] = key
+    records[at, R_ITEM] = item
+    records[at, R_START] = start
+    records[at, R_END] = end
+    records[at, R_ROW0] = row0
+    records[at, R_ROW1] = row1
+    records[at, R_ENT0] = ent0
+    records[at, R_ENT1] = ent1
+
+
+@njit_leaf
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
     """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
     for k in range(starts.shape[0] - 1):
@@ -536,14 +551,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
                 i, nb, st = _b64(b, i, n, raw, nb)
                 if st != OK:
                     return st, nrec, item + 1, ne, nr
-                records[nrec, R_KEY] = k
-                records[nrec, R_ITEM] = item
-                records[nrec, R_START] = start
-                records[nrec, R_END] = i
-                records[nrec, R_ROW0] = 0
-                records[nrec, R_ROW1] = 0
-                records[nrec, R_ENT0] = nb0
-                records[nrec, R_ENT1] = nb
+                _record(records, nrec, k, item, start, i, 0, 0, nb0, nb)
                 nrec += 1
                 continue
             if i >= n or b[i] != 91:
@@ -555,14 +563,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
                 i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr)
             if st != OK:
                 return st, nrec, item + 1, ne, nr
-            records[nrec, R_KEY] = k
-            records[nrec, R_ITEM] = item
-            records[nrec, R_START] = start
-            records[nrec, R_END] = i
-            records[nrec, R_ROW0] = nr0
-            records[nrec, R_ROW1] = nr
-            records[nrec, R_ENT0] = ne0
-            records[nrec, R_ENT1] = ne
+            _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
             nrec += 1
             continue
         if c == 123 or c == 91:

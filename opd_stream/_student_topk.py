@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._decode_checks import LOGPROB_TOLERANCE, to_logprobs
+from ._decode_checks import LOGPROB_TOLERANCE
 from ._decode_entries import ENTRY_ID, ENTRY_LP, Entry
 from ._errors import InvalidSampleError
 from ._jit import compiled
@@ -74,7 +74,8 @@ def parse_student_topk(
         )
     fast = _scanned_topk(rows, response_length, k)
     if fast is not None:
-        return _checked_rows(*fast, field)
+        ids, lps = fast
+        return ids, _checked(ids, lps, field, _ROW_FAULTS)
     try:
         parsed = msgspec.convert(rows, list[list[Entry | None]])
     except msgspec.ValidationError as exc:
@@ -99,7 +100,7 @@ def parse_student_topk(
     for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
         if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
             raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
-    return _checked_rows(ids, lps, field)
+    return ids, _checked(ids, lps, field, _ROW_FAULTS)
 
 
 _ROWS_MSGPACK = msgspec.msgpack.Encoder()
@@ -182,55 +183,56 @@ _ARRAY_FAULTS = (
 )
 
 
-def _compiled_check(
+def _checked(
     ids: npt.NDArray[np.int64],
     lps: npt.NDArray[np.floating[Any]],
     field: str,
     faults: tuple[tuple[str, str], ...],
-) -> npt.NDArray[np.float32] | None:
-    """The checks in one compiled pass: the float32 logprobs (``-inf`` for padding and
-    NaN), or ``None`` without the kernels. Raises for the first of ``faults`` found."""
+) -> npt.NDArray[np.float32]:
+    """Check ``ids`` / ``lps`` (``[R, k]``) and give the logprobs as float32 (``-inf`` for
+    padding and NaN): one compiled pass where the kernels are ready, else numpy
+    (:func:`_topk_faults`). Raises for the first of ``faults`` found."""
     kernel = compiled()
-    if kernel is None:
-        return None
-    out, found = kernel.topk_check(ids, lps, PAD_ID, MAX_TOKEN_ID, LOGPROB_TOLERANCE)
+    if kernel is not None and lps.dtype in (np.float32, np.float64):
+        out, found = kernel.topk_check(
+            ids, np.ascontiguousarray(lps), PAD_ID, MAX_TOKEN_ID, LOGPROB_TOLERANCE
+        )
+    else:
+        out, found = _topk_faults(ids, np.asarray(lps, dtype=np.float64))
     for name, what in faults:
         if name in found:
             raise InvalidSampleError(field, f"row {found[name]} holds {what}")
-    out_: npt.NDArray[np.float32] = out
-    return out_
+    checked: npt.NDArray[np.float32] = out
+    return checked
 
 
-def _checked_rows(
-    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-    """The row form's ids and logprobs (NaN for ``None``, NaN-checked), checked."""
-    out = _compiled_check(ids, lps, field, _ROW_FAULTS)
-    if out is not None:
-        return ids, out
-    _check_student_topk(ids, lps, field)
-    return ids, to_logprobs(lps, field)
+def _topk_faults(
+    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float32], dict[str, int]]:
+    """The vectorised twin of :func:`opd_stream._jit_checks.topk_faults`: the float32
+    logprobs and ``{fault: first row}`` for every fault found."""
 
-
-def _check_student_topk(
-    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64], field: str
-) -> None:
     def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
         rows = mask.any(axis=1)  # [R, k] -> [R]; reshape(R, -1) fails when R == 0
         return int(np.argmax(rows)) if rows.any() else None
 
-    if (r := first_row(ids < PAD_ID)) is not None:  # padded rows checked their own ids
-        raise InvalidSampleError(field, f"row {r} holds a negative token id")
-    if (r := first_row(ids > MAX_TOKEN_ID)) is not None:
-        raise InvalidSampleError(field, f"row {r} holds a token id above {MAX_TOKEN_ID}")
+    pad = ids == PAD_ID
+    lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
+    nan = np.isnan(lps)
+    masks = {
+        "negative_id": ids < PAD_ID,
+        "id_above": ids > MAX_TOKEN_ID,
+        "lp_nan": nan,
+        "lp_posinf": np.isposinf(lps),
+        "lp_above": lps > LOGPROB_TOLERANCE,
+    }
     if ids.shape[1] > 1:
-        s = np.sort(ids, axis=1)
-        if (r := first_row((s[:, 1:] == s[:, :-1]) & (s[:, 1:] != PAD_ID))) is not None:
-            raise InvalidSampleError(field, f"row {r} holds a duplicate token id")
-    if (r := first_row(np.isposinf(lps))) is not None:
-        raise InvalidSampleError(field, f"row {r} holds a +inf logprob")
-    if (r := first_row(lps > 1e-4)) is not None:
-        raise InvalidSampleError(field, f"row {r} holds a value > 0, which is not a logprob")
+        srt = np.sort(ids, axis=1)
+        masks["pad_before_id"] = pad[:, :-1] & ~pad[:, 1:]
+        masks["duplicate"] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID)
+    found = {name: row for name, mask in masks.items() if (row := first_row(mask)) is not None}
+    with np.errstate(over="ignore"):  # below -float32 max: -inf, as it should
+        return np.where(nan, -np.inf, lps).astype(np.float32), found
 
 
 def student_topk_arrays(
@@ -259,40 +261,7 @@ def student_topk_arrays(
             f"got {ids.shape} and {logprobs.shape}",
         )
     ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
-    if logprobs.dtype in (np.float32, np.float64):
-        checked = _compiled_check(ids, np.ascontiguousarray(logprobs[:, :k]), field, _ARRAY_FAULTS)
-        if checked is not None:
-            return ids, checked
-    lps = np.asarray(logprobs[:, :k], dtype=np.float64)
-
-    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
-        rows = mask.any(axis=1)
-        return int(np.argmax(rows)) if rows.any() else None
-
-    pad = ids == PAD_ID
-    padded = bool(pad.any())
-    if padded:
-        lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
-    checks = (
-        (ids < PAD_ID, "a negative token id"),
-        (ids > MAX_TOKEN_ID, f"a token id above {MAX_TOKEN_ID}"),
-        (np.isnan(lps), "a NaN logprob"),
-        (np.isposinf(lps), "a +inf logprob"),
-        (lps > LOGPROB_TOLERANCE, "a value > 0, which is not a logprob"),
-    )
-    for mask, what in checks:
-        if (row := first_row(mask)) is not None:
-            raise InvalidSampleError(field, f"row {row} holds {what}")
-    if padded and k > 1 and (row := first_row(pad[:, :-1] & ~pad[:, 1:])) is not None:
-        raise InvalidSampleError(
-            field, f"row {row} holds padding (id {PAD_ID}) before a token id: pad at the end"
-        )
-    if k > 1:
-        srt = np.sort(ids, axis=1)
-        if (row := first_row((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID))) is not None:
-            raise InvalidSampleError(field, f"row {row} holds a duplicate token id")
-    with np.errstate(over="ignore"):  # below -float32 max: -inf, as it should
-        return ids, lps.astype(np.float32)
+    return ids, _checked(ids, logprobs[:, :k], field, _ARRAY_FAULTS)
 
 
 _ROWS_IN_THREAD = 1 << 15

@@ -7,7 +7,8 @@ numba is optional (the ``jit`` extra). :func:`prepare` imports it and compiles t
 from numba's on-disk cache next to the module or in the user's cache directory). It is
 called, blocking, by the worker thread that first builds a payload or decodes an answer;
 while it runs, and after a failure (numba missing, too old for this numpy, or
-``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte),
+``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or
+a big-endian machine),
 :func:`compiled` gives ``None`` and the callers use their other paths. A failure is logged
 once at DEBUG and never retried. Compiling allocates heavily, so it may set off one full
 garbage collection of the host's heap (a one-time pause of the loop, ~35-50 ms measured).
@@ -16,6 +17,7 @@ garbage collection of the host's heap (a one-time pause of the loop, ~35-50 ms m
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from types import ModuleType
 
@@ -54,6 +56,8 @@ def prepare() -> bool:
 
             if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
                 raise RuntimeError("NUMBA_DISABLE_JIT is set")
+            if sys.byteorder != "little":  # the scan reads 8 bytes as a little-endian word
+                raise RuntimeError("a big-endian machine")
             from . import _jit_calls
 
             _jit_calls.warm()

@@ -40,6 +40,8 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba import types as _types
+from numba.extending import intrinsic as _intrinsic
 
 __all__ = (
     "CAPACITY",
@@ -111,6 +113,33 @@ def _njit(fn: Any, **options: Any) -> Any:
         return numba.njit(**options)(fn)
 
 
+def _byte_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.load(builder.gep(ary.data, [args[1]]))
+
+    return _types.uint8(arr, idx), codegen
+
+
+def _word8_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        p64 = builder.bitcast(ptr, context.get_value_type(_types.uint64).as_pointer())
+        return builder.load(p64, align=1)
+
+    return _types.uint64(arr, idx), codegen
+
+
+#: ``b[i]`` of a uint8 array without numba's negative-index wraparound, which every
+#: signed index otherwise pays (and which keeps LLVM from merging loads): the scan's
+#: reads, whose callers keep ``0 <= i < len(b)``.
+_byte: Any = _intrinsic(_byte_typer)
+#: The eight bytes ``b[i : i + 8]`` as one little-endian uint64, one unaligned load
+#: (callers keep ``i + 8 <= len(b)``).
+_word8: Any = _intrinsic(_word8_typer)
+
+
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
 _EXACT_MANTISSA = 2**53
 _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exact
@@ -125,19 +154,25 @@ _META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 
 
-@njit_leaf
+@njit_inlined
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
-        c = b[i]
+        c = _byte(b, i)
         if c > 32 or (c != 32 and c != 10 and c != 13 and c != 9):  # most often the first
             return i
         i += 1
     return i
 
 
-@njit_leaf
+@njit_inlined
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
-    return i + 4 <= n and b[i] == 110 and b[i + 1] == 117 and b[i + 2] == 108 and b[i + 3] == 108
+    return (
+        i + 4 <= n
+        and _byte(b, i) == 110
+        and _byte(b, i + 1) == 117
+        and _byte(b, i + 2) == 108
+        and _byte(b, i + 3) == 108
+    )
 
 
 @njit_leaf
@@ -176,9 +211,7 @@ _LANES32 = np.uint64(0xFFFFFFFF)
 def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     """The value of the eight ASCII digits at ``b[i : i + 8]``, or -1 if any byte is not
     a digit (SWAR: the bytes as one little-endian word, three multiplies)."""
-    x = np.uint64(0)
-    for j in range(8):
-        x |= np.uint64(b[i + j]) << np.uint64(8 * j)
+    x = _word8(b, i)
     # each byte: high nibble 3, and the byte + 6 still has high nibble 3 (0x30-0x39)
     if (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4)) != _ALL_THREES:
         return np.int64(-1)
@@ -193,22 +226,22 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
-    if i < n and b[i] == 45:
+    if i < n and _byte(b, i) == 45:
         neg = True
         i += 1
-    if i >= n or b[i] < 48 or b[i] > 57:
+    if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
         return i, 0.0, False
     m = 0
     nd = 0
     e = 0
     inexact = False
-    if b[i] == 48:
+    if _byte(b, i) == 48:
         i += 1
-        if i < n and 48 <= b[i] <= 57:
+        if i < n and 48 <= _byte(b, i) <= 57:
             return i, 0.0, False
     else:
         while i < n:
-            c = b[i]
+            c = _byte(b, i)
             if c < 48 or c > 57:
                 break
             if nd < 18:
@@ -219,9 +252,9 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 if c != 48:
                     inexact = True
             i += 1
-    if i < n and b[i] == 46:
+    if i < n and _byte(b, i) == 46:
         i += 1
-        if i >= n or b[i] < 48 or b[i] > 57:
+        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
             return i, 0.0, False
         # eight digits at a time once past the leading zeros, while they fit 18 digits
         while m != 0 and nd <= 10 and i + 8 <= n:
@@ -233,7 +266,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
             e -= 8
             i += 8
         while i < n:
-            c = b[i]
+            c = _byte(b, i)
             if c < 48 or c > 57:
                 break
             if nd < 18:
@@ -245,17 +278,17 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
             elif c != 48:
                 inexact = True
             i += 1
-    if i < n and (b[i] == 101 or b[i] == 69):
+    if i < n and (_byte(b, i) == 101 or _byte(b, i) == 69):
         i += 1
         eneg = False
-        if i < n and (b[i] == 43 or b[i] == 45):
-            eneg = b[i] == 45
+        if i < n and (_byte(b, i) == 43 or _byte(b, i) == 45):
+            eneg = _byte(b, i) == 45
             i += 1
-        if i >= n or b[i] < 48 or b[i] > 57:
+        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
             return i, 0.0, False
         x = 0
         while i < n:
-            c = b[i]
+            c = _byte(b, i)
             if c < 48 or c > 57:
                 break
             if x < 100000:
@@ -280,19 +313,120 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     return i, v, True
 
 
+_ONES = np.uint64(0x0101010101010101)
+_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
+_HIGH1 = np.uint64(0x8080808080808080)
+_P10I = np.array([10**i for i in range(19)], dtype=np.int64)
+#: ``,null],[`` as a little-endian word: an entry's end and the next one's start.
+_NULL_NEXT = np.uint64(int.from_bytes(b",null],[", "little"))
+
+
+@njit_inlined
+def _lead_digits(x):  # type: ignore[no-untyped-def]
+    """How many of the word's bytes, from its first, are ASCII digits (0-8)."""
+    t = (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4))
+    y = t ^ _ALL_THREES  # a lane is 0 where its byte is a digit
+    mask = (((y & _LOW7) + _LOW7) | y) & _HIGH1  # 0x80 where a lane is not a digit
+    if mask == 0:
+        return 8
+    low = mask & (~mask + np.uint64(1))
+    return int((((low - np.uint64(1)) & _ONES) * _ONES) >> np.uint64(56)) - 1
+
+
+@njit_inlined
+def _digits_value(x, d):  # type: ignore[no-untyped-def]
+    """The value of the first ``d`` (1-8) bytes of ``x``, all ASCII digits."""
+    x = (x - _ASCII_ZEROS) << np.uint64(8 * (8 - d))
+    x = (x * np.uint64(10) + (x >> np.uint64(8))) & _LANES8
+    x = (x * np.uint64(100) + (x >> np.uint64(16))) & _LANES16
+    x = (x * np.uint64(10000) + (x >> np.uint64(32))) & _LANES32
+    return np.int64(x)
+
+
+@njit_inlined
+def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
+    """An entry's inside at ``b[i]`` (after its ``[``) in SGLang's compact form
+    ``-D.DDD,ID,null],[`` (at most 18 digits, no exponent), read eight bytes a step:
+    ``(index of the next entry's [, logprob, id, ok)``. Not ``ok``: not this form, or
+    a value :func:`_number` would refuse; the general path then reads the entry."""
+    if i + 64 > n:
+        return i, 0.0, 0, False
+    neg = _byte(b, i) == 45
+    if neg:
+        i += 1
+    x = _word8(b, i)
+    d0 = _lead_digits(x)
+    if d0 == 0 or d0 > 3 or _byte(b, i + d0) != 46 or (d0 > 1 and _byte(b, i) == 48):
+        return i, 0.0, 0, False
+    m = _digits_value(x, d0)
+    p = i + d0 + 1
+    w1 = _word8(b, p)
+    w2 = _word8(b, p + 8)
+    w3 = _word8(b, p + 16)
+    d1 = _lead_digits(w1)
+    d2 = _lead_digits(w2)
+    d3 = _lead_digits(w3)
+    if d1 == 0:
+        return i, 0.0, 0, False
+    if d1 < 8:
+        fd = d1
+        m = m * _P10I[d1] + _digits_value(w1, d1)
+    else:
+        m = m * 100000000 + _digits_value(w1, 8)
+        if d2 < 8:
+            fd = 8 + d2
+            if d2 > 0:
+                m = m * _P10I[d2] + _digits_value(w2, d2)
+        else:
+            if d3 == 8:
+                return i, 0.0, 0, False
+            fd = 16 + d3
+            m = m * 100000000 + _digits_value(w2, 8)
+            if d3 > 0:
+                m = m * _P10I[d3] + _digits_value(w3, d3)
+    if fd > 18 or (d0 + fd > 18 and _byte(b, i) != 48):  # beyond 18 digits: exact?
+        return i, 0.0, 0, False
+    q = p + fd
+    if _byte(b, q) != 44:
+        return i, 0.0, 0, False
+    x = _word8(b, q + 1)
+    d = _lead_digits(x)
+    if d == 0 or d == 8 or (d > 1 and _byte(b, q + 1) == 48):
+        return i, 0.0, 0, False
+    t = q + 1 + d
+    if _word8(b, t) != _NULL_NEXT:
+        return i, 0.0, 0, False
+    if m == 0:
+        v = -0.0 if neg else 0.0
+    else:
+        v = float(m) / p10[fd]
+        if neg:
+            v = -v
+        if m > _EXACT_MANTISSA and not _f32_unambiguous(v):
+            return i, 0.0, 0, False
+    return t + 7, v, _digits_value(x, d), True
+
+
 @njit_leaf
 def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
     """A ``[`` entry, ... ``]`` list at ``b[i]`` (which is ``[``): (next index, entries
     after it, status)."""
     cap = lps.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 93:
+    if i < n and _byte(b, i) == 93:
         return i + 1, ne, OK
     while True:
-        if i >= n or b[i] != 91:
+        if i >= n or _byte(b, i) != 91:
             return i, ne, UNUSUAL
         if ne >= cap:
             return i, ne, CAPACITY
+        j, v, d, ok = _fast_entry(b, i + 1, n, p10)
+        if ok:
+            lps[ne] = v
+            ids[ne] = d
+            ne += 1
+            i = j
+            continue
         i = _ws(b, i + 1, n)
         if _is_null(b, i, n):
             lps[ne] = np.nan
@@ -303,23 +437,23 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
                 return i, ne, UNUSUAL
             lps[ne] = v
         i = _ws(b, i, n)
-        if i >= n or b[i] != 44:
+        if i >= n or _byte(b, i) != 44:
             return i, ne, UNUSUAL
         i = _ws(b, i + 1, n)
         neg = False
-        if i < n and b[i] == 45:
+        if i < n and _byte(b, i) == 45:
             neg = True
             i += 1
-        if i >= n or b[i] < 48 or b[i] > 57:
+        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
             return i, ne, UNUSUAL
         d = 0
         nd = 0
-        if b[i] == 48:
+        if _byte(b, i) == 48:
             i += 1
             nd = 1
         else:
             while i < n:
-                c = b[i]
+                c = _byte(b, i)
                 if c < 48 or c > 57:
                     break
                 d = d * 10 + (int(c) - 48)
@@ -327,25 +461,25 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
                 i += 1
         if nd > 16 or d >= _EXACT_MANTISSA:  # beyond exact doubles: the others decide
             return i, ne, UNUSUAL
-        if i < n and (b[i] == 46 or b[i] == 101 or b[i] == 69):
+        if i < n and (_byte(b, i) == 46 or _byte(b, i) == 101 or _byte(b, i) == 69):
             return i, ne, UNUSUAL
-        if i < n and 48 <= b[i] <= 57:  # a leading zero
+        if i < n and 48 <= _byte(b, i) <= 57:  # a leading zero
             return i, ne, UNUSUAL
         ids[ne] = -d if neg else d
         i = _ws(b, i, n)
-        if i < n and b[i] == 44:
+        if i < n and _byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             if not _is_null(b, i, n):
                 return i, ne, UNUSUAL
             i = _ws(b, i + 4, n)
-        if i >= n or b[i] != 93:
+        if i >= n or _byte(b, i) != 93:
             return i, ne, UNUSUAL
         ne += 1
         i = _ws(b, i + 1, n)
-        if i < n and b[i] == 44:
+        if i < n and _byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and b[i] == 93:
+        if i < n and _byte(b, i) == 93:
             return i + 1, ne, OK
         return i, ne, UNUSUAL
 
@@ -355,7 +489,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
     """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
     cap = widths.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and b[i] == 93:
+    if i < n and _byte(b, i) == 93:
         return i + 1, ne, nr, OK
     while True:
         if nr >= cap:
@@ -364,7 +498,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             widths[nr] = 0
             nulls[nr] = 1
             i += 4
-        elif i < n and b[i] == 91:
+        elif i < n and _byte(b, i) == 91:
             i, ne2, st = _entries(b, i, n, p10, lps, ids, ne)
             if st != OK:
                 return i, ne2, nr, st
@@ -375,10 +509,10 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             return i, ne, nr, UNUSUAL
         nr += 1
         i = _ws(b, i, n)
-        if i < n and b[i] == 44:
+        if i < n and _byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and b[i] == 93:
+        if i < n and _byte(b, i) == 93:
             return i + 1, ne, nr, OK
         return i, ne, nr, UNUSUAL
 
@@ -396,7 +530,7 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     alpha = 0
     pads = 0
     while i < n:
-        c = b[i]
+        c = _byte(b, i)
         if c == 34:
             break
         if c == 61:
@@ -459,7 +593,7 @@ def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
             continue
         same = True
         for j in range(e - s):
-            if b[s + j] != keys[ks + j]:
+            if _byte(b, s + j) != keys[ks + j]:
                 same = False
                 break
         if same:
@@ -472,7 +606,7 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     if e - s != word.shape[0]:
         return False
     for j in range(e - s):  # noqa: SIM110 (numba compiles no generators)
-        if b[s + j] != word[j]:
+        if _byte(b, s + j) != word[j]:
             return False
     return True
 
@@ -506,13 +640,13 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     in_meta = False
     i = 0
     while i < n:
-        c = b[i]
+        c = _byte(b, i)
         if c == 34:  # a string: skip it, remember where it was
             s_start = i + 1
             s_escaped = False
             i += 1
             while i < n:
-                c = b[i]
+                c = _byte(b, i)
                 if c == 92:
                     s_escaped = True
                     i += 2
@@ -545,7 +679,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
             if k >= N_LISTS:  # a b64 field
-                if i >= n or b[i] != 34:
+                if i >= n or _byte(b, i) != 34:
                     continue  # null (or a wrong type, which msgspec names): left in place
                 start, nb0 = i, nb
                 i, nb, st = _b64(b, i, n, raw, nb)
@@ -554,7 +688,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
                 _record(records, nrec, k, item, start, i, 0, 0, nb0, nb)
                 nrec += 1
                 continue
-            if i >= n or b[i] != 91:
+            if i >= n or _byte(b, i) != 91:
                 continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
             if k == 0:

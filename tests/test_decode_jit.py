@@ -350,3 +350,129 @@ def test_b64_strings_are_read_as_b64decode_reads_them(label: str, edit: Any, tak
         body = body.replace(b"\\\\/", b"\\/")  # one JSON escape, not an escaped backslash
     fast = _differential(body, REQUESTS["topk-b64"])
     assert (fast is not None) is taken, label
+
+
+# ------------------------------------------------- the compact entries, eight bytes a step
+
+_LONG_IDS = np.array(
+    [[1, 22, 333], [4_444, 55_555, 666_666], [7_777_777, 88_888_888, 999_999_999]] * 22,
+    dtype=np.int64,
+)
+_LONG_ROWS = len(_LONG_IDS)
+_LONG = ScoreRequest(
+    tokens=np.arange(_LONG_ROWS + 20, dtype=np.int64) + 3,
+    response_length=_LONG_ROWS,
+    ids=_LONG_IDS,
+)
+_LP_TEXT = st.one_of(
+    st.floats(width=32, max_value=0.0, allow_nan=False, allow_infinity=False).map(repr),
+    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False).map(repr),
+    st.builds(
+        lambda sign, whole, frac: f"{sign}{whole}.{frac}",
+        st.sampled_from(["-", ""]),
+        st.sampled_from(["0", "1", "12", "123", "1234", "00", "012"]),
+        st.text("0123456789", min_size=0, max_size=26),
+    ),
+    st.sampled_from(["-0.0", "0.0", "-0", "-1e-05", "-1.5E+2", "-2.5e-3", "-.5", "-1.", "-3"]),
+)
+
+
+def _long_answer(texts: dict[tuple[int, int], str], id_texts: dict[tuple[int, int], str]) -> bytes:
+    """The compact answer to :data:`_LONG`, with the given logprob and id texts in place."""
+    obj: Any = wf.answer(build_score_payload(_LONG))
+    rows = obj["meta_info"]["input_token_ids_logprobs"][-_LONG_ROWS:]
+    marks = {}
+    for n, (at, text) in enumerate(sorted(texts.items())):
+        rows[at[0]][at[1]][0] = -7.0 - (n + 1) / 1024  # a unique, exactly printed mark
+        marks[f"[{rows[at[0]][at[1]][0]!r},"] = f"[{text},"
+    for at, text in id_texts.items():
+        rows[at[0]][at[1]][0] = -9.0 - (at[0] * 3 + at[1] + 1) / 1024
+        marks[f"[{rows[at[0]][at[1]][0]!r},{_LONG_IDS[at]},"] = f"[-0.25,{text},"
+    body = json.dumps(obj, separators=(",", ":"))
+    for mark, text in marks.items():
+        assert mark in body
+        body = body.replace(mark, text, 1)
+    return body.encode()
+
+
+def test_compact_logprobs_of_every_length_are_read_as_msgspec_reads_them() -> None:
+    rng = np.random.default_rng(5)
+    texts = [
+        f"-{whole}.{''.join(map(str, rng.integers(0, 10, frac)))}"
+        for whole in ("0", "3", "45", "678")
+        for frac in range(1, 25)
+    ]
+    for start in range(0, len(texts), _LONG_ROWS * 3):
+        chunk = texts[start : start + _LONG_ROWS * 3]
+        body = _long_answer({divmod(j, 3): t for j, t in enumerate(chunk)}, {})
+        assert _differential(body, _LONG) is not None
+
+
+@FUZZ
+@given(
+    texts=st.dictionaries(
+        st.tuples(st.integers(0, _LONG_ROWS - 1), st.integers(0, 2)), _LP_TEXT, max_size=12
+    ),
+    id_text=st.sampled_from(["0{}", "-{}", "{}.0", "{}e0", " {} ", "{}"]),
+    id_at=st.tuples(st.integers(0, _LONG_ROWS - 1), st.integers(0, 2)),
+)
+def test_compact_entries_are_read_as_msgspec_reads_them(
+    texts: dict[tuple[int, int], str], id_text: str, id_at: tuple[int, int]
+) -> None:
+    # ids of 1 to 9 digits: most entries take the eight-byte path, and whatever it
+    # refuses (an exponent, a leading zero, 19+ digits, an id written as a float or with
+    # a leading zero) must come out exactly as msgspec says
+    texts.pop(id_at, None)
+    body = _long_answer(texts, {id_at: id_text.format(_LONG_IDS[id_at])})
+    _differential(body, _LONG)
+
+
+def test_a_long_compact_answer_is_scanned() -> None:
+    body = _long_answer({}, {})
+    assert _differential(body, _LONG) is not None
+
+
+def test_leading_digits_of_a_word_for_every_byte_at_every_position() -> None:
+    from opd_stream._jit_kernel import _digits_value, _lead_digits
+
+    for pos in range(8):
+        for byte in range(256):
+            text = bytearray(b"98765432")
+            text[pos] = byte
+            word = np.uint64(int.from_bytes(text, "little"))
+            want = next((j for j, c in enumerate(text) if not 48 <= c <= 57), 8)
+            assert _lead_digits(word) == want, (pos, byte)
+            if want:
+                assert _digits_value(word, want) == int(text[:want]), (pos, byte)
+
+
+@pytest.mark.parametrize(
+    ("entry", "taken"),
+    [
+        ("-2.189894676208496,92342,null],[", True),
+        ("-14.404208183288574,420,null],[", True),
+        ("-0.04875009134411812,7,null],[", True),
+        ("0.0,1234567,null],[", True),
+        ("-123.5,1,null],[", True),
+        ("-1234.5,1,null],[", False),  # four digits before the point
+        ("-1.0013580322265625e-05,5,null],[", False),  # an exponent
+        ("-0.1234567890123456789,5,null],[", False),  # 19 digits
+        ("-01.5,5,null],[", False),  # a leading zero
+        ("-1.5,12345678,null],[", False),  # an eight-digit id
+        ("-1.5,05,null],[", False),
+        ("-1.5, 5,null],[", False),  # whitespace
+        ("-1.5,5,null]]", False),  # a row's last entry
+        ("-1.5,-5,null],[", False),
+    ],
+)
+def test_the_eight_byte_path_takes_only_the_compact_form(entry: str, taken: bool) -> None:
+    from opd_stream._jit_kernel import _P10, _fast_entry, _number
+
+    b = np.frombuffer(entry.encode() + b" " * 64, dtype=np.uint8)
+    end, lp, token, ok = _fast_entry(b, 0, len(b), _P10)
+    assert ok is taken
+    if taken:
+        _, want, _ = _number(b, 0, len(b), _P10)
+        assert lp == want and np.signbit(lp) == np.signbit(want)
+        assert token == int(entry.split(",")[1])
+        assert entry.encode()[end - 1 : end + 1] == b",["

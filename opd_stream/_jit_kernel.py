@@ -58,6 +58,9 @@ __all__ = (
     "R_ROW1",
     "R_START",
     "UNUSUAL",
+    "load_be64",
+    "load_byte",
+    "load_le64",
     "njit_cached",
     "njit_leaf",
     "scan",
@@ -113,7 +116,7 @@ def _njit(fn: Any, **options: Any) -> Any:
         return numba.njit(**options)(fn)
 
 
-def _byte_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+def _load_byte_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         return builder.load(builder.gep(ary.data, [args[1]]))
@@ -121,7 +124,7 @@ def _byte_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     return _types.uint8(arr, idx), codegen
 
 
-def _word8_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+def _load_le64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = builder.gep(ary.data, [args[1]])
@@ -131,13 +134,22 @@ def _word8_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     return _types.uint64(arr, idx), codegen
 
 
+def _load_be64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bswap(_load_le64_typer(typingctx, arr, idx)[1](context, builder, sig, args))
+
+    return _types.uint64(arr, idx), codegen
+
+
 #: ``b[i]`` of a uint8 array without numba's negative-index wraparound, which every
 #: signed index otherwise pays (and which keeps LLVM from merging loads): the scan's
 #: reads, whose callers keep ``0 <= i < len(b)``.
-_byte: Any = _intrinsic(_byte_typer)
+load_byte: Any = _intrinsic(_load_byte_typer)
 #: The eight bytes ``b[i : i + 8]`` as one little-endian uint64, one unaligned load
 #: (callers keep ``i + 8 <= len(b)``).
-_word8: Any = _intrinsic(_word8_typer)
+load_le64: Any = _intrinsic(_load_le64_typer)
+#: The eight bytes ``b[i : i + 8]`` as one big-endian uint64 (msgpack's byte order).
+load_be64: Any = _intrinsic(_load_be64_typer)
 
 
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
@@ -157,7 +169,7 @@ R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 @njit_inlined
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
-        c = _byte(b, i)
+        c = load_byte(b, i)
         if c > 32 or (c != 32 and c != 10 and c != 13 and c != 9):  # most often the first
             return i
         i += 1
@@ -168,10 +180,10 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return (
         i + 4 <= n
-        and _byte(b, i) == 110
-        and _byte(b, i + 1) == 117
-        and _byte(b, i + 2) == 108
-        and _byte(b, i + 3) == 108
+        and load_byte(b, i) == 110
+        and load_byte(b, i + 1) == 117
+        and load_byte(b, i + 2) == 108
+        and load_byte(b, i + 3) == 108
     )
 
 
@@ -211,7 +223,7 @@ _LANES32 = np.uint64(0xFFFFFFFF)
 def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     """The value of the eight ASCII digits at ``b[i : i + 8]``, or -1 if any byte is not
     a digit (SWAR: the bytes as one little-endian word, three multiplies)."""
-    x = _word8(b, i)
+    x = load_le64(b, i)
     # each byte: high nibble 3, and the byte + 6 still has high nibble 3 (0x30-0x39)
     if (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4)) != _ALL_THREES:
         return np.int64(-1)
@@ -226,22 +238,22 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
-    if i < n and _byte(b, i) == 45:
+    if i < n and load_byte(b, i) == 45:
         neg = True
         i += 1
-    if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
+    if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
         return i, 0.0, False
     m = 0
     nd = 0
     e = 0
     inexact = False
-    if _byte(b, i) == 48:
+    if load_byte(b, i) == 48:
         i += 1
-        if i < n and 48 <= _byte(b, i) <= 57:
+        if i < n and 48 <= load_byte(b, i) <= 57:
             return i, 0.0, False
     else:
         while i < n:
-            c = _byte(b, i)
+            c = load_byte(b, i)
             if c < 48 or c > 57:
                 break
             if nd < 18:
@@ -252,9 +264,9 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 if c != 48:
                     inexact = True
             i += 1
-    if i < n and _byte(b, i) == 46:
+    if i < n and load_byte(b, i) == 46:
         i += 1
-        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
             return i, 0.0, False
         # eight digits at a time once past the leading zeros, while they fit 18 digits
         while m != 0 and nd <= 10 and i + 8 <= n:
@@ -266,7 +278,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
             e -= 8
             i += 8
         while i < n:
-            c = _byte(b, i)
+            c = load_byte(b, i)
             if c < 48 or c > 57:
                 break
             if nd < 18:
@@ -278,17 +290,17 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
             elif c != 48:
                 inexact = True
             i += 1
-    if i < n and (_byte(b, i) == 101 or _byte(b, i) == 69):
+    if i < n and (load_byte(b, i) == 101 or load_byte(b, i) == 69):
         i += 1
         eneg = False
-        if i < n and (_byte(b, i) == 43 or _byte(b, i) == 45):
-            eneg = _byte(b, i) == 45
+        if i < n and (load_byte(b, i) == 43 or load_byte(b, i) == 45):
+            eneg = load_byte(b, i) == 45
             i += 1
-        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
             return i, 0.0, False
         x = 0
         while i < n:
-            c = _byte(b, i)
+            c = load_byte(b, i)
             if c < 48 or c > 57:
                 break
             if x < 100000:
@@ -351,18 +363,18 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     a value :func:`_number` would refuse; the general path then reads the entry."""
     if i + 64 > n:
         return i, 0.0, 0, False
-    neg = _byte(b, i) == 45
+    neg = load_byte(b, i) == 45
     if neg:
         i += 1
-    x = _word8(b, i)
+    x = load_le64(b, i)
     d0 = _lead_digits(x)
-    if d0 == 0 or d0 > 3 or _byte(b, i + d0) != 46 or (d0 > 1 and _byte(b, i) == 48):
+    if d0 == 0 or d0 > 3 or load_byte(b, i + d0) != 46 or (d0 > 1 and load_byte(b, i) == 48):
         return i, 0.0, 0, False
     m = _digits_value(x, d0)
     p = i + d0 + 1
-    w1 = _word8(b, p)
-    w2 = _word8(b, p + 8)
-    w3 = _word8(b, p + 16)
+    w1 = load_le64(b, p)
+    w2 = load_le64(b, p + 8)
+    w3 = load_le64(b, p + 16)
     d1 = _lead_digits(w1)
     d2 = _lead_digits(w2)
     d3 = _lead_digits(w3)
@@ -384,17 +396,17 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
             m = m * 100000000 + _digits_value(w2, 8)
             if d3 > 0:
                 m = m * _P10I[d3] + _digits_value(w3, d3)
-    if fd > 18 or (d0 + fd > 18 and _byte(b, i) != 48):  # beyond 18 digits: exact?
+    if fd > 18 or (d0 + fd > 18 and load_byte(b, i) != 48):  # beyond 18 digits: exact?
         return i, 0.0, 0, False
     q = p + fd
-    if _byte(b, q) != 44:
+    if load_byte(b, q) != 44:
         return i, 0.0, 0, False
-    x = _word8(b, q + 1)
+    x = load_le64(b, q + 1)
     d = _lead_digits(x)
-    if d == 0 or d == 8 or (d > 1 and _byte(b, q + 1) == 48):
+    if d == 0 or d == 8 or (d > 1 and load_byte(b, q + 1) == 48):
         return i, 0.0, 0, False
     t = q + 1 + d
-    if _word8(b, t) != _NULL_NEXT:
+    if load_le64(b, t) != _NULL_NEXT:
         return i, 0.0, 0, False
     if m == 0:
         v = -0.0 if neg else 0.0
@@ -413,10 +425,10 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
     after it, status)."""
     cap = lps.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and _byte(b, i) == 93:
+    if i < n and load_byte(b, i) == 93:
         return i + 1, ne, OK
     while True:
-        if i >= n or _byte(b, i) != 91:
+        if i >= n or load_byte(b, i) != 91:
             return i, ne, UNUSUAL
         if ne >= cap:
             return i, ne, CAPACITY
@@ -437,23 +449,23 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
                 return i, ne, UNUSUAL
             lps[ne] = v
         i = _ws(b, i, n)
-        if i >= n or _byte(b, i) != 44:
+        if i >= n or load_byte(b, i) != 44:
             return i, ne, UNUSUAL
         i = _ws(b, i + 1, n)
         neg = False
-        if i < n and _byte(b, i) == 45:
+        if i < n and load_byte(b, i) == 45:
             neg = True
             i += 1
-        if i >= n or _byte(b, i) < 48 or _byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
             return i, ne, UNUSUAL
         d = 0
         nd = 0
-        if _byte(b, i) == 48:
+        if load_byte(b, i) == 48:
             i += 1
             nd = 1
         else:
             while i < n:
-                c = _byte(b, i)
+                c = load_byte(b, i)
                 if c < 48 or c > 57:
                     break
                 d = d * 10 + (int(c) - 48)
@@ -461,25 +473,25 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
                 i += 1
         if nd > 16 or d >= _EXACT_MANTISSA:  # beyond exact doubles: the others decide
             return i, ne, UNUSUAL
-        if i < n and (_byte(b, i) == 46 or _byte(b, i) == 101 or _byte(b, i) == 69):
+        if i < n and (load_byte(b, i) == 46 or load_byte(b, i) == 101 or load_byte(b, i) == 69):
             return i, ne, UNUSUAL
-        if i < n and 48 <= _byte(b, i) <= 57:  # a leading zero
+        if i < n and 48 <= load_byte(b, i) <= 57:  # a leading zero
             return i, ne, UNUSUAL
         ids[ne] = -d if neg else d
         i = _ws(b, i, n)
-        if i < n and _byte(b, i) == 44:
+        if i < n and load_byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             if not _is_null(b, i, n):
                 return i, ne, UNUSUAL
             i = _ws(b, i + 4, n)
-        if i >= n or _byte(b, i) != 93:
+        if i >= n or load_byte(b, i) != 93:
             return i, ne, UNUSUAL
         ne += 1
         i = _ws(b, i + 1, n)
-        if i < n and _byte(b, i) == 44:
+        if i < n and load_byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and _byte(b, i) == 93:
+        if i < n and load_byte(b, i) == 93:
             return i + 1, ne, OK
         return i, ne, UNUSUAL
 
@@ -489,7 +501,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
     """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
     cap = widths.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and _byte(b, i) == 93:
+    if i < n and load_byte(b, i) == 93:
         return i + 1, ne, nr, OK
     while True:
         if nr >= cap:
@@ -498,7 +510,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             widths[nr] = 0
             nulls[nr] = 1
             i += 4
-        elif i < n and _byte(b, i) == 91:
+        elif i < n and load_byte(b, i) == 91:
             i, ne2, st = _entries(b, i, n, p10, lps, ids, ne)
             if st != OK:
                 return i, ne2, nr, st
@@ -509,10 +521,10 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             return i, ne, nr, UNUSUAL
         nr += 1
         i = _ws(b, i, n)
-        if i < n and _byte(b, i) == 44:
+        if i < n and load_byte(b, i) == 44:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and _byte(b, i) == 93:
+        if i < n and load_byte(b, i) == 93:
             return i + 1, ne, nr, OK
         return i, ne, nr, UNUSUAL
 
@@ -530,7 +542,7 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     alpha = 0
     pads = 0
     while i < n:
-        c = _byte(b, i)
+        c = load_byte(b, i)
         if c == 34:
             break
         if c == 61:
@@ -593,7 +605,7 @@ def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
             continue
         same = True
         for j in range(e - s):
-            if _byte(b, s + j) != keys[ks + j]:
+            if load_byte(b, s + j) != keys[ks + j]:
                 same = False
                 break
         if same:
@@ -606,7 +618,7 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     if e - s != word.shape[0]:
         return False
     for j in range(e - s):  # noqa: SIM110 (numba compiles no generators)
-        if _byte(b, s + j) != word[j]:
+        if load_byte(b, s + j) != word[j]:
             return False
     return True
 
@@ -640,13 +652,13 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     in_meta = False
     i = 0
     while i < n:
-        c = _byte(b, i)
+        c = load_byte(b, i)
         if c == 34:  # a string: skip it, remember where it was
             s_start = i + 1
             s_escaped = False
             i += 1
             while i < n:
-                c = _byte(b, i)
+                c = load_byte(b, i)
                 if c == 92:
                     s_escaped = True
                     i += 2
@@ -679,7 +691,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
             if k >= N_LISTS:  # a b64 field
-                if i >= n or _byte(b, i) != 34:
+                if i >= n or load_byte(b, i) != 34:
                     continue  # null (or a wrong type, which msgspec names): left in place
                 start, nb0 = i, nb
                 i, nb, st = _b64(b, i, n, raw, nb)
@@ -688,7 +700,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
                 _record(records, nrec, k, item, start, i, 0, 0, nb0, nb)
                 nrec += 1
                 continue
-            if i >= n or _byte(b, i) != 91:
+            if i >= n or load_byte(b, i) != 91:
                 continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
             if k == 0:

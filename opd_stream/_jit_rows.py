@@ -4,7 +4,9 @@
 MessagePack keeps a float as its 8 IEEE bytes, so no number is printed or parsed: the
 logprobs come back bit for bit (NaN and infinities included) and the reader's work is a
 byte walk. Called through :mod:`opd_stream._jit_calls`; it calls no function of another
-file (numba's disk cache keys a compiled function on its own file only).
+file (numba's disk cache keys a compiled function on its own file only), only the load
+intrinsics of :mod:`opd_stream._jit_kernel`, whose code is generated inline (should they
+ever change, touch this file too, or its cached code keeps the old loads).
 
 What it accepts, and nothing else (it answers ``False`` for the rest, which the
 entry-by-entry conversion then takes or rejects with its precise error): an outer array
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit_kernel import njit_leaf
+from ._jit_kernel import load_be64, load_byte, njit_leaf
 
 __all__ = ("read_rows",)
 
@@ -33,7 +35,7 @@ def _uint(b, i, size):  # type: ignore[no-untyped-def]
     """The big-endian unsigned integer of ``size`` bytes at ``b[i]``."""
     v = np.uint64(0)
     for j in range(size):
-        v = (v << _U8) | np.uint64(b[i + j])
+        v = (v << _U8) | np.uint64(load_byte(b, i + j))
     return v
 
 
@@ -41,7 +43,7 @@ def _uint(b, i, size):  # type: ignore[no-untyped-def]
 def _int(b, i, n):  # type: ignore[no-untyped-def]
     """A msgpack integer at ``b[i]``: (next index, value, ok); ``ok`` is False for
     anything else and for an unsigned value beyond int64."""
-    c = b[i]
+    c = load_byte(b, i)
     if c <= 0x7F:
         return i + 1, np.int64(c), True
     if c >= 0xE0:
@@ -71,7 +73,7 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
     """A msgpack array header at ``b[i]``: (next index, length); length -1 if not one."""
     if i >= n:
         return i, -1
-    c = b[i]
+    c = load_byte(b, i)
     if 0x90 <= c <= 0x9F:
         return i + 1, np.int64(c - 0x90)
     if c == 0xDC and i + 3 <= n:
@@ -84,7 +86,7 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
 @njit_leaf
 def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
     """A ``nil`` or a string at ``b[i]``: the next index, or -1."""
-    c = b[i]
+    c = load_byte(b, i)
     if c == 0xC0:
         return i + 1
     if 0xA0 <= c <= 0xBF:
@@ -99,21 +101,6 @@ def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
     else:
         return -1
     return start + size if start + size <= n else -1
-
-
-@njit_leaf
-def _be64(b, i):  # type: ignore[no-untyped-def]
-    """The big-endian uint64 at ``b[i]``."""
-    return (
-        (np.uint64(b[i]) << np.uint64(56))
-        | (np.uint64(b[i + 1]) << np.uint64(48))
-        | (np.uint64(b[i + 2]) << np.uint64(40))
-        | (np.uint64(b[i + 3]) << np.uint64(32))
-        | (np.uint64(b[i + 4]) << np.uint64(24))
-        | (np.uint64(b[i + 5]) << np.uint64(16))
-        | (np.uint64(b[i + 6]) << np.uint64(8))
-        | np.uint64(b[i + 7])
-    )
 
 
 @njit_leaf
@@ -136,20 +123,20 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             if i + 12 > n:  # the shortest entry is 3 bytes; the slow checks take it
                 i, size = _array(b, i, n)
             else:
-                c = b[i]
+                c = load_byte(b, i)
                 size = np.int64(c) - 0x90
                 i += 1
             if size != 2 and size != 3:
                 return False
             if i >= n:
                 return False
-            c = b[i]
+            c = load_byte(b, i)
             keep = e < k
             if c == 0xCB:
                 if i + 9 > n:
                     return False
                 if keep:
-                    lp_bits[out] = _be64(b, i + 1)
+                    lp_bits[out] = load_be64(b, i + 1)
                 i += 9
             elif c == 0xC0:
                 if keep:
@@ -163,19 +150,19 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                     lps[out] = np.float64(v)
             if i >= n:
                 return False
-            c = b[i]
+            c = load_byte(b, i)
             if c <= 0x7F:
                 d = np.int64(c)
                 i += 1
             elif c == 0xCD and i + 3 <= n:
-                d = (np.int64(b[i + 1]) << 8) | np.int64(b[i + 2])
+                d = (np.int64(load_byte(b, i + 1)) << 8) | np.int64(load_byte(b, i + 2))
                 i += 3
             elif c == 0xCE and i + 5 <= n:
                 d = (
-                    (np.int64(b[i + 1]) << 24)
-                    | (np.int64(b[i + 2]) << 16)
-                    | (np.int64(b[i + 3]) << 8)
-                    | np.int64(b[i + 4])
+                    (np.int64(load_byte(b, i + 1)) << 24)
+                    | (np.int64(load_byte(b, i + 2)) << 16)
+                    | (np.int64(load_byte(b, i + 3)) << 8)
+                    | np.int64(load_byte(b, i + 4))
                 )
                 i += 5
             else:
@@ -188,7 +175,7 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             if size == 3:
                 if i >= n:
                     return False
-                if b[i] == 0xC0:
+                if load_byte(b, i) == 0xC0:
                     i += 1
                 else:
                     i = _skip_text(b, i, n)

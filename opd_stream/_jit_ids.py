@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_kernel import njit_leaf
+from ._jit_kernel import njit_inlined, njit_leaf, store_le64
 
 __all__ = ("positions_json",)
 
@@ -18,6 +18,23 @@ __all__ = ("positions_json",)
 _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()
 _POWERS = np.array([10**i for i in range(19)], dtype=np.int64)  # a digit count, no division
 _LIMIT = 4611686018427387904  # 2^62: any id below it has at most 19 digits
+_EIGHT_DIGITS = 100_000_000
+_LOW7_PER32 = np.uint64(0x0000007F0000007F)
+_LOW4_PER16 = np.uint64(0x000F000F000F000F)
+_ASCII_ZEROS = np.uint64(0x3030303030303030)
+
+
+@njit_inlined
+def _ascii8(v):  # type: ignore[no-untyped-def]
+    """The eight ASCII digits of ``0 <= v < 10^8`` (leading zeros included) as one
+    little-endian word, first digit in the lowest byte: SWAR, no division."""
+    hi = v // 10000  # a constant divisor: a multiply
+    x = np.uint64(hi) | (np.uint64(v - hi * 10000) << np.uint64(32))  # 4 + 4 digits
+    q = ((x * np.uint64(5243)) >> np.uint64(19)) & _LOW7_PER32  # each half // 100
+    x = q | ((x - q * np.uint64(100)) << np.uint64(16))  # 2 digits per 16-bit lane
+    t = ((x * np.uint64(103)) >> np.uint64(10)) & _LOW4_PER16  # each lane // 10
+    x = t | ((x - t * np.uint64(10)) << np.uint64(8))  # 1 digit per byte
+    return x + _ASCII_ZEROS
 
 
 @njit_leaf
@@ -40,6 +57,15 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
             v = ids[r, j]
             if v < 0 or v >= _LIMIT:
                 return -1
+            if v < _EIGHT_DIGITS:  # every real token id: one word, shifted to its digits
+                nd = 1
+                for p in range(1, 8):
+                    nd += v >= _POWERS[p]
+                store_le64(out, pos, _ascii8(v) >> np.uint64(8 * (8 - nd)))
+                pos += nd
+                out[pos] = 44
+                pos += 1
+                continue
             nd = 1
             while nd < 19 and v >= _POWERS[nd]:
                 nd += 1
@@ -78,6 +104,6 @@ def positions_json(ids: Any, empty_rows: int) -> memoryview | None:
     writes."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     r, k = ids.shape
-    out = np.empty(2 + 3 * empty_rows + r * (3 + 20 * k), dtype=np.uint8)
+    out = np.empty(10 + 3 * empty_rows + r * (3 + 20 * k), dtype=np.uint8)  # 8-byte stores
     n = _write_positions(ids, empty_rows, out)
     return None if n < 0 else out.data[:n]

@@ -61,6 +61,7 @@ __all__ = (
     "load_be64",
     "load_byte",
     "load_le64",
+    "store_le64",
     "njit_cached",
     "njit_leaf",
     "scan",
@@ -141,6 +142,17 @@ def _load_be64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     return _types.uint64(arr, idx), codegen
 
 
+def _store_le64_typer(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        p64 = builder.bitcast(ptr, context.get_value_type(_types.uint64).as_pointer())
+        builder.store(args[2], p64, align=1)
+        return context.get_dummy_value()
+
+    return _types.none(arr, idx, _types.uint64), codegen
+
+
 #: ``b[i]`` of a uint8 array without numba's negative-index wraparound, which every
 #: signed index otherwise pays (and which keeps LLVM from merging loads): the scan's
 #: reads, whose callers keep ``0 <= i < len(b)``.
@@ -150,6 +162,9 @@ load_byte: Any = _intrinsic(_load_byte_typer)
 load_le64: Any = _intrinsic(_load_le64_typer)
 #: The eight bytes ``b[i : i + 8]`` as one big-endian uint64 (msgpack's byte order).
 load_be64: Any = _intrinsic(_load_be64_typer)
+#: ``out[i : i + 8] = value``'s eight little-endian bytes, one unaligned store (callers
+#: keep ``i + 8 <= len(out)``).
+store_le64: Any = _intrinsic(_store_le64_typer)
 
 
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)

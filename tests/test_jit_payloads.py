@@ -35,6 +35,30 @@ def test_id_rows_are_written_as_msgspec_writes_them(ids: np.ndarray, empty: int)
     assert bytes(kernel.positions_json(ids, empty)) == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=hnp.arrays(
+        np.int64,
+        hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=9),
+        elements=st.integers(0, 10**8 + 5),
+    ),
+)
+def test_token_sized_ids_are_written_as_msgspec_writes_them(ids: np.ndarray) -> None:
+    kernel = jit.compiled()
+    assert kernel is not None
+    assert bytes(kernel.positions_json(ids, 1)) == msgspec.json.encode([[], *ids.tolist()])
+
+
+def test_ids_at_every_digit_count_boundary_are_written_as_msgspec_writes_them() -> None:
+    kernel = jit.compiled()
+    assert kernel is not None
+    edges = [v for n in range(11) for v in (10**n - 1, 10**n, 10**n + 1, 5 * 10**n)]
+    ids = np.array(edges, dtype=np.int64).reshape(-1, 4)
+    assert bytes(kernel.positions_json(ids, 0)) == msgspec.json.encode(ids.tolist())
+    column = ids.reshape(-1, 1)  # each id last in its row, then first in the next
+    assert bytes(kernel.positions_json(column, 0)) == msgspec.json.encode(column.tolist())
+
+
 def test_a_negative_or_huge_id_is_left_to_msgspec() -> None:
     kernel = jit.compiled()
     assert kernel is not None

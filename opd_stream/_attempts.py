@@ -41,7 +41,7 @@ from ._payloads import build_block_payloads
 from ._router import endpoint_url, generate_url
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import ScoreRequest
+from ._wire import Layout, ScoreRequest
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -269,13 +269,15 @@ class AttemptSender:
 
     async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
         answer: Answer
+        lay: Layout | None = None
         if req.id_form == "blocks" and req.ids is not None:
             answer = await self._post_blocks(side, url, req)
         else:
-            answer = await self._post(side, url, await self._build_body(req))
+            body, lay = await self._build_body(req)
+            answer = await self._post(side, url, body)
         self._stats.stage_active["decode"] += 1
         try:
-            rows = await self._decode_body(answer, req)
+            rows = await self._decode_body(answer, req, lay)
         except ServerError as exc:
             exc.side = side
             exc.url = url
@@ -314,9 +316,7 @@ class AttemptSender:
             raise ServerHTTPError(resp.status, message, side=side, url=url)
         return resp.body
 
-    async def _post_blocks(
-        self, side: Side, url: str, req: ScoreRequest
-    ) -> list[Body]:
+    async def _post_blocks(self, side: Side, url: str, req: ScoreRequest) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
@@ -349,28 +349,28 @@ class AttemptSender:
                 url=url,
             )
 
-    async def _build_body(self, req: ScoreRequest) -> bytes:
-        """The request body; a large one is built in a worker thread (in chunks that each
-        hold the GIL briefly, so the event loop keeps its turns). Where: ``_codec``."""
+    async def _build_body(self, req: ScoreRequest) -> tuple[bytes, Layout]:
+        """The request body and its layout; a large one is built in a worker thread (the
+        GIL released while the ids are written). Where: ``_codec``."""
         if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
-            body, cpu = timed_build(req)
+            body, lay, cpu = timed_build(req)
         else:
-            body, cpu = await anyio.to_thread.run_sync(
+            body, lay, cpu = await anyio.to_thread.run_sync(
                 functools.partial(timed_build, req, in_thread=True),
                 limiter=self._threads,
                 abandon_on_cancel=True,
             )
         self._stats.cpu["build"] += cpu
-        return body
+        return body, lay
 
-    async def _decode_body(self, body: Answer, req: ScoreRequest) -> ScoreRows:
+    async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
         released while it parses), a small one on the loop."""
         size = answer_size(body)
         if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
             start = time.thread_time()
             try:
-                rows, parser = decode(body, req, in_thread=False)
+                rows, parser = decode(body, req, in_thread=False, lay=lay)
             finally:
                 self._stats.cpu["decode_loop"] += time.thread_time() - start
             self._stats.decoded[parser] += 1
@@ -379,7 +379,7 @@ class AttemptSender:
         # answer: ~2.5 ns per byte with the scanner, 0.1 s for a 36 MB answer; pyarrow ~15,
         # 0.5 s) and its result is dropped.
         got, cpu = await anyio.to_thread.run_sync(
-            functools.partial(timed_decode, body, req),
+            functools.partial(timed_decode, body, req, lay),
             limiter=self._threads,
             abandon_on_cancel=True,
         )

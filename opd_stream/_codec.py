@@ -27,7 +27,7 @@ from ._decode_arrow import decode_segments_arrow, read_answers_arrow
 from ._decode_score import decode_segments
 from ._jit import available, prepare
 from ._jit_reader import read_answers_jit
-from ._payloads import build_score_payload, payload_size_hint
+from ._payloads import build_laid, payload_size_hint
 from ._wire import Layout, ScoreRequest, layout
 
 __all__ = (
@@ -68,14 +68,16 @@ def decode_in_thread(size: int, threshold: int) -> bool:
     return size >= threshold
 
 
-def timed_build(req: ScoreRequest, *, in_thread: bool = False) -> tuple[bytes, float]:
-    """``req``'s body and the CPU seconds of the thread that built it (a worker thread,
-    ``in_thread``, compiles the kernels on first use)."""
+def timed_build(req: ScoreRequest, *, in_thread: bool = False) -> tuple[bytes, Layout, float]:
+    """``req``'s body, its layout (checked once: the decode of the answer takes it again)
+    and the CPU seconds of the thread that built it (a worker thread, ``in_thread``,
+    compiles the kernels on first use)."""
     start = time.thread_time()
     if in_thread:
         prepare()
-    body = build_score_payload(req)
-    return body, time.thread_time() - start
+    lay = layout(req)
+    body = build_laid(req, lay)
+    return body, lay, time.thread_time() - start
 
 
 def parser_for(*, in_thread: bool) -> Parser:
@@ -86,23 +88,26 @@ def parser_for(*, in_thread: bool) -> Parser:
     return "arrow" if in_thread else "msgspec"
 
 
-def decode(answer: Answer, req: ScoreRequest, *, in_thread: bool) -> tuple[ScoreRows, Parser]:
+def decode(
+    answer: Answer, req: ScoreRequest, *, in_thread: bool, lay: Layout | None = None
+) -> tuple[ScoreRows, Parser]:
     """Decode an answer with the parser for where it runs (:func:`parser_for`): the rows,
-    and the parser that gave them (``"msgspec"`` where the fast one handed it on)."""
+    and the parser that gave them (``"msgspec"`` where the fast one handed it on). ``lay``:
+    ``layout(req)`` where the caller has it (from :func:`timed_build`)."""
     parser = parser_for(in_thread=in_thread)
     if isinstance(answer, Body):
-        return _decode_one(answer, req, parser)
+        return _decode_one(answer, req, parser, lay)
     return _decode_blocks(answer, req, parser)
 
 
 def timed_decode(
-    answer: Answer, req: ScoreRequest
+    answer: Answer, req: ScoreRequest, lay: Layout | None = None
 ) -> tuple[tuple[ScoreRows, Parser] | BaseException, float]:
     """Decode in a worker thread: the rows and their parser, or the error (raised again in
     the caller's task), and the thread's CPU seconds."""
     start = time.thread_time()
     try:
-        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, in_thread=True)
+        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, in_thread=True, lay=lay)
     except Exception as exc:  # raised again in the caller's task
         got = exc
     return got, time.thread_time() - start
@@ -141,9 +146,10 @@ def decode_score_response(
 
 
 def _decode_one(
-    body: Body, req: ScoreRequest, parser: Parser
+    body: Body, req: ScoreRequest, parser: Parser, lay: Layout | None = None
 ) -> tuple[ScoreRows, Parser]:
-    lay = layout(req)
+    if lay is None:
+        lay = layout(req)
     per_position = req.ids is not None and req.id_form == "per-position"
     return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
 

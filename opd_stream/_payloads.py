@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._jit import compiled
-from ._wire import ScoreRequest, json_digits, layout
+from ._wire import Layout, ScoreRequest, json_digits, layout
 
 __all__ = (
     "build_block_payloads",
@@ -41,13 +41,14 @@ def build_score_payload(req: ScoreRequest) -> bytes:
     Raises:
         InvalidSampleError: a malformed request (names the field).
     """
-    return _build(req)
+    return build_laid(req, layout(req))
 
 
-def _build(req: ScoreRequest) -> bytes:
+def build_laid(req: ScoreRequest, lay: Layout) -> bytes:
+    """:func:`build_score_payload` for a request already checked and laid out
+    (``lay = layout(req)``; the pipeline keeps it for the answer's decode)."""
     if req.id_form == "blocks" and req.ids is not None:
         raise ValueError("the 'blocks' id form is sent as several bodies: build_block_payloads")
-    lay = layout(req)
     body: dict[str, Any] = {}
     if lay.batch:
         lengths = [seg.length for seg in lay.segments]

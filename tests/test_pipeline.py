@@ -460,10 +460,10 @@ async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
     servers = _servers()
     real = _codec._decode_one
 
-    def decode(body: bytes, req: Any, parser: Any) -> Any:
+    def decode(body: bytes, req: Any, parser: Any, lay: Any = None) -> Any:
         if req.tokens[0] == 7:  # a decoder bug that strikes one sample
             raise KeyError("boom")
-        return real(body, req, parser)
+        return real(body, req, parser, lay)
 
     monkeypatch.setattr(_codec, "_decode_one", decode)
     samples = _samples(4)

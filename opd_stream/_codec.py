@@ -6,7 +6,7 @@ and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on
 
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream._jit_reader`,
 numba: about half of msgspec's untyped decode in CPU, GIL released) wherever it is ready;
-a decode thread compiles it on first use. Until then, or without numba: pyarrow in a decode
+a decode thread compiles it as a stream starts. Until then, or without numba: pyarrow in a decode
 thread (GIL released, ~1.9x msgspec's CPU) and msgspec on the event loop (~8 ns per byte,
 GIL held). A faster parser hands an answer it does not accept on, msgspec last, which
 raises the precise error. Which thread: a request body (by

@@ -5,7 +5,8 @@ off the event loop, or never.
 numba is optional (the ``jit`` extra). :func:`prepare` imports it and compiles the kernels
 (about 10-15 s of CPU on a 2-core machine the first time; about 0.4 s in later processes,
 from numba's on-disk cache next to the module or in the user's cache directory). It is
-called, blocking, by the worker thread that first builds a payload or decodes an answer;
+called, blocking, in a decode thread as each stream starts (and by any worker thread that
+builds a payload or decodes an answer before it is done);
 while it runs, and after a failure (numba missing, too old for this numpy, or
 ``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or
 a big-endian machine),

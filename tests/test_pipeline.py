@@ -479,3 +479,22 @@ async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
     failure = out[2]
     assert isinstance(failure, SampleFailure)
     assert failure.reason == "internal_error" and "KeyError" in failure.message
+
+
+async def test_the_kernels_are_compiled_as_a_stream_starts_so_loop_decodes_use_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # small answers are decoded on the loop, where nothing would otherwise compile the
+    # kernels (only a decode thread did): the stream compiles them as it starts
+    import opd_stream._jit as jit
+
+    assert jit.prepare()
+    monkeypatch.setattr(jit, "_kernel", None)
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        with anyio.fail_after(60):
+            while not jit.available():
+                await anyio.sleep(0.01)
+        await _collect(stream, _samples(3))
+        stats = stream.stats()
+    assert stats.decoded["jit"] == 3 and stats.decoded["msgspec"] == 0
+    assert stats.cpu_s["decode_threads"] == 0.0  # all on the loop

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._answers import Body
-from ._jit_checks import FAULTS, first_duplicate_row, pick_id_rows, topk_faults
+from ._jit_checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
 from ._jit_ids import positions_json
 from ._jit_kernel import (
     KEYS,
@@ -45,7 +45,7 @@ __all__ = (
     "R_ROW1",
     "R_START",
     "UNUSUAL",
-    "first_duplicate_row",
+    "request_id_fault",
     "pick_id_rows",
     "positions_json",
     "rows_read",
@@ -122,7 +122,7 @@ def warm() -> None:
     rows_read(_WARM_ROWS, 2, 1)
     positions_json(np.zeros((1, 1), dtype=np.int64), 1)
     ids = np.zeros((1, 1), dtype=np.int64)
-    first_duplicate_row(ids, -1)
+    request_id_fault(ids, 1)
     one = np.zeros(1, dtype=np.intp)
     out = np.empty((1, 1), dtype=np.float32)
     pick_id_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._jit_kernel import njit_cached, njit_leaf
 
-__all__ = ("FAULTS", "first_duplicate_row", "pick_id_rows", "topk_faults")
+__all__ = ("FAULTS", "pick_id_rows", "request_id_fault", "topk_faults")
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (
@@ -68,14 +68,20 @@ def _has_duplicate(ids, row, pad_id, tab, stamps, shift):  # type: ignore[no-unt
 
 
 @njit_cached
-def first_duplicate_row(ids, pad_id):  # type: ignore[no-untyped-def]
-    """The first row of ``ids`` (int64 ``[R, k]``) that holds an id other than ``pad_id``
-    twice, or -1."""
+def request_id_fault(ids, max_id):  # type: ignore[no-untyped-def]
+    """A request's ids (int64 ``[R, k]``) checked in one pass: ``(1, -1)`` when an id
+    lies outside ``[0, max_id)`` (anywhere: that fault comes first), ``(2, row)`` for the
+    first row that holds an id twice, else ``(0, -1)``."""
     tab, stamps, shift = _id_table(ids.shape[1])
+    dup = -1
     for row in range(ids.shape[0]):
-        if _has_duplicate(ids, row, pad_id, tab, stamps, shift):
-            return row
-    return -1
+        for j in range(ids.shape[1]):
+            d = ids[row, j]
+            if d < 0 or d >= max_id:
+                return 1, -1
+        if dup < 0 and _has_duplicate(ids, row, -1, tab, stamps, shift):
+            dup = row
+    return (2, dup) if dup >= 0 else (0, -1)
 
 
 @njit_cached

@@ -139,22 +139,31 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
             raise InvalidSampleError("ids", f"shape {list(ids.shape)}, expected [{r}, k >= 1]")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidSampleError("ids", f"dtype {ids.dtype} is not an integer type")
-        if int(ids.min()) < 0 or int(ids.max()) >= _MAX_ID:
-            raise InvalidSampleError("ids", f"an id is outside [0, {_MAX_ID})")
-        if (row := _duplicate_row(ids)) is not None:
-            raise InvalidSampleError("ids", f"duplicate id in the row of response position {row}")
+        if (fault := _id_fault(ids)) is not None:
+            raise InvalidSampleError("ids", fault)
     return tokens.astype(np.int64, copy=False), length - r
 
 
-def _duplicate_row(ids: npt.NDArray[np.integer[Any]]) -> int | None:
-    """The first row of ``ids`` (``[R, k]``, non-negative) that holds an id twice."""
+def _id_fault(ids: npt.NDArray[np.integer[Any]]) -> str | None:
+    """What is wrong with requested ``ids`` (``[R, k]``, integers): an id outside
+    ``[0, 2^31)`` (first), else the first row that holds an id twice; ``None`` if nothing.
+    One compiled pass where the kernels are ready."""
     kernel = compiled()
     if kernel is not None:
-        row = int(kernel.first_duplicate_row(np.ascontiguousarray(ids, dtype=np.int64), -1))
-        return None if row < 0 else row
+        # (a uint64 id past int64 wraps to a negative one: outside the range all the same)
+        fault, row = kernel.request_id_fault(np.ascontiguousarray(ids, np.int64), _MAX_ID)
+        return None if fault == 0 else _ID_FAULTS[fault].format(row=row)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _MAX_ID):
+        return _ID_FAULTS[1]
     s = np.sort(ids, axis=1)
     dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-    return int(np.argmax(dup)) if dup.any() else None
+    return _ID_FAULTS[2].format(row=int(np.argmax(dup))) if dup.any() else None
+
+
+_ID_FAULTS = {
+    1: f"an id is outside [0, {_MAX_ID})",
+    2: "duplicate id in the row of response position {row}",
+}
 
 
 def _sorted_unique(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

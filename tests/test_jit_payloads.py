@@ -81,22 +81,29 @@ def test_per_position_payloads_are_the_same_bytes_with_and_without_the_kernel(
     assert build_score_payload(req) == fast
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     ids=hnp.arrays(
-        np.int64,
-        st.tuples(st.integers(0, 6), st.sampled_from([1, 2, 5, 33, 40])),
-        elements=st.integers(0, 6),
+        st.sampled_from([np.int64, np.uint64, np.uint32]),
+        st.tuples(st.integers(1, 6), st.sampled_from([1, 2, 5, 33, 40])),
+        elements=st.integers(0, 6) | st.sampled_from([2**31 - 1, 2**31, 2**32 - 1]),
     )
+    | hnp.arrays(
+        np.int64, st.tuples(st.integers(1, 4), st.integers(1, 5)), elements=st.integers(-3, 6)
+    ),
 )
-def test_a_duplicate_id_is_found_in_the_same_row_with_and_without_the_kernel(
-    ids: np.ndarray,
-) -> None:
-    from opd_stream._wire import _duplicate_row
+def test_a_request_id_fault_is_found_alike_with_and_without_the_kernel(ids: np.ndarray) -> None:
+    from opd_stream._wire import _id_fault
 
-    fast = _duplicate_row(ids)
+    fast = _id_fault(ids)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(jit, "_kernel", None)
-        assert _duplicate_row(ids) == fast
-    rows = [r for r in range(ids.shape[0]) if len(set(ids[r].tolist())) < ids.shape[1]]
-    assert fast == (rows[0] if rows else None)
+        assert _id_fault(ids) == fast
+    values = ids.astype(object)
+    rows = [r for r in range(ids.shape[0]) if len(set(values[r].tolist())) < ids.shape[1]]
+    if any(not 0 <= v < 2**31 for v in values.flat):
+        assert fast == "an id is outside [0, 2147483648)"
+    elif rows:
+        assert fast == f"duplicate id in the row of response position {rows[0]}"
+    else:
+        assert fast is None

@@ -397,10 +397,8 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     p = i + d0 + 1
     w1 = load_le64(b, p)
     w2 = load_le64(b, p + 8)
-    w3 = load_le64(b, p + 16)
     d1 = _lead_digits(w1)
     d2 = _lead_digits(w2)
-    d3 = _lead_digits(w3)
     if d1 == 0:
         return i, 0.0, 0, False
     if d1 < 8:
@@ -413,6 +411,8 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
             if d2 > 0:
                 m = m * _P10I[d2] + _digits_value(w2, d2)
         else:
+            w3 = load_le64(b, p + 16)
+            d3 = _lead_digits(w3)
             if d3 == 8:
                 return i, 0.0, 0, False
             fd = 16 + d3

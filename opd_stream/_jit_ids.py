@@ -1,7 +1,10 @@
 """The compiled writer of per-position id rows for request payloads (numba, ``nogil``).
 
 Its own module: numba caches a compiled function keyed on its file alone, and this one
-calls nothing from the scan's file (:mod:`opd_stream._jit_kernel`).
+calls no function of the scan's file (:mod:`opd_stream._jit_kernel`), only its store
+intrinsic, whose code is generated inline (should it ever change, touch this file too, or
+its cached code keeps the old store). A token id (below 10^8) is written as one SWAR word
+of eight digits, shifted to its own digits, and one unaligned store.
 """
 
 from __future__ import annotations

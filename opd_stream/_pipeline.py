@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import msgspec
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._config import StreamConfig
@@ -66,6 +66,47 @@ class RunState:
         self.error: BaseException | None = None
 
 
+class _Crew:
+    """The fetch workers, started as work arrives: one for each job sent when no worker is
+    idle for it, at most ``limit`` (``max_inflight``). A run of a few samples starts a few
+    tasks, not ``max_inflight`` of them (each costs the loop ~0.1 ms to start and to end).
+
+    It holds spare ends of the channels, cloned for each new worker, until :meth:`close`
+    (the intake's end: no job comes after it, so no worker is needed after it either).
+    """
+
+    def __init__(
+        self,
+        tg: TaskGroup,
+        worker: Any,
+        ends: tuple[
+            MemoryObjectReceiveStream[_Work],
+            MemoryObjectSendStream[Fetched],
+            MemoryObjectSendStream[Result],
+        ],
+        limit: int,
+    ) -> None:
+        self._tg = tg
+        self._worker = worker
+        self._ends = ends
+        self._limit = limit
+        self.started = 0
+        self.busy = 0  # taken a job, not yet done with it
+        self.queued = 0  # jobs sent (or being sent), not yet taken
+
+    def before_send(self) -> None:
+        """A job is about to be sent: start a worker if none would be idle for it."""
+        if self.started - self.busy <= self.queued and self.started < self._limit:
+            work, kl, emit = self._ends
+            self._tg.start_soon(self._worker, work.clone(), kl.clone(), emit.clone())
+            self.started += 1
+        self.queued += 1
+
+    def close(self) -> None:
+        for end in self._ends:
+            end.close()
+
+
 class _Pipeline:
     def __init__(
         self,
@@ -89,6 +130,7 @@ class _Pipeline:
             slots = min(slots, config.max_reorder)
         self.slots = anyio.Semaphore(slots)
         self.outstanding = 0  # admitted, result not yet handed over (for stats on cancel)
+        self.crew: _Crew | None = None  # set by run_pipeline before the intake starts
         self.secret = None if config.api_key is None else config.api_key.get_secret_value()
         cap = config.channel_capacity
         for name in ("intake", "kl", "emit", "output"):
@@ -124,25 +166,37 @@ class _Pipeline:
         emit: MemoryObjectSendStream[Result],
     ) -> None:
         async with work, emit:
-            if isinstance(samples, AsyncIterable):
-                iterator = aiter(samples)
-                try:
-                    index = 0
-                    async for sample in iterator:
-                        await self._admit(sample, index, work, emit)
-                        index += 1
-                        del sample  # not held while waiting for the next one
-                finally:
-                    # We consumed the caller's async generator; close it here, in its task,
-                    # rather than leaving it to the garbage collector.
-                    aclose = getattr(iterator, "aclose", None)
-                    if aclose is not None:
-                        with anyio.CancelScope(shield=True):
-                            await aclose()
-            else:
-                for index, sample in enumerate(samples):
+            try:
+                await self._intake(samples, work, emit)
+            finally:
+                if self.crew is not None:
+                    self.crew.close()  # no job after this one: no worker needed either
+
+    async def _intake(
+        self,
+        samples: Iterable[Any] | AsyncIterable[Any],
+        work: MemoryObjectSendStream[_Work],
+        emit: MemoryObjectSendStream[Result],
+    ) -> None:
+        if isinstance(samples, AsyncIterable):
+            iterator = aiter(samples)
+            try:
+                index = 0
+                async for sample in iterator:
                     await self._admit(sample, index, work, emit)
-                    del sample
+                    index += 1
+                    del sample  # not held while waiting for the next one
+            finally:
+                # We consumed the caller's async generator; close it here, in its task,
+                # rather than leaving it to the garbage collector.
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+        else:
+            for index, sample in enumerate(samples):
+                await self._admit(sample, index, work, emit)
+                del sample
 
     async def _admit(
         self,
@@ -166,6 +220,8 @@ class _Pipeline:
         except (InvalidSampleError, RoutingError) as exc:
             await self._send("emit", emit, sample_failure(sample, index, exc, 0, self.secret))
         else:
+            if self.crew is not None:
+                self.crew.before_send()
             await self._send("intake", work, (prepared, admitted_at, scope))
 
     async def _send(self, channel: str, stream: MemoryObjectSendStream[Any], item: Any) -> None:
@@ -190,7 +246,15 @@ class _Pipeline:
         async with work, kl, emit:
             async for job in work:
                 self.stats.take("intake")
-                await self._fetch_one(job, kl, emit)
+                crew = self.crew
+                if crew is not None:
+                    crew.queued -= 1
+                    crew.busy += 1
+                try:
+                    await self._fetch_one(job, kl, emit)
+                finally:
+                    if crew is not None:
+                        crew.busy -= 1
                 # Nothing of a finished sample stays referenced while this worker waits for
                 # the next one (up to max_inflight workers: that would be GBs at long R).
                 del job
@@ -368,11 +432,9 @@ async def run_pipeline(
             emit_send, emit_recv = anyio.create_memory_object_stream[Result](cap)
             async with anyio.create_task_group() as tg:
                 with work_send, work_recv, kl_send, kl_recv, emit_send, emit_recv:
+                    ends = (work_recv.clone(), kl_send.clone(), emit_send.clone())
+                    pipe.crew = _Crew(tg, pipe.worker, ends, workers)
                     tg.start_soon(pipe.intake, samples, work_send.clone(), emit_send.clone())
-                    for _ in range(workers):
-                        tg.start_soon(
-                            pipe.worker, work_recv.clone(), kl_send.clone(), emit_send.clone()
-                        )
                     tg.start_soon(pipe.kl_stage, kl_recv.clone(), emit_send.clone())
                     tg.start_soon(pipe.emitter, emit_recv.clone(), out.clone())
     except anyio.BrokenResourceError:
@@ -384,6 +446,8 @@ async def run_pipeline(
         if not isinstance(err, anyio.BrokenResourceError):
             state.error = err
     finally:
+        if pipe.crew is not None:
+            pipe.crew.close()  # (the intake's end does, unless it never ran)
         # a cancelled run leaves samples that will never come out: not in flight any more
         pipe.stats.in_flight -= pipe.outstanding
         pipe.outstanding = 0

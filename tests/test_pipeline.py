@@ -500,3 +500,63 @@ async def test_the_kernels_are_compiled_as_a_stream_starts_so_loop_decodes_use_t
         stats = stream.stats()
     assert stats.decoded["jit"] == 3 and stats.decoded["msgspec"] == 0
     assert stats.cpu_s["decode_threads"] == 0.0  # all on the loop
+
+
+class _FakeGroup:
+    def __init__(self) -> None:
+        self.started = 0
+
+    def start_soon(self, *args: Any) -> None:
+        self.started += 1
+        for end in args[1:]:
+            end.close()  # the clones a worker would own
+
+
+def _crew(limit: int) -> tuple[Any, _FakeGroup]:
+    from opd_stream._pipeline import _Crew
+
+    tg = _FakeGroup()
+    send, recv = anyio.create_memory_object_stream[Any](1)
+    ends = (recv, send, send.clone())
+    return _Crew(tg, None, ends, limit), tg  # type: ignore[arg-type]
+
+
+def test_a_fetch_worker_starts_only_for_a_job_no_idle_worker_would_take() -> None:
+    crew, tg = _crew(limit=8)
+    for _ in range(3):  # three jobs queued at once: three workers
+        crew.before_send()
+    assert tg.started == 3
+    for _ in range(3):  # all three take theirs and finish
+        crew.queued -= 1
+    crew.before_send()  # an idle worker is there for the next job
+    assert tg.started == 3
+    crew.queued -= 1
+    crew.busy = 3  # all busy: the next job needs a new one
+    crew.before_send()
+    assert tg.started == 4
+    crew.close()
+
+
+def test_fetch_workers_never_exceed_the_limit() -> None:
+    crew, tg = _crew(limit=2)
+    for _ in range(5):
+        crew.before_send()
+    assert tg.started == 2
+    crew.close()
+
+
+async def test_a_run_of_one_sample_starts_one_fetch_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opd_stream import _pipeline
+
+    crews: list[Any] = []
+    real = _pipeline._Crew
+
+    def spy(*args: Any) -> Any:
+        crews.append(real(*args))
+        return crews[-1]
+
+    monkeypatch.setattr(_pipeline, "_Crew", spy)
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        out = await _collect(stream, _samples(1))
+    assert [type(r).__name__ for r in out] == ["ScoredSample"]
+    assert crews[0].started == 1 and crews[0].busy == 0 and crews[0].queued == 0

@@ -121,7 +121,7 @@ def decode_score_response(
     ``parser`` picks how the JSON is read; all give the same arrays and the same errors.
     ``"msgspec"`` holds the GIL for the whole decode (~8 ns per byte). ``"arrow"`` parses
     with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's CPU). ``"jit"``
-    uses the compiled scanner (GIL released, ~2.5 ns per byte) when it is ready
+    uses the compiled scanner (GIL released, ~1.3-2.5 ns per byte) when it is ready
     (:func:`opd_stream._jit.prepare`). An answer the fast parser does not accept is
     decoded again with msgspec, which raises the precise error (see
     :mod:`opd_stream._decode_arrow`).

@@ -78,7 +78,15 @@ async def score(stream, n, seed):
 async def main():
     config = StreamConfig.from_env(teachers=TEACHER, top_k=K)
     async with OPDStream(config) as stream:
-        warm = await score(stream, 8, 0)
+        # warm until the compiled scanner takes every answer: the stream compiles it in
+        # the background (about 0.4 s from numba's cache, 10-15 s of CPU cold), and its
+        # one-time memory (LLVM's) is not what this measures
+        warm = 0
+        for _ in range(300):
+            jit_before = stream.stats().decoded["jit"]
+            warm += await score(stream, 8, 0)
+            if stream.stats().decoded["jit"] - jit_before == 8:
+                break
         gc.collect()
         before = rss()
         long = await score(stream, 64, 1)
@@ -86,7 +94,8 @@ async def main():
         after = rss()
         stats = stream.stats()
     report = {
-        "scored": warm + long,
+        "warm": warm,
+        "scored": long,
         "rss_growth": after - before,
         "answer_bytes": stats.bytes_received / stats.requests,
         "children": children(),
@@ -137,7 +146,7 @@ def test_a_users_script_scores_long_samples_silently_and_leaves_nothing(
     assert proc.stderr == b""
     assert marker.read_text() == "module ran\n"  # once: no helper re-ran the script
     got = json.loads(report.read_text())
-    assert got["scored"] == 72
+    assert got["scored"] == 64 and got["warm"] >= 8 and got["warm"] % 8 == 0
     assert got["answer_bytes"] > 2_000_000
     assert got["children"] == []
     assert got["rss_growth"] < RSS_LIMIT, got

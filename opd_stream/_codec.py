@@ -71,7 +71,7 @@ def decode_in_thread(size: int, threshold: int) -> bool:
 def timed_build(req: ScoreRequest, *, in_thread: bool = False) -> tuple[bytes, Layout, float]:
     """``req``'s body, its layout (checked once: the decode of the answer takes it again)
     and the CPU seconds of the thread that built it (a worker thread, ``in_thread``,
-    compiles the kernels on first use)."""
+    compiles the kernels if the stream has not yet)."""
     start = time.thread_time()
     if in_thread:
         prepare()

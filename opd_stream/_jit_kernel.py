@@ -245,16 +245,11 @@ _LANES32 = np.uint64(0xFFFFFFFF)
 @njit_leaf
 def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     """The value of the eight ASCII digits at ``b[i : i + 8]``, or -1 if any byte is not
-    a digit (SWAR: the bytes as one little-endian word, three multiplies)."""
+    a digit (one little-endian word: :func:`_lead_digits`, :func:`_digits_value`)."""
     x = load_le64(b, i)
-    # each byte: high nibble 3, and the byte + 6 still has high nibble 3 (0x30-0x39)
-    if (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4)) != _ALL_THREES:
+    if _lead_digits(x) != 8:
         return np.int64(-1)
-    x -= _ASCII_ZEROS
-    x = (x * np.uint64(10) + (x >> np.uint64(8))) & _LANES8  # pairs: 10 * first + second
-    x = (x * np.uint64(100) + (x >> np.uint64(16))) & _LANES16
-    x = (x * np.uint64(10000) + (x >> np.uint64(32))) & _LANES32
-    return np.int64(x)
+    return _digits_value(x, 8)
 
 
 @njit_inlined

@@ -102,6 +102,15 @@ class _Crew:
             self.started += 1
         self.queued += 1
 
+    def took(self) -> None:
+        """A worker took a job."""
+        self.queued -= 1
+        self.busy += 1
+
+    def finished(self) -> None:
+        """A worker is done with its job (and idle again)."""
+        self.busy -= 1
+
     def close(self) -> None:
         for end in self._ends:
             end.close()
@@ -248,13 +257,12 @@ class _Pipeline:
                 self.stats.take("intake")
                 crew = self.crew
                 if crew is not None:
-                    crew.queued -= 1
-                    crew.busy += 1
+                    crew.took()
                 try:
                     await self._fetch_one(job, kl, emit)
                 finally:
                     if crew is not None:
-                        crew.busy -= 1
+                        crew.finished()
                 # Nothing of a finished sample stays referenced while this worker waits for
                 # the next one (up to max_inflight workers: that would be GBs at long R).
                 del job

@@ -35,6 +35,7 @@ from ._errors import (
     ServerAbortError,
     ServerError,
     ServerHTTPError,
+    WeightVersionChanged,
 )
 from ._logging import configure_logging
 from ._sample import Candidates, Sample, SampleFailure, ScoredSample
@@ -82,4 +83,5 @@ __all__ = [
     "StreamConfig",
     "StreamStats",
     "Transport",
+    "WeightVersionChanged",
 ]

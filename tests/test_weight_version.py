@@ -110,8 +110,12 @@ def test_one_version_across_items_is_the_answers_version(parser: Any) -> None:
 def test_the_students_requests_are_compared_with_each_other() -> None:
     server = InProcessSGLang("student", 1, weight_versions=("s1", "s2"))
     req = ScoreRequest(tokens=np.asarray(_tokens(), dtype=np.int64), response_length=R)
-    first = decode_score_response(server.handle("POST", "/generate", build_score_payload(req)).body, req)
-    again = decode_score_response(server.handle("POST", "/generate", build_score_payload(req)).body, req)
+    first = decode_score_response(
+        server.handle("POST", "/generate", build_score_payload(req)).body, req
+    )
+    again = decode_score_response(
+        server.handle("POST", "/generate", build_score_payload(req)).body, req
+    )
     same_weights((again, again), "student")  # one version: nothing to say
     with pytest.raises(WeightVersionChanged) as info:
         same_weights((first, again), "student")
@@ -121,7 +125,9 @@ def test_the_students_requests_are_compared_with_each_other() -> None:
 # -- the pipeline ---------------------------------------------------------------------------
 
 
-async def _run(cfg: StreamConfig, servers: dict[str, InProcessSGLang], samples: list[Sample]) -> list[Any]:
+async def _run(
+    cfg: StreamConfig, servers: dict[str, InProcessSGLang], samples: list[Sample]
+) -> list[Any]:
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         async with stream.run(samples) as results:
             return [r async for r in results]

@@ -38,6 +38,7 @@ from ._errors import (
     WeightVersionChanged,
 )
 from ._logging import configure_logging
+from ._probe import ProbeReport, ReplicaProbe
 from ._sample import Candidates, Sample, SampleFailure, ScoredSample
 from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
 from ._stream import OPDStream, Results
@@ -68,7 +69,9 @@ __all__ = [
     "MockTransport",
     "OPDStream",
     "OPDStreamError",
+    "ProbeReport",
     "ProtocolError",
+    "ReplicaProbe",
     "Response",
     "ResponseTooLarge",
     "Results",

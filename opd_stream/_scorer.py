@@ -9,6 +9,7 @@ fetch -> student fetch -> decode). Single attempts (hedging, health, decode) are
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 from collections.abc import Callable
@@ -91,6 +92,15 @@ class SampleScorer:
             self._caps,
             threads=threads,
         )
+
+    def eject_for_good(self, url: str) -> None:
+        """Take replica ``url`` out of the rotation for the stream's life (the probe found
+        its numbers off, which a ``/health`` probe cannot re-admit: its cool-down never
+        ends). If every replica of a teacher is out, the choice still fails open."""
+        state = self._pool.health(url)
+        if state.ejected_until != math.inf:
+            state.ejections += 1
+        state.ejected_until = math.inf
 
     # one logical request -------------------------------------------------------------
     async def _request(

@@ -80,7 +80,7 @@ class MockStats(msgspec.Struct, kw_only=True):
         keep = (self.in_flight, self.running, self.queued)
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            empty = {} if isinstance(value, dict) else [] if isinstance(value, list) else 0
+            empty: Any = {} if isinstance(value, dict) else [] if isinstance(value, list) else 0
             setattr(self, name, empty)
         self.in_flight, self.running, self.queued = keep
         self.max_in_flight = self.in_flight

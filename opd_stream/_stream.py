@@ -30,13 +30,8 @@ from ._errors import ConfigError
 from ._jit import available, prepare
 from ._logging import get_logger
 from ._pipeline import Result, RunState, run_pipeline
-from ._probe import (
-    PROBE_RESPONSE_LENGTH,
-    ProbeReport,
-    default_probe_tokens,
-    ejectable,
-    run_probe,
-)
+from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
+from ._probe_requests import run_probe
 from ._router import TeacherRouter
 from ._sample import Sample, prepare_sample
 from ._scorer import SampleScorer

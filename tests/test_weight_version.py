@@ -220,3 +220,35 @@ async def test_a_student_whose_versions_keep_changing_fails_the_sample() -> None
     assert isinstance(res, SampleFailure)
     assert res.reason == "weight_version_changed"
     assert "student" in res.message and "'s3', 's4'" in res.message
+
+
+# -- the aiohttp mock server ----------------------------------------------------------------
+
+
+async def test_over_http_a_scripted_weight_update_is_retried_and_scored() -> None:
+    from threaded_mock import serve_mock_threaded
+
+    from opd_stream.testing.mock_sglang import MockOptions
+
+    options = MockOptions(weight_versions=("v1", "v2"))
+    async with serve_mock_threaded("teacher", 1, options=options) as teacher:
+        student = InProcessSGLang("student", 1)
+        sample = _with_student_topk(student, _tokens(8))
+        cfg = _cfg(teachers=teacher.url, id_scoring="blocked", id_block_size=2)
+        async with OPDStream(cfg) as stream:
+            async with stream.run([sample]) as results:
+                (res,) = [r async for r in results]
+        assert isinstance(res, ScoredSample), res
+        assert res.attempts == 2
+        assert teacher.stats[0].generate_requests == 2
+
+
+def test_the_mock_command_line_takes_the_signal_options() -> None:
+    from opd_stream.testing.mock_sglang.__main__ import build_parser
+
+    args = build_parser().parse_args(
+        ["--weight-versions", "v1,v2", "--logprob-offset", "-0.5", "--warm-drift", "0.2"]
+    )
+    assert args.weight_versions == ("v1", "v2")
+    assert (args.logprob_offset, args.warm_drift) == (-0.5, 0.2)
+    assert build_parser().parse_args([]).weight_versions == ()

@@ -303,3 +303,24 @@ def test_the_command_exits_2_on_a_usage_error(
     assert main(["probe", *argv]) == 2
     err = capsys.readouterr().err
     assert "opd-stream probe: error: " in err and message in err, err
+
+
+def test_the_mock_drifts_only_for_a_repeated_item_under_the_same_salt() -> None:
+    from opd_stream.testing.mock_sglang._signal import SignalState
+
+    def item(salt: str | None, ids: list[int]) -> Any:
+        body = {"input_ids": ids, "return_logprob": True, "cache_salt": salt}
+        raw = msgspec.json.encode({k: v for k, v in body.items() if v is not None})
+        return parse_generate_request(
+            raw, vocab_size=1000, context_length=100, per_position="patched"
+        ).items[0]
+
+    state = SignalState()
+    assert state.shift(item("s", [1, 2, 3]), -0.1, 0.3) == -0.1  # cold
+    assert state.shift(item("s", [1, 2, 3]), -0.1, 0.3) == pytest.approx(0.2)  # warm
+    assert state.shift(item("t", [1, 2, 3]), -0.1, 0.3) == -0.1  # another salt: cold
+    assert state.shift(item(None, [1, 2, 4]), 0.0, 0.3) == 0.0
+    assert state.shift(item(None, [1, 2, 4]), 0.0, 0.3) == 0.3
+    versions = [state.weight_version("d", ("v1", "v2")) for _ in range(3)]
+    assert versions == ["v1", "v2", "v2"]
+    assert SignalState().weight_version("d", ()) == "d"

@@ -8,6 +8,7 @@ amount; warm answers that drift from cold ones).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -40,7 +41,10 @@ class SignalState:
         ``input_ids`` under the same ``cache_salt`` were answered before."""
         if not warm_drift:
             return offset
-        key = (item.cache_salt or "").encode() + b"\0" + item.input_ids.tobytes()
+        h = hashlib.blake2b(digest_size=16)  # a digest: long inputs are not kept
+        h.update((item.cache_salt or "").encode() + b"\0")
+        h.update(item.input_ids.tobytes())
+        key = h.digest()
         if key in self._seen:
             self._seen.move_to_end(key)
             return offset + warm_drift

@@ -312,7 +312,7 @@ def test_the_mock_drifts_only_for_a_repeated_item_under_the_same_salt() -> None:
         body = {"input_ids": ids, "return_logprob": True, "cache_salt": salt}
         raw = msgspec.json.encode({k: v for k, v in body.items() if v is not None})
         return parse_generate_request(
-            raw, vocab_size=1000, context_length=100, per_position="patched"
+            raw, vocab_size=1000, context_length=1 << 20, per_position="patched"
         ).items[0]
 
     state = SignalState()

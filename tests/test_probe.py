@@ -324,3 +324,36 @@ def test_the_mock_drifts_only_for_a_repeated_item_under_the_same_salt() -> None:
     versions = [state.weight_version("d", ("v1", "v2")) for _ in range(3)]
     assert versions == ["v1", "v2", "v2"]
     assert SignalState().weight_version("d", ()) == "d"
+
+
+async def test_a_router_is_probed_through_its_workers() -> None:
+    from opd_stream import MockTransport
+
+    router = "http://router:9"
+    workers = {A1: InProcessSGLang("teacher", 1), A2: InProcessSGLang("teacher", 1)}
+    workers[A3] = InProcessSGLang("teacher", 1, logprob_offset=-OFF)
+    listing = msgspec.json.encode(
+        {
+            "workers": [
+                {"id": u, "url": u, "is_healthy": True, "worker_type": "regular"} for u in workers
+            ],
+            "total": 3,
+        }
+    )
+    asked_router: list[str] = []
+
+    def handle(method: str, url: str, body: bytes) -> Response:
+        if url.startswith(router):
+            asked_router.append(url[len(router) :])
+            if url.endswith("/workers"):
+                return Response(200, listing)
+            return Response(500, b"{}")
+        base = next(u for u in workers if url.startswith(u))
+        return workers[base].handle(method, url[len(base) :], body)
+
+    transport = MockTransport(handle, routers=True)
+    async with OPDStream(_cfg(router), transport=transport) as stream:
+        report = await stream.probe()
+    assert [r.url for r in report.replicas] == [A1, A2, A3]
+    assert report.outliers == (A3,)
+    assert asked_router == ["/workers"]  # the router itself answered no scoring request

@@ -35,8 +35,10 @@ from ._errors import (
     ServerAbortError,
     ServerError,
     ServerHTTPError,
+    WeightVersionChanged,
 )
 from ._logging import configure_logging
+from ._probe import ProbeReport, ReplicaProbe
 from ._sample import Candidates, Sample, SampleFailure, ScoredSample
 from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
 from ._stream import OPDStream, Results
@@ -67,7 +69,9 @@ __all__ = [
     "MockTransport",
     "OPDStream",
     "OPDStreamError",
+    "ProbeReport",
     "ProtocolError",
+    "ReplicaProbe",
     "Response",
     "ResponseTooLarge",
     "Results",
@@ -82,4 +86,5 @@ __all__ = [
     "StreamConfig",
     "StreamStats",
     "Transport",
+    "WeightVersionChanged",
 ]

@@ -18,6 +18,8 @@ _DESCRIPTION = (
     "Streaming teacher scoring for on-policy distillation against SGLang servers. "
     "demo: score rollouts against embedded mock SGLang servers (the main job); "
     "score: score a JSON Lines file of rollouts against real servers; "
+    "probe: ask every teacher replica the same request, cold and warm, and report how far "
+    "their logprobs are apart; "
     "bench: run the benchmarks (from a source checkout); config: print the configuration table."
 )
 
@@ -33,6 +35,7 @@ def _bench_available() -> bool:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
     from ._demo import add_demo_arguments
+    from ._probe_cli import add_probe_arguments
     from ._scorefile import add_score_arguments
 
     p = argparse.ArgumentParser(prog="opd-stream", description=_DESCRIPTION)
@@ -59,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
         "StreamConfig field not set by a flag comes from its OPD_STREAM_* variable.",
     )
     add_score_arguments(score)
+    probe = sub.add_parser(
+        "probe",
+        help="check that every teacher replica gives the same logprobs, cold and warm",
+        description="Send the same scoring request to every replica of every teacher, "
+        "cold (a fresh cache_salt) and warm (the same request again), and print the "
+        "largest logprob difference between replicas and between cold and warm, naming "
+        "the replicas beyond the tolerance (JSON on stdout; exit 1 when one is named or "
+        "failed). Every StreamConfig field not set by a flag comes from its OPD_STREAM_* "
+        "variable.",
+    )
+    add_probe_arguments(probe)
     if _bench_available():
         bench = sub.add_parser(
             "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
@@ -93,6 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         code: int = bench.main([*extra, *args.args])
         return code
+    if args.command == "probe":
+        from ._probe_cli import run_probe_command
+
+        try:
+            probe_code: int = anyio.run(run_probe_command, args)
+        except KeyboardInterrupt:
+            print("opd-stream probe: interrupted", file=sys.stderr)
+            return 130
+        return probe_code
     if args.command == "score":
         from ._scorefile import run_score
 

@@ -51,6 +51,7 @@ __all__ = (
     "CONFIG_FIELDS",
     "ENV_PREFIX",
     "MAX_TOP_K",
+    "CacheSalt",
     "ConfigField",
     "IdScoring",
     "Secret",
@@ -70,6 +71,7 @@ costs O(k) response bytes per position; 1024 bounds a configuration mistake, not
 limit."""
 
 IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "blocks", "auto"]
+CacheSalt: TypeAlias = Literal["none", "per-sample", "per-request"]
 
 _MIB: Final = 1024 * 1024
 _GIB: Final = 1024 * _MIB
@@ -253,6 +255,22 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "auto = a server URL that is an sglang-router is replaced by its workers reachable "
         "from here (listed again every 5 s); off = always send through the configured URL"
     )] = "auto"
+    cache_salt: Annotated[CacheSalt, _doc(
+        "SGLang cache_salt on scoring requests (random, never from the payload): none; "
+        "per-sample (one salt for all of a sample's requests: no prefix reuse across "
+        "samples, so a GRPO group's shared prompt is computed once per sample); "
+        "per-request (a fresh salt for every HTTP request and block: no prefix reuse at "
+        "all, every request pays its whole prefill)"
+    )] = "none"
+    probe_tolerance: Annotated[float, _doc(
+        "largest logprob difference, in nats, the probe accepts between a replica and its "
+        "teacher's median replica and between a replica's cold and warm answers (> 0)",
+        gt=0.0,
+    )] = 0.1
+    probe_at_start: Annotated[bool, _doc(
+        "run the probe (OPDStream.probe) as the stream starts and eject, for the stream's "
+        "life, the replicas it names (never a teacher's last one). Env: 1/0/true/false"
+    )] = False
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in _SPECS}

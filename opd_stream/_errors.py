@@ -16,8 +16,10 @@ The whole tree::
         └── ProtocolError                   a 200 answer that cannot be used as is
             ├── MalformedResponseError      not JSON, or the wrong shape (msgspec path)
             ├── MisalignedResponseError     row counts or token ids differ from the request
-            └── CapabilityError             the server ignored a feature we relied on
-                                            (``.capability``: per_position or b64_topk)
+            ├── CapabilityError             the server ignored a feature we relied on
+            │                               (``.capability``: per_position or b64_topk)
+            └── WeightVersionChanged        one sample's answers (of one side) came from
+                                            different weights (``meta_info.weight_version``)
 
 Every error carries ``reason``, a short stable code used in :class:`SampleFailure.reason`
 and in ``stats()["failures"]``, and ``retryable``, which the retry policy consults.
@@ -42,6 +44,7 @@ __all__ = (
     "ServerAbortError",
     "ServerError",
     "ServerHTTPError",
+    "WeightVersionChanged",
 )
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -193,3 +196,37 @@ class CapabilityError(ProtocolError):
     ) -> None:
         super().__init__(message, side=side, url=url)
         self.capability = capability
+
+
+class WeightVersionChanged(ProtocolError):
+    """The answers of one side (student or teacher) for one sample report different
+    ``meta_info.weight_version`` values: the weights changed between (or within) the
+    requests, so their logprobs must not be combined.
+
+    Not retried as an attempt: the scorer asks the side's requests once more as a whole,
+    and fails the sample with this error (reason ``weight_version_changed``) when the
+    versions differ again. ``versions`` lists the distinct versions seen, in answer order
+    (``None`` where an answer carried none).
+    """
+
+    reason = "weight_version_changed"
+
+    def __init__(
+        self,
+        versions: tuple[str | None, ...],
+        *,
+        side: str = "teacher",
+        url: str | None = None,
+        where: str = "the answers",
+    ) -> None:
+        super().__init__("weight_version changed", side=side, url=url)
+        self.versions = versions
+        self.where = where
+
+    def __str__(self) -> str:
+        # the side is known only once the attempt that decoded the answer names it
+        shown = ", ".join("none" if v is None else repr(v[:64]) for v in self.versions)
+        return (
+            f"{self.side}: {self.where} report different meta_info.weight_version values "
+            f"({shown})"
+        )

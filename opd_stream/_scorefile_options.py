@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any, get_args
 
-from ._config import IdScoring, StreamConfig
+from ._config import CacheSalt, IdScoring, StreamConfig
 from ._errors import ConfigError
 from ._kltypes import Strategy, WeightMode
 from ._logging import LOG_LEVELS
@@ -45,6 +45,12 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
     p.add_argument(
         "--request-deadline-s", type=float, help="budget of one logical request, in seconds"
+    )
+    p.add_argument(
+        "--cache-salt",
+        choices=get_args(CacheSalt),
+        help="SGLang cache_salt on scoring requests: none (default), per-sample or "
+        "per-request (no prefix reuse: every request pays its whole prefill)",
     )
     p.add_argument(
         "--api-key-env",
@@ -94,6 +100,7 @@ _FLAG_FIELDS = (
     "id_scoring",
     "max_inflight",
     "request_deadline_s",
+    "cache_salt",
 )
 
 

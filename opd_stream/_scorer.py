@@ -9,7 +9,9 @@ fetch -> student fetch -> decode). Single attempts (hedging, health, decode) are
 
 from __future__ import annotations
 
+import math
 import random
+import secrets
 from collections.abc import Callable
 
 import anyio
@@ -23,7 +25,7 @@ from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
 from ._endpoints import Endpoints
-from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
+from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError, WeightVersionChanged
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
@@ -90,6 +92,15 @@ class SampleScorer:
             self._caps,
             threads=threads,
         )
+
+    def eject_for_good(self, url: str) -> None:
+        """Take replica ``url`` out of the rotation for the stream's life (the probe found
+        its numbers off, which a ``/health`` probe cannot re-admit: its cool-down never
+        ends). If every replica of a teacher is out, the choice still fails open."""
+        state = self._pool.health(url)
+        if state.ejected_until != math.inf:
+            state.ejections += 1
+        state.ejected_until = math.inf
 
     # one logical request -------------------------------------------------------------
     async def _request(
@@ -191,6 +202,7 @@ class SampleScorer:
         top_k: int,
         ids: npt.NDArray[np.int64] | None,
         teacher: bool = False,
+        salt: str | None = None,
     ) -> ScoreRequest:
         # A teacher request sends the sample's teacher prompt + response when it has one
         # (the response, its length and so every row's meaning stay the student's).
@@ -202,6 +214,9 @@ class SampleScorer:
         if block_size == 0 and id_form in ("blocked", "blocks") and ids is not None:
             # resolved once here, not by every later user of the request
             block_size = auto_block_size(tokens, prepared.response_length, ids, top_k=top_k)
+        per_request = self._cfg.cache_salt == "per-request"
+        if per_request:
+            salt = new_salt()  # every attempt (a retry, a hedge) its own
         return ScoreRequest(
             tokens=tokens,
             response_length=prepared.response_length,
@@ -211,63 +226,116 @@ class SampleScorer:
             start=self._cfg.logprob_start,
             topk_wire=self._caps.topk_wire(url) if top_k > 0 else "json",
             block_size=block_size,
+            cache_salt=salt,
+            salt_each_item=per_request,
         )
+
+    def _sample_salt(self) -> str | None:
+        """The salt of all of one sample's requests (``cache_salt="per-sample"``)."""
+        return new_salt() if self._cfg.cache_salt == "per-sample" else None
 
     async def fetch(
         self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
     ) -> Fetched:
-        """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure."""
+        """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure.
+
+        One side's answers for the sample must all report the same
+        ``meta_info.weight_version`` (the items of one answer, and the student's requests
+        of one sample together). When they do not, that side's requests are asked once
+        more (and the teacher's too when it scored the student's ids), then the sample
+        fails with :class:`WeightVersionChanged`.
+        """
         plan = self.plan(prepared)
         counter = Counter()
+        got = _Progress()
+        args = (prepared, teacher_urls, admitted_at, plan, counter, got)
+        try:
+            try:
+                return await self._fetch_once(*args)
+            except WeightVersionChanged as exc:
+                self._stats.retries += 1
+                log.info("weight_version_changed", side=exc.side, retry=True)
+                got.forget(exc.side, plan)
+                return await self._fetch_once(*args)
+        except OPDStreamError as exc:
+            raise ScoreAttemptError(exc, counter.attempts) from None
+
+    async def _fetch_once(
+        self,
+        prepared: PreparedSample,
+        teacher_urls: tuple[str, ...],
+        admitted_at: float,
+        plan: RequestPlan,
+        counter: Counter,
+        got: _Progress,
+    ) -> Fetched:
+        """The plan's requests, those already in ``got`` skipped (kept from a first pass)."""
         k = self._cfg.top_k
         student_urls: tuple[str, ...] = (
             (self._cfg.student_url,) if self._cfg.student_url is not None else ()
         )
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
+        salt = self._sample_salt()
 
         def student_topk(url: str) -> ScoreRequest:
-            return self._score_request(prepared, url, top_k=k, ids=None)
+            return self._score_request(prepared, url, top_k=k, ids=None, salt=salt)
 
         def teacher_request(ids: npt.NDArray[np.int64] | None) -> Callable[[str], ScoreRequest]:
             top = k if plan.teacher_topk else 0
-            return lambda url: self._score_request(prepared, url, top_k=top, ids=ids, teacher=True)
+            return lambda url: self._score_request(
+                prepared, url, top_k=top, ids=ids, teacher=True, salt=salt
+            )
 
-        try:
-            if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
-                # independent requests (intersection without the rollout's top-k): together
-                fetched, teacher_rows = await self._both(
+        if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
+            # independent requests (intersection without the rollout's top-k): together
+            if got.student_topk is None and got.teacher is None:
+                got.student_topk, got.teacher = await self._both(
                     ("student", student_urls, student_topk),
                     ("teacher", teacher_urls, teacher_request(None)),
                     counter,
                 )
-                s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
-            else:
-                if plan.fetch_student_topk:
-                    fetched = await self._request("student", student_urls, student_topk, counter)
-                    s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
-                # Short rows' padding (-1) never goes out: filler ids take its slots, and
-                # the KL stage reads s_ids, where padding is never a candidate.
-                teacher_ids = (
-                    request_ids(s_ids)
-                    if plan.teacher_scores_student_ids and s_ids is not None
-                    else None
+            elif got.student_topk is None:
+                got.student_topk = await self._request(
+                    "student", student_urls, student_topk, counter
                 )
-                teacher_rows = await self._request(
+            elif got.teacher is None:
+                got.teacher = await self._request(
+                    "teacher", teacher_urls, teacher_request(None), counter
+                )
+            s_ids, s_lps = got.student_topk.top_ids, got.student_topk.top_logprobs
+        else:
+            if plan.fetch_student_topk:
+                if got.student_topk is None:
+                    got.student_topk = await self._request(
+                        "student", student_urls, student_topk, counter
+                    )
+                s_ids, s_lps = got.student_topk.top_ids, got.student_topk.top_logprobs
+            # Short rows' padding (-1) never goes out: filler ids take its slots, and
+            # the KL stage reads s_ids, where padding is never a candidate.
+            teacher_ids = (
+                request_ids(s_ids)
+                if plan.teacher_scores_student_ids and s_ids is not None
+                else None
+            )
+            if got.teacher is None:
+                got.teacher = await self._request(
                     "teacher", teacher_urls, teacher_request(teacher_ids), counter
                 )
-            if plan.student_scores_teacher_ids:
-                t_ids = teacher_rows.top_ids
-                if t_ids is not None:
-                    t_ids = request_ids(t_ids)  # (a server's top-k rows are full)
-                student_rows = await self._request(
-                    "student",
-                    student_urls,
-                    lambda url: self._score_request(prepared, url, top_k=0, ids=t_ids),
-                    counter,
-                )
-        except OPDStreamError as exc:
-            raise ScoreAttemptError(exc, counter.attempts) from None
+        teacher_rows = got.teacher
+        assert teacher_rows is not None
+        if plan.student_scores_teacher_ids:
+            t_ids = teacher_rows.top_ids
+            if t_ids is not None:
+                t_ids = request_ids(t_ids)  # (a server's top-k rows are full)
+            student_rows = await self._request(
+                "student",
+                student_urls,
+                lambda url: self._score_request(prepared, url, top_k=0, ids=t_ids, salt=salt),
+                counter,
+            )
+            if got.student_topk is not None:
+                same_weights((got.student_topk, student_rows), "student")
         return Fetched(
             prepared=prepared,
             teacher_rows=teacher_rows,
@@ -276,4 +344,43 @@ class SampleScorer:
             student_rows=student_rows,
             attempts=counter.attempts,
             admitted_at=admitted_at,
+        )
+
+
+def new_salt() -> str:
+    """A fresh random ``cache_salt`` (never derived from a payload)."""
+    return secrets.token_hex(8)
+
+
+class _Progress:
+    """What one pass over a sample's plan has fetched (kept for a second pass)."""
+
+    __slots__ = ("student_topk", "teacher")
+
+    def __init__(self) -> None:
+        self.student_topk: ScoreRows | None = None
+        self.teacher: ScoreRows | None = None
+
+    def forget(self, side: str, plan: RequestPlan) -> None:
+        """Drop ``side``'s answers (and the teacher's when it scored the student's ids)."""
+        if side == "student":
+            self.student_topk = None
+            if plan.fetch_student_topk and plan.teacher_scores_student_ids:
+                self.teacher = None
+        else:
+            self.teacher = None
+
+
+def same_weights(answers: tuple[ScoreRows, ...], side: Side) -> None:
+    """Check that ``answers`` (one side's, for one sample) report one weight version.
+
+    Raises:
+        WeightVersionChanged: they do not.
+    """
+    versions = [rows.weight_version for rows in answers]
+    if any(v != versions[0] for v in versions):
+        raise WeightVersionChanged(
+            tuple(dict.fromkeys(versions)),
+            side=side,
+            where="the requests for one sample",
         )

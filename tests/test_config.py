@@ -219,6 +219,10 @@ INVALID: list[tuple[str, Any]] = [
     ("attempt_timeout_s", -1.0),
     ("attempt_timeout_s", math.inf),
     ("router_discovery", "always"),
+    ("cache_salt", "per_sample"),
+    ("probe_tolerance", 0.0),
+    ("probe_tolerance", math.inf),
+    ("probe_at_start", "yes"),
 ]
 
 
@@ -290,6 +294,9 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("hedge_min_s", "-0.5"),
     ("attempt_timeout_s", "soon"),
     ("router_discovery", "sometimes"),
+    ("cache_salt", "always"),
+    ("probe_tolerance", "-1"),
+    ("probe_at_start", "2"),
 ]
 
 
@@ -456,6 +463,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_HEDGE_MIN_S": "0.2",
         "OPD_STREAM_ATTEMPT_TIMEOUT_S": "2.5",
         "OPD_STREAM_ROUTER_DISCOVERY": "off",
+        "OPD_STREAM_CACHE_SALT": "per-request",
+        "OPD_STREAM_PROBE_TOLERANCE": "0.5",
+        "OPD_STREAM_PROBE_AT_START": "1",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -496,6 +506,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         hedge_min_s=0.2,
         attempt_timeout_s=2.5,
         router_discovery="off",
+        cache_salt="per-request",
+        probe_tolerance=0.5,
+        probe_at_start=True,
     )
     assert cfg == expected
 

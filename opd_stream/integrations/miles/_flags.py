@@ -27,6 +27,7 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_topk_per_position": False,
     "opd_teacher_urls": None,
     "opd_teacher_key": "opd_teacher",
+    "opd_cache_salt": None,
 }
 
 
@@ -92,6 +93,8 @@ def config_from_miles_args(
       numbers as the reference's flat union, without its quadratic answers).
     * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
       ``OPD_STREAM_STUDENT_URL``.
+    * ``--opd-cache-salt none|per-sample|per-request`` (opd_stream's own flag; add it to
+      the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -178,6 +181,8 @@ def config_from_miles_args(
     if ip and port:
         host = f"[{ip}]" if ":" in str(ip) else str(ip)
         fields["student_url"] = f"http://{host}:{int(port)}"
+    if get("opd_cache_salt") is not None:
+        fields["cache_salt"] = get("opd_cache_salt")
     timeout = get("sglang_router_request_timeout_secs")
     if timeout is not None and not isinstance(timeout, bool) and timeout > 0:
         if not math.isfinite(float(timeout)):
@@ -193,6 +198,7 @@ def config_from_miles_args(
             "teachers": "--rm-url/--opd-teacher-urls",
             "teacher_key": "--opd-teacher-key",
             "request_deadline_s": "--sglang-router-request-timeout-secs",
+            "cache_salt": "--opd-cache-salt",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

@@ -29,6 +29,10 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(",") if t.strip())
 
 
+def _str_tuple(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (server flags plus one flag per :class:`MockOptions` field)."""
     p = argparse.ArgumentParser(
@@ -45,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         value = getattr(default, name)
         if name == "masked_ids":
             p.add_argument(flag, dest=name, type=_int_tuple, default=None, help="comma list")
+        elif name == "weight_versions":
+            p.add_argument(flag, dest=name, type=_str_tuple, default=(), help="comma list")
         elif isinstance(value, bool):
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=value)
         elif typing.get_origin(hints[name]) is typing.Literal:

@@ -26,6 +26,7 @@ from ._errors import RequestError, error_response_body
 from ._model import MockModel
 from ._options import FAULT_KINDS, FaultKind, MockOptions
 from ._request import GenerateItem, parse_generate_request
+from ._signal import SignalState
 from ._stats import MockStats
 
 __all__ = ("GenerateEndpoint", "Host")
@@ -67,6 +68,7 @@ class GenerateEndpoint:
         self._pad_cache: bytes = b""
         self._replay: dict[bytes, tuple[bytes, int, int]] = {}
         self._replay_bytes = 0
+        self._signal = SignalState()
 
     def started(self) -> None:
         """The server (re)started listening: a fresh capacity condition on its loop."""
@@ -282,6 +284,9 @@ class GenerateEndpoint:
 
     def _build(self, it: GenerateItem, spec: Any, item_fault: Any, t0: float) -> dict[str, Any]:
         self._request_counter += 1
+        o = self._server.options
+        if it.cache_salt is not None:
+            self._server.stats.record_salt(it.cache_salt)
         seed_key = (
             [self._server.seed, 1, it.sampling_seed]
             if it.sampling_seed is not None
@@ -291,13 +296,14 @@ class GenerateEndpoint:
             self._server.model,
             it,
             rng=np.random.default_rng(seed_key),
-            weight_version=self._server.options.weight_version,
+            weight_version=self._signal.weight_version(o.weight_version, o.weight_versions),
             flat_input=spec.flat_input,
             flat_output=spec.flat_output,
             b64=spec.b64,
             fault=item_fault,
             e2e_latency=time.monotonic() - t0,
             sent_ts=time.time(),
+            shift=self._signal.shift(it, o.logprob_offset, o.warm_drift),
         )
 
     async def _stream(

@@ -30,6 +30,8 @@ class MockStats(msgspec.Struct, kw_only=True):
         rejected_invalid: 4xx answers to invalid requests (all three error shapes).
         auth_failures: 401 answers.
         aborted: 200-abort answers, from the fault or from ``/abort_request``.
+        salted_items: answered items that carried a ``cache_salt``.
+        cache_salts: the last 1024 salts received (one per salted item, in order).
     """
 
     requests: int = 0
@@ -49,6 +51,15 @@ class MockStats(msgspec.Struct, kw_only=True):
     rejected_invalid: int = 0
     auth_failures: int = 0
     aborted: int = 0
+    salted_items: int = 0
+    cache_salts: list[str] = msgspec.field(default_factory=list)
+
+    def record_salt(self, salt: str) -> None:
+        """Record one item's ``cache_salt`` (the last 1024 kept)."""
+        self.salted_items += 1
+        self.cache_salts.append(salt)
+        if len(self.cache_salts) > 1024:
+            del self.cache_salts[0]
 
     def count_fault(self, kind: str) -> None:
         """Record one injected fault of ``kind``."""
@@ -68,6 +79,8 @@ class MockStats(msgspec.Struct, kw_only=True):
         """Zero every counter except the live gauges (in_flight, running, queued)."""
         keep = (self.in_flight, self.running, self.queued)
         for name in self.__struct_fields__:
-            setattr(self, name, {} if isinstance(getattr(self, name), dict) else 0)
+            value = getattr(self, name)
+            empty: Any = {} if isinstance(value, dict) else [] if isinstance(value, list) else 0
+            setattr(self, name, empty)
         self.in_flight, self.running, self.queued = keep
         self.max_in_flight = self.in_flight

@@ -64,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
             "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
         )
         bench.add_argument("args", nargs=argparse.REMAINDER)
-    sub.add_parser("config", help="print the configuration table (fields, env variables)")
+    sub.add_parser(
+        "config",
+        help="print the configuration table (fields, env variables) and the answer parser",
+    )
     return p
 
 
@@ -78,7 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.log_level, drop_events=("sample_failed",) if args.command == "score" else ()
     )
     if args.command == "config":
+        from ._parser_notice import parser_line
+
         print(render_config_table())
+        print(parser_line())
         return 0
     if args.command == "bench":
         import importlib

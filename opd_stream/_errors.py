@@ -147,10 +147,30 @@ class ServerAbortError(ServerError):
 
 
 class ConnectionFailed(ServerError):
-    """The connection failed, was reset, or timed out below the HTTP layer."""
+    """The connection failed, was reset, or timed out below the HTTP layer.
+
+    ``refused`` is true when no connection could be made at all (refused, no route to the
+    host, a name that does not resolve): the server was not reached. A stream stops
+    retrying a replica set whose every replica has refused for ``unreachable_after_s``
+    (``_balance.EndpointPool.unreachable``); that failure is a ``ConnectionFailed`` too,
+    with ``retryable`` false.
+    """
 
     reason = "connection_error"
     retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        side: str = "teacher",
+        url: str | None = None,
+        refused: bool = False,
+        retryable: bool = True,
+    ) -> None:
+        super().__init__(message, side=side, url=url)
+        self.refused = refused
+        self.retryable = retryable
 
 
 class ResponseTooLarge(ServerError):

@@ -26,7 +26,9 @@ def parser_line() -> str:
             f"answer parser: the compiled scanner (numba {_version('numba')}); msgspec "
             f"{_version('msgspec')} for an answer it refuses and until it is compiled"
         )
-    return f"answer parser: msgspec {_version('msgspec')} (the compiled scanner is unavailable: {why})"
+    return (
+        f"answer parser: msgspec {_version('msgspec')} (the compiled scanner is unavailable: {why})"
+    )
 
 
 def scanner_notice() -> str | None:

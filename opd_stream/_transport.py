@@ -239,7 +239,9 @@ class PooledTransport(abc.ABC):
         )
 
     @staticmethod
-    def _not_connected(exc: BaseException, url: str, os_error: BaseException | None) -> ConnectionFailed:
+    def _not_connected(
+        exc: BaseException, url: str, os_error: BaseException | None
+    ) -> ConnectionFailed:
         """No connection could be made to ``url``'s host (``refused``): the message names
         the host, the port and the system's words for the error (``Connection refused``),
         and nothing else (no TLS setting for an ``http://`` URL, no payload)."""

@@ -16,9 +16,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import anyio
 import numpy as np
 
@@ -31,6 +30,9 @@ from ._progress import Progress
 from ._router import generate_url
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._stream import OPDStream
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ("add_demo_arguments", "run_demo")
 
@@ -214,6 +216,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         progress = Progress(sys.stderr, enabled=not args.no_progress)
         progress.set_total(args.samples)
+        import aiohttp  # here, not at import: the CLI builds its parser from this module
+
         async with aiohttp.ClientSession() as session, OPDStream(cfg) as stream:
             async with stream.run(_rollouts(session, student.url, args, names)) as results:
                 async for item in results:

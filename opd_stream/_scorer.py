@@ -183,7 +183,7 @@ class SampleScorer:
         hosts = ", ".join(_host(url) for url in urls[:3]) + (", ..." if len(urls) > 3 else "")
         raise ConnectionFailed(
             f"{side} unreachable: every replica ({hosts}) has refused connections for "
-            f"{refusing:.1f} s with no answer since (unreachable_after_s={window:g}); failed "
+            f"{refusing:.3g} s with no answer since (unreachable_after_s={window:g}); failed "
             f"without retrying (one request per {window:g} s still goes ahead)",
             side=side,
             refused=True,

@@ -225,9 +225,7 @@ def _check_duplicate_keys(data: bytes, distinct: int) -> None:
         if key in stack[-1]:
             if len(stack) == 1:
                 raise InvalidSampleError(key.decode(), "the key is given twice")
-            raise InvalidSampleError(
-                top_key[0].decode(), "holds an object that gives a key twice"
-            )
+            raise InvalidSampleError(top_key[0].decode(), "holds an object that gives a key twice")
         stack[-1].add(key)
 
 

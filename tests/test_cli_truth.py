@@ -193,7 +193,24 @@ async def test_a_configuration_the_stream_refuses_leaves_the_output_as_it_was(
 
 
 # --- Ctrl-C at start-up ---------------------------------------------------------------------
-def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path: Path) -> None:
+def _loaded(line: str, module: str) -> bool:
+    """Whether an ``-X importtime`` line says ``module`` (or one of its submodules) loaded."""
+    if not line.startswith("import time:"):
+        return False
+    name = line.rsplit("|", 1)[-1].strip()
+    return name == module or name.startswith(module + ".")
+
+
+@pytest.mark.parametrize(
+    "milestone",
+    [
+        "opd_stream._errors",  # main() has just begun to load the package
+        "numpy",  # the configuration's modules load
+        "opd_stream._stream",  # the stream's modules load (the parser is being built)
+        "torch",  # the stream is being built: torch loads
+    ],
+)
+def test_ctrl_c_at_start_up_is_one_line_and_exit_130(tmp_path: Path, milestone: str) -> None:
     _write(tmp_path / "in.jsonl", [LINE] * 10)
     cmd = [sys.executable, "-X", "importtime", "-m", "opd_stream", "score", "--no-progress"]
     files = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")]
@@ -206,15 +223,15 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path: Path) -> No
     )
     assert proc.stderr is not None
     try:
-        # -X importtime writes a line as each module is loaded: the first of torch's own
-        # modules says torch is being imported now, at start-up
+        # -X importtime writes a line as each module has loaded: SIGINT once the milestone
+        # module (or a first one of its submodules) is there, at that point of the start-up
         seen = []
         for line in proc.stderr:
             seen.append(line)
-            if "| torch." in line or "|   torch." in line or " torch." in line:
+            if _loaded(line, milestone):
                 break
         else:
-            pytest.fail("torch was never imported:\n" + "".join(seen[-20:]))
+            pytest.fail(f"{milestone} was never imported:\n" + "".join(seen[-20:]))
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
         proc.wait(timeout=120)
@@ -224,7 +241,7 @@ def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path: Path) -> No
             proc.wait()
         proc.stderr.close()
     said = [x for x in rest.splitlines() if not x.startswith("import time:")]
-    assert proc.returncode == 130, rest[-2000:]
+    assert proc.returncode == 130, rest[-3000:]
     assert said == ["opd-stream score: interrupted"], said
 
 
@@ -272,7 +289,10 @@ NGINX_502 = (
             b"<title>Error response</title></head><body><p>Error code: 404</p>",
             "an HTML page titled 'Error response'",
         ),
-        (b"  <html><body><p>" + b"x" * 5000 + b"</p></body></html>", "an HTML page without a title"),
+        (
+            b"  <html><body><p>" + b"x" * 5000 + b"</p></body></html>",
+            "an HTML page without a title",
+        ),
         (b"<title>A &amp; B\n  C</title>", "an HTML page titled 'A & B C'"),
     ],
 )
@@ -327,9 +347,14 @@ async def test_an_html_answer_from_a_plain_web_server_fails_with_status_and_titl
         (b'{"prompt_ids": [1], "response_ids": [2], "prompt_ids": [3]}', "prompt_ids", "twice"),
         (b'{"prompt_ids": [1], "response_ids": [2], "prompt\\u005fids": [3]}', "prompt_ids", ""),
         (b'{"tokens": [1, 2], "response_length": 1, "response_length" : 1}', "response_length", ""),
-        (b'{"prompt_ids": [1], "response_ids": [2], "teacher": "a", "teacher": null}', "teacher", ""),
         (
-            b'{"prompt_ids": [1], "response_ids": [2], "metadata": {"k": {"SECRET": 1, "SECRET": 2}}}',
+            b'{"prompt_ids": [1], "response_ids": [2], "teacher": "a", "teacher": null}',
+            "teacher",
+            "",
+        ),
+        (
+            b'{"prompt_ids": [1], "response_ids": [2], '
+            b'"metadata": {"k": {"SECRET": 1, "SECRET": 2}}}',
             "metadata",
             "holds an object that gives a key twice",
         ),

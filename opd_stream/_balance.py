@@ -197,7 +197,7 @@ class EndpointPool:
     def unreachable(self, urls: Sequence[str], now: float) -> float | None:
         """For how long every replica of ``urls`` has been refusing connections, when that
         is at least ``unreachable_after_s``; else ``None`` (the set is reachable)."""
-        if self._unreachable_after_s <= 0:
+        if self._unreachable_after_s <= 0 or not urls:
             return None
         latest = -math.inf
         for url in urls:

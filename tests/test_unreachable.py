@@ -87,6 +87,10 @@ def test_a_window_of_zero_never_gives_up() -> None:
     assert pool.unreachable((A,), now=1e9) is None
 
 
+def test_an_empty_set_is_never_unreachable() -> None:
+    assert _pool(5).unreachable((), now=1e9) is None
+
+
 def test_the_setting_is_declared_once_with_its_variable() -> None:
     assert StreamConfig.from_env({}, teachers=A).unreachable_after_s == 5.0
     env = {"OPD_STREAM_UNREACHABLE_AFTER_S": "0.5"}

@@ -471,3 +471,10 @@ async def test_score_says_in_one_line_when_the_scanner_is_unavailable(
         "opd-stream score: note: the compiled answer scanner is unavailable (numba is not "
         "installed); answers are parsed with msgspec, several times slower"
     ]
+
+
+def test_the_repeated_key_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.line_keys_micro import main as bench_main
+
+    assert bench_main(["--response", "8", "--k", "2", "--repeats", "1"]) == 0
+    assert capsys.readouterr().out.count("x |") == 3  # no timing asserted: the bench runs

@@ -25,6 +25,7 @@ from ._config import StreamConfig
 from ._decode_generate import decode_generate_response
 from ._kltypes import STRATEGIES, WEIGHT_MODES
 from ._logging import LOG_LEVELS
+from ._parser_notice import scanner_notice
 from ._payloads import build_generate_payload
 from ._progress import Progress
 from ._router import generate_url
@@ -184,6 +185,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         kl_device="cpu",
     )
+    notice = scanner_notice()
+    if notice is not None:
+        print(f"opd-stream demo: {notice}", file=sys.stderr)
     opts = MockOptions(
         per_position=args.per_position,
         fault_http_503=args.fault_rate,

@@ -238,20 +238,22 @@ class PooledTransport(abc.ABC):
             url=url,
         )
 
-    @staticmethod
     def _not_connected(
-        exc: BaseException, url: str, os_error: BaseException | None
+        self, exc: BaseException, url: str, os_error: BaseException | None
     ) -> ConnectionFailed:
         """No connection could be made to ``url``'s host (``refused``): the message names
-        the host, the port and the system's words for the error (``Connection refused``),
-        and nothing else (no TLS setting for an ``http://`` URL, no payload)."""
+        the host, the port and the system's words for the error (``Connection refused``;
+        for ``os_error`` None, a connect that timed out), and nothing else (no TLS setting
+        for an ``http://`` URL, no payload)."""
         parts = urlsplit(url)
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             port = 0
         errno = getattr(os_error, "errno", None)
-        if isinstance(errno, int) and errno > 0:
+        if os_error is None:
+            why = f"no connection within connect_timeout_s={self._connect_timeout_s:g} s"
+        elif isinstance(errno, int) and errno > 0:
             why = os.strerror(errno)
         else:
             why = str(getattr(os_error, "strerror", None) or os_error or type(exc).__name__)
@@ -344,6 +346,8 @@ class AiohttpTransport(PooledTransport):
             raise self._failed(exc, url) from None
         except aiohttp.ClientConnectorError as exc:  # refused, unreachable, unresolved
             raise self._not_connected(exc, url, exc.os_error) from None
+        except aiohttp.ConnectionTimeoutError as exc:  # no answer to the connect
+            raise self._not_connected(exc, url, None) from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.

@@ -104,6 +104,8 @@ class HttpxTransport(PooledTransport):
                 return Response(resp.status_code, buf)  # no copy: see Response
         except httpx.ConnectError as exc:  # refused, unreachable, unresolved
             raise self._not_connected(exc, url, _os_error(exc)) from None
+        except httpx.ConnectTimeout as exc:  # no answer to the connect
+            raise self._not_connected(exc, url, None) from None
         except (httpx.TransportError, httpx.StreamError, OSError) as exc:
             # ConnectError, ReadError, RemoteProtocolError (a body cut short, a malformed
             # status line or header), the connect watchdog: all below HTTP semantics.

@@ -9,6 +9,7 @@ refusal.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from typing import Any
@@ -228,3 +229,29 @@ async def test_a_refused_connection_names_host_port_and_reason_only(transport: A
             await t.post(f"http://127.0.0.1:{port}/generate", b"{}", max_bytes=1024)
     assert info.value.refused and info.value.retryable
     assert str(info.value) == f"cannot connect to 127.0.0.1:{port}: Connection refused"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("transport", [AiohttpTransport, HttpxTransport])
+async def test_a_connect_that_times_out_is_not_reaching_the_server_either(transport: Any) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)  # never accepted: once its queue is full, a connect gets no answer
+        port = int(server.getsockname()[1])
+        queued = [socket.socket() for _ in range(3)]
+        try:
+            for sock in queued:
+                sock.setblocking(False)
+                with contextlib.suppress(BlockingIOError):  # connecting, in the queue
+                    sock.connect(("127.0.0.1", port))
+            async with transport(connect_timeout_s=0.2) as t:
+                with pytest.raises(ConnectionFailed) as info:
+                    await t.post(f"http://127.0.0.1:{port}/generate", b"{}", max_bytes=1024)
+        finally:
+            for sock in queued:
+                sock.close()
+    assert info.value.refused and info.value.retryable
+    assert str(info.value) in (
+        f"cannot connect to 127.0.0.1:{port}: no connection within connect_timeout_s=0.2 s",
+        f"cannot connect to 127.0.0.1:{port}: Connection refused",  # a kernel that refuses
+    )

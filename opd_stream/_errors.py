@@ -150,7 +150,8 @@ class ConnectionFailed(ServerError):
     """The connection failed, was reset, or timed out below the HTTP layer.
 
     ``refused`` is true when no connection could be made at all (refused, no route to the
-    host, a name that does not resolve): the server was not reached. A stream stops
+    host, a name that does not resolve, no answer within ``connect_timeout_s``): the
+    server was not reached. A stream stops
     retrying a replica set whose every replica has refused for ``unreachable_after_s``
     (``_balance.EndpointPool.unreachable``); that failure is a ``ConnectionFailed`` too,
     with ``retryable`` false.

@@ -21,8 +21,8 @@ Rules, per replica URL:
   ejects (there is nothing to fail over to).
 * **Unreachable replica set** (``unreachable``, ``let_through``): a replica whose
   connection attempt was refused (no connection made: refused, no route, a name that does
-  not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment until it answers
-  anything (``record_success``, ``record_reached``). When every replica of a set has been
+  not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment
+  until it answers anything (``record_success``, ``record_reached``). When every replica of a set has been
   refusing for ``unreachable_after_s`` (measured from the latest of their first refusals),
   the set is unreachable: its requests fail at once instead of being retried, except one
   request per ``unreachable_after_s`` that ``let_through`` lets go ahead (a single

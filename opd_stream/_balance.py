@@ -22,12 +22,12 @@ Rules, per replica URL:
 * **Unreachable replica set** (``unreachable``, ``let_through``): a replica whose
   connection attempt was refused (no connection made: refused, no route, a name that does
   not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment
-  until it answers anything (``record_success``, ``record_reached``). When every replica of a set has been
-  refusing for ``unreachable_after_s`` (measured from the latest of their first refusals),
-  the set is unreachable: its requests fail at once instead of being retried, except one
-  request per ``unreachable_after_s`` that ``let_through`` lets go ahead (a single
-  attempt) to see whether the set is back; any answer from any replica makes the set
-  reachable again. ``unreachable_after_s = 0`` disables the rule.
+  until it answers anything (``record_success``, ``record_reached``). When every replica
+  of a set has been refusing for ``unreachable_after_s`` (measured from the latest of their
+  first refusals), the set is unreachable: its requests fail at once instead of being
+  retried, except one request per ``unreachable_after_s`` that ``let_through`` lets go
+  ahead (a single attempt) to see whether the set is back; any answer from any replica
+  makes the set reachable again. ``unreachable_after_s = 0`` disables the rule.
 * **Hedging delay** (``hedge_delay``): the ``percentile`` of the last ``_LATENCY_RING``
   successful attempt latencies of the same replica set, at least ``min_s``; ``None``
   (no hedging) while fewer than ``HEDGE_MIN_SAMPLES`` latencies are known.

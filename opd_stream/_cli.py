@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
     from ._demo import add_demo_arguments
     from ._logging import LOG_LEVELS
-    from ._scorefile import add_score_arguments
+    from ._scorefile_options import add_score_arguments
 
     p = argparse.ArgumentParser(prog="opd-stream", description=_DESCRIPTION)
     p.add_argument("--version", action="version", version=f"opd-stream {__version__}")

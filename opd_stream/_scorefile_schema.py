@@ -120,6 +120,8 @@ class LineRef(msgspec.Struct, frozen=True):
 _DECODER = msgspec.json.Decoder(InputLine)
 _ID_DECODER = msgspec.json.Decoder(_IdOnly)
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN_KEY = re.compile(r"unknown field `(.*)`", re.DOTALL)
+_FIELD_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
 def _default_id(seq: int) -> msgspec.Raw:
@@ -142,6 +144,15 @@ def _line_id(data: bytes, seq: int) -> msgspec.Raw:
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _default_id(seq)
     return raw.copy() if len(raw) and _is_utf8(raw) else _default_id(seq)
+
+
+def _shown_key(match: re.Match[str]) -> str:
+    """An unknown key is named when it looks like a misspelt field (a short identifier);
+    any other key is the line's own text, and not repeated."""
+    key = match.group(1)
+    if _FIELD_LIKE.fullmatch(key):
+        return f"unknown field `{key}`"
+    return "unknown field (a key that is no field name; not shown)"
 
 
 def _clip(text: str) -> str:
@@ -260,7 +271,7 @@ def decode_line(
     try:
         parsed = _DECODER.decode(data)
     except msgspec.ValidationError as exc:
-        text = str(exc)
+        text = _UNKNOWN_KEY.sub(_shown_key, str(exc))
         match = _PATH_FIELD.search(text)
         raise InvalidSampleError(match.group(1) if match else "schema", _clip(text)) from None
     except msgspec.DecodeError as exc:

@@ -478,3 +478,18 @@ def test_the_repeated_key_bench_runs(capsys: pytest.CaptureFixture[str]) -> None
 
     assert bench_main(["--response", "8", "--k", "2", "--repeats", "1"]) == 0
     assert capsys.readouterr().out.count("x |") == 3  # no timing asserted: the bench runs
+
+
+@pytest.mark.parametrize(
+    ("key", "shown"),
+    [
+        ("respons_ids", "unknown field `respons_ids`"),  # a misspelt field: named
+        ("SECRET payload, as text", "unknown field (a key that is no field name; not shown)"),
+        ("x" * 41, "unknown field (a key that is no field name; not shown)"),
+    ],
+)
+def test_an_unknown_key_is_named_only_when_it_looks_like_a_field(key: str, shown: str) -> None:
+    data = json.dumps({**LINE, key: 1}).encode()
+    with pytest.raises(InvalidSampleError) as info:
+        decode_line(data, line=1, seq=0)
+    assert str(info.value) == f"schema: Object contains {shown}"

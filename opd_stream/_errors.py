@@ -94,14 +94,18 @@ class RoutingError(OPDStreamError, LookupError):
 
 
 class MissingLogprobError(OPDStreamError, ValueError):
-    """A selected candidate token has no logprob on one side (``side`` is student/teacher)."""
+    """A selected candidate token has no logprob on one side (``side`` is student/teacher).
+
+    The message names the side and the position; the token id (a value of the sample) is
+    on ``token_id``, not in the message.
+    """
 
     reason = "missing_logprob"
 
     def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
         super().__init__(
-            f"missing {side} logprob for selected token id {token_id} "
-            f"at response position {position}"
+            f"missing {side} logprob for a selected candidate token at response position "
+            f"{position}"
         )
         self.side = side
         self.token_id = token_id

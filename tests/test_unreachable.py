@@ -114,15 +114,16 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
 class _Refusing:
     """In-process replicas that refuse every connection while ``down``."""
 
-    def __init__(self, urls: tuple[str, ...]) -> None:
+    def __init__(self, urls: tuple[str, ...], *, up: tuple[str, ...] = ()) -> None:
         self.servers = {u: InProcessSGLang("teacher", 1) for u in urls}
         self.down = True
+        self.up = up  # never down
         self.refused = 0
         self.transport = MockTransport(self.handle)
 
     def handle(self, method: str, url: str, body: bytes) -> Response:
         base = next(b for b in self.servers if url.startswith(b))
-        if self.down:
+        if self.down and base not in self.up:
             self.refused += 1
             raise ConnectionFailed("cannot connect: Connection refused", url=url, refused=True)
         return self.servers[base].handle(method, url[len(base) :], body)
@@ -155,14 +156,10 @@ async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | 
 
 
 async def _refuse_for(stream: OPDStream, seconds: float) -> list[ScoredSample | SampleFailure]:
-    """Samples until every replica has refused for ``seconds`` (retried, all failing)."""
-    out: list[ScoredSample | SampleFailure] = []
-    start = anyio.current_time()
-    seed = 100
-    while anyio.current_time() - start < seconds:
-        out += await _run(stream, _samples(2, seed=seed))
-        seed += 1
-        await anyio.sleep(seconds / 10)
+    """Samples that every replica refuses (retried, all failing), then ``seconds`` with no
+    answer: the replicas have refused for at least that long."""
+    out = await _run(stream, _samples(4, seed=100))
+    await anyio.sleep(seconds)
     return out
 
 
@@ -172,15 +169,17 @@ async def test_every_replica_refusing_makes_the_remaining_samples_fail_at_once()
     window = 0.5
     async with OPDStream(_cfg(urls, window), transport=fleet.transport) as stream:
         early = await _refuse_for(stream, window)
-        before = fleet.refused
+        before, start = fleet.refused, anyio.current_time()
         late = await _run(stream, _samples(40))
+        windows = (anyio.current_time() - start) / window
     for item in early:  # retried: max_attempts each, or cut short once unreachable
         assert isinstance(item, SampleFailure) and item.reason == "connection_error"
     assert all(isinstance(r, SampleFailure) for r in late)
     fast = [r for r in late if isinstance(r, SampleFailure) and r.attempts == 0]
-    # at most one request per window goes ahead (one attempt); the rest make none
-    assert len(fast) >= len(late) - 1 and fleet.refused - before <= 1
-    for item in fast:
+    # one request per window goes ahead (a single attempt); the others make none
+    let_through = fleet.refused - before
+    assert let_through <= 1 + windows and len(fast) == len(late) - let_through
+    for item in late:
         assert item.reason == "connection_error"
         assert "teacher unreachable" in item.message
         assert "replica-a:1, replica-b:1" in item.message
@@ -202,6 +201,30 @@ async def test_a_teacher_that_answers_again_is_used_again() -> None:
         back = await _run(stream, _samples(20, seed=2))
     assert isinstance(probe[0], ScoredSample)
     assert all(isinstance(r, ScoredSample) for r in back)
+
+
+async def test_only_the_refusing_teachers_samples_fail() -> None:
+    fleet = _Refusing((A, B), up=(B,))
+    cfg = _cfg((A,), 0.5).evolve(teachers={"math": A, "code": B})
+    samples = [
+        Sample(s.tokens, s.response_length, sample_id=i, metadata={"opd_teacher": name})
+        for i, (s, name) in enumerate(zip(_samples(40), ["math", "code"] * 20, strict=True))
+    ]
+    async with OPDStream(cfg, transport=fleet.transport) as stream:
+        await _run(stream, [x for x in samples[:2] if x.metadata["opd_teacher"] == "math"])
+        await anyio.sleep(0.5)  # "math" has refused for the window
+        before, start = fleet.refused, anyio.current_time()
+        out = await _run(stream, samples)
+        windows = (anyio.current_time() - start) / 0.5
+    for item in out:
+        if item.sample.metadata["opd_teacher"] == "code":
+            assert isinstance(item, ScoredSample)
+        else:
+            assert isinstance(item, SampleFailure) and item.reason == "connection_error"
+            assert item.message.startswith("teacher unreachable: every replica (replica-a:1)")
+    let_through = fleet.refused - before  # one per window, a single attempt each
+    assert let_through <= 1 + windows
+    assert sum(isinstance(r, SampleFailure) and r.attempts == 0 for r in out) == 20 - let_through
 
 
 async def test_a_window_of_zero_retries_every_sample() -> None:

@@ -6,13 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import anyio
-
-from ._config import render_config_table
-from ._errors import ConfigError
-from ._logging import LOG_LEVELS, configure_logging
+# Nothing of the package is imported before main() runs: a Ctrl-C at any moment of the
+# start-up is then one line and exit 130 (main catches it), never a traceback.
 
 __all__ = ("main",)
+
+_COMMANDS = ("demo", "score", "probe", "bench", "config")
 
 _DESCRIPTION = (
     "Streaming teacher scoring for on-policy distillation against SGLang servers. "
@@ -35,8 +34,9 @@ def _bench_available() -> bool:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
     from ._demo import add_demo_arguments
+    from ._logging import LOG_LEVELS
     from ._probe_cli import add_probe_arguments
-    from ._scorefile import add_score_arguments
+    from ._scorefile_options import add_score_arguments
 
     p = argparse.ArgumentParser(prog="opd-stream", description=_DESCRIPTION)
     p.add_argument("--version", action="version", version=f"opd-stream {__version__}")
@@ -78,11 +78,31 @@ def _parser() -> argparse.ArgumentParser:
             "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
         )
         bench.add_argument("args", nargs=argparse.REMAINDER)
-    sub.add_parser("config", help="print the configuration table (fields, env variables)")
+    sub.add_parser(
+        "config",
+        help="print the configuration table (fields, env variables) and the answer parser",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``opd-stream`` command; the exit code (130 after Ctrl-C, at any moment)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        args = sys.argv[1:] if argv is None else list(argv)
+        command = next((a for a in args if a in _COMMANDS), None)
+        print(f"opd-stream{f' {command}' if command else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    import anyio
+
+    from ._config import render_config_table
+    from ._errors import ConfigError
+    from ._logging import configure_logging
+
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
@@ -92,7 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.log_level, drop_events=("sample_failed",) if args.command == "score" else ()
     )
     if args.command == "config":
+        from ._parser_notice import parser_line
+
         print(render_config_table())
+        print(parser_line())
         return 0
     if args.command == "bench":
         import importlib

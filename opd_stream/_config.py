@@ -238,6 +238,13 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "in seconds (> 0)",
         gt=0.0,
     )] = 10.0
+    unreachable_after_s: Annotated[float, _doc(
+        "when every replica of a teacher (or the student) has refused connections for this "
+        "long, in seconds, with no answer since, its requests fail at once "
+        "(connection_error) instead of being retried; one request per this interval still "
+        "goes ahead, and any answer makes it reachable again (0 = always retry)",
+        ge=0.0,
+    )] = 5.0
     hedge_after_percentile: Annotated[float, _doc(
         "0 = no hedging; p in (0, 100) = after the p-th percentile of recent latencies "
         "(at least hedge_min_s), send a duplicate to another replica; first answer wins",

@@ -97,14 +97,18 @@ class RoutingError(OPDStreamError, LookupError):
 
 
 class MissingLogprobError(OPDStreamError, ValueError):
-    """A selected candidate token has no logprob on one side (``side`` is student/teacher)."""
+    """A selected candidate token has no logprob on one side (``side`` is student/teacher).
+
+    The message names the side and the position; the token id (a value of the sample) is
+    on ``token_id``, not in the message.
+    """
 
     reason = "missing_logprob"
 
     def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
         super().__init__(
-            f"missing {side} logprob for selected token id {token_id} "
-            f"at response position {position}"
+            f"missing {side} logprob for a selected candidate token at response position "
+            f"{position}"
         )
         self.side = side
         self.token_id = token_id
@@ -150,10 +154,31 @@ class ServerAbortError(ServerError):
 
 
 class ConnectionFailed(ServerError):
-    """The connection failed, was reset, or timed out below the HTTP layer."""
+    """The connection failed, was reset, or timed out below the HTTP layer.
+
+    ``refused`` is true when no connection could be made at all (refused, no route to the
+    host, a name that does not resolve, no answer within ``connect_timeout_s``): the
+    server was not reached. A stream stops
+    retrying a replica set whose every replica has refused for ``unreachable_after_s``
+    (``_balance.EndpointPool.unreachable``); that failure is a ``ConnectionFailed`` too,
+    with ``retryable`` false.
+    """
 
     reason = "connection_error"
     retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        side: str = "teacher",
+        url: str | None = None,
+        refused: bool = False,
+        retryable: bool = True,
+    ) -> None:
+        super().__init__(message, side=side, url=url)
+        self.refused = refused
+        self.retryable = retryable
 
 
 class ResponseTooLarge(ServerError):

@@ -348,7 +348,8 @@ class TeacherRouter:
 
         Raises:
             RoutingError: unknown or missing name and no ``default`` teacher; the message
-                names the key, the value (or "missing") and the sorted known names.
+                names the key and the sorted known names, and says whether the value is
+                missing (the value itself comes from the sample and is never repeated).
         """
         value = None if metadata is None else metadata.get(self._teacher_key)
         if value is not None:
@@ -357,7 +358,10 @@ class TeacherRouter:
                 return name
         if DEFAULT_TEACHER in self._teachers:
             return DEFAULT_TEACHER
-        shown = "missing" if value is None else show_value(value)
+        # the value comes from the sample: described, never repeated
+        shown = (
+            "missing" if value is None else f"a {type(value).__name__} that names no such teacher"
+        )
         raise RoutingError(
             f"no teacher for metadata key {self._teacher_key!r} (value: {shown}); "
             f"known teachers: {list(self.names)}; configure a {DEFAULT_TEACHER!r} "

@@ -11,7 +11,7 @@ from ._config import CacheSalt, IdScoring, StreamConfig
 from ._errors import ConfigError
 from ._kltypes import Strategy, WeightMode
 from ._logging import LOG_LEVELS
-from ._router import normalize_teachers, parse_teacher_urls
+from ._router import normalize_teachers
 from ._scorefile_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
 __all__ = ("add_score_arguments", "score_config")
@@ -25,8 +25,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher",
         action="append",
         metavar="NAME=URL",
-        help="a teacher server (repeatable); replicas joined with '|'; required unless "
-        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
+        help="a teacher server (repeatable); replicas joined with '|'; a URL without a name "
+        "is the teacher 'default'; required unless OPD_STREAM_TEACHERS is set (the flags "
+        "then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -114,7 +115,8 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
             raise UsageError(f"{_TEACHERS_VAR}: {exc}") from None
     if args.teacher:
         try:
-            teachers = parse_teacher_urls(list(args.teacher))
+            # a plain URL (no NAME=) is the teacher "default", as in OPD_STREAM_TEACHERS
+            teachers = normalize_teachers([entry.strip() for entry in args.teacher])
         except ConfigError as exc:
             raise UsageError(f"--teacher: {exc}") from None
     elif env_teachers is not None:

@@ -13,6 +13,7 @@ import math
 import random
 import secrets
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import anyio
 import numpy as np
@@ -25,7 +26,13 @@ from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
 from ._endpoints import Endpoints
-from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError, WeightVersionChanged
+from ._errors import (
+    CapabilityError,
+    ConnectionFailed,
+    DeadlineExceeded,
+    OPDStreamError,
+    WeightVersionChanged,
+)
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
@@ -37,6 +44,16 @@ from ._wire import ScoreRequest, auto_block_size
 __all__ = ("SampleScorer", "ScoreAttemptError")
 
 log = get_logger()
+
+
+def _host(url: str) -> str:
+    """``host:port`` of a server URL, for a message (never its credentials or path)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{parts.hostname}:{port}" if port is not None else str(parts.hostname)
 
 
 class ScoreAttemptError(Exception):
@@ -79,6 +96,7 @@ class SampleScorer:
             balance=config.balance,
             eject_after=config.eject_after_failures,
             cooldown_s=config.eject_cooldown_s,
+            unreachable_after_s=config.unreachable_after_s,
             rng=self._rng,
         )
         self._caps = Capabilities(config, self.endpoints)
@@ -125,6 +143,7 @@ class SampleScorer:
         with anyio.move_on_at(deadline):
             while True:
                 urls = await self.fleets.expand(configured)  # routers -> their workers
+                self._check_reachable(side, urls, let_through=True)
                 await self._sender.maybe_probe(side, urls)
                 url = self._pool.pick(urls, failed_url) or self._pool.pick(urls)
                 assert url is not None  # urls is never empty and nothing is excluded
@@ -142,6 +161,8 @@ class SampleScorer:
                         continue
                     last = exc
                     failed_url = (failed.url,)
+                    if isinstance(exc, ConnectionFailed) and exc.refused:
+                        self._check_reachable(side, urls, let_through=False)
                     delay = (
                         self._policy.delay(tries.attempts, anyio.current_time(), deadline)
                         if exc.retryable
@@ -158,6 +179,32 @@ class SampleScorer:
         raise DeadlineExceeded(
             f"{side} request did not finish within {self._cfg.request_deadline_s} s "
             f"after {tries.attempts} attempt(s){detail}"
+        )
+
+    def _check_reachable(self, side: Side, urls: tuple[str, ...], *, let_through: bool) -> None:
+        """Fail at once when every replica of ``urls`` has refused connections for
+        ``unreachable_after_s`` (see ``EndpointPool.unreachable``), unless ``let_through``
+        and this request is the one let through to see whether they are back."""
+        now = anyio.current_time()
+        refusing = self._pool.unreachable(urls, now)
+        if refusing is None:
+            return
+        if let_through:
+            first = not self._pool.known_unreachable(urls)
+            if self._pool.let_through(urls, now):
+                (log.warning if first else log.debug)(
+                    "replicas_unreachable", side=side, replicas=len(urls), refusing_s=refusing
+                )
+                return
+        window = self._cfg.unreachable_after_s
+        hosts = ", ".join(_host(url) for url in urls[:3]) + (", ..." if len(urls) > 3 else "")
+        raise ConnectionFailed(
+            f"{side} unreachable: every replica ({hosts}) has refused connections for "
+            f"{refusing:.3g} s with no answer since (unreachable_after_s={window:g}); failed "
+            f"without retrying (one request per {window:g} s still goes ahead)",
+            side=side,
+            refused=True,
+            retryable=False,
         )
 
     # a whole sample ------------------------------------------------------------------

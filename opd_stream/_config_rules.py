@@ -54,12 +54,44 @@ def _backoff_grows(v: Settings) -> str | None:
     return None
 
 
+def _tokenizers_name_teachers(v: Settings) -> str | None:
+    unknown = sorted(set(v["teacher_tokenizers"] or ()) - set(v["teachers"]))
+    if unknown:
+        return (
+            f"names no configured teacher: {', '.join(map(repr, unknown))} "
+            f"(teachers: {', '.join(map(repr, sorted(v['teachers'])))})"
+        )
+    return None
+
+
+def _teacher_tokenizers_need_student(v: Settings) -> str | None:
+    if v["teacher_tokenizers"] and v["student_tokenizer"] is None:
+        return (
+            "a teacher with its own tokenizer is compared with the student over the response's "
+            "bytes, which needs the student's tokenizer too; set student_tokenizer"
+        )
+    return None
+
+
+def _teacher_tokenizers_sampled_only(v: Settings) -> str | None:
+    if v["teacher_tokenizers"] and v["top_k"] > 0:
+        return (
+            "top-k strategies compare the two models' logprobs of the same candidate token ids, "
+            "and a teacher with its own tokenizer has other ids (no candidate is shared); such "
+            "teachers work in sampled-token mode: set top_k = 0"
+        )
+    return None
+
+
 RULES: Final[tuple[Rule, ...]] = (
     (("tail", "top_k"), _tail_needs_top_k),
     (("tail", "weight_mode"), _tail_needs_student_weights),
     (("strategy", "top_k"), _strategy_needs_top_k),
     (("strategy", "student_url"), _strategy_needs_student_server),
     (("backoff_max_s", "backoff_initial_s"), _backoff_grows),
+    (("teacher_tokenizers", "teachers"), _tokenizers_name_teachers),
+    (("teacher_tokenizers", "student_tokenizer"), _teacher_tokenizers_need_student),
+    (("teacher_tokenizers", "top_k"), _teacher_tokenizers_sampled_only),
 )
 """(the fields a rule reads, named in its message; the check): in the order checked."""
 

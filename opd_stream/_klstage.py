@@ -160,6 +160,10 @@ def _result(
 
 
 def _score_sampled(f: Fetched) -> ScoredSample:
+    if f.alignment is not None:  # a teacher with its own tokenizer
+        from ._xtok import score_cross
+
+        return score_cross(f)
     rollout = f.prepared.rollout_logprobs
     rkl = None
     if rollout is not None:

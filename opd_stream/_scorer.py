@@ -10,6 +10,7 @@ fetch -> student fetch -> decode). Single attempts (hedging, health, decode) are
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 
 import anyio
@@ -23,7 +24,7 @@ from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
 from ._endpoints import Endpoints
-from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
+from ._errors import CapabilityError, DeadlineExceeded, InvalidSampleError, OPDStreamError
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
@@ -31,6 +32,7 @@ from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
 from ._wire import ScoreRequest, auto_block_size
+from ._xtok import THREAD_TOKENS, CrossSample, CrossTokenizers, empty_rows
 
 __all__ = ("SampleScorer", "ScoreAttemptError")
 
@@ -61,8 +63,11 @@ class SampleScorer:
         *,
         threads: anyio.CapacityLimiter | None = None,
         rng: random.Random | None = None,
+        xtok: CrossTokenizers | None = None,
     ) -> None:
         self._cfg = config
+        self.xtok = xtok  # teachers with their own tokenizer (None: every teacher shares it)
+        self._threads = threads
         self._stats = stats
         self._rng = rng or random.Random()
         self._policy = RetryPolicy(
@@ -213,10 +218,63 @@ class SampleScorer:
             block_size=block_size,
         )
 
+    async def _cross(self, prepared: PreparedSample, xtok: CrossTokenizers) -> CrossSample:
+        """Re-tokenise the response for its teacher (in a decode thread when it is long)."""
+
+        def timed() -> CrossSample:
+            start = time.thread_time()
+            try:
+                return xtok.prepare(prepared)
+            finally:
+                self._stats.cpu["align"] += time.thread_time() - start
+
+        try:
+            if prepared.response_length >= THREAD_TOKENS:
+                return await anyio.to_thread.run_sync(timed, limiter=self._threads)
+            return timed()
+        except InvalidSampleError as exc:
+            raise ScoreAttemptError(exc, 0) from None
+
+    async def _fetch_cross(
+        self,
+        prepared: PreparedSample,
+        xtok: CrossTokenizers,
+        teacher_urls: tuple[str, ...],
+        admitted_at: float,
+    ) -> Fetched:
+        """A teacher with its own tokenizer (sampled-token mode): one request, in its ids."""
+        cross = await self._cross(prepared, xtok)
+        side = cross.teacher_prepared
+        counter = Counter()
+        rows = empty_rows()
+        if side.response_length > 0:  # else only textless tokens: nothing to ask
+            try:
+                rows = await self._request(
+                    "teacher",
+                    teacher_urls,
+                    lambda url: self._score_request(side, url, top_k=0, ids=None),
+                    counter,
+                )
+            except OPDStreamError as exc:
+                raise ScoreAttemptError(exc, counter.attempts) from None
+        return Fetched(
+            prepared=prepared,
+            teacher_rows=rows,
+            student_ids=None,
+            student_lps=None,
+            student_rows=None,
+            attempts=counter.attempts,
+            admitted_at=admitted_at,
+            alignment=cross.alignment,
+            return_alignment=xtok.return_alignment,
+        )
+
     async def fetch(
         self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
     ) -> Fetched:
         """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure."""
+        if self.xtok is not None and self.xtok.teacher(prepared.teacher) is not None:
+            return await self._fetch_cross(prepared, self.xtok, teacher_urls, admitted_at)
         plan = self.plan(prepared)
         counter = Counter()
         k = self._cfg.top_k

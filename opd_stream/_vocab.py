@@ -30,7 +30,14 @@ from ._errors import ConfigError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ("Vocab", "byte_symbols", "load_vocab", "resolve_tokenizer_path")
+__all__ = (
+    "Vocab",
+    "byte_symbols",
+    "load_vocab",
+    "normalize_teacher_tokenizers",
+    "normalize_tokenizer_path",
+    "resolve_tokenizer_path",
+)
 
 TOKENIZER_FILE: Final = "tokenizer.json"
 
@@ -53,6 +60,16 @@ def byte_symbols() -> dict[str, int]:
     return table
 
 
+def _tokenizer_file(path: Any) -> str:
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"expected a path to a tokenizer.json file, got {path!r}")
+    file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        where = f"{path} (no {TOKENIZER_FILE} in it)" if file != path else path
+        raise ConfigError(f"tokenizer file not found: {where}")
+    return file
+
+
 def resolve_tokenizer_path(setting: str, path: str) -> str:
     """The ``tokenizer.json`` file that ``path`` names (the file, or a directory holding
     one), checked to exist.
@@ -60,13 +77,60 @@ def resolve_tokenizer_path(setting: str, path: str) -> str:
     Raises:
         ConfigError: naming ``setting`` and the path.
     """
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"{setting}: expected a path to a tokenizer.json file, got {path!r}")
-    file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        where = f"{path} (no {TOKENIZER_FILE} in it)" if file != path else path
-        raise ConfigError(f"{setting}: tokenizer file not found: {where}")
-    return file
+    try:
+        return _tokenizer_file(path)
+    except ConfigError as exc:
+        raise ConfigError(f"{setting}: {exc}") from None
+
+
+def normalize_tokenizer_path(value: Any) -> str:
+    """A tokenizer setting's value: a path to a ``tokenizer.json`` or a directory holding
+    one, which must exist (kept as given, surrounding whitespace stripped).
+
+    Raises:
+        ConfigError: the problem, without the setting's name (the caller adds it).
+    """
+    _tokenizer_file(value.strip() if isinstance(value, str) else value)
+    return str(value).strip()
+
+
+def normalize_teacher_tokenizers(value: Any) -> dict[str, str] | None:
+    """``teacher_tokenizers``: teacher name -> tokenizer path, each path checked to exist.
+
+    Accepts a mapping, ``NAME=PATH`` entries (a list, or one string of comma-separated
+    entries, as in ``OPD_STREAM_TEACHER_TOKENIZERS``), or one plain path (the teacher
+    ``default``). Empty: None (no teacher has its own tokenizer).
+
+    Raises:
+        ConfigError: the problem, without the setting's name.
+    """
+    if isinstance(value, str):
+        entries: list[str] = [e.strip() for e in value.split(",") if e.strip()]
+        single = len(entries) == 1 and "=" not in entries[0]
+        value = {"default": entries[0]} if single else entries
+    if isinstance(value, (list, tuple)):
+        pairs: dict[str, str] = {}
+        for entry in value:
+            name, sep, path = str(entry).partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"expected NAME=PATH entries, got {entry!r}")
+            if name.strip() in pairs:
+                raise ConfigError(f"teacher {name.strip()!r} is listed twice")
+            pairs[name.strip()] = path.strip()
+        value = pairs
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"expected a mapping of teacher name to tokenizer path, got {type(value).__name__}"
+        )
+    out: dict[str, str] = {}
+    for name, path in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"teacher names must be non-empty strings, got {name!r}")
+        try:
+            out[name] = normalize_tokenizer_path(path)
+        except ConfigError as exc:
+            raise ConfigError(f"teacher {name!r}: {exc}") from None
+    return out or None
 
 
 class Vocab:

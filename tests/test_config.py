@@ -219,6 +219,12 @@ INVALID: list[tuple[str, Any]] = [
     ("attempt_timeout_s", -1.0),
     ("attempt_timeout_s", math.inf),
     ("router_discovery", "always"),
+    ("student_tokenizer", "/nonexistent/tokenizer.json"),
+    ("student_tokenizer", 3),
+    ("teacher_tokenizers", "default=/nonexistent"),
+    ("teacher_tokenizers", "no-equals-sign,x=/y"),
+    ("teacher_tokenizers", 5),
+    ("return_alignment", 1),
 ]
 
 
@@ -290,6 +296,9 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("hedge_min_s", "-0.5"),
     ("attempt_timeout_s", "soon"),
     ("router_discovery", "sometimes"),
+    ("student_tokenizer", "/nonexistent"),
+    ("teacher_tokenizers", "default="),
+    ("return_alignment", "maybe"),
 ]
 
 
@@ -456,6 +465,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_HEDGE_MIN_S": "0.2",
         "OPD_STREAM_ATTEMPT_TIMEOUT_S": "2.5",
         "OPD_STREAM_ROUTER_DISCOVERY": "off",
+        "OPD_STREAM_STUDENT_TOKENIZER": "",  # empty: unset (see test_xtok_stream for paths)
+        "OPD_STREAM_TEACHER_TOKENIZERS": "",
+        "OPD_STREAM_RETURN_ALIGNMENT": "true",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -496,6 +508,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         hedge_min_s=0.2,
         attempt_timeout_s=2.5,
         router_discovery="off",
+        return_alignment=True,
     )
     assert cfg == expected
 

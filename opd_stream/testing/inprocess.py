@@ -16,6 +16,7 @@ import numpy as np
 
 from .._transport import MockTransport, Response
 from .mock_sglang._answer import build_item_response
+from .mock_sglang._bytemodel import ByteModel
 from .mock_sglang._errors import RequestError
 from .mock_sglang._model import MockModel, Role
 from .mock_sglang._request import parse_generate_request
@@ -39,6 +40,8 @@ class InProcessSGLang:
             silently ignores it, like every released SGLang.
         vocab_size: the model's vocabulary.
         fault: optional fault script (see :data:`Fault`).
+        byte_model: when set, the sampled tokens' logprobs come from this model over bytes
+            (see :class:`~.mock_sglang.ByteModel`).
     """
 
     def __init__(
@@ -50,8 +53,10 @@ class InProcessSGLang:
         vocab_size: int = 151936,
         context_length: int = 1 << 20,
         fault: Fault | None = None,
+        byte_model: ByteModel | None = None,
     ) -> None:
         self.model = MockModel(role=role, seed=seed, vocab_size=vocab_size)
+        self.byte_model = byte_model
         self.per_position = per_position
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -90,6 +95,7 @@ class InProcessSGLang:
                 flat_input=spec.flat_input,
                 flat_output=spec.flat_output,
                 b64=spec.b64,
+                byte_model=self.byte_model,
             )
             for item in spec.items
         ]

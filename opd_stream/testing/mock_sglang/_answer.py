@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._bytemodel import ByteModel
 from ._model import HeadRows, MockModel
 from ._request import GenerateItem
 
@@ -110,12 +111,14 @@ def build_item_response(
     fault: ItemFault = None,
     e2e_latency: float = 0.0,
     sent_ts: float = 0.0,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready answer object for one item (``{"text", "output_ids", "meta_info"}``).
 
     ``fault`` applies a wire fault at the data level: ``"misaligned"`` shifts the token ids of
     ``input_token_logprobs`` by one row; ``"missing_rows"`` drops the last row of every
-    ``input_*`` list.
+    ``input_*`` list. ``byte_model``: the sampled tokens' logprobs come from it (top-k
+    and requested ids still come from ``model``).
     """
     tok = item.input_ids
     length = int(tok.size)
@@ -146,7 +149,9 @@ def build_item_response(
     }
     if item.return_logprob:
         meta.update(
-            _logprob_fields(model, item, full, s, n_gen, flat_input, flat_output, b64, fault)
+            _logprob_fields(
+                model, item, full, s, n_gen, flat_input, flat_output, b64, fault, byte_model
+            )
         )
     meta["reasoning_tokens"] = 0
     meta["completion_tokens"] = n_gen
@@ -174,6 +179,7 @@ def _logprob_fields(
     flat_output: bool,
     b64: bool,
     fault: ItemFault,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     length = int(item.input_ids.size)
     n_in = length - s  # entries of every input_* list
@@ -191,6 +197,8 @@ def _logprob_fields(
     tok_ids = full[tok_pos]
     tok_rows = _take(rows, slice(0, n_in_rows + n_gen))
     tok_lp = model.logprobs_in(tok_rows, tok_ids[:, None])[:, 0]
+    if byte_model is not None:
+        tok_lp = byte_model.token_logprobs(full, tok_pos)
     in_ids = tok_ids[:n_in_rows]
     if fault == "misaligned" and n_in_rows:
         in_ids = np.roll(in_ids, 1)

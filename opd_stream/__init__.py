@@ -37,7 +37,7 @@ from ._errors import (
     ServerHTTPError,
 )
 from ._logging import configure_logging
-from ._sample import Candidates, Sample, SampleFailure, ScoredSample
+from ._sample import Candidates, Sample, SampleFailure, ScoredSample, TokenAlignment
 from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
 from ._stream import OPDStream, Results
 from ._transport import AiohttpTransport, MockTransport, Response, Transport
@@ -81,5 +81,6 @@ __all__ = [
     "ServerHTTPError",
     "StreamConfig",
     "StreamStats",
+    "TokenAlignment",
     "Transport",
 ]

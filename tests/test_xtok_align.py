@@ -325,3 +325,54 @@ def test_qwen_student_aligns_with_real_teacher_tokenizers(teacher_family: str, t
     check_alignment(student, teacher, ids, al)
     assert teacher.join(al.teacher_ids) == text.encode("utf-8")
     assert al.scored[:-1].all() and not al.scored[-1]
+
+
+def reference_spans(s_lens: list[int], t_lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """Spans by walking the bytes, for responses whose every token has bytes: a span ends
+    at each byte offset that ends a token on both sides. ``(s0, s1, t0, t1)`` each."""
+    spans = []
+    i = j = s_end = t_end = 0
+    s0 = t0 = 0
+    while i < len(s_lens) or j < len(t_lens):
+        if j >= len(t_lens) or (i < len(s_lens) and s_end + s_lens[i] <= t_end + t_lens[j]):
+            s_end += s_lens[i]
+            i += 1
+        else:
+            t_end += t_lens[j]
+            j += 1
+        if s_end == t_end and (i, j) != (s0, t0):
+            spans.append((s0, i, t0, j))
+            s0, t0 = i, j
+    return spans
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_tokenizations_align_like_a_byte_walk(seed: int) -> None:
+    # the student's ids: a text of random pieces, its tokens randomly split into their
+    # single bytes (so tokens split characters anywhere)
+    rng = np.random.default_rng(seed)
+    a_vocab, b_vocab = small_vocab("a"), small_vocab("b")
+    pieces = [*" ".join(TEXTS).split(" "), "🎉", "👍🏽", "平方", "\n", "  "]
+    text = " ".join(rng.choice(pieces, int(rng.integers(1, 40))).tolist())
+    byte_id = {v: i for i, v in enumerate(a_vocab.token_bytes) if len(v) == 1}
+    ids: list[int] = []
+    for tok in a_vocab.encode(text).tolist():
+        if rng.random() < 0.3:
+            ids.extend(byte_id[bytes([c])] for c in a_vocab.token_bytes[tok])
+        else:
+            ids.append(tok)
+    student = np.array(ids)
+    al = align_response(a_vocab, b_vocab, student, "b")
+    check_alignment(a_vocab, b_vocab, student, al)
+    s_lens = [len(a_vocab.token_bytes[i]) for i in ids]
+    t_lens = [len(b_vocab.token_bytes[i]) for i in al.teacher_ids.tolist()]
+    got = list(
+        zip(
+            al.student_spans[:-1].tolist(),
+            al.student_spans[1:].tolist(),
+            al.teacher_spans[:-1].tolist(),
+            al.teacher_spans[1:].tolist(),
+            strict=True,
+        )
+    )
+    assert got == reference_spans(s_lens, t_lens)

@@ -389,3 +389,52 @@ async def test_an_unreadable_tokenizer_file_fails_the_stream_start(tmp_path: Pat
         async with OPDStream(cfg, transport=mock_transport({})):
             pass
 
+
+
+async def test_a_teacher_without_a_tokenizer_of_its_own_is_scored_as_before(
+    small_paths: tuple[str, str],
+) -> None:
+    """One stream, two teachers: "x" has its own tokenizer, "same" shares the student's;
+    the second's results equal a stream without any tokenizer setting. Long responses
+    (aligned in a decode thread) and short ones, in one KL batch."""
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    urls = {"x": "http://x:1", "same": "http://same:2"}
+    servers = {
+        urls["x"]: InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6)),
+        urls["same"]: InProcessSGLang("teacher", 1, byte_model=ByteModel(a.token_bytes, q=0.6)),
+    }
+    samples = []
+    for i, text in enumerate(RESPONSES * 2):
+        long_text = text * (40 if i % 3 == 0 else 1)  # >= 256 tokens: aligned in a thread
+        for name in ("x", "same"):
+            sample = make_sample(a, b, s_model, a.encode(long_text), len(samples))
+            sample = msgspec.structs.replace(sample, metadata={"opd_teacher": name})
+            if name == "same":  # it sees the student's tokens, as today
+                sample = msgspec.structs.replace(sample, teacher_prompt_ids=None)
+            samples.append(sample)
+    assert max(s.response_length for s in samples) >= 256
+    cfg = config(*small_paths, teachers=urls, teacher_tokenizers={"x": small_paths[1]})
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            mixed = sorted([r async for r in results], key=lambda r: r.index)
+    plain_cfg = StreamConfig.from_env({}, teachers=T, kl_device="cpu")
+    plain = await run(plain_cfg, servers[urls["same"]], samples[1::2])
+    for res in mixed:
+        assert isinstance(res, ScoredSample), res
+        if res.teacher == "x":
+            assert res.alignment is not None
+            ref = byte_reference(
+                PROMPT.encode(),
+                a.join(np.asarray(res.sample.tokens)[-res.sample.response_length :]),
+                res.alignment.span_bytes.tolist(),
+                s_model,
+                servers[urls["x"]].byte_model,  # type: ignore[arg-type]
+            )
+            ends = res.alignment.student_spans[1:] - 1
+            assert res.reverse_kl is not None
+            np.testing.assert_allclose(res.reverse_kl[ends].numpy(), ref, rtol=0, atol=2e-4)
+    for res, ref_res in zip(mixed[1::2], plain, strict=True):
+        assert res.teacher == "same" and res.alignment is None
+        assert torch.equal(res.teacher_logprobs, ref_res.teacher_logprobs)
+        assert torch.equal(res.reverse_kl, ref_res.reverse_kl)

@@ -77,7 +77,9 @@ class Sample(msgspec.Struct, kw_only=False):
             solution, a hint; self-distillation). When set, every teacher request is
             ``teacher_prompt_ids + response`` and teacher row ``t`` describes the same
             response token as student row ``t``; the student's requests keep ``tokens``.
-            None: the teacher sees ``tokens``.
+            None: the teacher sees ``tokens``. Required for a teacher with its own tokenizer
+            (``StreamConfig.teacher_tokenizers``), in that teacher's ids: its requests are
+            ``teacher_prompt_ids`` + the teacher's ids of the response text.
     """
 
     tokens: Any

@@ -138,7 +138,7 @@ def align_response(student: Vocab, teacher: Vocab, ids: IntArray, teacher_name: 
     t_keys = 2 * np.searchsorted(common, t_ends, side="left") + 1
     starts = np.flatnonzero(np.diff(keys)) + 1
     span_keys = keys[np.concatenate([[0], starts])] if r else keys[:0]
-    student_spans = np.concatenate([[0], starts, [r]]).astype(np.int64)
+    student_spans = np.concatenate([[0], starts, [r]] if r else [[0]]).astype(np.int64)
     t_starts = np.searchsorted(t_keys, span_keys, side="left")
     teacher_spans = np.concatenate([t_starts, [t_ids.shape[0]]]).astype(np.int64)
     span_bytes = np.concatenate([[0], ends[student_spans[1:] - 1]]) if r else np.zeros(1, np.int64)

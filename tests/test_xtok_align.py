@@ -376,3 +376,27 @@ def test_random_tokenizations_align_like_a_byte_walk(seed: int) -> None:
         )
     )
     assert got == reference_spans(s_lens, t_lens)
+
+
+def test_an_empty_response_has_no_span() -> None:
+    al = align_response(small_vocab("a"), small_vocab("b"), np.zeros(0, np.int64), "b")
+    assert al.student_spans.tolist() == [0] and al.teacher_spans.tolist() == [0]
+    assert al.span_bytes.tolist() == [0] and al.scored.shape == (0,)
+    teacher, rkl = span_signal(al, np.zeros(0, np.float32), np.zeros(0, np.float32))
+    assert teacher.shape == (0,) and rkl is not None and rkl.shape == (0,)
+
+
+def test_a_cut_character_inside_a_token_leaves_its_whole_span_unscored() -> None:
+    # b's token " \xf0\x9f" is a space and half an emoji: the teacher sees the space only
+    student, teacher = small_vocab("b"), small_vocab("a")
+    half = student.token_bytes.index(b" \xf0\x9f")
+    ids = np.concatenate([student.encode("ok"), [half]])
+    al = align_response(student, teacher, ids, "a")
+    assert teacher.join(al.teacher_ids) == b"ok "
+    assert al.span_bytes.tolist()[-2:] == [2, 5]
+    assert al.teacher_spans[-1] - al.teacher_spans[-2] >= 1  # the teacher's " " is in it
+    assert not al.scored[-1] and al.scored[:-1].all()
+    _, rkl = span_signal(
+        al, np.full(al.teacher_ids.shape[0], -1.0, np.float32), np.full(ids.shape, -1.0, np.float32)
+    )
+    assert rkl is not None and rkl[-1] == 0.0

@@ -41,7 +41,15 @@ import numpy.typing as npt
 from ._errors import InvalidSampleError
 from ._vocab import Vocab
 
-__all__ = ("Alignment", "align_response", "span_signal")
+__all__ = (
+    "Alignment",
+    "align_response",
+    "byte_twins",
+    "candidate_rows",
+    "one_to_one",
+    "span_signal",
+    "teacher_candidates",
+)
 
 IntArray = npt.NDArray[np.int64]
 
@@ -190,3 +198,85 @@ def span_signal(
     s_sum = np.add.reduceat(counted, s_spans[:-1])[scored]
     rkl[last] = s_sum - t_sum
     return teacher_out, rkl
+
+
+# --- top-k (only-student) with a teacher of another tokenizer -------------------------------
+
+
+def byte_twins(student: Vocab, teacher: Vocab) -> IntArray:
+    """``twin[v]``: the teacher id whose bytes are student id ``v``'s (the smallest such id),
+    or -1 (no teacher token spells them; textless ids have none). int64 ``[student.size]``."""
+    index: dict[bytes, int] = {}
+    for i in range(teacher.size - 1, -1, -1):  # the smallest id of equal bytes wins
+        b = teacher.token_bytes[i]
+        if b:
+            index[b] = i
+    get = index.get
+    return np.fromiter(
+        (get(b, -1) if b else -1 for b in student.token_bytes), dtype=np.int64, count=student.size
+    )
+
+
+def one_to_one(alignment: Alignment) -> tuple[IntArray, IntArray]:
+    """The scored spans of one student and one teacher token: ``(student rows, teacher
+    rows)``, the response positions of each side."""
+    s, t = alignment.student_spans, alignment.teacher_spans
+    single = (np.diff(s) == 1) & (np.diff(t) == 1) & alignment.scored
+    return s[:-1][single], t[:-1][single]
+
+
+def teacher_candidates(
+    alignment: Alignment, student_ids: IntArray, twins: IntArray
+) -> tuple[IntArray, IntArray]:
+    """The candidates of only-student top-k with a teacher of another tokenizer.
+
+    A student candidate ``v`` at response position ``s`` is kept when ``s`` is a one-to-one
+    span (its token and one teacher token spell the same bytes after the same prefix) and
+    a teacher token ``w`` spells ``v``'s bytes; the teacher is asked ``w`` at the span's
+    teacher position. Any other candidate becomes padding (-1): not a candidate.
+
+    Args:
+        alignment: the response's alignment.
+        student_ids: int64 ``[R, k]``, the student's top-k ids (-1 padding).
+        twins: :func:`byte_twins` of the two tokenizers.
+
+    Returns:
+        ``(kept student ids [R, k], teacher ids [R_t, k])``, both with -1 padding; within a
+        row the teacher ids are distinct (a second candidate of the same bytes is dropped).
+    """
+    r, k = student_ids.shape
+    kept = np.full((r, k), -1, dtype=np.int64)
+    asked = np.full((alignment.teacher_ids.shape[0], k), -1, dtype=np.int64)
+    s_rows, t_rows = one_to_one(alignment)
+    if s_rows.size == 0 or k == 0:
+        return kept, asked
+    ids = student_ids[s_rows]
+    twin = np.where(ids >= 0, twins[np.clip(ids, 0, twins.shape[0] - 1)], -1)
+    # two candidates of identical bytes (e.g. an added token and a vocabulary entry): the
+    # better ranked one stays
+    ordered = np.sort(twin, axis=1)
+    dup_rows = np.flatnonzero(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1))
+    for i in dup_rows.tolist():
+        seen: set[int] = set()
+        for c in range(k):
+            w = int(twin[i, c])
+            if w >= 0 and w in seen:
+                twin[i, c] = -1
+            seen.add(w)
+    keep = twin >= 0
+    kept[s_rows] = np.where(keep, ids, -1)
+    asked[t_rows] = twin
+    return kept, asked
+
+
+def candidate_rows(
+    alignment: Alignment, asked_logprobs: npt.NDArray[np.float32] | None, shape: tuple[int, int]
+) -> npt.NDArray[np.float32]:
+    """The teacher's logprobs of the kept candidates on the student's rows (``[R, k]``; NaN
+    where nothing was asked): row ``t_rows[i]`` of ``asked_logprobs`` goes to row
+    ``s_rows[i]``."""
+    out = np.full(shape, np.nan, dtype=np.float32)
+    if asked_logprobs is not None:
+        s_rows, t_rows = one_to_one(alignment)
+        out[s_rows] = asked_logprobs[t_rows]
+    return out

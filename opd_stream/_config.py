@@ -262,9 +262,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         normalize_teacher_tokenizers
     ), _doc(
         "teacher name -> its own tokenizer (tokenizer.json or a directory holding one) for a "
-        "teacher with another vocabulary (sampled-token mode only); a teacher not listed "
-        "shares the student's. Env: comma-separated NAME=PATH entries, or one path for the "
-        "teacher 'default'"
+        "teacher with another vocabulary (sampled-token mode, or top-k only-student); a "
+        "teacher not listed shares the student's. Env: comma-separated NAME=PATH entries, or "
+        "one path for the teacher 'default'"
     )] = None
     return_alignment: Annotated[bool, _doc(
         "results of a teacher with its own tokenizer carry the span alignment "

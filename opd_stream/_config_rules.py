@@ -73,12 +73,13 @@ def _teacher_tokenizers_need_student(v: Settings) -> str | None:
     return None
 
 
-def _teacher_tokenizers_sampled_only(v: Settings) -> str | None:
-    if v["teacher_tokenizers"] and v["top_k"] > 0:
+def _teacher_tokenizers_only_student(v: Settings) -> str | None:
+    if v["teacher_tokenizers"] and v["top_k"] > 0 and v["strategy"] != "only-student":
         return (
-            "top-k strategies compare the two models' logprobs of the same candidate token ids, "
-            "and a teacher with its own tokenizer has other ids (no candidate is shared); such "
-            "teachers work in sampled-token mode: set top_k = 0"
+            f"strategy {v['strategy']} reads the teacher's top-k, whose ids are in another "
+            "vocabulary for a teacher with its own tokenizer; such teachers work in "
+            "sampled-token mode (top_k = 0) or with strategy only-student (the student's "
+            "candidates asked by their bytes)"
         )
     return None
 
@@ -91,7 +92,7 @@ RULES: Final[tuple[Rule, ...]] = (
     (("backoff_max_s", "backoff_initial_s"), _backoff_grows),
     (("teacher_tokenizers", "teachers"), _tokenizers_name_teachers),
     (("teacher_tokenizers", "student_tokenizer"), _teacher_tokenizers_need_student),
-    (("teacher_tokenizers", "top_k"), _teacher_tokenizers_sampled_only),
+    (("teacher_tokenizers", "top_k", "strategy"), _teacher_tokenizers_only_student),
 )
 """(the fields a rule reads, named in its message; the check): in the order checked."""
 

@@ -221,6 +221,8 @@ class Fetched(msgspec.Struct, frozen=True, kw_only=True):
     # a teacher with its own tokenizer: the response's alignment (teacher_rows has R_t rows)
     alignment: Alignment | None = None
     return_alignment: bool = False
+    # ... and the teacher's logprob of each of its R_t tokens, when teacher_rows is not them
+    teacher_token_logprobs: npt.NDArray[np.float32] | None = None
 
 
 def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]:

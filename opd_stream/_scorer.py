@@ -32,7 +32,14 @@ from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
 from ._wire import ScoreRequest, auto_block_size
-from ._xtok import THREAD_TOKENS, CrossSample, CrossTokenizers, empty_rows
+from ._xtok import (
+    THREAD_TOKENS,
+    CrossSample,
+    CrossTokenizers,
+    empty_rows,
+    topk_candidates,
+    topk_rows,
+)
 
 __all__ = ("SampleScorer", "ScoreAttemptError")
 
@@ -242,31 +249,54 @@ class SampleScorer:
         teacher_urls: tuple[str, ...],
         admitted_at: float,
     ) -> Fetched:
-        """A teacher with its own tokenizer (sampled-token mode): one request, in its ids."""
+        """A teacher with its own tokenizer: one request, in its ids (top-k: only-student,
+        the student's candidates asked by their bytes' teacher ids at one-to-one spans)."""
         cross = await self._cross(prepared, xtok)
         side = cross.teacher_prepared
         counter = Counter()
         rows = empty_rows()
-        if side.response_length > 0:  # else only textless tokens: nothing to ask
-            try:
+        k = self._cfg.top_k
+        s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
+        kept = asked = None
+        try:
+            if k > 0 and s_ids is None:  # the student's top-k, from the student server
+                student_urls: tuple[str, ...] = (
+                    (self._cfg.student_url,) if self._cfg.student_url is not None else ()
+                )
+                fetched = await self._request(
+                    "student",
+                    student_urls,
+                    lambda url: self._score_request(prepared, url, top_k=k, ids=None),
+                    counter,
+                )
+                s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
+            if k > 0:
+                assert s_ids is not None
+                kept, asked = topk_candidates(xtok, prepared.teacher, cross.alignment, s_ids)
+            if side.response_length > 0:  # else only textless tokens: nothing to ask
+                ids = None if asked is None else request_ids(asked)
                 rows = await self._request(
                     "teacher",
                     teacher_urls,
-                    lambda url: self._score_request(side, url, top_k=0, ids=None),
+                    lambda url: self._score_request(side, url, top_k=0, ids=ids),
                     counter,
                 )
-            except OPDStreamError as exc:
-                raise ScoreAttemptError(exc, counter.attempts) from None
+        except OPDStreamError as exc:
+            raise ScoreAttemptError(exc, counter.attempts) from None
+        raw = rows.token_logprobs
+        if kept is not None:  # top-k: the answer as the KL stage reads one, on student rows
+            rows = topk_rows(cross.alignment, rows, kept)
         return Fetched(
             prepared=prepared,
             teacher_rows=rows,
-            student_ids=None,
-            student_lps=None,
+            student_ids=kept,
+            student_lps=s_lps if kept is not None else None,
             student_rows=None,
             attempts=counter.attempts,
             admitted_at=admitted_at,
             alignment=cross.alignment,
             return_alignment=xtok.return_alignment,
+            teacher_token_logprobs=raw,
         )
 
     async def fetch(

@@ -7,8 +7,11 @@
   ``teacher_prompt_ids + teacher ids of the response text``. The fetch stage runs it, in a
   decode thread for a response of :data:`THREAD_TOKENS` tokens or more (re-tokenisation
   costs ~1-3 us of CPU per token; the loop keeps the short ones).
-* :func:`score_cross`: the KL stage's result for such a sample (one value per student
-  token, :func:`~opd_stream._align.span_signal`, and the alignment when asked for).
+* :func:`score_cross`: the KL stage's result for such a sample in sampled-token mode (one
+  value per student token, :func:`~opd_stream._align.span_signal`, and the alignment when
+  asked for); in top-k mode (only-student) :func:`topk_candidates` picks what the teacher
+  is asked and :func:`topk_rows` turns its answer into the student-row arrays the usual
+  top-k KL reads.
 
 The teacher answers in its own ids: the decoder checks them against the ids sent, row
 count included, as for any teacher (a mismatch fails the sample as
@@ -22,15 +25,32 @@ from typing import Final
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
-from ._align import Alignment, align_response, span_signal
+from ._align import (
+    Alignment,
+    align_response,
+    byte_twins,
+    candidate_rows,
+    span_signal,
+    teacher_candidates,
+)
 from ._answers import ScoreRows
 from ._config import StreamConfig
 from ._errors import InvalidSampleError
 from ._sample import Fetched, PreparedSample, ScoredSample, TokenAlignment
 from ._vocab import Vocab, load_vocab
 
-__all__ = ("THREAD_TOKENS", "CrossSample", "CrossTokenizers", "empty_rows", "score_cross")
+__all__ = (
+    "THREAD_TOKENS",
+    "CrossSample",
+    "CrossTokenizers",
+    "empty_rows",
+    "score_cross",
+    "token_alignment",
+    "topk_candidates",
+    "topk_rows",
+)
 
 THREAD_TOKENS: Final = 256
 """Responses at least this long are aligned in a decode thread, not on the event loop."""
@@ -63,11 +83,22 @@ class CrossTokenizers:
     """The tokenizers of one stream whose configuration lists ``teacher_tokenizers``."""
 
     def __init__(
-        self, student: Vocab, teachers: dict[str, Vocab], *, return_alignment: bool = False
+        self,
+        student: Vocab,
+        teachers: dict[str, Vocab],
+        *,
+        return_alignment: bool = False,
+        top_k: bool = False,
     ) -> None:
         self.student = student
         self.teachers = teachers
         self.return_alignment = return_alignment
+        # top-k: each teacher's token of the same bytes as each student id
+        self.twins = (
+            {name: byte_twins(student, vocab) for name, vocab in teachers.items()}
+            if top_k
+            else {}
+        )
 
     @classmethod
     def load(cls, config: StreamConfig) -> CrossTokenizers | None:
@@ -92,7 +123,12 @@ class CrossTokenizers:
             name: load(f"teacher_tokenizers[{name}]", path)
             for name, path in config.teacher_tokenizers.items()
         }
-        return cls(student, teachers, return_alignment=config.return_alignment)
+        return cls(
+            student,
+            teachers,
+            return_alignment=config.return_alignment,
+            top_k=config.top_k > 0,
+        )
 
     def teacher(self, name: str) -> Vocab | None:
         """The teacher's own tokenizer, or None (it shares the student's vocabulary)."""
@@ -139,24 +175,34 @@ class CrossTokenizers:
         return CrossSample(teacher_prepared=teacher_prepared, alignment=alignment)
 
 
+def token_alignment(f: Fetched) -> TokenAlignment | None:
+    """The result's alignment: when the sample's teacher has its own tokenizer and
+    ``return_alignment`` asked for it, else None."""
+    import torch
+
+    a = f.alignment
+    if a is None or not f.return_alignment:
+        return None
+    raw = f.teacher_token_logprobs
+    if raw is None:
+        raw = f.teacher_rows.token_logprobs
+    return TokenAlignment(
+        teacher_ids=torch.from_numpy(a.teacher_ids.copy()),
+        teacher_token_logprobs=torch.from_numpy(np.array(raw, dtype=np.float32)),
+        student_spans=torch.from_numpy(a.student_spans.copy()),
+        teacher_spans=torch.from_numpy(a.teacher_spans.copy()),
+        span_bytes=torch.from_numpy(a.span_bytes.copy()),
+        scored=torch.from_numpy(a.scored.copy()),
+    )
+
+
 def score_cross(f: Fetched) -> ScoredSample:
     """The result of a sample scored by a teacher with its own tokenizer (sampled-token)."""
     import torch
 
     a = f.alignment
     assert a is not None
-    rows = f.teacher_rows
-    teacher, rkl = span_signal(a, rows.token_logprobs, f.prepared.rollout_logprobs)
-    out = None
-    if f.return_alignment:
-        out = TokenAlignment(
-            teacher_ids=torch.from_numpy(a.teacher_ids.copy()),
-            teacher_token_logprobs=torch.from_numpy(rows.token_logprobs.copy()),
-            student_spans=torch.from_numpy(a.student_spans.copy()),
-            teacher_spans=torch.from_numpy(a.teacher_spans.copy()),
-            span_bytes=torch.from_numpy(a.span_bytes.copy()),
-            scored=torch.from_numpy(a.scored.copy()),
-        )
+    teacher, rkl = span_signal(a, f.teacher_rows.token_logprobs, f.prepared.rollout_logprobs)
     p = f.prepared
     return ScoredSample(
         sample=p.sample,
@@ -167,5 +213,32 @@ def score_cross(f: Fetched) -> ScoredSample:
         candidates=None,
         attempts=f.attempts,
         latency_s=time.monotonic() - f.admitted_at,
-        alignment=out,
+        alignment=token_alignment(f),
+    )
+
+
+def topk_candidates(
+    xtok: CrossTokenizers, teacher: str, alignment: Alignment, student_ids: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]:
+    """Only-student top-k: ``(kept student ids [R, k], teacher ids to ask [R_t, k] or None
+    when nothing is asked)`` (see :func:`~opd_stream._align.teacher_candidates`)."""
+    kept, asked = teacher_candidates(alignment, student_ids, xtok.twins[teacher])
+    return kept, (asked if bool((asked >= 0).any()) else None)
+
+
+def topk_rows(alignment: Alignment, rows: ScoreRows, kept: npt.NDArray[np.int64]) -> ScoreRows:
+    """The teacher's answer (its ``R_t`` rows) as the KL stage reads a top-k answer, on the
+    student's ``R`` rows: ``token_logprobs`` the span values (the teacher's logprob of each
+    span's text on its last student token, 0 elsewhere) and ``id_logprobs`` the teacher's
+    logprobs of the kept candidates (NaN where nothing was asked)."""
+    teacher, _ = span_signal(alignment, rows.token_logprobs, None)
+    r = kept.shape[0]
+    return ScoreRows(
+        token_ids=np.zeros(r, np.int64),
+        token_logprobs=teacher,
+        top_ids=None,
+        top_logprobs=None,
+        id_logprobs=candidate_rows(alignment, rows.id_logprobs, kept.shape),
+        used_b64=rows.used_b64,
+        weight_version=rows.weight_version,
     )

@@ -400,3 +400,57 @@ def test_a_cut_character_inside_a_token_leaves_its_whole_span_unscored() -> None
         al, np.full(al.teacher_ids.shape[0], -1.0, np.float32), np.full(ids.shape, -1.0, np.float32)
     )
     assert rkl is not None and rkl[-1] == 0.0
+
+
+def test_top_k_candidates_are_kept_at_one_to_one_spans_by_their_bytes() -> None:
+    from opd_stream._align import byte_twins, candidate_rows, one_to_one, teacher_candidates
+
+    student, teacher = small_vocab("b"), small_vocab("a")
+    ids = student.encode("x🎉y")  # spans: x | 3 tokens of the emoji vs 1 | y
+    al = align_response(student, teacher, ids, "a")
+    s_rows, t_rows = one_to_one(al)
+    assert s_rows.tolist() == [0, 4] and t_rows.tolist() == [0, 2]
+    twins = byte_twins(student, teacher)
+    end = student.tokenizer.token_to_id(SPECIAL)
+    y_t = teacher.tokenizer.token_to_id("y")
+    x_s, y_s = student.tokenizer.token_to_id("x"), student.tokenizer.token_to_id("y")
+    assert twins[x_s] == teacher.tokenizer.token_to_id("x") and twins[end] == -1
+    no_twin = next(v for v in range(student.size) if twins[v] < 0 and not student.textless[v])
+    top = np.array(
+        [
+            [x_s, end, no_twin, -1],  # row 0: x, a textless and an untwinned candidate
+            [x_s, y_s, -1, -1],  # rows 1-3: inside the emoji's span: nothing kept
+            [x_s, y_s, -1, -1],
+            [x_s, y_s, -1, -1],
+            [y_s, x_s, -1, -1],  # row 4: y
+        ]
+    )
+    kept, asked = teacher_candidates(al, top, twins)
+    assert kept.tolist() == [
+        [x_s, -1, -1, -1],
+        [-1] * 4,
+        [-1] * 4,
+        [-1] * 4,
+        [y_s, x_s, -1, -1],
+    ]
+    assert asked.tolist() == [
+        [twins[x_s], -1, -1, -1],
+        [-1] * 4,
+        [y_t, twins[x_s], -1, -1],
+    ]
+    lps = np.arange(12, dtype=np.float32).reshape(3, 4) * -1
+    rows = candidate_rows(al, lps, kept.shape)
+    assert rows[0].tolist() == lps[0].tolist() and rows[4].tolist() == lps[2].tolist()
+    assert np.isnan(rows[1:4]).all()
+
+
+def test_two_candidates_of_the_same_bytes_keep_the_better_ranked() -> None:
+    from opd_stream._align import teacher_candidates
+
+    student, teacher = small_vocab("b"), small_vocab("a")
+    ids = student.encode("x")
+    al = align_response(student, teacher, ids, "a")
+    twins = np.full(student.size, -1, dtype=np.int64)
+    twins[[5, 6, 7]] = [40, 41, 40]  # ids 5 and 7 spell the same bytes
+    kept, asked = teacher_candidates(al, np.array([[7, 6, 5]]), twins)
+    assert kept.tolist() == [[7, 6, -1]] and asked.tolist() == [[40, 41, -1]]

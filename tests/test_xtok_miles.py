@@ -68,9 +68,18 @@ def test_the_tokenizer_flags_map_to_the_settings(paths: tuple[str, str]) -> None
     cfg = miles.config_from_miles_args(_args(*paths), environ={})
     assert cfg.student_tokenizer == paths[0]
     assert cfg.teacher_tokenizers == {"default": paths[1]}
-    with pytest.raises(ConfigError, match=r"set top_k = 0 \(Miles flags: --opd-teacher-tokenizers"
-                       r", --opd-log-prob-top-k\)"):
-        miles.config_from_miles_args(_args(*paths, opd_log_prob_top_k=4), environ={})
+    assert miles.config_from_miles_args(_args(*paths, opd_log_prob_top_k=4), environ={}).top_k == 4
+    with pytest.raises(ConfigError, match=r"strategy xor reads the teacher's top-k.*\(Miles "
+                       r"flags: --opd-teacher-tokenizers, --opd-log-prob-top-k, "
+                       r"--opd-top-k-strategy\)"):
+        args = _args(
+            *paths,
+            opd_log_prob_top_k=4,
+            opd_top_k_strategy="xor",
+            sglang_router_ip="s",
+            sglang_router_port=1,
+        )
+        miles.config_from_miles_args(args, environ={})
     with pytest.raises(ConfigError, match=r"--opd-student-tokenizer, --opd-teacher-tokenizers "
                        r"given without --use-opd"):
         miles.config_from_miles_args(_args(*paths, use_opd=False), environ={})

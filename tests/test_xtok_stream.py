@@ -343,13 +343,6 @@ async def test_a_teacher_answer_in_other_ids_than_sent_fails_as_misaligned() -> 
 # ---------------------------------------------------------------- configuration
 
 
-def test_top_k_with_a_teacher_of_another_tokenizer_is_refused(
-    small_paths: tuple[str, str],
-) -> None:
-    with pytest.raises(ConfigError, match=r"teacher_tokenizers, top_k: top-k strategies compare"):
-        config(*small_paths, top_k=4)
-
-
 def test_teacher_tokenizers_need_the_student_tokenizer(small_paths: tuple[str, str]) -> None:
     with pytest.raises(ConfigError, match=r"teacher_tokenizers, student_tokenizer: .*set "
                        r"student_tokenizer"):
@@ -438,3 +431,132 @@ async def test_a_teacher_without_a_tokenizer_of_its_own_is_scored_as_before(
         assert res.teacher == "same" and res.alignment is None
         assert torch.equal(res.teacher_logprobs, ref_res.teacher_logprobs)
         assert torch.equal(res.reverse_kl, ref_res.reverse_kl)
+
+
+# ---------------------------------------------------------------- top-k: only-student
+
+
+def reference_topk(
+    student: Vocab,
+    teacher: Vocab,
+    model: Any,
+    t_tokens: np.ndarray,
+    t_prompt: int,
+    spans: tuple[list[int], list[int], list[bool]],
+    s_ids: np.ndarray,
+    s_lps: np.ndarray,
+    tail: bool = False,
+) -> list[float]:
+    """float64, per student row: student_p-weighted log-ratio over the candidates kept (a
+    one-to-one span, a teacher token of the same bytes), 0 elsewhere; with ``tail`` the
+    reverse KL over the kept candidates + one outcome holding the rest of the mass."""
+    s_sp, t_sp, scored = spans
+    r = s_ids.shape[0]
+    out = [0.0] * r
+    for j in range(len(scored)):
+        if not (scored[j] and s_sp[j + 1] - s_sp[j] == 1 and t_sp[j + 1] - t_sp[j] == 1):
+            continue
+        s, u = s_sp[j], t_sp[j]
+        pairs, seen = [], set()
+        for v, lp in zip(s_ids[s].tolist(), s_lps[s].tolist(), strict=True):
+            if v < 0 or not student.token_bytes[v]:
+                continue
+            spelled = student.token_bytes[v]
+            twins = [w for w in range(teacher.size) if teacher.token_bytes[w] == spelled]
+            if not twins or twins[0] in seen:
+                continue
+            seen.add(twins[0])
+            t_lp = float(np.float32(model.logprobs(t_tokens, [t_prompt + u], [[twins[0]]])[0, 0]))
+            pairs.append((float(np.float32(lp)), t_lp))
+        if pairs and tail:
+            # each model's mass outside the kept candidates (at least 1e-6, as documented)
+            s_tail = 1 - min(math.fsum(math.exp(a) for a, _ in pairs), 1 - 1e-6)
+            t_tail = 1 - min(math.fsum(math.exp(b) for _, b in pairs), 1 - 1e-6)
+            out[s] = math.fsum(math.exp(a) * (a - b) for a, b in pairs) + s_tail * (
+                math.log(s_tail) - math.log(t_tail)
+            )
+        elif pairs:
+            z = math.fsum(math.exp(a) for a, _ in pairs)
+            out[s] = math.fsum(math.exp(a) / z * (a - b) for a, b in pairs)
+    return out
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["normalised", "tail"])
+async def test_only_student_top_k_asks_the_candidates_by_their_bytes(
+    small_paths: tuple[str, str], tail: bool
+) -> None:
+    a, b = small_vocab("a"), small_vocab("b")
+    k = 6
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    server = InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6))
+    rng = np.random.default_rng(7)
+    end = a.tokenizer.token_to_id(SPECIAL)
+    samples = []
+    for i, text in enumerate(RESPONSES):
+        sample = make_sample(a, b, s_model, np.append(a.encode(text), end), i)
+        r = sample.response_length
+        rows = []
+        for t, sampled in enumerate(np.asarray(sample.tokens)[-r:].tolist()):
+            others = [v for v in range(a.size) if v not in (sampled, end)]
+            row = [sampled, *rng.choice(others, k - 1, replace=False).tolist()]
+            if t % 3 == 0 and sampled != end:
+                row[1] = end  # a textless candidate: never kept
+            if t % 4 == 1:
+                row[-2:] = [-1, -1]  # a short row
+            rows.append(row)
+        ids = np.array(rows, dtype=np.int64)
+        probs = 0.9 * rng.dirichlet(np.ones(k), r)  # a top-k holds part of the mass
+        lps = np.log(np.sort(probs, axis=1)[:, ::-1]).astype(np.float32)
+        samples.append(msgspec.structs.replace(sample, student_top_logprobs=(ids, lps)))
+    cfg = config(*small_paths, top_k=k, tail=tail)
+    out = await run(cfg, server, samples)
+    kept_total = 0
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        al, c = res.alignment, res.candidates
+        assert al is not None and c is not None and res.reverse_kl is not None
+        ids, lps = res.sample.student_top_logprobs
+        t_tokens = np.concatenate(
+            [np.asarray(res.sample.teacher_prompt_ids), al.teacher_ids.numpy()]
+        )
+        expected = reference_topk(
+            a,
+            b,
+            server.model,
+            t_tokens,
+            len(res.sample.teacher_prompt_ids),
+            (al.student_spans.tolist(), al.teacher_spans.tolist(), al.scored.tolist()),
+            ids,
+            lps,
+            tail,
+        )
+        np.testing.assert_allclose(res.reverse_kl.numpy(), expected, rtol=1e-5, atol=1e-5)
+        kept_total += int(c.mask.sum())
+        # the textless candidate is never kept; the teacher logprobs are the span values
+        assert not bool((c.ids[c.mask] == end).any())
+        teacher, _ = span_signal_of(al)
+        assert torch.equal(res.teacher_logprobs, teacher)
+    assert kept_total > 20
+
+
+def span_signal_of(al: Any) -> tuple[torch.Tensor, Any]:
+    from opd_stream._align import Alignment, span_signal
+
+    a = Alignment(
+        teacher_ids=al.teacher_ids.numpy(),
+        student_spans=al.student_spans.numpy(),
+        teacher_spans=al.teacher_spans.numpy(),
+        span_bytes=al.span_bytes.numpy(),
+        scored=al.scored.numpy(),
+        textless=np.zeros(int(al.student_spans[-1]), bool),
+    )
+    teacher, rkl = span_signal(a, al.teacher_token_logprobs.numpy(), None)
+    return torch.from_numpy(teacher), rkl
+
+
+def test_strategies_reading_the_teachers_top_k_are_refused(
+    small_paths: tuple[str, str],
+) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers, top_k, strategy: strategy union "
+                       r"reads the teacher's top-k"):
+        config(*small_paths, top_k=4, strategy="union", student_url="http://s:1")

@@ -233,7 +233,8 @@ def teacher_candidates(
     A student candidate ``v`` at response position ``s`` is kept when ``s`` is a one-to-one
     span (its token and one teacher token spell the same bytes after the same prefix) and
     a teacher token ``w`` spells ``v``'s bytes; the teacher is asked ``w`` at the span's
-    teacher position. Any other candidate becomes padding (-1): not a candidate.
+    teacher position. Any other candidate (textless, spelled by no teacher token, or an id
+    beyond the student tokenizer) becomes padding (-1): not a candidate.
 
     Args:
         alignment: the response's alignment.
@@ -251,7 +252,9 @@ def teacher_candidates(
     if s_rows.size == 0 or k == 0:
         return kept, asked
     ids = student_ids[s_rows]
-    twin = np.where(ids >= 0, twins[np.clip(ids, 0, twins.shape[0] - 1)], -1)
+    # an id beyond the tokenizer (a model's padded embedding rows) has no bytes: no twin
+    known = (ids >= 0) & (ids < twins.shape[0])
+    twin = np.where(known, twins[np.where(known, ids, 0)], -1)
     # two candidates of identical bytes (e.g. an added token and a vocabulary entry): the
     # better ranked one stays
     ordered = np.sort(twin, axis=1)

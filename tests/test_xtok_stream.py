@@ -560,3 +560,30 @@ def test_strategies_reading_the_teachers_top_k_are_refused(
     with pytest.raises(ConfigError, match=r"teacher_tokenizers, top_k, strategy: strategy union "
                        r"reads the teacher's top-k"):
         config(*small_paths, top_k=4, strategy="union", student_url="http://s:1")
+
+
+async def test_only_student_top_k_fetches_a_missing_student_top_k(
+    small_paths: tuple[str, str],
+) -> None:
+    """Samples without the student's top-k: it comes from the student server first (the
+    mock's ids run past the small tokenizer: such candidates have no bytes and are
+    dropped), then the teacher is asked the kept candidates."""
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    student_url = "http://student:3"
+    servers = {
+        T: InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6)),
+        student_url: InProcessSGLang("student", 1),
+    }
+    samples = [make_sample(a, b, s_model, a.encode(text), i) for i, text in enumerate(RESPONSES)]
+    cfg = config(*small_paths, top_k=4, student_url=student_url)
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+    assert servers[student_url].requests == len(samples)
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        c = res.candidates
+        assert c is not None and res.reverse_kl is not None
+        assert bool((c.ids[c.mask] < a.size).all())
+        assert torch.equal(res.reverse_kl[~c.mask.any(1)], torch.zeros(int((~c.mask.any(1)).sum())))

@@ -44,7 +44,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
     )
     from ._logging import configure_logging
     from ._probe import ProbeReport, ReplicaProbe
-    from ._sample import Candidates, Sample, SampleFailure, ScoredSample
+    from ._sample import Candidates, Sample, SampleFailure, ScoredSample, TokenAlignment
     from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
     from ._stream import OPDStream, Results
     from ._transport import AiohttpTransport, MockTransport, Response, Transport
@@ -71,7 +71,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "._logging": ("configure_logging",),
     "._probe": ("ProbeReport", "ReplicaProbe"),
-    "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample"),
+    "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample", "TokenAlignment"),
     "._stats": ("ChannelStats", "EndpointStats", "FleetState", "KLStageStats", "StreamStats"),
     "._stream": ("OPDStream", "Results"),
     "._transport": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
@@ -142,6 +142,7 @@ __all__ = [
     "ServerHTTPError",
     "StreamConfig",
     "StreamStats",
+    "TokenAlignment",
     "Transport",
     "WeightVersionChanged",
 ]

@@ -46,6 +46,7 @@ from ._errors import ConfigError
 from ._kltypes import Strategy, WeightMode
 from ._router import normalize_server_url, normalize_teachers
 from ._secret import Secret, as_secret
+from ._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 
 __all__ = (
     "CONFIG_FIELDS",
@@ -277,6 +278,22 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     probe_at_start: Annotated[bool, _doc(
         "run the probe (OPDStream.probe) as the stream starts and eject, for the stream's "
         "life, the replicas it names (never a teacher's last one). Env: 1/0/true/false"
+    )] = False
+    student_tokenizer: Annotated[str | None, Normalise(normalize_tokenizer_path), _doc(
+        "the student's tokenizer: a local tokenizer.json or a model directory holding one "
+        "(never downloaded); needed with teacher_tokenizers"
+    )] = None
+    teacher_tokenizers: Annotated[dict[str, str] | None, Normalise(
+        normalize_teacher_tokenizers
+    ), _doc(
+        "teacher name -> its own tokenizer (tokenizer.json or a directory holding one) for a "
+        "teacher with another vocabulary (sampled-token mode, or top-k only-student); a "
+        "teacher not listed shares the student's. Env: comma-separated NAME=PATH entries, or "
+        "one path for the teacher 'default'"
+    )] = None
+    return_alignment: Annotated[bool, _doc(
+        "results of a teacher with its own tokenizer carry the span alignment "
+        "(ScoredSample.alignment). Env: 1/0/true/false"
     )] = False
 
     def __post_init__(self) -> None:

@@ -54,12 +54,45 @@ def _backoff_grows(v: Settings) -> str | None:
     return None
 
 
+def _tokenizers_name_teachers(v: Settings) -> str | None:
+    unknown = sorted(set(v["teacher_tokenizers"] or ()) - set(v["teachers"]))
+    if unknown:
+        return (
+            f"names no configured teacher: {', '.join(map(repr, unknown))} "
+            f"(teachers: {', '.join(map(repr, sorted(v['teachers'])))})"
+        )
+    return None
+
+
+def _teacher_tokenizers_need_student(v: Settings) -> str | None:
+    if v["teacher_tokenizers"] and v["student_tokenizer"] is None:
+        return (
+            "a teacher with its own tokenizer is compared with the student over the response's "
+            "bytes, which needs the student's tokenizer too; set student_tokenizer"
+        )
+    return None
+
+
+def _teacher_tokenizers_only_student(v: Settings) -> str | None:
+    if v["teacher_tokenizers"] and v["top_k"] > 0 and v["strategy"] != "only-student":
+        return (
+            f"strategy {v['strategy']} reads the teacher's top-k, whose ids are in another "
+            "vocabulary for a teacher with its own tokenizer; such teachers work in "
+            "sampled-token mode (top_k = 0) or with strategy only-student (the student's "
+            "candidates asked by their bytes)"
+        )
+    return None
+
+
 RULES: Final[tuple[Rule, ...]] = (
     (("tail", "top_k"), _tail_needs_top_k),
     (("tail", "weight_mode"), _tail_needs_student_weights),
     (("strategy", "top_k"), _strategy_needs_top_k),
     (("strategy", "student_url"), _strategy_needs_student_server),
     (("backoff_max_s", "backoff_initial_s"), _backoff_grows),
+    (("teacher_tokenizers", "teachers"), _tokenizers_name_teachers),
+    (("teacher_tokenizers", "student_tokenizer"), _teacher_tokenizers_need_student),
+    (("teacher_tokenizers", "top_k", "strategy"), _teacher_tokenizers_only_student),
 )
 """(the fields a rule reads, named in its message; the check): in the order checked."""
 

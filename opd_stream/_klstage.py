@@ -56,6 +56,7 @@ from ._kl import (
     topk_reverse_kl,
 )
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
+from ._xtok import score_cross, token_alignment
 
 __all__ = ("empty_result", "score_batch", "timed_score_batch")
 
@@ -156,10 +157,13 @@ def _result(
         candidates=candidates,
         attempts=f.attempts,
         latency_s=time.monotonic() - f.admitted_at,
+        alignment=None if f.alignment is None else token_alignment(f),
     )
 
 
 def _score_sampled(f: Fetched) -> ScoredSample:
+    if f.alignment is not None:  # a teacher with its own tokenizer
+        return score_cross(f)
     rollout = f.prepared.rollout_logprobs
     rkl = None
     if rollout is not None:

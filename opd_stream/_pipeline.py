@@ -166,7 +166,10 @@ class _Pipeline:
                 "student_url is configured to fetch it",
             )
         teacher = self.router.resolve(prepared.sample.metadata)
-        return msgspec.structs.replace(prepared, teacher=teacher)
+        prepared = msgspec.structs.replace(prepared, teacher=teacher)
+        if self.scorer.xtok is not None:  # a teacher with its own tokenizer needs its prompt
+            self.scorer.xtok.check_prompt(prepared)
+        return prepared
 
     async def intake(
         self,

@@ -31,6 +31,7 @@ from typing import BinaryIO
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._chat import TeacherPrompts
 from ._errors import ConfigError
 from ._logging import get_logger
 from ._parser_notice import scanner_notice
@@ -85,6 +86,9 @@ class _Run:
         self.output_error: str | None = None
         self._teacher_key = cfg.teacher_key
         self._default_teacher = default_teacher
+        # prompt_messages -> a teacher's own chat template (loaded on first use, in the
+        # reader thread)
+        self._teacher_prompts = TeacherPrompts(cfg.teacher_tokenizers)
         # input order: one ticket per non-blank line (its seq, or its failure)
         self._tickets_send, self._tickets_recv = anyio.create_memory_object_stream[
             int | SampleFailure
@@ -97,6 +101,7 @@ class _Run:
             seq=seq,
             teacher_key=self._teacher_key,
             default_teacher=self._default_teacher,
+            teacher_prompts=self._teacher_prompts,
         )
 
     async def _samples(self, out: MemoryObjectSendStream[Result]) -> AsyncIterator[Sample]:

@@ -58,6 +58,26 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         metavar="VAR",
         help="read the API key from environment variable VAR (never from the command line)",
     )
+    p.add_argument(
+        "--student-tokenizer",
+        metavar="PATH",
+        help="the student's tokenizer.json (or a directory holding one); needed with "
+        "--teacher-tokenizer",
+    )
+    p.add_argument(
+        "--teacher-tokenizer",
+        action="append",
+        metavar="NAME=PATH",
+        help="a teacher with its own tokenizer (repeatable): its tokenizer.json or a "
+        "directory holding one (sampled-token mode or top-k only-student; see README "
+        "'Teachers with another tokenizer'); such a teacher's lines need teacher_prompt_ids "
+        "or prompt_messages",
+    )
+    p.add_argument(
+        "--with-alignment",
+        action="store_true",
+        help="include the span alignment of a teacher with its own tokenizer",
+    )
     p.add_argument("--ordered", action="store_true", help="write results in input order")
     p.add_argument(
         "--with-candidates",
@@ -136,6 +156,12 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
             overrides[field] = value
     if args.ordered:
         overrides["order"] = "input"
+    if getattr(args, "student_tokenizer", None) is not None:
+        overrides["student_tokenizer"] = args.student_tokenizer
+    if getattr(args, "teacher_tokenizer", None):
+        overrides["teacher_tokenizers"] = list(args.teacher_tokenizer)
+    if getattr(args, "with_alignment", False):
+        overrides["return_alignment"] = True
     if args.api_key_env is not None:
         key = os.environ.get(args.api_key_env, "")
         if not key.strip():

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import numpy as np
 
+from ._chat import TeacherPrompts
 from ._errors import InvalidSampleError
 from ._kltypes import LOGPROB_FLOOR
 from ._sample import Sample, SampleFailure, ScoredSample
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ._pipeline import Result
 
 __all__ = (
+    "AlignmentLine",
     "CandidatesLine",
     "FailedLine",
     "InputLine",
@@ -83,6 +85,10 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         teacher_prompt_ids: the teacher's own prompt token ids (non-empty), when the teacher
             sees another context than the student (``Sample.teacher_prompt_ids``): teacher
             requests send it + the response.
+        prompt_messages: the prompt as chat messages (``[{"role", "content"}, ...]``, or a
+            string: one user message), for a teacher with its own tokenizer
+            (``--teacher-tokenizer``): rendered with its chat template into
+            ``teacher_prompt_ids`` (not with ``teacher_prompt_ids``).
     """
 
     id: msgspec.Raw = msgspec.Raw()
@@ -95,6 +101,7 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     student_top_logprobs: list[list[Any]] | None = None
     metadata: dict[str, Any] | None = None
     teacher_prompt_ids: list[TokenId] | None = None
+    prompt_messages: list[dict[str, Any]] | str | None = None
 
 
 class _IdOnly(msgspec.Struct):
@@ -247,6 +254,7 @@ def decode_line(
     seq: int,
     teacher_key: str = "opd_teacher",
     default_teacher: str | None = None,
+    teacher_prompts: TeacherPrompts | None = None,
 ) -> Sample:
     """Turn one input line into a :class:`Sample` (``sample_id`` = :class:`LineRef`).
 
@@ -260,6 +268,7 @@ def decode_line(
         seq: its 0-based index among non-blank lines (the default ``id``).
         teacher_key: the metadata key that names the teacher.
         default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
+        teacher_prompts: renders ``prompt_messages`` with the line's teacher's chat template.
 
     Raises:
         InvalidSampleError: not JSON (field ``json``; nesting too deep included), not the
@@ -327,6 +336,14 @@ def decode_line(
     teacher_prompt = None
     if parsed.teacher_prompt_ids is not None:  # (an empty one fails at intake, named)
         teacher_prompt = np.array(parsed.teacher_prompt_ids, dtype=np.int64)
+    if parsed.prompt_messages is not None:
+        if teacher_prompt is not None:
+            raise InvalidSampleError(
+                "prompt_messages", "give teacher_prompt_ids or prompt_messages, not both"
+            )
+        prompts = teacher_prompts if teacher_prompts is not None else TeacherPrompts(None)
+        name = metadata.get(teacher_key)
+        teacher_prompt = prompts.ids(str(name), parsed.prompt_messages, "prompt_messages")
     return Sample(
         tokens,
         response_length,
@@ -370,6 +387,18 @@ class CandidatesLine(msgspec.Struct, kw_only=True):
     teacher_tail_logprobs: list[float] | msgspec.UnsetType = msgspec.UNSET
 
 
+class AlignmentLine(msgspec.Struct, kw_only=True):
+    """The span alignment of a teacher with its own tokenizer (``--with-alignment``; see
+    :class:`~opd_stream.TokenAlignment`)."""
+
+    teacher_ids: list[int]
+    teacher_token_logprobs: list[float | None]
+    student_spans: list[int]
+    teacher_spans: list[int]
+    span_bytes: list[int]
+    scored: list[bool]
+
+
 class ScoredLine(msgspec.Struct, kw_only=True):
     """An output line for a scored sample (``ok`` is true).
 
@@ -388,6 +417,7 @@ class ScoredLine(msgspec.Struct, kw_only=True):
     attempts: int
     latency_s: float
     candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+    alignment: AlignmentLine | msgspec.UnsetType = msgspec.UNSET
 
 
 class FailedLine(msgspec.Struct, kw_only=True):
@@ -465,6 +495,16 @@ def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
             latency_s=item.latency_s,
             candidates=candidates,
         )
+        if item.alignment is not None:
+            a = item.alignment
+            out.alignment = AlignmentLine(
+                teacher_ids=a.teacher_ids.tolist(),
+                teacher_token_logprobs=a.teacher_token_logprobs.tolist(),
+                student_spans=a.student_spans.tolist(),
+                teacher_spans=a.teacher_spans.tolist(),
+                span_bytes=a.span_bytes.tolist(),
+                scored=a.scored.tolist(),
+            )
     else:
         out = FailedLine(
             id=ref.id,

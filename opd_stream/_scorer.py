@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import secrets
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -30,6 +31,7 @@ from ._errors import (
     CapabilityError,
     ConnectionFailed,
     DeadlineExceeded,
+    InvalidSampleError,
     OPDStreamError,
     WeightVersionChanged,
 )
@@ -40,6 +42,14 @@ from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
 from ._wire import ScoreRequest, auto_block_size
+from ._xtok import (
+    THREAD_TOKENS,
+    CrossSample,
+    CrossTokenizers,
+    empty_rows,
+    topk_candidates,
+    topk_rows,
+)
 
 __all__ = ("SampleScorer", "ScoreAttemptError")
 
@@ -80,8 +90,11 @@ class SampleScorer:
         *,
         threads: anyio.CapacityLimiter | None = None,
         rng: random.Random | None = None,
+        xtok: CrossTokenizers | None = None,
     ) -> None:
         self._cfg = config
+        self.xtok = xtok  # teachers with their own tokenizer (None: every teacher shares it)
+        self._threads = threads
         self._stats = stats
         self._rng = rng or random.Random()
         self._policy = RetryPolicy(
@@ -281,6 +294,81 @@ class SampleScorer:
         """The salt of all of one sample's requests (``cache_salt="per-sample"``)."""
         return new_salt() if self._cfg.cache_salt == "per-sample" else None
 
+    async def _cross(self, prepared: PreparedSample, xtok: CrossTokenizers) -> CrossSample:
+        """Re-tokenise the response for its teacher (in a decode thread when it is long)."""
+
+        def timed() -> CrossSample:
+            start = time.thread_time()
+            try:
+                return xtok.prepare(prepared)
+            finally:
+                self._stats.cpu["align"] += time.thread_time() - start
+
+        try:
+            if prepared.response_length >= THREAD_TOKENS:
+                return await anyio.to_thread.run_sync(timed, limiter=self._threads)
+            return timed()
+        except InvalidSampleError as exc:
+            raise ScoreAttemptError(exc, 0) from None
+
+    async def _fetch_cross(
+        self,
+        prepared: PreparedSample,
+        xtok: CrossTokenizers,
+        teacher_urls: tuple[str, ...],
+        admitted_at: float,
+    ) -> Fetched:
+        """A teacher with its own tokenizer: one request, in its ids (top-k: only-student,
+        the student's candidates asked by their bytes' teacher ids at one-to-one spans)."""
+        cross = await self._cross(prepared, xtok)
+        side = cross.teacher_prepared
+        counter = Counter()
+        rows = empty_rows()
+        k = self._cfg.top_k
+        s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
+        kept = asked = None
+        salt = self._sample_salt()
+        try:
+            if k > 0 and s_ids is None:  # the student's top-k, from the student server
+                student_urls: tuple[str, ...] = (
+                    (self._cfg.student_url,) if self._cfg.student_url is not None else ()
+                )
+                fetched = await self._request(
+                    "student",
+                    student_urls,
+                    lambda url: self._score_request(prepared, url, top_k=k, ids=None, salt=salt),
+                    counter,
+                )
+                s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
+            if k > 0:
+                assert s_ids is not None
+                kept, asked = topk_candidates(xtok, prepared.teacher, cross.alignment, s_ids)
+            if side.response_length > 0:  # else only textless tokens: nothing to ask
+                ids = None if asked is None else request_ids(asked)
+                rows = await self._request(
+                    "teacher",
+                    teacher_urls,
+                    lambda url: self._score_request(side, url, top_k=0, ids=ids, salt=salt),
+                    counter,
+                )
+        except OPDStreamError as exc:
+            raise ScoreAttemptError(exc, counter.attempts) from None
+        raw = rows.token_logprobs
+        if kept is not None:  # top-k: the answer as the KL stage reads one, on student rows
+            rows = topk_rows(cross.alignment, rows, kept)
+        return Fetched(
+            prepared=prepared,
+            teacher_rows=rows,
+            student_ids=kept,
+            student_lps=s_lps if kept is not None else None,
+            student_rows=None,
+            attempts=counter.attempts,
+            admitted_at=admitted_at,
+            alignment=cross.alignment,
+            return_alignment=xtok.return_alignment,
+            teacher_token_logprobs=raw,
+        )
+
     async def fetch(
         self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
     ) -> Fetched:
@@ -292,6 +380,8 @@ class SampleScorer:
         more (and the teacher's too when it scored the student's ids), then the sample
         fails with :class:`WeightVersionChanged`.
         """
+        if self.xtok is not None and self.xtok.teacher(prepared.teacher) is not None:
+            return await self._fetch_cross(prepared, self.xtok, teacher_urls, admitted_at)
         plan = self.plan(prepared)
         counter = Counter()
         got = _Progress()

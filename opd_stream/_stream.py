@@ -37,6 +37,7 @@ from ._sample import Sample, prepare_sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
+from ._xtok import CrossTokenizers
 
 __all__ = ("OPDStream", "Results", "default_transport")
 
@@ -180,6 +181,11 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
+        # teachers with their own tokenizer: loaded once, off the loop (a ConfigError here
+        # names the setting and the file)
+        xtok = None
+        if self.config.teacher_tokenizers:
+            xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
         transport = self._transport or default_transport(self.config)
         async with transport, anyio.create_task_group() as tg:
             self._scorer = SampleScorer(
@@ -187,6 +193,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 transport,
                 self._stats,
                 threads=self._decode_limiter,
+                xtok=xtok,
             )
             self._kl_limiter = anyio.CapacityLimiter(1)
             self._in_use = transport

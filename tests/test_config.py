@@ -225,6 +225,12 @@ INVALID: list[tuple[str, Any]] = [
     ("probe_tolerance", 0.0),
     ("probe_tolerance", math.inf),
     ("probe_at_start", "yes"),
+    ("student_tokenizer", "/nonexistent/tokenizer.json"),
+    ("student_tokenizer", 3),
+    ("teacher_tokenizers", "default=/nonexistent"),
+    ("teacher_tokenizers", "no-equals-sign,x=/y"),
+    ("teacher_tokenizers", 5),
+    ("return_alignment", 1),
 ]
 
 
@@ -300,6 +306,9 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("cache_salt", "always"),
     ("probe_tolerance", "-1"),
     ("probe_at_start", "2"),
+    ("student_tokenizer", "/nonexistent"),
+    ("teacher_tokenizers", "default="),
+    ("return_alignment", "maybe"),
 ]
 
 
@@ -470,6 +479,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_CACHE_SALT": "per-request",
         "OPD_STREAM_PROBE_TOLERANCE": "0.5",
         "OPD_STREAM_PROBE_AT_START": "1",
+        "OPD_STREAM_STUDENT_TOKENIZER": "",  # empty: unset (see test_xtok_stream for paths)
+        "OPD_STREAM_TEACHER_TOKENIZERS": "",
+        "OPD_STREAM_RETURN_ALIGNMENT": "true",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -514,6 +526,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         cache_salt="per-request",
         probe_tolerance=0.5,
         probe_at_start=True,
+        return_alignment=True,
     )
     assert cfg == expected
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._transport import MockTransport, Response
 from .mock_sglang._answer import build_item_response
+from .mock_sglang._bytemodel import ByteModel
 from .mock_sglang._errors import RequestError
 from .mock_sglang._model import MockModel, Role
 from .mock_sglang._request import parse_generate_request
@@ -43,6 +44,8 @@ class InProcessSGLang:
         weight_versions: the ``meta_info.weight_version`` of each item answered, the last
             repeated (empty: ``"default"``); ``logprob_offset``, ``warm_drift``: as the
             aiohttp mock's options (:class:`~opd_stream.testing.mock_sglang.MockOptions`).
+        byte_model: when set, the sampled tokens' logprobs come from this model over bytes
+            (see :class:`~.mock_sglang.ByteModel`).
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class InProcessSGLang:
         weight_versions: Sequence[str] = (),
         logprob_offset: float = 0.0,
         warm_drift: float = 0.0,
+        byte_model: ByteModel | None = None,
     ) -> None:
         self.model = MockModel(role=role, seed=seed, vocab_size=vocab_size)
+        self.byte_model = byte_model
         self.per_position = per_position
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -102,6 +107,7 @@ class InProcessSGLang:
                 flat_output=spec.flat_output,
                 b64=spec.b64,
                 shift=self._signal.shift(item, self.logprob_offset, self.warm_drift),
+                byte_model=self.byte_model,
             )
             for item in spec.items
         ]

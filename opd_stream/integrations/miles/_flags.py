@@ -28,6 +28,8 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_teacher_urls": None,
     "opd_teacher_key": "opd_teacher",
     "opd_cache_salt": None,
+    "opd_student_tokenizer": None,
+    "opd_teacher_tokenizers": None,
 }
 
 
@@ -95,6 +97,12 @@ def config_from_miles_args(
       ``OPD_STREAM_STUDENT_URL``.
     * ``--opd-cache-salt none|per-sample|per-request`` (opd_stream's own flag; add it to
       the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
+    * ``--opd-student-tokenizer PATH`` -> ``student_tokenizer``;
+      ``--opd-teacher-tokenizers NAME=PATH ...`` (a list, or one comma-separated string) ->
+      ``teacher_tokenizers`` (teachers with another tokenizer; not reference flags: Miles
+      declares them only with this adapter). Such a teacher's prompt is
+      ``metadata["opd_teacher_prompt_ids"]``, else the sample's ``prompt`` (chat messages,
+      or a string: one user message) rendered with the teacher's chat template.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -188,6 +196,13 @@ def config_from_miles_args(
         if not math.isfinite(float(timeout)):
             raise ConfigError("--sglang-router-request-timeout-secs must be finite")
         fields["request_deadline_s"] = float(timeout)
+    if get("opd_student_tokenizer"):
+        fields["student_tokenizer"] = str(get("opd_student_tokenizer"))
+    teacher_tokenizers = get("opd_teacher_tokenizers")
+    if teacher_tokenizers:
+        fields["teacher_tokenizers"] = (
+            teacher_tokenizers if isinstance(teacher_tokenizers, str) else list(teacher_tokenizers)
+        )
     fields.update(overrides)
     try:
         return StreamConfig.from_env(environ, **fields)
@@ -199,6 +214,9 @@ def config_from_miles_args(
             "teacher_key": "--opd-teacher-key",
             "request_deadline_s": "--sglang-router-request-timeout-secs",
             "cache_salt": "--opd-cache-salt",
+            "student_tokenizer": "--opd-student-tokenizer",
+            "teacher_tokenizers": "--opd-teacher-tokenizers",
+            "top_k": "--opd-log-prob-top-k",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._bytemodel import ByteModel
 from ._model import HeadRows, MockModel
 from ._request import GenerateItem
 
@@ -111,13 +112,15 @@ def build_item_response(
     e2e_latency: float = 0.0,
     sent_ts: float = 0.0,
     shift: float = 0.0,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready answer object for one item (``{"text", "output_ids", "meta_info"}``).
 
     ``fault`` applies a wire fault at the data level: ``"misaligned"`` shifts the token ids
     of ``input_token_logprobs`` by one row; ``"missing_rows"`` drops the last row of every
     ``input_*`` list. ``shift`` is added to every logprob the answer carries (a replica off
-    by a set amount; 0: the model's values).
+    by a set amount; 0: the model's values). ``byte_model``: the sampled tokens' logprobs
+    come from it (top-k and requested ids still come from ``model``).
     """
     tok = item.input_ids
     length = int(tok.size)
@@ -149,7 +152,8 @@ def build_item_response(
     if item.return_logprob:
         meta.update(
             _logprob_fields(
-                model, item, full, s, n_gen, flat_input, flat_output, b64, fault, shift
+                model, item, full, s, n_gen, flat_input, flat_output, b64, fault, shift,
+                byte_model,
             )
         )
     meta["reasoning_tokens"] = 0
@@ -179,6 +183,7 @@ def _logprob_fields(
     b64: bool,
     fault: ItemFault,
     shift: float = 0.0,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     length = int(item.input_ids.size)
     n_in = length - s  # entries of every input_* list
@@ -196,6 +201,8 @@ def _logprob_fields(
     tok_ids = full[tok_pos]
     tok_rows = _take(rows, slice(0, n_in_rows + n_gen))
     tok_lp = model.logprobs_in(tok_rows, tok_ids[:, None])[:, 0] + shift
+    if byte_model is not None:
+        tok_lp = byte_model.token_logprobs(full, tok_pos) + shift
     in_ids = tok_ids[:n_in_rows]
     if fault == "misaligned" and n_in_rows:
         in_ids = np.roll(in_ids, 1)

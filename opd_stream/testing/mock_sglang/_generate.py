@@ -22,6 +22,7 @@ import numpy as np
 from aiohttp import web
 
 from ._answer import abort_response, build_item_response
+from ._bytemodel import ByteModel
 from ._errors import RequestError, error_response_body
 from ._model import MockModel
 from ._options import FAULT_KINDS, FaultKind, MockOptions
@@ -42,6 +43,7 @@ class Host(Protocol):
     options: MockOptions
     stats: MockStats
     model: MockModel
+    byte_model: ByteModel | None
 
     def respond(
         self, body: bytes, status: int = 200, content_type: str = "application/json"
@@ -304,6 +306,7 @@ class GenerateEndpoint:
             e2e_latency=time.monotonic() - t0,
             sent_ts=time.time(),
             shift=self._signal.shift(it, o.logprob_offset, o.warm_drift),
+            byte_model=self._server.byte_model,
         )
 
     async def _stream(

@@ -91,10 +91,6 @@ from torch import Tensor
 from ._errors import MissingLogprobError
 from ._klbatch import TopKBatch, TopKResult, checked_fields, empty_result, needed_inputs
 from ._klselect import SelectionPlan, plan_selection
-
-# A log-probability whose exp is 0 in float64 whatever a row holds (floored values are
-# >= -1e4): the renormalising basis of an unselected slot in the JSD.
-_UNSELECTED_LOG = -1e30
 from ._kltypes import (
     DIVERGENCES,
     LOGPROB_FLOOR,
@@ -123,6 +119,10 @@ __all__ = (
     "topk_divergence",
     "topk_reverse_kl",
 )
+
+# A log-probability whose exp is 0 in float64 whatever a row holds (floored values are
+# >= -1e4): the renormalising basis of an unselected slot in the JSD.
+_UNSELECTED_LOG = -1e30
 
 
 # --------------------------------------------------------------------------- sampled-token

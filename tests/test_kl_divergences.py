@@ -253,8 +253,9 @@ def test_reverse_kl_through_topk_divergence_is_topk_reverse_kl() -> None:
 # ------------------------------------------------------- the mock's closed form: the bounds
 
 
-def mock_case(seed: int, divergence: float, logit_scale: float, tail_logit: float, head: int,
-              k: int) -> tuple[MockModel, MockModel, np.ndarray, np.ndarray, int]:
+def mock_case(
+    seed: int, divergence: float, logit_scale: float, tail_logit: float, head: int, k: int
+) -> tuple[MockModel, MockModel, np.ndarray, np.ndarray, int]:
     kw: dict[str, Any] = {
         "vocab_size": 4096,
         "head_size": head,
@@ -269,8 +270,12 @@ def mock_case(seed: int, divergence: float, logit_scale: float, tail_logit: floa
 
 
 def full_values(
-    student: MockModel, teacher: MockModel, tokens: np.ndarray, positions: np.ndarray,
-    divergence: str, beta: float = 0.5,
+    student: MockModel,
+    teacher: MockModel,
+    tokens: np.ndarray,
+    positions: np.ndarray,
+    divergence: str,
+    beta: float = 0.5,
 ) -> list[float]:
     rows_s = student.head_rows(tokens, positions)
     rows_t = teacher.head_rows(tokens, positions)

@@ -43,7 +43,7 @@ from ._config_fields import (
 from ._config_rules import check_values
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
+from ._kltypes import Divergence, Strategy, WeightMode
 from ._router import normalize_server_url, normalize_teachers
 from ._secret import Secret, as_secret
 
@@ -142,9 +142,19 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = "student_p"
     tail: Annotated[bool, _doc(
         "top-k: add a tail bucket holding the mass outside the candidates, so r_t is the "
-        "reverse KL over |C| + 1 outcomes (never negative, a lower bound of the full one); "
-        "needs weight_mode student_p. Env: 1/0/true/false"
+        "divergence over |C| + 1 outcomes (never negative, a lower bound of the full one); "
+        "reverse_kl needs weight_mode student_p with it. Env: 1/0/true/false"
     )] = False
+    divergence: Annotated[Divergence, _doc(
+        "top-k signal: reverse_kl (the reference's), forward_kl (needs weight_mode "
+        "teacher_p) or jsd (TRL's generalized JSD with jsd_beta; weight_mode left at "
+        "student_p); sampled-token mode is reverse_kl only"
+    )] = "reverse_kl"
+    jsd_beta: Annotated[float, _doc(
+        "beta of divergence jsd, in (0, 1): beta KL(teacher || M) + (1 - beta) "
+        "KL(student || M), M = beta teacher + (1 - beta) student (TRL's GKD convention)",
+        gt=0.0, lt=1.0,
+    )] = 0.5
     id_scoring: Annotated[IdScoring, _doc(
         "how ids are scored: per-position, flat (one union for all positions), blocked (one "
         "batch body), blocks (the same blocks as independent requests), auto (per-position "

@@ -244,7 +244,9 @@ class _Pipeline:
         from ._klstage import empty_result  # torch: loaded by OPDStream already
 
         cfg = self.cfg
-        return empty_result(prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail)
+        return empty_result(
+            prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
+        )
 
     async def worker(
         self,

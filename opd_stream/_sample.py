@@ -94,11 +94,14 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     union and xor. Selected candidates are packed first in the strategy's order; unused
     slots have ``mask`` False, ``ids`` -1 and zero values.
 
-    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` and
+    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` (the
+    reverse KL's; the forward KL's are ``exp(teacher_logprobs)``) and
     ``student_tail_logprobs`` / ``teacher_tail_logprobs`` (float32 ``[R]``) are each model's
     log-mass outside the selected candidates (``log S_tail``, ``log T_tail``; their mass at
     least 1e-6, 0 where nothing is selected): ``r_t = sum(weights * (student_logprobs -
     teacher_logprobs)) + exp(ls) * (ls - lt)``, at least 0. Without it they are None.
+    Under ``divergence="jsd"``, ``weights`` are the mixture ``M``'s probabilities of the
+    candidates (docs/semantics.md, "Other divergences").
     """
 
     ids: torch.Tensor
@@ -118,12 +121,19 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
         index: its 0-based position in the input.
         teacher: the teacher name it was routed to.
         teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token.
-        reverse_kl: float32 ``[R]``. Top-k mode: ``r_t`` (opd-semantics §2-3). Sampled-token
-            mode: ``rollout_logprobs - teacher_logprobs`` when rollout logprobs were given,
-            else None.
+        reverse_kl: float32 ``[R]``, the reverse KL signal. Top-k mode: ``r_t``
+            (opd-semantics §2-3). Sampled-token mode: ``rollout_logprobs -
+            teacher_logprobs`` when rollout logprobs were given, else None. None as well
+            when the stream's ``divergence`` is another one (see ``signal``): a forward KL
+            or a JSD is never returned under this name.
         candidates: the per-candidate arrays in top-k mode, else None.
         attempts: HTTP attempts made for this sample, all requests together.
         latency_s: seconds from admission to result.
+        signal: float32 ``[R]``, the per-token signal of ``divergence`` (the same tensor as
+            ``reverse_kl`` when that is the divergence); None where ``reverse_kl`` is None
+            in sampled-token mode.
+        divergence: which divergence ``signal`` is: ``reverse_kl``, ``forward_kl`` or
+            ``jsd`` (the stream's ``divergence`` setting).
     """
 
     sample: Sample
@@ -134,6 +144,8 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
     candidates: Candidates | None
     attempts: int
     latency_s: float
+    signal: torch.Tensor | None = None
+    divergence: str = "reverse_kl"
 
 
 class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 import numpy as np
-from kl_reference import reference_position
+from kl_reference import reference_divergence_position, reference_position
 
 from opd_stream.testing.mock_sglang import MockModel
 
@@ -71,8 +71,14 @@ def expected_result(
     rollout_logprobs: list[float] | None = None,
     tail: bool = False,
     teacher_prompt: list[int] | None = None,
+    divergence: str = "reverse_kl",
+    jsd_beta: float = 0.5,
 ) -> Expected:
-    """What a correct pipeline must return for this sample (float64, per position)."""
+    """What a correct pipeline must return for this sample (float64, per position).
+
+    ``teacher`` is a MockModel or anything with its ``token_logprobs``, ``topk`` and
+    ``logprobs`` (an ensemble's mixture, see ``test_ensembles``); ``divergence`` other than
+    ``reverse_kl``: the expected ``signal`` (``Expected.reverse_kl`` holds it)."""
     tok = np.asarray(tokens, dtype=np.int64)
     p = len(tokens) - response_length
     # the teacher's sequence and its first response position
@@ -101,17 +107,20 @@ def expected_result(
         t_ids, t_lp = teacher.topk(t_tok, t_pos, top_k)
         t_on_s = teacher.logprobs(t_tok, t_pos, s_ids)
         s_on_t = student.logprobs(tok, pos, t_ids)
-        ref = reference_position(
-            strategy=strategy,
-            weight_mode=weight_mode,
-            s_ids=[int(x) for x in s_ids[0]],
-            s_lp=_f32(s_lp[0]),
-            t_on_s=_f32(t_on_s[0]),
-            t_ids=[int(x) for x in t_ids[0]],
-            t_lp=_f32(t_lp[0]),
-            s_on_t=_f32(s_on_t[0]),
-            tail=tail,
-        )
+        rows: dict[str, Any] = {
+            "s_ids": [int(x) for x in s_ids[0]],
+            "s_lp": _f32(s_lp[0]),
+            "t_on_s": _f32(t_on_s[0]),
+            "t_ids": [int(x) for x in t_ids[0]],
+            "t_lp": _f32(t_lp[0]),
+            "s_on_t": _f32(s_on_t[0]),
+        }
+        if divergence == "reverse_kl":
+            ref = reference_position(strategy=strategy, weight_mode=weight_mode, tail=tail, **rows)
+        else:
+            ref = reference_divergence_position(
+                divergence=divergence, beta=jsd_beta, strategy=strategy, tail=tail, **rows
+            )
         rkl_out.append(ref.r)
         ids_out.append(ref.ids)
         w_out.append(ref.weights)
@@ -121,16 +130,25 @@ def expected_result(
     return Expected(teacher_lp, rkl_out, ids_out, w_out, scale, tails if tail else None)
 
 
-def assert_matches(result: Any, expected: Expected, *, atol: float = 1e-5) -> None:
-    """Compare a ScoredSample with an :class:`Expected`, position by position."""
+def assert_matches(
+    result: Any, expected: Expected, *, atol: float = 1e-5, teacher_rtol: float = 0.0
+) -> None:
+    """Compare a ScoredSample with an :class:`Expected`, position by position (its
+    ``signal``; ``reverse_kl`` is the same tensor or, for another divergence, None).
+    ``teacher_rtol``: the teacher logprobs' relative tolerance (exact by default)."""
     got_t = result.teacher_logprobs.tolist()
     assert len(got_t) == len(expected.teacher_logprobs)
     for g, e in zip(got_t, expected.teacher_logprobs, strict=True):
-        assert g == e or (math.isinf(g) and math.isinf(e)), (g, e)
-    if expected.reverse_kl is None:
+        ok = g == e or (math.isinf(g) and math.isinf(e)) or abs(g - e) <= teacher_rtol * abs(e)
+        assert ok, (g, e)
+    if result.divergence == "reverse_kl":
+        assert result.reverse_kl is result.signal
+    else:
         assert result.reverse_kl is None
+    if expected.reverse_kl is None:
+        assert result.signal is None
         return
-    got_r = result.reverse_kl.tolist()
+    got_r = result.signal.tolist()
     assert len(got_r) == len(expected.reverse_kl)
     for t, (g, e) in enumerate(zip(got_r, expected.reverse_kl, strict=True)):
         tol = atol + 1e-6 * expected.scale[t]

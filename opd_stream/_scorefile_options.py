@@ -9,7 +9,7 @@ from typing import Any, get_args
 
 from ._config import IdScoring, StreamConfig
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
+from ._kltypes import Divergence, Strategy, WeightMode
 from ._logging import LOG_LEVELS
 from ._router import normalize_teachers, parse_teacher_urls
 from ._scorefile_files import DEFAULT_MAX_LINE_BYTES, UsageError
@@ -41,6 +41,14 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="0 = sampled-token mode; > 0 = top-k mode")
     p.add_argument("--strategy", choices=get_args(Strategy), help="top-k candidate set")
     p.add_argument("--weight-mode", choices=get_args(WeightMode), help="candidate weights")
+    p.add_argument(
+        "--divergence",
+        choices=get_args(Divergence),
+        help="top-k signal: reverse_kl (default), forward_kl (with --weight-mode teacher_p) "
+        "or jsd",
+    )
+    p.add_argument("--jsd-beta", type=float, help="beta of --divergence jsd, in (0, 1)")
+
     p.add_argument("--id-scoring", choices=get_args(IdScoring), help="how ids are scored")
     p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
     p.add_argument(
@@ -91,6 +99,8 @@ _FLAG_FIELDS = (
     "top_k",
     "strategy",
     "weight_mode",
+    "divergence",
+    "jsd_beta",
     "id_scoring",
     "max_inflight",
     "request_deadline_s",

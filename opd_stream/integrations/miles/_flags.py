@@ -27,6 +27,8 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_topk_per_position": False,
     "opd_teacher_urls": None,
     "opd_teacher_key": "opd_teacher",
+    "opd_divergence": None,
+    "opd_jsd_beta": None,
 }
 
 
@@ -92,6 +94,11 @@ def config_from_miles_args(
       numbers as the reference's flat union, without its quadratic answers).
     * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
       ``OPD_STREAM_STUDENT_URL``.
+    * ``--opd-divergence`` -> ``divergence`` and ``--opd-jsd-beta`` -> ``jsd_beta``
+      (opd_stream's own flags, for a Miles launcher that declares them: the reference has
+      neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).
+      Whatever the divergence, its signal goes where Miles' trainer reads the OPD signal,
+      ``opd_reverse_kl``.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -172,6 +179,10 @@ def config_from_miles_args(
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
     }
+    for flag_name, field in (("opd_divergence", "divergence"), ("opd_jsd_beta", "jsd_beta")):
+        value = get(flag_name)
+        if value is not None:
+            fields[field] = value
     if get("opd_topk_per_position", False):
         fields["id_scoring"] = "per-position"
     ip, port = get("sglang_router_ip"), get("sglang_router_port")
@@ -193,6 +204,9 @@ def config_from_miles_args(
             "teachers": "--rm-url/--opd-teacher-urls",
             "teacher_key": "--opd-teacher-key",
             "request_deadline_s": "--sglang-router-request-timeout-secs",
+            "divergence": "--opd-divergence",
+            "jsd_beta": "--opd-jsd-beta",
+            "weight_mode": "--opd-reward-weight-mode",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

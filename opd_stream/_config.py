@@ -42,9 +42,10 @@ from ._config_fields import (
 )
 from ._config_rules import check_values
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
+from ._ensemble import Ensemble
 from ._errors import ConfigError
 from ._kltypes import Divergence, Strategy, WeightMode
-from ._router import normalize_server_url, normalize_teachers
+from ._router import Teacher, normalize_server_url, normalize_teachers
 from ._secret import Secret, as_secret
 
 __all__ = (
@@ -101,7 +102,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     top_k=16)``; pass ``environ={}`` to ignore the process environment) or directly. Both
     validate everything once and normalise:
 
-    * ``teachers`` to ``{name: (replica base URLs, ...)}``;
+    * ``teachers`` to ``{name: (replica base URLs, ...)}`` (``{name: Ensemble}`` for a
+      weighted ensemble of member teachers);
     * ``student_url`` to its base URL;
     * ``kl_device`` to lower case;
     * ``api_key`` to a :class:`Secret`;
@@ -117,9 +119,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ConfigError: any invalid field or combination; the message names the field(s).
     """
 
-    teachers: Annotated[dict[str, tuple[str, ...]], Normalise(normalize_teachers), _doc(
-        "teacher name -> base URL or list of replica URLs; a plain URL means the single "
-        "teacher 'default'. Env: comma-separated NAME=URL entries, replicas joined with '|'"
+    teachers: Annotated[dict[str, Teacher], Normalise(normalize_teachers), _doc(
+        "teacher name -> base URL or list of replica URLs, or a weighted ensemble; a plain "
+        "URL means the single teacher 'default'. Env: comma-separated NAME=URL entries, "
+        "replicas joined with '|'; an ensemble is NAME=W*URLS;W*URLS (weights summing to 1)"
     )] = msgspec.field(default_factory=dict)
     teacher_key: Annotated[str, _doc(
         "sample metadata key whose value (as a string) names the sample's teacher",
@@ -324,7 +327,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in _SPECS:
             value = getattr(self, name)
             if name == "teachers":
-                value = {teacher: list(urls) for teacher, urls in value.items()}
+                value = {
+                    teacher: urls.spec() if isinstance(urls, Ensemble) else list(urls)
+                    for teacher, urls in value.items()
+                }
             elif name == "api_key":
                 value = None if value is None else "***"
             out[name] = value

@@ -305,7 +305,7 @@ class _Pipeline:
         await self._send("kl", kl, fetched)
 
     async def _fetch(self, prepared: PreparedSample, admitted_at: float) -> Fetched:
-        return await self.scorer.fetch(prepared, self.router.urls(prepared.teacher), admitted_at)
+        return await self.scorer.fetch(prepared, self.router.teacher(prepared.teacher), admitted_at)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:

@@ -11,7 +11,7 @@ from ._config import IdScoring, StreamConfig
 from ._errors import ConfigError
 from ._kltypes import Divergence, Strategy, WeightMode
 from ._logging import LOG_LEVELS
-from ._router import normalize_teachers, parse_teacher_urls
+from ._router import Teacher, normalize_teachers, parse_teacher_urls
 from ._scorefile_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
 __all__ = ("add_score_arguments", "score_config")
@@ -25,7 +25,8 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher",
         action="append",
         metavar="NAME=URL",
-        help="a teacher server (repeatable); replicas joined with '|'; required unless "
+        help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
+        "as NAME=W*URLS;W*URLS (weights summing to 1); required unless "
         "OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
@@ -109,7 +110,7 @@ _FLAG_FIELDS = (
 
 def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     """The configuration (env, then flags) and the default teacher's name."""
-    env_teachers: dict[str, tuple[str, ...]] | None = None
+    env_teachers: dict[str, Teacher] | None = None
     if _TEACHERS_VAR in os.environ:  # validated even when --teacher replaces it
         try:
             env_teachers = normalize_teachers(os.environ[_TEACHERS_VAR].strip())

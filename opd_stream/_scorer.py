@@ -10,7 +10,7 @@ fetch -> student fetch -> decode). Single attempts (hedging, health, decode) are
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import numpy as np
@@ -23,10 +23,20 @@ from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
 from ._endpoints import Endpoints
+from ._ensemble import (
+    Ensemble,
+    member_error,
+    mix_logprobs,
+    mixed_rows,
+    mixture_topk,
+    present,
+    union_ids,
+)
 from ._errors import CapabilityError, DeadlineExceeded, OPDStreamError
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
+from ._router import Teacher
 from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
@@ -150,31 +160,77 @@ class SampleScorer:
         )
 
     # a whole sample ------------------------------------------------------------------
-    async def _both(
-        self,
-        first: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
-        second: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
-        counter: Counter,
-    ) -> tuple[ScoreRows, ScoreRows]:
-        """Two independent logical requests at once; the first failure cancels the other."""
+    @staticmethod
+    async def _together(jobs: Sequence[Callable[[], Awaitable[ScoreRows]]]) -> list[ScoreRows]:
+        """Independent logical requests at once, in this task's task group (nothing
+        outlives the call); the first failure cancels the others and is raised."""
         rows: dict[int, ScoreRows] = {}
         errors: list[OPDStreamError] = []
 
-        async def one(
-            i: int, spec: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]]
-        ) -> None:
+        async def one(i: int) -> None:
             try:
-                rows[i] = await self._request(spec[0], spec[1], spec[2], counter)
+                rows[i] = await jobs[i]()
             except OPDStreamError as exc:
                 errors.append(exc)
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(one, 0, first)
-            tg.start_soon(one, 1, second)
+            for i in range(len(jobs)):
+                tg.start_soon(one, i)
         if errors:
             raise errors[0]
-        return rows[0], rows[1]
+        return [rows[i] for i in range(len(jobs))]
+
+    async def _teacher(
+        self,
+        teacher: Teacher,
+        make: Callable[[int, npt.NDArray[np.int64] | None], Callable[[str], ScoreRequest]],
+        ids: npt.NDArray[np.int64] | None,
+        top_k: int,
+        counter: Counter,
+    ) -> ScoreRows:
+        """The teacher's answer: one logical request, or an ensemble's mixture.
+
+        ``make(top_k, ids)`` builds the teacher request's factory. An ensemble's members
+        are asked at once (the same request each); with a top-k and two members or more,
+        each then scores every id of the union of their top-k, and the mixture's top-k is
+        chosen there (:mod:`opd_stream._ensemble`). A member that fails (after its
+        retries) fails the whole answer, the member named in the error.
+        """
+        if not isinstance(teacher, Ensemble):
+            return await self._request("teacher", teacher, make(top_k, ids), counter)
+        answers = await self._members(teacher, lambda i: make(top_k, ids), counter)
+        top = None
+        if top_k > 0:
+            tops = [present(a.top_ids, "top_ids") for a in answers]
+            if len(answers) == 1:
+                top = (tops[0], present(answers[0].top_logprobs, "top_logprobs"))
+            else:
+                union = union_ids(tops)
+                sent = request_ids(union)
+                scored = await self._members(teacher, lambda i: make(0, sent), counter)
+                parts = [present(a.id_logprobs, "id_logprobs") for a in scored]
+                top = mixture_topk(union, mix_logprobs(parts, teacher.weights), top_k)
+        return mixed_rows(teacher, answers, top)
+
+    async def _members(
+        self,
+        ensemble: Ensemble,
+        make: Callable[[int], Callable[[str], ScoreRequest]],
+        counter: Counter,
+    ) -> list[ScoreRows]:
+        """Every member's answer to its request ``make(i)``, asked at once."""
+
+        def job(i: int) -> Callable[[], Awaitable[ScoreRows]]:
+            async def ask() -> ScoreRows:
+                try:
+                    return await self._request("teacher", ensemble.members[i], make(i), counter)
+                except OPDStreamError as exc:
+                    raise member_error(exc, ensemble.member_name(i)) from None
+
+            return ask
+
+        return await self._together([job(i) for i in range(len(ensemble.members))])
 
     def plan(self, prepared: PreparedSample) -> RequestPlan:
         return plan_requests(
@@ -214,9 +270,10 @@ class SampleScorer:
         )
 
     async def fetch(
-        self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
+        self, prepared: PreparedSample, teacher: Teacher, admitted_at: float
     ) -> Fetched:
-        """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure."""
+        """Run the sample's plan against ``teacher`` (its replica URLs, or an ensemble).
+        Raises :class:`ScoreAttemptError` on failure."""
         plan = self.plan(prepared)
         counter = Counter()
         k = self._cfg.top_k
@@ -229,17 +286,22 @@ class SampleScorer:
         def student_topk(url: str) -> ScoreRequest:
             return self._score_request(prepared, url, top_k=k, ids=None)
 
-        def teacher_request(ids: npt.NDArray[np.int64] | None) -> Callable[[str], ScoreRequest]:
-            top = k if plan.teacher_topk else 0
+        def teacher_request(
+            top: int, ids: npt.NDArray[np.int64] | None
+        ) -> Callable[[str], ScoreRequest]:
             return lambda url: self._score_request(prepared, url, top_k=top, ids=ids, teacher=True)
 
+        teacher_top = k if plan.teacher_topk else 0
         try:
             if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
                 # independent requests (intersection without the rollout's top-k): together
-                fetched, teacher_rows = await self._both(
-                    ("student", student_urls, student_topk),
-                    ("teacher", teacher_urls, teacher_request(None)),
-                    counter,
+                fetched, teacher_rows = await self._together(
+                    [
+                        lambda: self._request("student", student_urls, student_topk, counter),
+                        lambda: self._teacher(
+                            teacher, teacher_request, None, teacher_top, counter
+                        ),
+                    ]
                 )
                 s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
             else:
@@ -253,8 +315,8 @@ class SampleScorer:
                     if plan.teacher_scores_student_ids and s_ids is not None
                     else None
                 )
-                teacher_rows = await self._request(
-                    "teacher", teacher_urls, teacher_request(teacher_ids), counter
+                teacher_rows = await self._teacher(
+                    teacher, teacher_request, teacher_ids, teacher_top, counter
                 )
             if plan.student_scores_teacher_ids:
                 t_ids = teacher_rows.top_ids

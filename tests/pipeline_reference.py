@@ -20,7 +20,7 @@ from kl_reference import reference_divergence_position, reference_position
 
 from opd_stream.testing.mock_sglang import MockModel
 
-__all__ = ("Expected", "expected_result", "rollout_topk_rows")
+__all__ = ("Expected", "MixtureTeacher", "expected_result", "rollout_topk_rows")
 
 
 class Expected:
@@ -41,6 +41,48 @@ class Expected:
         self.weights = weights
         self.scale = scale
         self.tails = tails
+
+
+class MixtureTeacher:
+    """An ensemble teacher as the servers make it (issue 27), written from its definition:
+    a token's logprob is ``log sum_i w_i exp(t_i)`` of the members' values as sent
+    (float32), in float64, one position and one id at a time; the top-k is the ``k`` ids of
+    highest mixture logprob among the members' top-k ids (member 1's first, then each next
+    member's new ones; ties: the earlier). Same interface as the MockModel methods
+    :func:`expected_result` uses."""
+
+    def __init__(self, members: list[MockModel], weights: list[float]) -> None:
+        self.members = members
+        self.weights = weights
+
+    def _mix(self, values: list[float]) -> float:
+        terms = [w * math.exp(v) for w, v in zip(self.weights, values, strict=True)]
+        total = math.fsum(terms)
+        return math.log(total) if total > 0 else -math.inf
+
+    def _sent(self, per_member: list[Any]) -> list[list[float]]:
+        """Per member, one row of float32 values as a server sends them."""
+        return [[float(np.float32(v)) for v in np.ravel(x)] for x in per_member]
+
+    def token_logprobs(self, tokens: Any, positions: Any) -> np.ndarray:
+        sent = self._sent([m.token_logprobs(tokens, positions) for m in self.members])
+        return np.array([self._mix(list(col)) for col in zip(*sent, strict=True)])
+
+    def logprobs(self, tokens: Any, positions: Any, ids: Any) -> np.ndarray:
+        assert len(positions) == 1
+        sent = self._sent([m.logprobs(tokens, positions, ids) for m in self.members])
+        return np.array([[self._mix(list(col)) for col in zip(*sent, strict=True)]])
+
+    def topk(self, tokens: Any, positions: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        assert len(positions) == 1
+        union: list[int] = []
+        for m in self.members:
+            for v in m.topk(tokens, positions, k)[0][0].tolist():
+                if v not in union:
+                    union.append(int(v))
+        values = self.logprobs(tokens, positions, np.array([union]))[0].tolist()
+        ranked = sorted(range(len(union)), key=lambda j: (-values[j], j))[:k]
+        return np.array([[union[j] for j in ranked]]), np.array([[values[j] for j in ranked]])
 
 
 def _f32(values: Any) -> list[float]:

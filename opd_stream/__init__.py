@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata as _metadata
 
 from ._config import Secret, StreamConfig
+from ._ensemble import Ensemble
 from ._errors import (
     CapabilityError,
     ConfigError,
@@ -58,6 +59,7 @@ __all__ = [
     "ConnectionFailed",
     "DeadlineExceeded",
     "EndpointStats",
+    "Ensemble",
     "FleetState",
     "InvalidSampleError",
     "KLStageStats",

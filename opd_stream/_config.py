@@ -285,7 +285,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         stripped of surrounding whitespace; numbers are coerced with
         ``msgspec.convert(..., strict=False)``; an empty ``OPD_STREAM_STUDENT_URL`` or
         ``OPD_STREAM_API_KEY`` means unset. ``OPD_STREAM_TEACHERS`` holds comma-separated
-        ``NAME=URL`` entries (replicas joined with ``|``) or a plain URL.
+        ``NAME=URL`` entries (replicas joined with ``|``; an ensemble ``NAME=W*URLS;W*URLS``)
+        or a plain URL.
 
         Args:
             environ: the variables to read; ``None`` reads ``os.environ``.

@@ -322,6 +322,50 @@ async def test_values_are_the_float64_mixture_of_the_members(
         assert stats.endpoints[url].requests == servers[url].requests
 
 
+WIRE = [
+    # (server, id_scoring, topk_wire, weight_mode)
+    ("patched", "per-position", "json", "none"),
+    ("unpatched", "auto", "b64", "teacher_p"),  # falls back to blocked
+    ("unpatched", "flat", "json", "student_p"),
+    ("unpatched", "blocks", "b64", "none"),
+]
+
+
+@pytest.mark.parametrize(("per_position", "id_scoring", "topk_wire", "weight_mode"), WIRE)
+async def test_every_id_form_and_weight_mode_works_with_an_ensemble(
+    per_position: Any, id_scoring: str, topk_wire: str, weight_mode: str
+) -> None:
+    urls = {"http://m1:1": 3, "http://m2:1": 5}
+    servers = _servers(urls, per_position=per_position)
+    servers[S] = InProcessSGLang("student", 1, per_position=per_position)
+    samples = _samples(6, 8, with_topk=True, teacher_prompt=True)
+    out, _ = await _run(
+        "0.6*http://m1:1;0.4*http://m2:1",
+        servers,
+        samples,
+        top_k=K,
+        strategy="union",
+        weight_mode=weight_mode,
+        id_scoring=id_scoring,
+        topk_wire=topk_wire,
+    )
+    mixture = MixtureTeacher([servers[u].model for u in urls], [0.6, 0.4])
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        smp = samples[res.index]
+        expected = expected_result(
+            tokens=list(smp.tokens),
+            response_length=smp.response_length,
+            teacher=mixture,
+            student=servers[S].model,
+            top_k=K,
+            strategy="union",
+            weight_mode=weight_mode,
+            teacher_prompt=None if smp.teacher_prompt_ids is None else list(smp.teacher_prompt_ids),
+        )
+        assert_matches(res, expected, teacher_rtol=1e-6)
+
+
 async def test_sampled_token_mode_mixes_the_sampled_tokens() -> None:
     servers = _servers({"http://m1:1": 3, "http://m2:1": 5})
     samples = _samples(4, 6, with_topk=False)

@@ -1,4 +1,5 @@
-"""Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL.
+"""Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL (and the
+forward KL and generalized JSD over the same candidates).
 
 Semantics are spec ``opd-semantics`` §1-§3 (numerically compatible with the reference
 Miles implementation); the tensor contract is ``docs/internals.md`` (``_kl.py``).
@@ -12,6 +13,15 @@ Two signal families:
   ``r_t = sum_{v in sel(t)} w(v) * (s(v) - t(v))``.  Besides ``r_t`` the per-candidate arrays
   (ids, student and teacher logprobs, weights, mask) are returned, so a trainer can use a
   candidate-level loss (``r_t`` alone depends only on the prefix).
+
+Other divergences (:func:`topk_divergence`, issue 27):
+    Over the same candidates, ``divergence="forward_kl"`` is ``sum_C w_t(v) (t(v) - s(v))``
+    with the teacher's weights (``weight_mode="teacher_p"``), and ``"jsd"`` is TRL's
+    generalized JSD ``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = beta Q + (1 - beta)
+    P``, of the two sides renormalised over the candidates (float64). With ``tail=True``
+    each is taken over ``|C| + 1`` outcomes, the tail bucket included (the forward KL gains
+    ``T_tail (log T_tail - log S_tail)``), with the same float64 tails and clamp as below.
+    ``docs/semantics.md`` ("Other divergences") has the table and the JSD's limits.
 
 The -inf floor:
     A logprob of ``-inf`` is a real value: SGLang serialises it as JSON ``null`` and it means

@@ -484,3 +484,34 @@ async def test_members_are_asked_at_once_and_a_failure_cancels_the_others() -> N
     assert failed.reason == "teacher_http_400"
     assert failed.message.startswith("ensemble member 2 of 2 (http://m2:1): HTTP 400")
     assert cancelled == ["http://m1:1"]
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])  # verl's manager is asyncio's
+@pytest.mark.parametrize("k", [0, 3])
+async def test_verls_teacher_manager_scores_with_an_ensemble(k: int) -> None:
+    from opd_stream.integrations.verl import TeacherManager
+
+    servers = _servers({"http://m1:1": 3, "http://m2:1": 5})
+    cfg = StreamConfig.from_env({}, teachers="0.3*http://m1:1;0.7*http://m2:1")
+    manager = TeacherManager(cfg, top_k=k, transport=mock_transport(servers))
+    mixture = MixtureTeacher(
+        [servers["http://m1:1"].model, servers["http://m2:1"].model], [0.3, 0.7]
+    )
+    seq = np.random.default_rng(k).integers(0, 3000, 12).tolist()
+    try:
+        ids, lps = await manager.compute_teacher_logprobs_single(
+            sequence_ids=seq, multi_modal_data={}, routing_key=None
+        )
+    finally:
+        await manager.aclose()
+    tok = np.asarray(seq)
+    for j in range(1, len(seq)):  # row j - 1 is position j; the last row is verl's pad row
+        if k == 0:
+            want_ids = [seq[j]]
+            want = mixture.token_logprobs(tok, np.array([j])).tolist()
+        else:
+            top_ids, top_lps = mixture.topk(tok, np.array([j]), k)
+            want_ids, want = top_ids[0].tolist(), top_lps[0].tolist()
+        assert ids[j - 1].tolist() == want_ids
+        for g, e in zip(lps[j - 1].tolist(), want, strict=True):
+            assert abs(g - e) <= 1e-6 * abs(e), (j, g, e)

@@ -81,14 +81,15 @@ class Ensemble(msgspec.Struct, frozen=True):
         return tuple(url for member in self.members for url in member)
 
     def spec(self) -> str:
-        """The ``W*URLS;W*URLS`` spelling (what logs and ``opd-stream config`` show)."""
+        """The ``W*URLS;W*URLS`` spelling (what ``to_log_dict`` shows; weights exact)."""
         return ";".join(
-            f"{w:g}*{'|'.join(urls)}" for w, urls in zip(self.weights, self.members, strict=True)
+            f"{w!r}*{'|'.join(urls)}" for w, urls in zip(self.weights, self.members, strict=True)
         )
 
     def member_name(self, index: int) -> str:
-        """How messages name member ``index`` (0-based): ``member 2 of 3 (URLS)``."""
-        urls = "|".join(self.members[index])
+        """How messages name member ``index`` (0-based): ``member 2 of 3 (URLS)``, each URL
+        without its query string (which a proxy may use for a token)."""
+        urls = "|".join(url.partition("?")[0] for url in self.members[index])
         return f"member {index + 1} of {len(self.members)} ({urls})"
 
 

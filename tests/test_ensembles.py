@@ -515,3 +515,10 @@ async def test_verls_teacher_manager_scores_with_an_ensemble(k: int) -> None:
         assert ids[j - 1].tolist() == want_ids
         for g, e in zip(lps[j - 1].tolist(), want, strict=True):
             assert abs(g - e) <= 1e-6 * abs(e), (j, g, e)
+
+
+def test_a_member_is_named_without_its_query_string() -> None:
+    (ens,) = normalize_teachers("0.5*http://a:1/g?token=abc;0.5*http://b:1").values()
+    assert isinstance(ens, Ensemble)
+    assert ens.member_name(0) == "member 1 of 2 (http://a:1/g)"
+    assert ens.spec() == "0.5*http://a:1/g?token=abc;0.5*http://b:1"

@@ -408,3 +408,26 @@ def test_jsd_over_beta_tends_to_the_forward_and_reverse_kl(strategy: Strategy) -
     # the JSD itself tends to 0 at both ends
     tiny = run([rows], strategy, "jsd", tail=True, beta=1e-6).signal
     assert (tiny.double() <= 1e-6 * fkl + 1e-9).all()
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("tail", [False, True])
+def test_inputs_are_never_modified_or_aliased(divergence: str, tail: bool) -> None:
+    rng = np.random.default_rng(9)
+    rows = [distribution_rows(rng, r, 5, overlap=0.5, mass_s=0.6, mass_t=0.8) for r in (7, 3)]
+    rows[0]["s_ids"][2, 3:] = -1  # some unselected slots too
+    batch = batch_of(rows)
+    before = [None if x is None else x.clone() for x in batch]
+    for strategy in ("only-student", "union"):
+        res = topk_divergence(
+            batch,
+            strategy,
+            WEIGHTS[divergence],  # type: ignore[arg-type]
+            divergence=divergence,  # type: ignore[arg-type]
+            tail=tail,
+        )
+        for x, y in zip(batch, before, strict=True):
+            assert x is not None and y is not None
+            assert torch.equal(x.nan_to_num(-7.0), y.nan_to_num(-7.0))
+        inputs = {x.untyped_storage().data_ptr() for x in batch if x is not None}
+        assert not inputs & {t.untyped_storage().data_ptr() for t in res if t is not None}

@@ -41,6 +41,7 @@ __all__ = (
     "normalize_server_url",
     "normalize_teachers",
     "parse_teacher_urls",
+    "replica_groups",
     "show_value",
 )
 
@@ -314,6 +315,20 @@ def normalize_teachers(spec: TeachersSpec) -> dict[str, Teacher]:
         "teachers must be a URL, a list of URLs, NAME=URL entries or a mapping, "
         f"got {type(spec).__name__}"
     )
+
+
+def replica_groups(teachers: Mapping[str, Teacher]) -> dict[str, tuple[str, ...]]:
+    """Every group of replicas that must give the same numbers: each plain teacher's, and
+    each ensemble member's (``NAME member I``, 1-based: the members are different models,
+    so their numbers may differ). For a check across replicas (main's teacher probe)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, teacher in teachers.items():
+        if isinstance(teacher, Ensemble):
+            for i, member in enumerate(teacher.members, start=1):
+                out[f"{name} member {i}"] = member
+        else:
+            out[name] = teacher
+    return out
 
 
 def show_value(value: object) -> str:

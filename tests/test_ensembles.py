@@ -524,3 +524,14 @@ def test_a_member_is_named_without_its_query_string() -> None:
     assert isinstance(ens, Ensemble)
     assert ens.member_name(0) == "member 1 of 2 (http://a:1/g)"
     assert ens.spec() == "0.5*http://a:1/g?token=abc;0.5*http://b:1"
+
+
+def test_replica_groups_split_an_ensemble_into_its_members() -> None:
+    from opd_stream._router import replica_groups
+
+    teachers = normalize_teachers("mix=0.5*http://a:1|http://a:2;0.5*http://b:1,t=http://c:1")
+    assert replica_groups(teachers) == {
+        "mix member 1": ("http://a:1", "http://a:2"),
+        "mix member 2": ("http://b:1",),
+        "t": ("http://c:1",),
+    }

@@ -24,6 +24,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded lazily (__getattr__)
     __version__: str
     from ._config import Secret, StreamConfig
+    from ._ensemble import Ensemble
     from ._errors import (
         CapabilityError,
         ConfigError,
@@ -51,6 +52,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
 
 _MODULES: dict[str, tuple[str, ...]] = {
     "._config": ("Secret", "StreamConfig"),
+    "._ensemble": ("Ensemble",),
     "._errors": (
         "CapabilityError",
         "ConfigError",
@@ -117,6 +119,7 @@ __all__ = [
     "ConnectionFailed",
     "DeadlineExceeded",
     "EndpointStats",
+    "Ensemble",
     "FleetState",
     "InvalidSampleError",
     "KLStageStats",

@@ -42,9 +42,10 @@ from ._config_fields import (
 )
 from ._config_rules import check_values
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
+from ._ensemble import Ensemble
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
-from ._router import normalize_server_url, normalize_teachers
+from ._kltypes import Divergence, Strategy, WeightMode
+from ._router import Teacher, normalize_server_url, normalize_teachers
 from ._secret import Secret, as_secret
 from ._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 
@@ -104,7 +105,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     top_k=16)``; pass ``environ={}`` to ignore the process environment) or directly. Both
     validate everything once and normalise:
 
-    * ``teachers`` to ``{name: (replica base URLs, ...)}``;
+    * ``teachers`` to ``{name: (replica base URLs, ...)}`` (``{name: Ensemble}`` for a
+      weighted ensemble of member teachers);
     * ``student_url`` to its base URL;
     * ``kl_device`` to lower case;
     * ``api_key`` to a :class:`Secret`;
@@ -120,9 +122,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ConfigError: any invalid field or combination; the message names the field(s).
     """
 
-    teachers: Annotated[dict[str, tuple[str, ...]], Normalise(normalize_teachers), _doc(
-        "teacher name -> base URL or list of replica URLs; a plain URL means the single "
-        "teacher 'default'. Env: comma-separated NAME=URL entries, replicas joined with '|'"
+    teachers: Annotated[dict[str, Teacher], Normalise(normalize_teachers), _doc(
+        "teacher name -> base URL or list of replica URLs, or a weighted ensemble; a plain "
+        "URL means the single teacher 'default'. Env: comma-separated NAME=URL entries, "
+        "replicas joined with '|'; an ensemble is NAME=W*URLS;W*URLS (weights summing to 1)"
     )] = msgspec.field(default_factory=dict)
     teacher_key: Annotated[str, _doc(
         "sample metadata key whose value (as a string) names the sample's teacher",
@@ -145,9 +148,19 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = "student_p"
     tail: Annotated[bool, _doc(
         "top-k: add a tail bucket holding the mass outside the candidates, so r_t is the "
-        "reverse KL over |C| + 1 outcomes (never negative, a lower bound of the full one); "
-        "needs weight_mode student_p. Env: 1/0/true/false"
+        "divergence over |C| + 1 outcomes (never negative, a lower bound of the full one); "
+        "reverse_kl needs weight_mode student_p with it. Env: 1/0/true/false"
     )] = False
+    divergence: Annotated[Divergence, _doc(
+        "top-k signal: reverse_kl (the reference's), forward_kl (needs weight_mode "
+        "teacher_p) or jsd (TRL's generalized JSD with jsd_beta; weight_mode left at "
+        "student_p); sampled-token mode is reverse_kl only"
+    )] = "reverse_kl"
+    jsd_beta: Annotated[float, _doc(
+        "beta of divergence jsd, in (0, 1): beta KL(teacher || M) + (1 - beta) "
+        "KL(student || M), M = beta teacher + (1 - beta) student (TRL's GKD convention)",
+        gt=0.0, lt=1.0,
+    )] = 0.5
     id_scoring: Annotated[IdScoring, _doc(
         "how ids are scored: per-position, flat (one union for all positions), blocked (one "
         "batch body), blocks (the same blocks as independent requests), auto (per-position "
@@ -314,7 +327,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         stripped of surrounding whitespace; numbers are coerced with
         ``msgspec.convert(..., strict=False)``; an empty ``OPD_STREAM_STUDENT_URL`` or
         ``OPD_STREAM_API_KEY`` means unset. ``OPD_STREAM_TEACHERS`` holds comma-separated
-        ``NAME=URL`` entries (replicas joined with ``|``) or a plain URL.
+        ``NAME=URL`` entries (replicas joined with ``|``; an ensemble ``NAME=W*URLS;W*URLS``)
+        or a plain URL.
 
         Args:
             environ: the variables to read; ``None`` reads ``os.environ``.
@@ -356,7 +370,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in _SPECS:
             value = getattr(self, name)
             if name == "teachers":
-                value = {teacher: list(urls) for teacher, urls in value.items()}
+                value = {
+                    teacher: urls.spec() if isinstance(urls, Ensemble) else list(urls)
+                    for teacher, urls in value.items()
+                }
             elif name == "api_key":
                 value = None if value is None else "***"
             out[name] = value

@@ -16,7 +16,7 @@ import msgspec
 
 from ._config import StreamConfig
 from ._errors import ConfigError, InvalidSampleError
-from ._router import normalize_teachers, parse_teacher_urls
+from ._router import normalize_teachers
 from ._sample import Sample
 
 __all__ = ("add_probe_arguments", "run_probe_command")
@@ -66,7 +66,7 @@ def _config(args: argparse.Namespace) -> StreamConfig:
     overrides: dict[str, Any] = {"kl_device": "cpu", "probe_at_start": False}
     if args.teacher:
         try:
-            overrides["teachers"] = parse_teacher_urls(list(args.teacher))
+            overrides["teachers"] = normalize_teachers([entry.strip() for entry in args.teacher])
         except ConfigError as exc:
             raise _Usage(f"--teacher: {exc}") from None
     elif _TEACHERS_VAR in os.environ:

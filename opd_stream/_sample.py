@@ -98,11 +98,14 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     union and xor. Selected candidates are packed first in the strategy's order; unused
     slots have ``mask`` False, ``ids`` -1 and zero values.
 
-    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` and
+    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` (the
+    reverse KL's; the forward KL's are ``exp(teacher_logprobs)``) and
     ``student_tail_logprobs`` / ``teacher_tail_logprobs`` (float32 ``[R]``) are each model's
     log-mass outside the selected candidates (``log S_tail``, ``log T_tail``; their mass at
     least 1e-6, 0 where nothing is selected): ``r_t = sum(weights * (student_logprobs -
     teacher_logprobs)) + exp(ls) * (ls - lt)``, at least 0. Without it they are None.
+    Under ``divergence="jsd"``, ``weights`` are the mixture ``M``'s probabilities of the
+    candidates (docs/semantics.md, "Other divergences").
     """
 
     ids: torch.Tensor
@@ -149,15 +152,23 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
         teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token. A
             teacher with its own tokenizer: the teacher's logprob of each span's text, on
             the span's last student token (0 on the others).
-        reverse_kl: float32 ``[R]``. Top-k mode: ``r_t`` (opd-semantics §2-3). Sampled-token
-            mode: ``rollout_logprobs - teacher_logprobs`` when rollout logprobs were given,
-            else None. A teacher with its own tokenizer: each span's ``sum(student lp) -
-            sum(teacher lp)`` on the span's last student token (0 on the others).
+        reverse_kl: float32 ``[R]``, the reverse KL signal. Top-k mode: ``r_t``
+            (opd-semantics §2-3). Sampled-token mode: ``rollout_logprobs -
+            teacher_logprobs`` when rollout logprobs were given, else None. A teacher with
+            its own tokenizer: each span's ``sum(student lp) - sum(teacher lp)`` on the
+            span's last student token (0 on the others). None as well when the stream's
+            ``divergence`` is another one (see ``signal``): a forward KL or a JSD is never
+            returned under this name.
         candidates: the per-candidate arrays in top-k mode, else None.
         attempts: HTTP attempts made for this sample, all requests together.
         latency_s: seconds from admission to result.
         alignment: a teacher with its own tokenizer, with ``return_alignment``: the spans
             compared; else None.
+        signal: float32 ``[R]``, the per-token signal of ``divergence`` (the same tensor as
+            ``reverse_kl`` when that is the divergence); None where ``reverse_kl`` is None
+            in sampled-token mode.
+        divergence: which divergence ``signal`` is: ``reverse_kl``, ``forward_kl`` or
+            ``jsd`` (the stream's ``divergence`` setting).
     """
 
     sample: Sample
@@ -169,6 +180,8 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
     attempts: int
     latency_s: float
     alignment: TokenAlignment | None = None
+    signal: torch.Tensor | None = None
+    divergence: str = "reverse_kl"
 
 
 class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,9 +9,9 @@ from typing import Any, get_args
 
 from ._config import CacheSalt, IdScoring, StreamConfig
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
+from ._kltypes import Divergence, Strategy, WeightMode
 from ._logging import LOG_LEVELS
-from ._router import normalize_teachers
+from ._router import Teacher, normalize_teachers
 from ._scorefile_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
 __all__ = ("add_score_arguments", "score_config")
@@ -25,9 +25,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher",
         action="append",
         metavar="NAME=URL",
-        help="a teacher server (repeatable); replicas joined with '|'; a URL without a name "
-        "is the teacher 'default'; required unless OPD_STREAM_TEACHERS is set (the flags "
-        "then replace it)",
+        help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
+        "as NAME=W*URLS;W*URLS (weights summing to 1); a URL without a name is the teacher "
+        "'default'; required unless OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -42,6 +42,14 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="0 = sampled-token mode; > 0 = top-k mode")
     p.add_argument("--strategy", choices=get_args(Strategy), help="top-k candidate set")
     p.add_argument("--weight-mode", choices=get_args(WeightMode), help="candidate weights")
+    p.add_argument(
+        "--divergence",
+        choices=get_args(Divergence),
+        help="top-k signal: reverse_kl (default), forward_kl (with --weight-mode teacher_p) "
+        "or jsd",
+    )
+    p.add_argument("--jsd-beta", type=float, help="beta of --divergence jsd, in (0, 1)")
+
     p.add_argument("--id-scoring", choices=get_args(IdScoring), help="how ids are scored")
     p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
     p.add_argument(
@@ -118,6 +126,8 @@ _FLAG_FIELDS = (
     "top_k",
     "strategy",
     "weight_mode",
+    "divergence",
+    "jsd_beta",
     "id_scoring",
     "max_inflight",
     "request_deadline_s",
@@ -127,7 +137,7 @@ _FLAG_FIELDS = (
 
 def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     """The configuration (env, then flags) and the default teacher's name."""
-    env_teachers: dict[str, tuple[str, ...]] | None = None
+    env_teachers: dict[str, Teacher] | None = None
     if _TEACHERS_VAR in os.environ:  # validated even when --teacher replaces it
         try:
             env_teachers = normalize_teachers(os.environ[_TEACHERS_VAR].strip())

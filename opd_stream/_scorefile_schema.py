@@ -404,7 +404,9 @@ class ScoredLine(msgspec.Struct, kw_only=True):
 
     ``teacher_logprobs`` may hold ``null`` (-inf); ``reverse_kl`` is null in sampled-token
     mode without ``rollout_logprobs``; ``candidates`` is present only in top-k mode with
-    ``--with-candidates``.
+    ``--with-candidates``. With ``--divergence forward_kl`` or ``jsd``, ``reverse_kl`` is
+    null and ``divergence`` (its name) and ``signal`` (its values) are present; with the
+    default ``reverse_kl`` they are absent (the line is as it always was).
     """
 
     id: msgspec.Raw
@@ -418,6 +420,8 @@ class ScoredLine(msgspec.Struct, kw_only=True):
     latency_s: float
     candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
     alignment: AlignmentLine | msgspec.UnsetType = msgspec.UNSET
+    divergence: str | msgspec.UnsetType = msgspec.UNSET
+    signal: list[float] | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class FailedLine(msgspec.Struct, kw_only=True):
@@ -505,6 +509,9 @@ def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
                 span_bytes=a.span_bytes.tolist(),
                 scored=a.scored.tolist(),
             )
+        if item.divergence != "reverse_kl":
+            out.divergence = item.divergence
+            out.signal = None if item.signal is None else item.signal.tolist()
     else:
         out = FailedLine(
             id=ref.id,

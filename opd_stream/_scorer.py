@@ -13,7 +13,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import anyio
@@ -27,6 +27,15 @@ from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
 from ._endpoints import Endpoints
+from ._ensemble import (
+    Ensemble,
+    member_error,
+    mix_logprobs,
+    mixed_rows,
+    mixture_topk,
+    present,
+    union_ids,
+)
 from ._errors import (
     CapabilityError,
     ConnectionFailed,
@@ -38,6 +47,7 @@ from ._errors import (
 from ._logging import get_logger
 from ._plan import RequestPlan, plan_requests
 from ._retry import RetryPolicy
+from ._router import Teacher
 from ._sample import Fetched, PreparedSample, request_ids
 from ._stats import StatsRecorder
 from ._transport import Transport
@@ -221,31 +231,77 @@ class SampleScorer:
         )
 
     # a whole sample ------------------------------------------------------------------
-    async def _both(
-        self,
-        first: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
-        second: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
-        counter: Counter,
-    ) -> tuple[ScoreRows, ScoreRows]:
-        """Two independent logical requests at once; the first failure cancels the other."""
+    @staticmethod
+    async def _together(jobs: Sequence[Callable[[], Awaitable[ScoreRows]]]) -> list[ScoreRows]:
+        """Independent logical requests at once, in this task's task group (nothing
+        outlives the call); the first failure cancels the others and is raised."""
         rows: dict[int, ScoreRows] = {}
         errors: list[OPDStreamError] = []
 
-        async def one(
-            i: int, spec: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]]
-        ) -> None:
+        async def one(i: int) -> None:
             try:
-                rows[i] = await self._request(spec[0], spec[1], spec[2], counter)
+                rows[i] = await jobs[i]()
             except OPDStreamError as exc:
                 errors.append(exc)
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(one, 0, first)
-            tg.start_soon(one, 1, second)
+            for i in range(len(jobs)):
+                tg.start_soon(one, i)
         if errors:
             raise errors[0]
-        return rows[0], rows[1]
+        return [rows[i] for i in range(len(jobs))]
+
+    async def _teacher(
+        self,
+        teacher: Teacher,
+        make: Callable[[int, npt.NDArray[np.int64] | None], Callable[[str], ScoreRequest]],
+        ids: npt.NDArray[np.int64] | None,
+        top_k: int,
+        counter: Counter,
+    ) -> ScoreRows:
+        """The teacher's answer: one logical request, or an ensemble's mixture.
+
+        ``make(top_k, ids)`` builds the teacher request's factory. An ensemble's members
+        are asked at once (the same request each); with a top-k and two members or more,
+        each then scores every id of the union of their top-k, and the mixture's top-k is
+        chosen there (:mod:`opd_stream._ensemble`). A member that fails (after its
+        retries) fails the whole answer, the member named in the error.
+        """
+        if not isinstance(teacher, Ensemble):
+            return await self._request("teacher", teacher, make(top_k, ids), counter)
+        answers = await self._members(teacher, lambda i: make(top_k, ids), counter)
+        top = None
+        if top_k > 0:
+            tops = [present(a.top_ids, "top_ids") for a in answers]
+            if len(answers) == 1:
+                top = (tops[0], present(answers[0].top_logprobs, "top_logprobs"))
+            else:
+                union = union_ids(tops)
+                sent = request_ids(union)
+                scored = await self._members(teacher, lambda i: make(0, sent), counter)
+                parts = [present(a.id_logprobs, "id_logprobs") for a in scored]
+                top = mixture_topk(union, mix_logprobs(parts, teacher.weights), top_k)
+        return mixed_rows(teacher, answers, top)
+
+    async def _members(
+        self,
+        ensemble: Ensemble,
+        make: Callable[[int], Callable[[str], ScoreRequest]],
+        counter: Counter,
+    ) -> list[ScoreRows]:
+        """Every member's answer to its request ``make(i)``, asked at once."""
+
+        def job(i: int) -> Callable[[], Awaitable[ScoreRows]]:
+            async def ask() -> ScoreRows:
+                try:
+                    return await self._request("teacher", ensemble.members[i], make(i), counter)
+                except OPDStreamError as exc:
+                    raise member_error(exc, ensemble.member_name(i)) from None
+
+            return ask
+
+        return await self._together([job(i) for i in range(len(ensemble.members))])
 
     def plan(self, prepared: PreparedSample) -> RequestPlan:
         return plan_requests(
@@ -370,9 +426,10 @@ class SampleScorer:
         )
 
     async def fetch(
-        self, prepared: PreparedSample, teacher_urls: tuple[str, ...], admitted_at: float
+        self, prepared: PreparedSample, teacher: Teacher, admitted_at: float
     ) -> Fetched:
-        """Run the sample's plan. Raises :class:`ScoreAttemptError` on failure.
+        """Run the sample's plan against ``teacher`` (its replica URLs, or an ensemble).
+        Raises :class:`ScoreAttemptError` on failure.
 
         One side's answers for the sample must all report the same
         ``meta_info.weight_version`` (the items of one answer, and the student's requests
@@ -381,11 +438,13 @@ class SampleScorer:
         fails with :class:`WeightVersionChanged`.
         """
         if self.xtok is not None and self.xtok.teacher(prepared.teacher) is not None:
-            return await self._fetch_cross(prepared, self.xtok, teacher_urls, admitted_at)
+            # (config rule: a teacher with its own tokenizer is never an ensemble)
+            assert not isinstance(teacher, Ensemble)
+            return await self._fetch_cross(prepared, self.xtok, teacher, admitted_at)
         plan = self.plan(prepared)
         counter = Counter()
         got = _Progress()
-        args = (prepared, teacher_urls, admitted_at, plan, counter, got)
+        args = (prepared, teacher, admitted_at, plan, counter, got)
         try:
             try:
                 return await self._fetch_once(*args)
@@ -400,7 +459,7 @@ class SampleScorer:
     async def _fetch_once(
         self,
         prepared: PreparedSample,
-        teacher_urls: tuple[str, ...],
+        teacher: Teacher,
         admitted_at: float,
         plan: RequestPlan,
         counter: Counter,
@@ -418,27 +477,33 @@ class SampleScorer:
         def student_topk(url: str) -> ScoreRequest:
             return self._score_request(prepared, url, top_k=k, ids=None, salt=salt)
 
-        def teacher_request(ids: npt.NDArray[np.int64] | None) -> Callable[[str], ScoreRequest]:
-            top = k if plan.teacher_topk else 0
+        def teacher_request(
+            top: int, ids: npt.NDArray[np.int64] | None
+        ) -> Callable[[str], ScoreRequest]:
             return lambda url: self._score_request(
                 prepared, url, top_k=top, ids=ids, teacher=True, salt=salt
             )
 
+        teacher_top = k if plan.teacher_topk else 0
+
         if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
             # independent requests (intersection without the rollout's top-k): together
             if got.student_topk is None and got.teacher is None:
-                got.student_topk, got.teacher = await self._both(
-                    ("student", student_urls, student_topk),
-                    ("teacher", teacher_urls, teacher_request(None)),
-                    counter,
+                got.student_topk, got.teacher = await self._together(
+                    [
+                        lambda: self._request("student", student_urls, student_topk, counter),
+                        lambda: self._teacher(
+                            teacher, teacher_request, None, teacher_top, counter
+                        ),
+                    ]
                 )
             elif got.student_topk is None:
                 got.student_topk = await self._request(
                     "student", student_urls, student_topk, counter
                 )
             elif got.teacher is None:
-                got.teacher = await self._request(
-                    "teacher", teacher_urls, teacher_request(None), counter
+                got.teacher = await self._teacher(
+                    teacher, teacher_request, None, teacher_top, counter
                 )
             s_ids, s_lps = got.student_topk.top_ids, got.student_topk.top_logprobs
         else:
@@ -456,8 +521,8 @@ class SampleScorer:
                 else None
             )
             if got.teacher is None:
-                got.teacher = await self._request(
-                    "teacher", teacher_urls, teacher_request(teacher_ids), counter
+                got.teacher = await self._teacher(
+                    teacher, teacher_request, teacher_ids, teacher_top, counter
                 )
         teacher_rows = got.teacher
         assert teacher_rows is not None

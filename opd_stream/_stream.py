@@ -32,7 +32,7 @@ from ._logging import get_logger
 from ._pipeline import Result, RunState, run_pipeline
 from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
 from ._probe_requests import run_probe
-from ._router import TeacherRouter
+from ._router import TeacherRouter, replica_groups
 from ._sample import Sample, prepare_sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
@@ -295,7 +295,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         report = await run_probe(
             transport,
             scorer.fleets,
-            cfg.teachers,
+            replica_groups(cfg.teachers),
             tokens,
             r,
             tolerance=cfg.probe_tolerance if tolerance is None else tolerance,

@@ -30,6 +30,8 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_cache_salt": None,
     "opd_student_tokenizer": None,
     "opd_teacher_tokenizers": None,
+    "opd_divergence": None,
+    "opd_jsd_beta": None,
 }
 
 
@@ -103,6 +105,11 @@ def config_from_miles_args(
       declares them only with this adapter). Such a teacher's prompt is
       ``metadata["opd_teacher_prompt_ids"]``, else the sample's ``prompt`` (chat messages,
       or a string: one user message) rendered with the teacher's chat template.
+    * ``--opd-divergence`` -> ``divergence`` and ``--opd-jsd-beta`` -> ``jsd_beta``
+      (opd_stream's own flags, for a Miles launcher that declares them: the reference has
+      neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).
+      Whatever the divergence, its signal goes where Miles' trainer reads the OPD signal,
+      ``opd_reverse_kl``.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -183,6 +190,10 @@ def config_from_miles_args(
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
     }
+    for flag_name, field in (("opd_divergence", "divergence"), ("opd_jsd_beta", "jsd_beta")):
+        value = get(flag_name)
+        if value is not None:
+            fields[field] = value
     if get("opd_topk_per_position", False):
         fields["id_scoring"] = "per-position"
     ip, port = get("sglang_router_ip"), get("sglang_router_port")
@@ -217,6 +228,9 @@ def config_from_miles_args(
             "student_tokenizer": "--opd-student-tokenizer",
             "teacher_tokenizers": "--opd-teacher-tokenizers",
             "top_k": "--opd-log-prob-top-k",
+            "divergence": "--opd-divergence",
+            "jsd_beta": "--opd-jsd-beta",
+            "weight_mode": "--opd-reward-weight-mode",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

@@ -354,6 +354,12 @@ def test_teacher_tokenizers_name_configured_teachers(small_paths: tuple[str, str
         config(small_paths[0], small_paths[1], teacher_tokenizers={"other": small_paths[1]})
 
 
+def test_an_ensemble_teacher_takes_no_tokenizer_of_its_own(small_paths: tuple[str, str]) -> None:
+    mix = {"default": "0.5*http://127.0.0.1:1;0.5*http://127.0.0.1:2"}
+    with pytest.raises(ConfigError, match=r"teachers: 'default' is an ensemble"):
+        config(*small_paths, teachers=mix)
+
+
 def test_a_missing_tokenizer_file_from_the_environment_names_variable_and_path() -> None:
     env = {"OPD_STREAM_TEACHERS": T, "OPD_STREAM_STUDENT_TOKENIZER": "/nonexistent/qwen"}
     with pytest.raises(ConfigError, match=r"student_tokenizer \(from OPD_STREAM_STUDENT_TOKENIZER"

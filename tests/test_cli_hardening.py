@@ -399,7 +399,7 @@ def test_help_lists_only_real_subcommands_and_there_is_a_version(
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "{demo,score,bench,config}" in text  # the sub-commands there are
+    assert "{demo,score,probe,bench,config}" in text  # the sub-commands there are
     assert "``" not in text and "mock``" not in text and "mock," not in text
     with pytest.raises(SystemExit):
         main(["--version"])

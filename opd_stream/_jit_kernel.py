@@ -108,14 +108,15 @@ def njit_cached(fn):  # type: ignore[no-untyped-def]
 def njit_leaf(fn):  # type: ignore[no-untyped-def]
     """:func:`njit_cached` for a function that allocates nothing (nor do its callees):
     compiled without numba's reference counting, which otherwise increments and
-    decrements (atomically) every array passed at each call, ~10% of the scan."""
+    decrements (atomically) every array passed at each call, ~10% of the scan.
+
+    Callees are compiled apart and LLVM inlines the small ones at link time; inlining at
+    numba's IR level (``inline="always"``) made the scan ~1% faster on SGLang's compact
+    answers (~5% on spaced ones) but more than doubled its cold compile (11.7 s of CPU
+    against 4.7 s, ``bench/jit_startup.py``). A constant argument is passed as
+    ``np.int64(c)`` and a counter starts as one: numba compiles a callee once more for
+    each literal value it is called with."""
     return _njit(fn, nogil=True, _nrt=False)
-
-
-def njit_inlined(fn):  # type: ignore[no-untyped-def]
-    """:func:`njit_leaf`, and inlined into its callers (numba IR): the hot ``_number``,
-    ~10% of the scan saved on calls."""
-    return _njit(fn, nogil=True, _nrt=False, inline="always")
 
 
 def _njit(fn: Any, **options: Any) -> Any:
@@ -189,7 +190,7 @@ _META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 
 
-@njit_inlined
+@njit_leaf
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = load_byte(b, i)
@@ -199,7 +200,7 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
     return i
 
 
-@njit_inlined
+@njit_leaf
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return (
         i + 4 <= n
@@ -249,10 +250,10 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     x = load_le64(b, i)
     if _lead_digits(x) != 8:
         return np.int64(-1)
-    return _digits_value(x, 8)
+    return _digits_value(x, np.int64(8))
 
 
-@njit_inlined
+@njit_leaf
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
@@ -351,7 +352,7 @@ _P10I = np.array([10**i for i in range(19)], dtype=np.int64)
 _NULL_NEXT = np.uint64(int.from_bytes(b",null],[", "little"))
 
 
-@njit_inlined
+@njit_leaf
 def _lead_digits(x):  # type: ignore[no-untyped-def]
     """How many of the word's bytes, from its first, are ASCII digits (0-8)."""
     t = (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4))
@@ -363,7 +364,7 @@ def _lead_digits(x):  # type: ignore[no-untyped-def]
     return int((((low - np.uint64(1)) & _ONES) * _ONES) >> np.uint64(56)) - 1
 
 
-@njit_inlined
+@njit_leaf
 def _digits_value(x, d):  # type: ignore[no-untyped-def]
     """The value of the first ``d`` (1-8) bytes of ``x``, all ASCII digits."""
     x = (x - _ASCII_ZEROS) << np.uint64(8 * (8 - d))
@@ -373,7 +374,7 @@ def _digits_value(x, d):  # type: ignore[no-untyped-def]
     return np.int64(x)
 
 
-@njit_inlined
+@njit_leaf
 def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     """An entry's inside at ``b[i]`` (after its ``[``) in SGLang's compact form
     ``-D.DDD,ID,null],[`` (at most 18 digits, no exponent), read eight bytes a step:
@@ -400,7 +401,7 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
         fd = d1
         m = m * _P10I[d1] + _digits_value(w1, d1)
     else:
-        m = m * 100000000 + _digits_value(w1, 8)
+        m = m * 100000000 + _digits_value(w1, np.int64(8))
         if d2 < 8:
             fd = 8 + d2
             if d2 > 0:
@@ -411,7 +412,7 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
             if d3 == 8:
                 return i, 0.0, 0, False
             fd = 16 + d3
-            m = m * 100000000 + _digits_value(w2, 8)
+            m = m * 100000000 + _digits_value(w2, np.int64(8))
             if d3 > 0:
                 m = m * _P10I[d3] + _digits_value(w3, d3)
     if fd > 18 or (d0 + fd > 18 and load_byte(b, i) != 48):  # beyond 18 digits: exact?
@@ -659,12 +660,15 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     seen = np.zeros(_N_KEYS, dtype=np.int64)
     depth = 0
     item = -1 if batch else 0
-    nrec = 0
-    ne = 0
-    nr = 0
-    nb = 0
-    s_start = -1
-    s_end = -1
+    # counters typed int64 from the start: a literal 0 would have numba compile each
+    # callee twice (once for the literal, once for int64), doubling the cold compile
+    zero = np.int64(0)
+    nrec = zero
+    ne = zero
+    nr = zero
+    nb = zero
+    s_start = zero - 1
+    s_end = zero - 1
     s_escaped = False
     meta_key = False  # the last key at depth key_depth - 1 was "meta_info"
     in_meta = False
@@ -715,7 +719,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
                 i, nb, st = _b64(b, i, n, raw, nb)
                 if st != OK:
                     return st, nrec, item + 1, ne, nr
-                _record(records, nrec, k, item, start, i, 0, 0, nb0, nb)
+                _record(records, nrec, k, item, start, i, zero, zero, nb0, nb)
                 nrec += 1
                 continue
             if i >= n or load_byte(b, i) != 91:

@@ -3,7 +3,7 @@ answer's logprob lists straight into numpy buffers.
 
 Plain functions over numpy arrays, called through :mod:`opd_stream._jit_calls`;
 :mod:`opd_stream._jit_reader` turns what the scan returns into the checked columns the
-column decoder (:mod:`opd_stream._decode_arrow`) reads. Every function the scan calls is
+column decoder (:mod:`opd_stream._decode_columns`) reads. Every function the scan calls is
 in this one file, on purpose: numba's disk cache keys a compiled function on its own file
 only, so a callee in another file could be served stale after an edit (the reason this
 module is longer than the project's 400-line rule).
@@ -266,6 +266,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     nd = 0
     e = 0
     inexact = False
+    integral = True  # no fraction, no exponent: msgspec reads it as an int (-0 is 0)
     if load_byte(b, i) == 48:
         i += 1
         if i < n and 48 <= load_byte(b, i) <= 57:
@@ -284,6 +285,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                     inexact = True
             i += 1
     if i < n and load_byte(b, i) == 46:
+        integral = False
         i += 1
         if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
             return i, 0.0, False
@@ -310,6 +312,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 inexact = True
             i += 1
     if i < n and (load_byte(b, i) == 101 or load_byte(b, i) == 69):
+        integral = False
         i += 1
         eneg = False
         if i < n and (load_byte(b, i) == 43 or load_byte(b, i) == 45):
@@ -326,8 +329,8 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 x = x * 10 + (int(c) - 48)
             i += 1
         e += -x if eneg else x
-    if m == 0:
-        return i, (-0.0 if neg else 0.0), True
+    if m == 0:  # "-0" is 0.0 (an int for msgspec), "-0.0" and "-0e1" are -0.0
+        return i, (-0.0 if neg and not integral else 0.0), True
     if e < -44 or e > 22:
         return i, 0.0, False
     if e >= 0:
@@ -667,8 +670,8 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     ne = zero
     nr = zero
     nb = zero
-    s_start = zero - 1
-    s_end = zero - 1
+    s_start = int(zero) - 1
+    s_end = s_start
     s_escaped = False
     meta_key = False  # the last key at depth key_depth - 1 was "meta_info"
     in_meta = False

@@ -10,6 +10,7 @@ import anyio
 
 from ._config import render_config_table
 from ._errors import ConfigError
+from ._jit import announce_compile
 from ._logging import LOG_LEVELS, configure_logging
 
 __all__ = ("main",)
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         code: int = bench.main([*extra, *args.args])
         return code
+    _announce_compile(args.command)
     if args.command == "score":
         from ._scorefile import run_score
 
@@ -113,6 +115,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("opd-stream demo: interrupted", file=sys.stderr)
         return 130
     return result
+
+
+def _announce_compile(command: str) -> None:
+    """One line on stderr when the answer scanner compiles for the first time (its cache is
+    cold); a run never waits for it."""
+
+    def notice() -> None:
+        print(
+            f"opd-stream {command}: compiling the answer scanner for the first time, in the "
+            "background (~10 s of CPU); msgspec parses the answers until it is ready",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    announce_compile(notice)
 
 
 if __name__ == "__main__":  # pragma: no cover

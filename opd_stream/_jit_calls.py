@@ -14,7 +14,7 @@ import numpy as np
 
 from ._answers import Body
 from ._jit_checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
-from ._jit_ids import positions_json
+from ._jit_ids import _write_positions, positions_json
 from ._jit_kernel import (
     KEYS,
     N_LISTS,
@@ -44,6 +44,7 @@ __all__ = (
     "R_ROW0",
     "R_ROW1",
     "R_START",
+    "KERNELS",
     "UNUSUAL",
     "request_id_fault",
     "pick_id_rows",
@@ -53,6 +54,12 @@ __all__ = (
     "run_scan",
     "warm",
 )
+
+
+#: The kernels called from Python, each compiled (and cached) for the argument types of
+#: :func:`warm`: when numba's cache holds them all, a process loads rather than compiles
+#: (:mod:`opd_stream._jit`).
+KERNELS = (scan, read_rows, _write_positions, request_id_fault, pick_id_rows, topk_faults)
 
 
 def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:

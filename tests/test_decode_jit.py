@@ -24,8 +24,8 @@ from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_value
 from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
 from opd_stream._codec import decode_score_response, parser_for
-from opd_stream._decode_generate import decode_generate_response
 from opd_stream._decode_columns import decode_segments_columns
+from opd_stream._decode_generate import decode_generate_response
 from opd_stream._jit import available, prepare
 from opd_stream._jit_reader import read_answers_jit
 from opd_stream._payloads import build_score_payload

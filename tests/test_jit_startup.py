@@ -1,0 +1,135 @@
+"""The compiled kernels start in the background and never hold the process
+(``opd_stream._jit``): a script whose work is done exits while they still compile, a
+Ctrl-C during their compile is clean, the CLI says once that it compiles, a library says
+nothing.
+
+Each test runs a script in a session of its own with numba's cache pointed at an empty
+folder (a cold start: ~5-10 s of CPU to compile, far longer than any exit takes) and ends
+every process of that session afterwards (the compiling process outlives the script on
+purpose: it finishes the cache for the next run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups, /proc")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The host's script: a stream starts (and with it the kernels), its "work" waits until the
+#: compiling process runs, then it says so and (``hold``) waits to be interrupted.
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import anyio, psutil
+    from opd_stream import OPDStream, StreamConfig
+    from opd_stream import _jit
+
+    async def main(hold):
+        async with OPDStream(StreamConfig(teachers={"t": "http://127.0.0.1:9"})):
+            me = psutil.Process()
+            for _ in range(6000):  # up to 60 s on a loaded machine
+                if me.children(recursive=True):
+                    break
+                await anyio.sleep(0.01)
+            print("compiling", bool(me.children(recursive=True)), _jit.available(), flush=True)
+            if hold:
+                await anyio.sleep(600)
+
+    try:
+        anyio.run(main, sys.argv[1] == "hold")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    """
+)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _host(tmp_path: Path, mode: str) -> list[str]:
+    script = tmp_path / "host.py"
+    script.write_text(_SCRIPT)
+    return [sys.executable, str(script), mode]
+
+
+@contextlib.contextmanager
+def _cold_session(tmp_path: Path, cmd: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """``cmd`` in a session of its own, numba's cache empty; every process of the session
+    is killed at the end."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_DISABLE_JIT", None)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_a_script_whose_work_is_done_exits_while_the_kernels_still_compile(
+    tmp_path: Path,
+) -> None:
+    with _cold_session(tmp_path, _host(tmp_path, "done")) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        done_at = time.monotonic()
+        assert line.split() == ["compiling", "True", "False"]
+        out, err = proc.communicate(timeout=120)
+        exited_in = time.monotonic() - done_at
+        # the compiling process is still at work after the script is gone: it did not wait
+        assert _group_alive(proc.pid), "the script waited for the compile to finish"
+        assert proc.returncode == 0, err
+        assert err == "" and out == ""  # a library prints nothing
+    # typically well under 1 s; the bound only leaves room for a loaded machine
+    assert exited_in < 10
+
+
+def test_ctrl_c_while_the_kernels_compile_is_clean(tmp_path: Path) -> None:
+    with _cold_session(tmp_path, _host(tmp_path, "hold")) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["compiling", "True", "False"]
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130
+        assert err == "interrupted\n", err  # no traceback, no "Exception ignored"
+        for _ in range(600):  # the compiling process ends too (within 60 s, loaded)
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.1)
+        assert not _group_alive(proc.pid)
+
+
+def test_the_cli_says_once_that_it_compiles(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "opd_stream", "demo", "--samples", "4", "--no-progress"]
+    with _cold_session(tmp_path, cmd) as proc:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    assert err.count("compiling the answer scanner for the first time") == 1, err

@@ -125,12 +125,13 @@ def _cached() -> bool:
     index files; a wrong guess costs only a compile in this process)."""
     try:
         _check_usable()
-        from . import _jit_calls
     except Exception:
         return True  # prepare() says why, at once
     try:
+        from . import _jit_calls
+
         return all(bool(k._cache._cache_file._load_index()) for k in _jit_calls.KERNELS)
-    except Exception:  # another numba's internals: assume cold
+    except Exception:  # another numba's internals: assume cold (the other process decides)
         return False
 
 

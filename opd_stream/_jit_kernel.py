@@ -14,10 +14,12 @@ What the scan does, in one pass:
   escapes) without judging it: msgspec later decodes everything *outside* the lists it
   cut out, with the precise decoder's own types, so the envelope is validated there.
 - Where a key of an answer's ``meta_info`` object (depth 2, or 3 in a batch) names one
-  of the four logprob lists (:data:`KEYS`) and its value opens with ``[``, it parses that
+  of the logprob lists it is given (``keys``, from the msgspec decoder's schema:
+  :data:`opd_stream._decode_score.SCANNED`) and its value opens with ``[``, it parses that
   value under a strict grammar and records its span, so the caller can cut it out; where
-  it names one of the two base64 flat top-k strings, it decodes the string (canonical
-  base64 only) into a byte buffer and records its span likewise.
+  it names one of the base64 flat top-k strings, it decodes the string (canonical
+  base64 only) into a byte buffer and records its span likewise. The names come in as
+  arguments, not constants: numba's cache keys a kernel on its own file only.
 
 The strict grammar accepts a subset of what msgspec's types accept, and nothing else:
 an entry is ``[logprob, id]`` or ``[logprob, id, null]``; a logprob a JSON number or
@@ -53,9 +55,7 @@ from numba.extending import intrinsic as _intrinsic
 
 __all__ = (
     "CAPACITY",
-    "KEYS",
     "MAX_DEPTH",
-    "N_LISTS",
     "OK",
     "R_END",
     "R_ENT0",
@@ -81,20 +81,8 @@ UNUSUAL = 1
 #: The output buffers were too small (cannot happen with ``_jit_calls``' sizes).
 CAPACITY = 2
 
-#: The values the scan parses, by index in the records it returns. Index 0 is a list of
-#: entries, 1-3 lists of rows (:data:`N_LISTS` lists in all), the rest base64 strings
-#: (the flat top-k), decoded into the ``raw`` buffer.
-KEYS = (
-    b"input_token_logprobs",
-    b"input_top_logprobs",
-    b"input_token_ids_logprobs",
-    b"output_token_ids_logprobs",
-    b"input_top_logprobs_val_flat_b64",
-    b"input_top_logprobs_idx_flat_b64",
-)
-N_LISTS = 4
-_META = b"meta_info"
-_N_KEYS = len(KEYS)
+#: The kinds of value (``kinds``), as :mod:`opd_stream._decode_score` numbers them.
+_ENTRIES, _ROWS, _B64 = 0, 1, 2
 MAX_DEPTH = 64
 
 
@@ -182,9 +170,6 @@ _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exa
 _2_POW_M26 = 2.0**-26
 _F32_TINY = 1.2e-38  # float32's smallest normal: below it, fall back
 _TOLERANCE = 1e-4  # _decode_checks.LOGPROB_TOLERANCE: a logprob near it falls back
-_KEY_BYTES = np.frombuffer(b"".join(KEYS), dtype=np.uint8).copy()
-_KEY_STARTS = np.cumsum([0] + [len(k) for k in KEYS]).astype(np.int64)
-_META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 
 # record columns (int64 [n_records, 8])
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
@@ -620,7 +605,8 @@ def _record(records, at, key, item, start, end, row0, row1, ent0, ent1):  # type
 
 @njit_leaf
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
-    """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
+    """Which of the keys (``keys[starts[k]:starts[k + 1]]``) the raw string ``b[s:e]`` is,
+    or -1."""
     for k in range(starts.shape[0] - 1):
         ks, ke = starts[k], starts[k + 1]
         if ke - ks != e - s:
@@ -646,8 +632,12 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
 
 
 @njit_cached
-def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-untyped-def]
-    """Scan a whole answer (see the module docstring).
+def scan(  # type: ignore[no-untyped-def]
+    b, batch, keys, kstarts, kinds, meta, lps, ids, widths, nulls, raw, records
+):
+    """Scan a whole answer (see the module docstring): ``keys`` the names of the values to
+    parse, one after the other (key ``k`` is ``keys[kstarts[k]:kstarts[k + 1]]``), ``kinds``
+    what each is, ``meta`` the name of the object that holds them.
 
     Returns ``(status, n_records, n_items, n_entries, n_rows)``. Each record is one cut
     value: key index, item, byte span, rows range (rows lists) and entries range (for a
@@ -655,12 +645,9 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     """
     n = b.shape[0]
     p10 = _P10
-    keys = _KEY_BYTES
-    kstarts = _KEY_STARTS
-    meta = _META_BYTES
     key_depth = 3 if batch else 2
     stack = np.zeros(MAX_DEPTH + 1, dtype=np.uint8)  # 1 object, 2 array
-    seen = np.zeros(_N_KEYS, dtype=np.int64)
+    seen = np.zeros(kinds.shape[0], dtype=np.int64)
     depth = 0
     item = -1 if batch else 0
     # counters typed int64 from the start: a literal 0 would have numba compile each
@@ -715,7 +702,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             seen[k] = item + 1
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
-            if k >= N_LISTS:  # a b64 field
+            if kinds[k] == _B64:
                 if i >= n or load_byte(b, i) != 34:
                     continue  # null (or a wrong type, which msgspec names): left in place
                 start, nb0 = i, nb
@@ -728,7 +715,7 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             if i >= n or load_byte(b, i) != 91:
                 continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
-            if k == 0:
+            if kinds[k] == _ENTRIES:
                 i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
             else:
                 i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr)

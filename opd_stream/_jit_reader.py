@@ -44,16 +44,16 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
     pieces: list[bytes | memoryview] = []
     pos = 0
     for key, start, end in rec[:, [kernel.R_KEY, kernel.R_START, kernel.R_END]].tolist():
-        pieces += (view[pos:start], b"[]" if key < kernel.N_LISTS else b'""')
+        pieces += (view[pos:start], b'""' if kernel.KINDS[key] == kernel.B64 else b"[]")
         pos = end
     pieces.append(view[pos:])
     metas = decode_metas(b"".join(pieces), batch)
     if metas is None or len(metas) != n_items:
         return None
-    keys = [k.decode() for k in kernel.KEYS]
+    keys = kernel.KEYS
     for key, item in rec[:, [kernel.R_KEY, kernel.R_ITEM]].tolist():
         # the envelope must agree with the scan
-        if getattr(metas[item], keys[key]) != ([] if key < kernel.N_LISTS else ""):
+        if getattr(metas[item], keys[key]) != ("" if kernel.KINDS[key] == kernel.B64 else []):
             return None
     return JitAnswers(
         metas, keys, rec, lps[:n_ent], ids[:n_ent], widths[:n_rows], nulls[:n_rows], raw, kernel

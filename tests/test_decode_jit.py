@@ -321,6 +321,20 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
     _differential(body, REQUESTS["ids-per-position"])
 
 
+def test_the_scanner_takes_its_fields_from_the_msgspec_schema() -> None:
+    from opd_stream import _jit_calls
+    from opd_stream._decode_score import B64, ENTRIES, ROWS
+
+    assert dict(zip(_jit_calls.KEYS, _jit_calls.KINDS, strict=True)) == {
+        "input_token_logprobs": ENTRIES,
+        "input_top_logprobs": ROWS,
+        "input_token_ids_logprobs": ROWS,
+        "output_token_ids_logprobs": ROWS,
+        "input_top_logprobs_val_flat_b64": B64,
+        "input_top_logprobs_idx_flat_b64": B64,
+    }
+
+
 def _zero_answer(name: str, spelling: str) -> bytes:
     """``VALID[name]`` with its last token logprob and the first entry of every last row
     written as ``spelling``."""

@@ -98,13 +98,19 @@ def njit_leaf(fn):  # type: ignore[no-untyped-def]
     compiled without numba's reference counting, which otherwise increments and
     decrements (atomically) every array passed at each call, ~10% of the scan.
 
-    Callees are compiled apart and LLVM inlines the small ones at link time; inlining at
-    numba's IR level (``inline="always"``) made the scan ~1% faster on SGLang's compact
-    answers (~5% on spaced ones) but more than doubled its cold compile (11.7 s of CPU
-    against 4.7 s, ``bench/jit_startup.py``). A constant argument is passed as
-    ``np.int64(c)`` and a counter starts as one: numba compiles a callee once more for
-    each literal value it is called with."""
+    Callees are compiled apart and LLVM inlines the small ones at link time. Inlining every
+    helper at numba's IR level (``inline="always"``) more than doubled the scan's cold
+    compile (11.7 s of CPU against 4.7 s, ``bench/jit_startup.py``): each call site is
+    typed and lowered again. A constant argument is passed as ``np.int64(c)`` and a counter
+    starts as one: numba compiles a callee once more for each literal value it is given."""
     return _njit(fn, nogil=True, _nrt=False)
+
+
+def njit_once(fn):  # type: ignore[no-untyped-def]
+    """:func:`njit_leaf`, inlined at numba's IR level into its one caller: the number
+    parsers of :func:`_entries` (~15% of the general path, ~4% of the compact one, for
+    no more compile time, there being one call site each)."""
+    return _njit(fn, nogil=True, _nrt=False, inline="always")
 
 
 def _njit(fn: Any, **options: Any) -> Any:
@@ -238,7 +244,7 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     return _digits_value(x, np.int64(8))
 
 
-@njit_leaf
+@njit_once
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
@@ -362,7 +368,7 @@ def _digits_value(x, d):  # type: ignore[no-untyped-def]
     return np.int64(x)
 
 
-@njit_leaf
+@njit_once
 def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     """An entry's inside at ``b[i]`` (after its ``[``) in SGLang's compact form
     ``-D.DDD,ID,null],[`` (at most 18 digits, no exponent), read eight bytes a step:

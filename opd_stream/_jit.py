@@ -4,14 +4,14 @@ background, never waited for.
 
 :func:`start` (called as each stream starts) returns at once; a daemon thread then loads the
 kernels from numba's on-disk cache (next to the modules, or the user's cache directory, or
-``NUMBA_CACHE_DIR``): ~0.3 s of CPU. Where the cache lacks them (the first run), it first has
-them compiled by a process of its own (``python -c`` running :mod:`opd_stream._jit_warm`,
-which imports nothing of the host's), ~5-9 s of CPU on a 2-core machine, and loads them
-when it is done; ``bench/jit_startup.py`` measures both. So the host's process is never held:
-its exit does not wait for the thread (a daemon) nor for the compiling process, which
-finishes writing the cache for the next run on its own (a Ctrl-C in the terminal stops it
-too). Where no process can be started, or numba cannot cache here, the thread compiles
-in-process instead (still a daemon).
+``NUMBA_CACHE_DIR``): ~0.4-0.5 s of CPU, numba's import included. Where the cache lacks them
+(the first run), it first has them compiled by a process of its own (``python -c`` running
+:mod:`opd_stream._jit_warm`, which imports nothing of the host's), ~7-8 s of CPU on a 2-core
+machine, and loads them when it is done; ``bench/jit_startup.py`` measures both. So the
+host's process is never held: its exit does not wait for the thread (a daemon) nor for the
+compiling process, which finishes writing the cache for the next run on its own (a Ctrl-C
+in the terminal stops it too). Where no process can be started, or numba cannot cache
+here, the thread compiles in-process instead (still a daemon).
 
 Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
 ``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a

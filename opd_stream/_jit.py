@@ -111,7 +111,7 @@ def _check_usable() -> None:
 def _background() -> None:
     """The daemon thread of :func:`start`."""
     try:
-        if not _cached():
+        if _cache_state() == "cold":
             if _notice is not None:
                 _notice()
             _compile_elsewhere()
@@ -120,19 +120,25 @@ def _background() -> None:
     prepare()
 
 
-def _cached() -> bool:
-    """Whether numba's cache holds every kernel for these sources (a cheap look at its
-    index files; a wrong guess costs only a compile in this process)."""
+def _cache_state() -> str:
+    """``"warm"`` when numba's cache holds every kernel for these sources (a cheap look at
+    its index files; a wrong guess costs only a compile in this process), ``"cold"`` when
+    it lacks one, ``"none"`` when there is no cache to fill (numba unusable, or no
+    writable place for it: then :func:`prepare` says why, or compiles here)."""
     try:
         _check_usable()
     except Exception:
-        return True  # prepare() says why, at once
+        return "none"
     try:
         from . import _jit_calls
 
-        return all(bool(k._cache._cache_file._load_index()) for k in _jit_calls.KERNELS)
-    except Exception:  # another numba's internals: assume cold (the other process decides)
-        return False
+        files = [k._cache._cache_file for k in _jit_calls.KERNELS]
+    except Exception:  # no cache (numba compiled them uncached), or another numba
+        return "none"
+    try:
+        return "warm" if all(f._load_index() for f in files) else "cold"
+    except Exception:  # an unreadable index: the other process rewrites it
+        return "cold"
 
 
 def _compile_elsewhere() -> None:

@@ -53,6 +53,17 @@ fresh() {
   "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check .
   (cd "$tmp" && "$tmp/venv/bin/opd-stream" demo --samples 16 --no-progress)
+  wait_for_compile "$tmp/venv/"
+}
+
+# A first run leaves the process that compiles the scanner into numba's cache to finish on its
+# own (opd_stream._jit): wait for any process of the venv in $1 (at most 5 minutes) before it goes.
+wait_for_compile() {
+  local waited=0
+  while pgrep -f "$1" >/dev/null && [ "$waited" -lt 300 ]; do
+    sleep 1
+    waited=$((waited + 1))
+  done
 }
 
 # The lowest numba pyproject.toml allows (vLLM pins numba==0.65.0, llvmlite 0.47): a new venv
@@ -68,6 +79,7 @@ lowest() {
   "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
   (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
     test_decode_jit.py test_jit_payloads.py test_jit_rows.py test_jit_startup.py)
+  wait_for_compile "$tmp/venv/"
 }
 
 cmd="${1:-test}"

@@ -140,3 +140,33 @@ def test_the_cli_says_once_that_it_compiles(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
     assert err.count("compiling the answer scanner for the first time") == 1, err
+
+
+def test_with_numba_disabled_msgspec_parses_and_nothing_compiles(tmp_path: Path) -> None:
+    # NUMBA_DISABLE_JIT would run the kernels as Python, byte by byte: they are refused
+    script = (
+        "from opd_stream import _jit\n"
+        "from opd_stream._codec import parser_for\n"
+        "_jit.start()\n"
+        "assert _jit._thread is not None\n"
+        "_jit._thread.join(120)\n"
+        "print(_jit._failed, _jit.available(), parser_for())\n"
+    )
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": str(tmp_path / "numba"),
+        "NUMBA_DISABLE_JIT": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "msgspec"]
+    assert proc.stderr == ""
+    assert not (tmp_path / "numba").exists()  # no process compiled anything

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ("announce_compile", "available", "compiled", "prepare", "start")
+__all__ = ("announce_compile", "available", "compiled", "prepare", "start", "unavailable_reason")
 
 _log = logging.getLogger("opd_stream")
 _start_lock = threading.Lock()
@@ -97,6 +97,25 @@ def prepare() -> bool:
                 _failed = True
                 _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)
     return _kernel is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled scanner cannot run in this process, or ``None`` when it can (or
+    may: the compile itself can still fail, e.g. numba too old for this numpy). Cheap:
+    numba is looked up, not imported; nothing is compiled."""
+    import importlib.util
+
+    if _kernel is not None:
+        return None
+    if _failed:
+        return "numba failed to load or compile the kernels in this process"
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    if os.environ.get("NUMBA_DISABLE_JIT", "0").strip() not in ("", "0"):
+        return "NUMBA_DISABLE_JIT is set"
+    if sys.byteorder != "little":
+        return "a big-endian machine"
+    return None
 
 
 def _check_usable() -> None:

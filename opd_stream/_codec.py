@@ -7,7 +7,7 @@ and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream._jit_reader`,
 numba: ~1-3 ns per byte, GIL released) wherever it is ready (it is compiled once per process
 in the background, :mod:`opd_stream._jit`); until then, or where numba cannot run, msgspec
-(~15 ns per byte with every check, GIL held). The scanner hands an answer it does not
+(5-17 ns per byte with every check, GIL held). The scanner hands an answer it does not
 accept to msgspec, which raises the precise error. Which thread: a request body (by
 :func:`~opd_stream._payloads.payload_size_hint`) or an answer of at least
 ``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
@@ -110,7 +110,7 @@ def decode_score_response(
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
     ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
-    ``"msgspec"`` holds the GIL for the whole decode (~15 ns per byte). ``"jit"`` uses the
+    ``"msgspec"`` holds the GIL for the whole decode (5-17 ns per byte). ``"jit"`` uses the
     compiled scanner (GIL released, ~1-3 ns per byte) when it is ready
     (:func:`opd_stream._jit.prepare`). An answer the scanner does not accept is decoded
     again with msgspec, which raises the precise error (see

@@ -3,7 +3,7 @@
 The same scoring as scenario 3 (R = 16384, top-k 64, only-teacher, mock servers) in a fresh
 process: a short warm pass (4 samples), then ``--passes`` measured passes over all the
 samples, each printing lag p99 / max, the garbage collections over 10 ms while measuring
-and which parser decoded the answers. ``--parser arrow`` hides the compiled scanner (as
+and which parser decoded the answers. ``--parser msgspec`` hides the compiled scanner (as
 without numba). Seen on this 2-core machine: the first pass (the mocks still compute most
 answers, which arrive spread out) keeps p99 at 3-8 ms; later passes (every answer replayed
 at once from the mocks' caches, as in scenario 3, whose warm pass covers all samples) at
@@ -11,7 +11,7 @@ at once from the mocks' caches, as in scenario 3, whose warm pass covers all sam
 comes (the same day, joining each 46 MB body at the end gave 19-22 ms, max 55-98 ms; a
 bytearray grown chunk by chunk, 16-35 ms before that).
 
-    .venv/bin/python -m bench.s3_lag_probe [--parser jit|arrow] [--samples 16] [--passes 3]
+    .venv/bin/python -m bench.s3_lag_probe [--parser jit|msgspec] [--samples 16] [--passes 3]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ __all__ = ("main",)
 
 
 async def _run(parser: str, n: int, passes: int) -> None:
-    if parser == "arrow":
-        _jit._failed = True  # as without numba: pyarrow in the decode threads
+    if parser == "msgspec":
+        _jit._failed = True  # as without numba: msgspec in the decode threads
     pauses: list[tuple[int, float]] = []
     started: dict[str, float] = {}
     measuring = False
@@ -70,7 +70,7 @@ async def _run(parser: str, n: int, passes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parser", choices=("jit", "arrow"), default="jit")
+    ap.add_argument("--parser", choices=("jit", "msgspec"), default="jit")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()

@@ -22,6 +22,7 @@ import numpy as np
 
 from opd_stream import Sample, StreamConfig
 from opd_stream._codec import decode_score_response, parser_for
+from opd_stream._jit import prepare
 from opd_stream._payloads import build_score_payload
 from opd_stream._student_topk import parse_student_topk
 from opd_stream._wire import ScoreRequest, auto_block_size
@@ -187,7 +188,9 @@ def _best_cpu(fn: Callable[[], Any], *, gc_off: bool, reps: int = 3) -> float:
 
 
 def _arrow_read(body: bytes) -> Any:
-    """pyarrow's JSON reader on one answer, inferred schema, one thread, into arrays."""
+    """pyarrow's JSON reader on one answer, inferred schema, one thread, into arrays (a
+    reference outside this project for the parsing floor only: opd_stream does not use
+    pyarrow; the ``bench`` extra installs it)."""
     import pyarrow as pa
     import pyarrow.json as pj
 
@@ -230,22 +233,20 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
 
     The parsing floor is the fastest of two libraries outside this project on the same
     bytes: msgspec's untyped decode with the GC off, and pyarrow's JSON reader. Beside them:
-    opd_stream's three decoders, each with every check (msgspec, the fallback on the event
-    loop; pyarrow's reader; the compiled scanner, used wherever it is ready), and the
+    opd_stream's two decoders, each with every check (msgspec, the fallback; the compiled
+    scanner, used wherever it is ready), and the
     threaded decoder's wall time with 1 and 2 threads (how decode throughput scales with
     cores when the GIL is released).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     each = functools.partial(_each, bodies)
-    threaded = parser_for(in_thread=True)  # compiles the scanner if it can
+    prepare()  # compiles the scanner if it can (blocking: a benchmark waits for it)
+    threaded = parser_for()
     res = {
         **floor_parsers(bodies),
         "opd_stream msgspec decoder": _best_cpu(
             each(lambda b, r: decode_score_response(b, r)), gc_off=False
-        ),
-        "opd_stream arrow decoder": _best_cpu(
-            each(lambda b, r: decode_score_response(b, r, parser="arrow")), gc_off=False
         ),
     }
     if threaded == "jit":
@@ -264,7 +265,7 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
     return res
 
 
-#: The threaded decoder's wall time (the scanner where numba is installed, else pyarrow).
+#: The threaded decoder's wall time (the scanner where numba runs, else msgspec).
 THREAD_WALL = "threaded decoder wall,"
 
 

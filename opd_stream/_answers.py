@@ -2,8 +2,9 @@
 and :class:`Segment`, one HTTP item of a scoring request as the decoders see it.
 
 Shared by the msgspec decoders (:mod:`opd_stream._decode_score`,
-:mod:`opd_stream._decode_generate`), the pyarrow fast path (:mod:`opd_stream._decode_arrow`)
-and the request layout (:mod:`opd_stream._wire`, which turns a request into segments).
+:mod:`opd_stream._decode_generate`), the scanner's column decoder
+(:mod:`opd_stream._decode_columns`) and the request layout (:mod:`opd_stream._wire`, which
+turns a request into segments).
 """
 
 from __future__ import annotations

@@ -361,7 +361,7 @@ class AttemptSender:
             body, lay, cpu = timed_build(req)
         else:
             body, lay, cpu = await anyio.to_thread.run_sync(
-                functools.partial(timed_build, req, in_thread=True),
+                functools.partial(timed_build, req),
                 limiter=self._threads,
                 abandon_on_cancel=True,
             )
@@ -375,13 +375,13 @@ class AttemptSender:
         if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
             start = time.thread_time()
             try:
-                rows, parser = decode(body, req, in_thread=False, lay=lay)
+                rows, parser = decode(body, req, lay=lay)
             finally:
                 self._stats.cpu["decode_loop"] += time.thread_time() - start
             self._stats.decoded[parser] += 1
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
-        # answer: ~1.3-2.5 ns per byte with the scanner, 0.1 s for a 36 MB answer; pyarrow ~15,
+        # answer: ~1-3 ns per byte with the scanner, 0.1 s for a 36 MB answer; msgspec 5-17,
         # 0.5 s) and its result is dropped.
         got, cpu = await anyio.to_thread.run_sync(
             functools.partial(timed_decode, body, req, lay),

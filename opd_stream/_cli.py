@@ -139,6 +139,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print("opd-stream probe: interrupted", file=sys.stderr)
             return 130
         return probe_code
+    _announce_compile(args.command)
     if args.command == "score":
         from ._scorefile import run_score
 
@@ -159,6 +160,37 @@ def _main(argv: Sequence[str] | None) -> int:
         print("opd-stream demo: interrupted", file=sys.stderr)
         return 130
     return result
+
+
+def _announce_compile(command: str) -> None:
+    """One line on stderr when the answer scanner compiles for the first time (its cache is
+    cold); a run never waits for it."""
+
+    def notice() -> None:
+        print(
+            f"opd-stream {command}: compiling the answer scanner for the first time, in the "
+            "background (~8 s of CPU, once); msgspec parses the answers until it is ready",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    announce_compile(notice)
+
+
+def _announce_compile(command: str) -> None:
+    """One line on stderr when the answer scanner compiles for the first time (its cache is
+    cold); a run never waits for it."""
+    from ._jit import announce_compile
+
+    def notice() -> None:
+        print(
+            f"opd-stream {command}: compiling the answer scanner for the first time, in the "
+            "background (~8 s of CPU, once); msgspec parses the answers until it is ready",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    announce_compile(notice)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,11 +5,10 @@ Plain sync functions; the async shell (:mod:`opd_stream._attempts`) asks
 and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
 
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream._jit_reader`,
-numba: about half of msgspec's untyped decode in CPU, GIL released) wherever it is ready;
-a decode thread compiles it as a stream starts. Until then, or without numba: pyarrow in a decode
-thread (GIL released, ~1.9x msgspec's CPU) and msgspec on the event loop (~8 ns per byte,
-GIL held). A faster parser hands an answer it does not accept on, msgspec last, which
-raises the precise error. Which thread: a request body (by
+numba: ~1-3 ns per byte, GIL released) wherever it is ready (it is compiled once per process
+in the background, :mod:`opd_stream._jit`); until then, or where numba cannot run, msgspec
+(5-17 ns per byte with every check, GIL held). The scanner hands an answer it does not
+accept to msgspec, which raises the precise error. Which thread: a request body (by
 :func:`~opd_stream._payloads.payload_size_hint`) or an answer of at least
 ``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
 stays on the loop.
@@ -22,11 +21,9 @@ from collections.abc import Sequence
 from typing import Literal
 
 from ._answers import Body, ScoreRows
-from ._arrow_reader import Reader
-from ._decode_arrow import decode_segments_arrow, read_answers_arrow
+from ._decode_columns import decode_segments_columns
 from ._decode_score import decode_segments
-from ._jit import available, prepare
-from ._jit_reader import read_answers_jit
+from ._jit import available
 from ._payloads import build_laid, payload_size_hint
 from ._wire import Layout, ScoreRequest, layout
 
@@ -44,10 +41,9 @@ __all__ = (
     "timed_decode",
 )
 
-Parser = Literal["msgspec", "arrow", "jit"]
+Parser = Literal["msgspec", "jit"]
 #: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
 Answer = Body | Sequence[Body]
-_READERS: dict[str, Reader] = {"arrow": read_answers_arrow, "jit": read_answers_jit}
 
 
 def answer_size(answer: Answer) -> int:
@@ -64,37 +60,32 @@ def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
 
 
 def decode_in_thread(size: int, threshold: int) -> bool:
-    """Whether an answer of ``size`` bytes is decoded in a worker thread (with pyarrow)."""
+    """Whether an answer of ``size`` bytes is decoded in a worker thread."""
     return size >= threshold
 
 
-def timed_build(req: ScoreRequest, *, in_thread: bool = False) -> tuple[bytes, Layout, float]:
+def timed_build(req: ScoreRequest) -> tuple[bytes, Layout, float]:
     """``req``'s body, its layout (checked once: the decode of the answer takes it again)
-    and the CPU seconds of the thread that built it (a worker thread, ``in_thread``,
-    compiles the kernels if the stream has not yet)."""
+    and the CPU seconds of the thread that built it (it never waits for the kernels)."""
     start = time.thread_time()
-    if in_thread:
-        prepare()
     lay = layout(req)
     body = build_laid(req, lay)
     return body, lay, time.thread_time() - start
 
 
-def parser_for(*, in_thread: bool) -> Parser:
-    """The parser for where a decode runs: the compiled scanner once it is ready (a decode
-    thread compiles it on first use), else pyarrow in a thread and msgspec on the loop."""
-    if available() or (in_thread and prepare()):
-        return "jit"
-    return "arrow" if in_thread else "msgspec"
+def parser_for() -> Parser:
+    """The parser for a decode, on the loop or in a thread: the compiled scanner once it
+    is ready (never waited for), else msgspec."""
+    return "jit" if available() else "msgspec"
 
 
 def decode(
-    answer: Answer, req: ScoreRequest, *, in_thread: bool, lay: Layout | None = None
+    answer: Answer, req: ScoreRequest, *, lay: Layout | None = None
 ) -> tuple[ScoreRows, Parser]:
-    """Decode an answer with the parser for where it runs (:func:`parser_for`): the rows,
+    """Decode an answer with the parser of the moment (:func:`parser_for`): the rows,
     and the parser that gave them (``"msgspec"`` where the fast one handed it on). ``lay``:
     ``layout(req)`` where the caller has it (from :func:`timed_build`)."""
-    parser = parser_for(in_thread=in_thread)
+    parser = parser_for()
     if isinstance(answer, Body):
         return _decode_one(answer, req, parser, lay)
     return _decode_blocks(answer, req, parser)
@@ -107,7 +98,7 @@ def timed_decode(
     the caller's task), and the thread's CPU seconds."""
     start = time.thread_time()
     try:
-        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, in_thread=True, lay=lay)
+        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, lay=lay)
     except Exception as exc:  # raised again in the caller's task
         got = exc
     return got, time.thread_time() - start
@@ -118,13 +109,12 @@ def decode_score_response(
 ) -> ScoreRows:
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
-    ``parser`` picks how the JSON is read; all give the same arrays and the same errors.
-    ``"msgspec"`` holds the GIL for the whole decode (~8 ns per byte). ``"arrow"`` parses
-    with pyarrow's JSON reader, which releases the GIL (~1.9x msgspec's CPU). ``"jit"``
-    uses the compiled scanner (GIL released, ~1.3-2.5 ns per byte) when it is ready
-    (:func:`opd_stream._jit.prepare`). An answer the fast parser does not accept is
-    decoded again with msgspec, which raises the precise error (see
-    :mod:`opd_stream._decode_arrow`).
+    ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
+    ``"msgspec"`` holds the GIL for the whole decode (5-17 ns per byte). ``"jit"`` uses the
+    compiled scanner (GIL released, ~1-3 ns per byte) when it is ready
+    (:func:`opd_stream._jit.prepare`). An answer the scanner does not accept is decoded
+    again with msgspec, which raises the precise error (see
+    :mod:`opd_stream._decode_columns`).
 
     Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
     / response position, never payload values): ``finish_reason.type != "abort"``; every
@@ -163,14 +153,9 @@ def _decode_laid(
     per_position: bool,
 ) -> tuple[ScoreRows, Parser]:
     """``parser``'s reader first (unless msgspec), msgspec for what it hands back."""
-    if parser != "msgspec":
-        rows = decode_segments_arrow(
-            body,
-            batch=batch,
-            segments=lay.segments,
-            tokens=lay.tokens,
-            top_k=top_k,
-            reader=_READERS[parser],
+    if parser == "jit":
+        rows = decode_segments_columns(
+            body, batch=batch, segments=lay.segments, tokens=lay.tokens, top_k=top_k
         )
         if rows is not None:
             return rows, parser

@@ -1,4 +1,4 @@
-"""The array-level checks of an answer, shared by both parsers (msgspec and pyarrow).
+"""The array-level checks of an answer, shared by both parsers (msgspec and the compiled scanner).
 
 Each takes flat numpy arrays (however they were parsed) and the request's
 :class:`~opd_stream._answers.Segment` s, checks them and gives the validated arrays:

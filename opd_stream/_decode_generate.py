@@ -1,7 +1,5 @@
 """The msgspec decoder of sampling (rollout) ``/generate`` answers:
 :func:`decode_generate_response`.
-
-``parser="arrow"`` tries the pyarrow fast path first (:mod:`opd_stream._decode_arrow_generate`).
 """
 
 from __future__ import annotations
@@ -51,13 +49,8 @@ class _GenResponse(msgspec.Struct, gc=False, frozen=True):
 _GENERATE = msgspec.json.Decoder(_GenResponse | list[_GenResponse])
 
 
-def decode_generate_response(
-    body: Body, *, parser: str = "msgspec"
-) -> list[Generation]:
+def decode_generate_response(body: Body) -> list[Generation]:
     """Decode a sampling ``/generate`` answer (single object or batch array).
-
-    ``parser="arrow"`` reads it with pyarrow's JSON reader (GIL released, for a thread);
-    an answer that path does not accept is decoded with msgspec, which gives the error.
 
     The output top-k is read from whichever form the server sent: the b64 flat fields
     (``output_top_logprobs_{val,idx}_flat_b64`` + ``_shape`` / ``_null_prefix``, asked by
@@ -78,12 +71,6 @@ def decode_generate_response(
 
     All errors carry ``side="student"``.
     """
-    if parser == "arrow":
-        from ._decode_arrow_generate import decode_generate_arrow
-
-        fast = decode_generate_arrow(body)
-        if fast is not None:
-            return fast
     try:
         decoded = _GENERATE.decode(body)
     except msgspec.DecodeError as exc:

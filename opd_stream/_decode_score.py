@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain, islice
+from typing import get_args
 
 import msgspec
 import numpy as np
@@ -56,7 +57,7 @@ from ._decode_entries import (
 )
 from ._errors import CapabilityError, MalformedResponseError, MisalignedResponseError
 
-__all__ = ("decode_metas", "decode_segments")
+__all__ = ("B64", "ENTRIES", "ROWS", "SCANNED", "decode_metas", "decode_segments")
 
 
 class _Meta(msgspec.Struct, gc=False, frozen=True):
@@ -82,6 +83,32 @@ class _Meta(msgspec.Struct, gc=False, frozen=True):
 
 class _Response(msgspec.Struct, gc=False, frozen=True):
     meta_info: _Meta | None = None
+
+
+#: The kinds of value the compiled scanner parses itself: a list of entries, a list of rows
+#: of entries, a base64 string.
+ENTRIES, ROWS, B64 = 0, 1, 2
+
+
+def _scanned() -> tuple[tuple[str, int], ...]:
+    """The fields of :class:`_Meta` the scanner parses, with their kind, in declaration
+    order: every list of entries, every list of rows, every ``str`` field named
+    ``*_flat_b64``. The schema is declared once, above; the scanner takes it from here."""
+    out = []
+    for field in msgspec.structs.fields(_Meta):
+        args = get_args(field.type)
+        if list[Entry] in args:
+            out.append((field.name, ENTRIES))
+        elif EntryRows in args:
+            out.append((field.name, ROWS))
+        elif str in args and field.name.endswith("_flat_b64"):
+            out.append((field.name, B64))
+    return tuple(out)
+
+
+#: ``(field name, kind)`` of every ``meta_info`` value the compiled scanner parses
+#: (:mod:`opd_stream._jit_kernel`), the rest of an answer being decoded with the types above.
+SCANNED = _scanned()
 
 
 _SINGLE = msgspec.json.Decoder(_Response)

@@ -1,37 +1,54 @@
 """The compiled kernels (:mod:`opd_stream._jit_kernel`, :mod:`opd_stream._jit_ids`, numba,
-called through :mod:`opd_stream._jit_calls`): compiled once per process,
-off the event loop, or never.
+called through :mod:`opd_stream._jit_calls`): made ready once per process, in the
+background, never waited for.
 
-numba is optional (the ``jit`` extra). :func:`prepare` imports it and compiles the kernels
-(about 10-15 s of CPU on a 2-core machine the first time; about 0.4 s in later processes,
-from numba's on-disk cache next to the module or in the user's cache directory). It is
-called, blocking, in a decode thread as each stream starts (and by any worker thread that
-builds a payload or decodes an answer before it is done);
-while it runs, and after a failure (numba missing, too old for this numpy, or
-``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or
-a big-endian machine),
-:func:`compiled` gives ``None`` and the callers use their other paths. A failure is logged
-once at DEBUG and never retried. Compiling allocates heavily, so it may set off one full
-garbage collection of the host's heap (a one-time pause of the loop, ~35-50 ms measured).
+:func:`start` (called as each stream starts) returns at once; a daemon thread then loads the
+kernels from numba's on-disk cache (next to the modules, or the user's cache directory, or
+``NUMBA_CACHE_DIR``): ~0.4-0.5 s of CPU, numba's import included. Where the cache lacks them
+(the first run), it first has them compiled by a process of its own (``python -c`` running
+:mod:`opd_stream._jit_warm`, which imports nothing of the host's), ~7-8 s of CPU on a 2-core
+machine, and loads them when it is done; ``bench/jit_startup.py`` measures both. So the
+host's process is never held: its exit does not wait for the thread (a daemon) nor for the
+compiling process, which finishes writing the cache for the next run on its own (a Ctrl-C
+in the terminal stops it too). Where no process can be started, or numba cannot cache
+here, the thread compiles in-process instead (still a daemon).
+
+Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
+``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a
+big-endian machine), :func:`compiled` gives ``None`` and the callers use msgspec and numpy.
+A failure is logged once at DEBUG and never retried. Nothing is printed: the CLI asks for
+its one line with :func:`announce_compile`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ("available", "compiled", "prepare", "unavailable_reason")
+__all__ = ("announce_compile", "available", "compiled", "prepare", "start", "unavailable_reason")
 
 _log = logging.getLogger("opd_stream")
-_lock = threading.Lock()
+_start_lock = threading.Lock()
+_compile_lock = threading.Lock()
 _kernel: ModuleType | None = None
 _failed = False
+_thread: threading.Thread | None = None
+_notice: Callable[[], None] | None = None
+
+#: What the compiling process runs (``sys.argv[1]``: the folder that holds this package, so
+#: that it compiles these very files).
+_CHILD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from opd_stream._jit_warm import main; main()"
+)
 
 
 def compiled() -> ModuleType | None:
-    """The compiled kernels' module, or ``None`` (not compiled yet, or unavailable)."""
+    """The compiled kernels' module, or ``None`` (not ready yet, or unavailable)."""
     return _kernel
 
 
@@ -40,34 +57,45 @@ def available() -> bool:
     return _kernel is not None
 
 
-def prepare() -> bool:
-    """Compile (or load from numba's cache) the kernels, blocking; whether they are usable.
+def announce_compile(notice: Callable[[], None] | None) -> None:
+    """Have ``notice`` called (from the background thread) when the kernels must be compiled
+    rather than loaded from the cache: the CLI's one line. Library use sets none."""
+    global _notice
+    _notice = notice
 
-    Thread-safe: while one thread compiles, another caller gets ``False`` at once (its
-    work takes another path). Never call it on the event loop.
+
+def start() -> None:
+    """Make the kernels ready in the background (see the module docstring); returns at once.
+
+    Does nothing when they are ready, unavailable, or already on their way.
+    """
+    global _thread
+    with _start_lock:
+        if _kernel is not None or _failed or (_thread is not None and _thread.is_alive()):
+            return
+        _thread = threading.Thread(target=_background, name="opd_stream.kernels", daemon=True)
+        _thread.start()
+
+
+def prepare() -> bool:
+    """Compile (or load from numba's cache) the kernels in this thread, blocking; whether
+    they are usable. Thread-safe (a second caller waits for the first). The background
+    thread of :func:`start` calls it; so do tests and benchmarks. Never on the event loop.
     """
     global _kernel, _failed
     if _kernel is not None:
         return True
-    if _failed or not _lock.acquire(blocking=False):
-        return False
-    try:
+    with _compile_lock:
         if _kernel is None and not _failed:
-            import numba
+            try:
+                _check_usable()
+                from . import _jit_calls
 
-            if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
-                raise RuntimeError("NUMBA_DISABLE_JIT is set")
-            if sys.byteorder != "little":  # the scan reads 8 bytes as a little-endian word
-                raise RuntimeError("a big-endian machine")
-            from . import _jit_calls
-
-            _jit_calls.warm()
-            _kernel = _jit_calls
-    except Exception as exc:  # numba absent or unusable here: the other paths remain
-        _failed = True
-        _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)
-    finally:
-        _lock.release()
+                _jit_calls.warm()
+                _kernel = _jit_calls
+            except Exception as exc:  # numba absent or unusable here: msgspec remains
+                _failed = True
+                _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)
     return _kernel is not None
 
 
@@ -76,7 +104,6 @@ def unavailable_reason() -> str | None:
     may: the compile itself can still fail, e.g. numba too old for this numpy). Cheap:
     numba is looked up, not imported; nothing is compiled."""
     import importlib.util
-    import os
 
     if _kernel is not None:
         return None
@@ -89,3 +116,68 @@ def unavailable_reason() -> str | None:
     if sys.byteorder != "little":
         return "a big-endian machine"
     return None
+
+
+def _check_usable() -> None:
+    import numba
+
+    if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
+        raise RuntimeError("NUMBA_DISABLE_JIT is set")
+    if sys.byteorder != "little":  # the scan reads 8 bytes as a little-endian word
+        raise RuntimeError("a big-endian machine")
+
+
+def _background() -> None:
+    """The daemon thread of :func:`start`."""
+    try:
+        if _cache_state() == "cold":
+            if _notice is not None:
+                _notice()
+            _compile_elsewhere()
+    except Exception as exc:  # then compile here, below
+        _log.debug("opd_stream: kernels not compiled apart: %s", type(exc).__name__)
+    prepare()
+
+
+def _cache_state() -> str:
+    """``"warm"`` when numba's cache holds every kernel for these sources (a cheap look at
+    its index files; a wrong guess costs only a compile in this process), ``"cold"`` when
+    it lacks one, ``"none"`` when there is no cache to fill (numba unusable, or no
+    writable place for it: then :func:`prepare` says why, or compiles here)."""
+    try:
+        _check_usable()
+    except Exception:
+        return "none"
+    try:
+        from . import _jit_calls
+
+        files = [k._cache._cache_file for k in _jit_calls.KERNELS]
+    except Exception:  # no cache (numba compiled them uncached), or another numba
+        return "none"
+    try:
+        return "warm" if all(f._load_index() for f in files) else "cold"
+    except Exception:  # an unreadable index: the other process rewrites it
+        return "cold"
+
+
+def _compile_elsewhere() -> None:
+    """Compile the kernels into numba's cache in a process of its own, and wait for it."""
+    if not sys.executable:
+        raise RuntimeError("no interpreter to start")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, here],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def _after_fork() -> None:
+    global _thread
+    _thread = None  # the thread did not survive the fork: start() may start another
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

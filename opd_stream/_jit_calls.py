@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 from ._answers import Body
+from ._decode_score import B64, SCANNED
 from ._jit_checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
-from ._jit_ids import positions_json
+from ._jit_ids import _write_positions, positions_json
 from ._jit_kernel import (
-    KEYS,
-    N_LISTS,
     OK,
     R_END,
     R_ENT0,
@@ -33,8 +32,9 @@ from ._jit_kernel import (
 from ._jit_rows import read_rows
 
 __all__ = (
+    "B64",
     "KEYS",
-    "N_LISTS",
+    "KINDS",
     "OK",
     "R_END",
     "R_ENT0",
@@ -44,6 +44,7 @@ __all__ = (
     "R_ROW0",
     "R_ROW1",
     "R_START",
+    "KERNELS",
     "UNUSUAL",
     "request_id_fault",
     "pick_id_rows",
@@ -53,6 +54,23 @@ __all__ = (
     "run_scan",
     "warm",
 )
+
+
+#: The ``meta_info`` values the scan parses, by index in its records: their names and
+#: kinds (:data:`opd_stream._decode_score.SCANNED`, the msgspec decoder's schema).
+KEYS = tuple(name for name, _ in SCANNED)
+KINDS = tuple(kind for _, kind in SCANNED)
+_KEY_BYTES = np.frombuffer("".join(KEYS).encode(), dtype=np.uint8).copy()
+_KEY_STARTS = np.cumsum([0] + [len(k) for k in KEYS]).astype(np.int64)
+_KINDS = np.array(KINDS, dtype=np.int64)
+_META = np.frombuffer(b"meta_info", dtype=np.uint8).copy()
+for _arr in (_KEY_BYTES, _KEY_STARTS, _KINDS, _META):
+    _arr.flags.writeable = False  # one compiled variant: read-only
+
+#: The kernels called from Python, each compiled (and cached) for the argument types of
+#: :func:`warm`: when numba's cache holds them all, a process loads rather than compiles
+#: (:mod:`opd_stream._jit`).
+KERNELS = (scan, read_rows, _write_positions, request_id_fault, pick_id_rows, topk_faults)
 
 
 def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
@@ -95,7 +113,8 @@ def run_scan(body: Body, batch: bool) -> tuple[Any, ...]:
     nulls = np.empty(rows, dtype=np.uint8)
     raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
     records = np.empty((n // 8 + 8, 8), dtype=np.int64)
-    got = scan(b, batch, lps, ids, widths, nulls, raw, records)
+    schema = (_KEY_BYTES, _KEY_STARTS, _KINDS, _META)
+    got = scan(b, batch, *schema, lps, ids, widths, nulls, raw, records)
     return got, lps, ids, widths, nulls, raw, records
 
 

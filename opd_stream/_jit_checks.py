@@ -79,7 +79,7 @@ def request_id_fault(ids, max_id):  # type: ignore[no-untyped-def]
             d = ids[row, j]
             if d < 0 or d >= max_id:
                 return 1, -1
-        if dup < 0 and _has_duplicate(ids, row, -1, tab, stamps, shift):
+        if dup < 0 and _has_duplicate(ids, row, np.int64(-1), tab, stamps, shift):
             dup = row
     return (2, dup) if dup >= 0 else (0, -1)
 

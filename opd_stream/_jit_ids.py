@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_kernel import njit_inlined, njit_leaf, store_le64
+from ._jit_kernel import njit_leaf, store_le64
 
 __all__ = ("positions_json",)
 
@@ -27,7 +27,7 @@ _LOW4_PER16 = np.uint64(0x000F000F000F000F)
 _ASCII_ZEROS = np.uint64(0x3030303030303030)
 
 
-@njit_inlined
+@njit_leaf
 def _ascii8(v):  # type: ignore[no-untyped-def]
     """The eight ASCII digits of ``0 <= v < 10^8`` (leading zeros included) as one
     little-endian word, first digit in the lowest byte: SWAR, no division."""

@@ -3,7 +3,7 @@ answer's logprob lists straight into numpy buffers.
 
 Plain functions over numpy arrays, called through :mod:`opd_stream._jit_calls`;
 :mod:`opd_stream._jit_reader` turns what the scan returns into the checked columns the
-column decoder (:mod:`opd_stream._decode_arrow`) reads. Every function the scan calls is
+column decoder (:mod:`opd_stream._decode_columns`) reads. Every function the scan calls is
 in this one file, on purpose: numba's disk cache keys a compiled function on its own file
 only, so a callee in another file could be served stale after an edit (the reason this
 module is longer than the project's 400-line rule).
@@ -14,10 +14,12 @@ What the scan does, in one pass:
   escapes) without judging it: msgspec later decodes everything *outside* the lists it
   cut out, with the precise decoder's own types, so the envelope is validated there.
 - Where a key of an answer's ``meta_info`` object (depth 2, or 3 in a batch) names one
-  of the four logprob lists (:data:`KEYS`) and its value opens with ``[``, it parses that
+  of the logprob lists it is given (``keys``, from the msgspec decoder's schema:
+  :data:`opd_stream._decode_score.SCANNED`) and its value opens with ``[``, it parses that
   value under a strict grammar and records its span, so the caller can cut it out; where
-  it names one of the two base64 flat top-k strings, it decodes the string (canonical
-  base64 only) into a byte buffer and records its span likewise.
+  it names one of the base64 flat top-k strings, it decodes the string (canonical
+  base64 only) into a byte buffer and records its span likewise. The names come in as
+  arguments, not constants: numba's cache keys a kernel on its own file only.
 
 The strict grammar accepts a subset of what msgspec's types accept, and nothing else:
 an entry is ``[logprob, id]`` or ``[logprob, id, null]``; a logprob a JSON number or
@@ -53,9 +55,7 @@ from numba.extending import intrinsic as _intrinsic
 
 __all__ = (
     "CAPACITY",
-    "KEYS",
     "MAX_DEPTH",
-    "N_LISTS",
     "OK",
     "R_END",
     "R_ENT0",
@@ -81,20 +81,8 @@ UNUSUAL = 1
 #: The output buffers were too small (cannot happen with ``_jit_calls``' sizes).
 CAPACITY = 2
 
-#: The values the scan parses, by index in the records it returns. Index 0 is a list of
-#: entries, 1-3 lists of rows (:data:`N_LISTS` lists in all), the rest base64 strings
-#: (the flat top-k), decoded into the ``raw`` buffer.
-KEYS = (
-    b"input_token_logprobs",
-    b"input_top_logprobs",
-    b"input_token_ids_logprobs",
-    b"output_token_ids_logprobs",
-    b"input_top_logprobs_val_flat_b64",
-    b"input_top_logprobs_idx_flat_b64",
-)
-N_LISTS = 4
-_META = b"meta_info"
-_N_KEYS = len(KEYS)
+#: The kinds of value (``kinds``), as :mod:`opd_stream._decode_score` numbers them.
+_ENTRIES, _ROWS, _B64 = 0, 1, 2
 MAX_DEPTH = 64
 
 
@@ -108,13 +96,20 @@ def njit_cached(fn):  # type: ignore[no-untyped-def]
 def njit_leaf(fn):  # type: ignore[no-untyped-def]
     """:func:`njit_cached` for a function that allocates nothing (nor do its callees):
     compiled without numba's reference counting, which otherwise increments and
-    decrements (atomically) every array passed at each call, ~10% of the scan."""
+    decrements (atomically) every array passed at each call, ~10% of the scan.
+
+    Callees are compiled apart and LLVM inlines the small ones at link time. Inlining every
+    helper at numba's IR level (``inline="always"``) more than doubled the scan's cold
+    compile (11.7 s of CPU against 4.7 s, ``bench/jit_startup.py``): each call site is
+    typed and lowered again. A constant argument is passed as ``np.int64(c)`` and a counter
+    starts as one: numba compiles a callee once more for each literal value it is given."""
     return _njit(fn, nogil=True, _nrt=False)
 
 
-def njit_inlined(fn):  # type: ignore[no-untyped-def]
-    """:func:`njit_leaf`, and inlined into its callers (numba IR): the hot ``_number``,
-    ~10% of the scan saved on calls."""
+def njit_once(fn):  # type: ignore[no-untyped-def]
+    """:func:`njit_leaf`, inlined at numba's IR level into its one caller: the number
+    parsers of :func:`_entries` (~15% of the general path, ~4% of the compact one, for
+    no more compile time, there being one call site each)."""
     return _njit(fn, nogil=True, _nrt=False, inline="always")
 
 
@@ -181,15 +176,12 @@ _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exa
 _2_POW_M26 = 2.0**-26
 _F32_TINY = 1.2e-38  # float32's smallest normal: below it, fall back
 _TOLERANCE = 1e-4  # _decode_checks.LOGPROB_TOLERANCE: a logprob near it falls back
-_KEY_BYTES = np.frombuffer(b"".join(KEYS), dtype=np.uint8).copy()
-_KEY_STARTS = np.cumsum([0] + [len(k) for k in KEYS]).astype(np.int64)
-_META_BYTES = np.frombuffer(_META, dtype=np.uint8).copy()
 
 # record columns (int64 [n_records, 8])
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 
 
-@njit_inlined
+@njit_leaf
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = load_byte(b, i)
@@ -199,7 +191,7 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
     return i
 
 
-@njit_inlined
+@njit_leaf
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return (
         i + 4 <= n
@@ -249,10 +241,10 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
     x = load_le64(b, i)
     if _lead_digits(x) != 8:
         return np.int64(-1)
-    return _digits_value(x, 8)
+    return _digits_value(x, np.int64(8))
 
 
-@njit_inlined
+@njit_once
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
@@ -265,6 +257,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     nd = 0
     e = 0
     inexact = False
+    integral = True  # no fraction, no exponent: msgspec reads it as an int (-0 is 0)
     if load_byte(b, i) == 48:
         i += 1
         if i < n and 48 <= load_byte(b, i) <= 57:
@@ -283,6 +276,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                     inexact = True
             i += 1
     if i < n and load_byte(b, i) == 46:
+        integral = False
         i += 1
         if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
             return i, 0.0, False
@@ -309,6 +303,7 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 inexact = True
             i += 1
     if i < n and (load_byte(b, i) == 101 or load_byte(b, i) == 69):
+        integral = False
         i += 1
         eneg = False
         if i < n and (load_byte(b, i) == 43 or load_byte(b, i) == 45):
@@ -325,8 +320,8 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
                 x = x * 10 + (int(c) - 48)
             i += 1
         e += -x if eneg else x
-    if m == 0:
-        return i, (-0.0 if neg else 0.0), True
+    if m == 0:  # "-0" is 0.0 (an int for msgspec), "-0.0" and "-0e1" are -0.0
+        return i, (-0.0 if neg and not integral else 0.0), True
     if e < -44 or e > 22:
         return i, 0.0, False
     if e >= 0:
@@ -351,7 +346,7 @@ _P10I = np.array([10**i for i in range(19)], dtype=np.int64)
 _NULL_NEXT = np.uint64(int.from_bytes(b",null],[", "little"))
 
 
-@njit_inlined
+@njit_leaf
 def _lead_digits(x):  # type: ignore[no-untyped-def]
     """How many of the word's bytes, from its first, are ASCII digits (0-8)."""
     t = (x & _HIGH_NIBBLES) | (((x + _PLUS_SIX) & _HIGH_NIBBLES) >> np.uint64(4))
@@ -363,7 +358,7 @@ def _lead_digits(x):  # type: ignore[no-untyped-def]
     return int((((low - np.uint64(1)) & _ONES) * _ONES) >> np.uint64(56)) - 1
 
 
-@njit_inlined
+@njit_leaf
 def _digits_value(x, d):  # type: ignore[no-untyped-def]
     """The value of the first ``d`` (1-8) bytes of ``x``, all ASCII digits."""
     x = (x - _ASCII_ZEROS) << np.uint64(8 * (8 - d))
@@ -373,7 +368,7 @@ def _digits_value(x, d):  # type: ignore[no-untyped-def]
     return np.int64(x)
 
 
-@njit_inlined
+@njit_once
 def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     """An entry's inside at ``b[i]`` (after its ``[``) in SGLang's compact form
     ``-D.DDD,ID,null],[`` (at most 18 digits, no exponent), read eight bytes a step:
@@ -400,7 +395,7 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
         fd = d1
         m = m * _P10I[d1] + _digits_value(w1, d1)
     else:
-        m = m * 100000000 + _digits_value(w1, 8)
+        m = m * 100000000 + _digits_value(w1, np.int64(8))
         if d2 < 8:
             fd = 8 + d2
             if d2 > 0:
@@ -411,7 +406,7 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
             if d3 == 8:
                 return i, 0.0, 0, False
             fd = 16 + d3
-            m = m * 100000000 + _digits_value(w2, 8)
+            m = m * 100000000 + _digits_value(w2, np.int64(8))
             if d3 > 0:
                 m = m * _P10I[d3] + _digits_value(w3, d3)
     if fd > 18 or (d0 + fd > 18 and load_byte(b, i) != 48):  # beyond 18 digits: exact?
@@ -616,7 +611,8 @@ def _record(records, at, key, item, start, end, row0, row1, ent0, ent1):  # type
 
 @njit_leaf
 def _key_index(b, s, e, keys, starts):  # type: ignore[no-untyped-def]
-    """Which of :data:`KEYS` the raw string ``b[s:e]`` is, or -1."""
+    """Which of the keys (``keys[starts[k]:starts[k + 1]]``) the raw string ``b[s:e]`` is,
+    or -1."""
     for k in range(starts.shape[0] - 1):
         ks, ke = starts[k], starts[k + 1]
         if ke - ks != e - s:
@@ -642,8 +638,12 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
 
 
 @njit_cached
-def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-untyped-def]
-    """Scan a whole answer (see the module docstring).
+def scan(  # type: ignore[no-untyped-def]
+    b, batch, keys, kstarts, kinds, meta, lps, ids, widths, nulls, raw, records
+):
+    """Scan a whole answer (see the module docstring): ``keys`` the names of the values to
+    parse, one after the other (key ``k`` is ``keys[kstarts[k]:kstarts[k + 1]]``), ``kinds``
+    what each is, ``meta`` the name of the object that holds them.
 
     Returns ``(status, n_records, n_items, n_entries, n_rows)``. Each record is one cut
     value: key index, item, byte span, rows range (rows lists) and entries range (for a
@@ -651,20 +651,20 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
     """
     n = b.shape[0]
     p10 = _P10
-    keys = _KEY_BYTES
-    kstarts = _KEY_STARTS
-    meta = _META_BYTES
     key_depth = 3 if batch else 2
     stack = np.zeros(MAX_DEPTH + 1, dtype=np.uint8)  # 1 object, 2 array
-    seen = np.zeros(_N_KEYS, dtype=np.int64)
+    seen = np.zeros(kinds.shape[0], dtype=np.int64)
     depth = 0
     item = -1 if batch else 0
-    nrec = 0
-    ne = 0
-    nr = 0
-    nb = 0
-    s_start = -1
-    s_end = -1
+    # counters typed int64 from the start: a literal 0 would have numba compile each
+    # callee twice (once for the literal, once for int64), doubling the cold compile
+    zero = np.int64(0)
+    nrec = zero
+    ne = zero
+    nr = zero
+    nb = zero
+    s_start = int(zero) - 1
+    s_end = s_start
     s_escaped = False
     meta_key = False  # the last key at depth key_depth - 1 was "meta_info"
     in_meta = False
@@ -708,20 +708,20 @@ def scan(b, batch, lps, ids, widths, nulls, raw, records):  # type: ignore[no-un
             seen[k] = item + 1
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
-            if k >= N_LISTS:  # a b64 field
+            if kinds[k] == _B64:
                 if i >= n or load_byte(b, i) != 34:
                     continue  # null (or a wrong type, which msgspec names): left in place
                 start, nb0 = i, nb
                 i, nb, st = _b64(b, i, n, raw, nb)
                 if st != OK:
                     return st, nrec, item + 1, ne, nr
-                _record(records, nrec, k, item, start, i, 0, 0, nb0, nb)
+                _record(records, nrec, k, item, start, i, zero, zero, nb0, nb)
                 nrec += 1
                 continue
             if i >= n or load_byte(b, i) != 91:
                 continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
-            if k == 0:
+            if kinds[k] == _ENTRIES:
                 i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
             else:
                 i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr)

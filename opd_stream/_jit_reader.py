@@ -4,13 +4,13 @@
 strings it parsed out of the body, decodes what is left (the envelope: ``finish_reason``,
 ``weight_version``, the b64 shape fields, and every other key) with the msgspec decoder's
 own types
-(:func:`opd_stream._decode_score.decode_metas`), and hands the array decoder
-(:mod:`opd_stream._decode_arrow`) the same columns pyarrow's reader would. An answer the
-scan does not take, or whose envelope does not decode, gives ``None``: the next parser
-decodes it (and, if it is bad, names the fault).
+(:func:`opd_stream._decode_score.decode_metas`), and hands the column decoder
+(:mod:`opd_stream._decode_columns`) checked columns (:mod:`opd_stream._columns`). An answer
+the scan does not take, or whose envelope does not decode, gives ``None``: msgspec decodes
+it (and, if it is bad, names the fault).
 
-The kernel is compiled on first use in a worker thread (:mod:`opd_stream._jit`); until
-then, and without numba, this reader gives ``None`` and the other parsers decode.
+The kernels are compiled once per process in the background (:mod:`opd_stream._jit`);
+until then, and without numba, this reader gives ``None`` and msgspec decodes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._answers import Body
-from ._arrow_reader import ArrowEntries, ArrowRows
+from ._columns import EntryColumns, RowColumns
 from ._decode_score import decode_metas
 from ._jit import compiled
 
@@ -44,16 +44,16 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
     pieces: list[bytes | memoryview] = []
     pos = 0
     for key, start, end in rec[:, [kernel.R_KEY, kernel.R_START, kernel.R_END]].tolist():
-        pieces += (view[pos:start], b"[]" if key < kernel.N_LISTS else b'""')
+        pieces += (view[pos:start], b'""' if kernel.KINDS[key] == kernel.B64 else b"[]")
         pos = end
     pieces.append(view[pos:])
     metas = decode_metas(b"".join(pieces), batch)
     if metas is None or len(metas) != n_items:
         return None
-    keys = [k.decode() for k in kernel.KEYS]
+    keys = kernel.KEYS
     for key, item in rec[:, [kernel.R_KEY, kernel.R_ITEM]].tolist():
         # the envelope must agree with the scan
-        if getattr(metas[item], keys[key]) != ([] if key < kernel.N_LISTS else ""):
+        if getattr(metas[item], keys[key]) != ("" if kernel.KINDS[key] == kernel.B64 else []):
             return None
     return JitAnswers(
         metas, keys, rec, lps[:n_ent], ids[:n_ent], widths[:n_rows], nulls[:n_rows], raw, kernel
@@ -61,7 +61,7 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
 
 
 class JitAnswers:
-    """:class:`~opd_stream._arrow_reader.Answers` from the scan: the cut lists' columns
+    """:class:`~opd_stream._columns.Answers` from the scan: the cut lists' columns
     come from the kernel's buffers, everything else from the decoded envelope."""
 
     __slots__ = ("_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_rec", "_widths")
@@ -110,14 +110,14 @@ class JitAnswers:
             out[r[k.R_ITEM]] = r
         return out
 
-    def _entries_of(self, recs: list[list[int]]) -> ArrowEntries:
+    def _entries_of(self, recs: list[list[int]]) -> EntryColumns:
         k = self._k
         spans = [(r[k.R_ENT0], r[k.R_ENT1]) for r in recs]
         lps = _cat([self._lps[a:b] for a, b in spans], np.float64)
         ids = _cat([self._ids[a:b] for a, b in spans], np.int64)
-        return ArrowEntries.of(ids.astype(np.float64), lps)
+        return EntryColumns.of(ids.astype(np.float64), lps)
 
-    def entries(self, name: str) -> tuple[ArrowEntries, npt.NDArray[np.intp]] | None:
+    def entries(self, name: str) -> tuple[EntryColumns, npt.NDArray[np.intp]] | None:
         recs = self._records(name)
         if any(r is None for r in recs):
             return None
@@ -127,7 +127,7 @@ class JitAnswers:
         offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.intp)
         return self._entries_of(present), offsets
 
-    def rows(self, name: str) -> ArrowRows:
+    def rows(self, name: str) -> RowColumns:
         k = self._k
         recs = self._records(name)
         present = [r for r in recs if r is not None]
@@ -137,7 +137,7 @@ class JitAnswers:
         spans = [(r[k.R_ROW0], r[k.R_ROW1]) for r in present]
         row_width = _cat([self._widths[a:b] for a, b in spans], np.int32).astype(np.intp)
         row_null = _cat([self._nulls[a:b] for a, b in spans], np.uint8).astype(bool)
-        return ArrowRows.of(item_null, item_off, row_null, row_width, self._entries_of(present))
+        return RowColumns.of(item_null, item_off, row_null, row_width, self._entries_of(present))
 
 
 def _cat(parts: list[npt.NDArray[Any]], dtype: Any) -> npt.NDArray[Any]:

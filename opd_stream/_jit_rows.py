@@ -77,9 +77,9 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
     if 0x90 <= c <= 0x9F:
         return i + 1, np.int64(c - 0x90)
     if c == 0xDC and i + 3 <= n:
-        return i + 3, np.int64(_uint(b, i + 1, 2))
+        return i + 3, np.int64(_uint(b, i + 1, np.int64(2)))
     if c == 0xDD and i + 5 <= n:
-        return i + 5, np.int64(_uint(b, i + 1, 4))
+        return i + 5, np.int64(_uint(b, i + 1, np.int64(4)))
     return i, -1
 
 
@@ -111,7 +111,7 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
     forms (a float64 logprob, a small id, a ``nil`` text) are tested first, inline;
     :func:`_int` and :func:`_skip_text` take the rest."""
     n = b.shape[0]
-    i, rows = _array(b, 0, n)
+    i, rows = _array(b, np.int64(0), n)
     if rows != r:
         return False
     out = 0

@@ -137,10 +137,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     re-tokenised for a teacher with its own tokenizer). What the process spent
     beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
     decoded: dict[str, int] = msgspec.field(default_factory=dict)
-    """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, the
-    ``jit`` extra), ``arrow`` (pyarrow's reader, in decode threads until the scanner is
-    compiled, or without numba), ``msgspec`` (on the loop without the scanner, and every
-    answer a faster parser handed on)."""
+    """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, once it is
+    ready), ``msgspec`` (until then, where numba cannot run, and every answer the scanner
+    handed on)."""
     fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
     """Each configured server URL asked so far: an sglang-router (and its workers, used
     directly when reachable from here) or a server (``router_discovery``)."""
@@ -149,7 +148,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 #: The steps of :attr:`StreamStats.cpu_s`.
 CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl", "align")
 #: The parsers of :attr:`StreamStats.decoded`.
-PARSERS = ("jit", "arrow", "msgspec")
+PARSERS = ("jit", "msgspec")
 
 
 class StatsRecorder:

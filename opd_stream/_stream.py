@@ -27,7 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import StreamConfig, resolve_decode_threads, resolve_kl_device
 from ._errors import ConfigError
-from ._jit import available, prepare
+from ._jit import start as start_kernels
 from ._logging import get_logger
 from ._pipeline import Result, RunState, run_pipeline
 from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
@@ -199,7 +199,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             self._in_use = transport
             self._tg = tg
             tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
-            tg.start_soon(self._compile_kernels, name="opd_stream.kernels")
+            # the compiled kernels, once per process, in the background; never waited for
+            # (msgspec decodes until they are ready), and never holding the process (_jit)
+            start_kernels()
             log.info("stream_started", **self.config.to_log_dict())
             try:
                 if self.config.probe_at_start:
@@ -210,19 +212,6 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.cancel_scope.cancel()
                 for results in list(self._runs):
                     results.close_receiver()  # handles the caller never closed
-
-    async def _compile_kernels(self) -> None:
-        """Compile the kernels (``_jit.prepare``; numba's disk cache makes it ~0.4 s of CPU
-        after the first time) in a decode thread as the stream starts, so that answers
-        small enough to be decoded on the loop, and small samples' top-k rows, take them
-        too; without this only the first decode in a thread would. Left at the stream's
-        exit, the thread finishes the compile (once per process), as a decode thread
-        finishes its parse."""
-        if available():
-            return
-        await anyio.to_thread.run_sync(
-            prepare, limiter=self._decode_limiter, abandon_on_cancel=True
-        )
 
     async def _lag_ticker(self) -> None:
         while True:

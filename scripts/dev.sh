@@ -5,6 +5,7 @@
 #   scripts/dev.sh bench [flags]  runs the benchmarks in bench/
 #   scripts/dev.sh setup          only sets up
 #   scripts/dev.sh fresh          pip install . (no extras) into a new venv, then the demo
+#   scripts/dev.sh lowest         the compiled kernels' tests on the lowest supported numba (0.65.0)
 # OPD_DEV_VENV names the venv (default .venv); not OPD_STREAM_*, which the library reads strictly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,33 @@ fresh() {
   "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check .
   (cd "$tmp" && "$tmp/venv/bin/opd-stream" demo --samples 16 --no-progress)
+  wait_for_compile "$tmp/venv/"
+}
+
+# A first run leaves the process that compiles the scanner into numba's cache to finish on its
+# own (opd_stream._jit): wait for any process of the venv in $1 (at most 5 minutes) before it goes.
+wait_for_compile() {
+  local waited=0
+  while pgrep -f "$1" >/dev/null && [ "$waited" -lt 300 ]; do
+    sleep 1
+    waited=$((waited + 1))
+  done
+}
+
+# The lowest numba pyproject.toml allows (vLLM pins numba==0.65.0, llvmlite 0.47): a new venv
+# with it and the pinned CPU torch, then the tests of the compiled kernels (they use llvmlite
+# intrinsics). numba's cache goes to a folder of its own, so the two numbas never share one.
+lowest() {
+  local tmp
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' RETURN
+  python3 -m venv "$tmp/venv"
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "numba==0.65.0" ".[test]"
+  "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
+  (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
+    test_decode_jit.py test_jit_payloads.py test_jit_rows.py test_jit_startup.py)
+  wait_for_compile "$tmp/venv/"
 }
 
 cmd="${1:-test}"
@@ -81,6 +109,7 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   fresh) fresh ;;
+  lowest) lowest ;;
   demo)  setup; exec "$VENV/bin/opd-stream" demo "$@" ;;
   bench) setup; exec "$VENV/bin/opd-stream" bench "$@" ;;
   test)
@@ -89,5 +118,5 @@ case "$cmd" in
     "$VENV/bin/mypy" --strict opd_stream
     exec "$PY" -m pytest -q "$@"
     ;;
-  *) echo "usage: scripts/dev.sh {setup|demo|test|bench|fresh} [args]" >&2; exit 2 ;;
+  *) echo "usage: scripts/dev.sh {setup|demo|test|bench|fresh|lowest} [args]" >&2; exit 2 ;;
 esac

@@ -19,18 +19,52 @@ import pytest
 import wire_fakes as wf
 from hypothesis import given
 from hypothesis import strategies as st
-from test_decode_arrow import MOCK
 from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
 
 from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
 from opd_stream._codec import decode_score_response, parser_for
-from opd_stream._decode_arrow import decode_segments_arrow
+from opd_stream._decode_columns import decode_segments_columns
+from opd_stream._decode_generate import decode_generate_response
 from opd_stream._jit import available, prepare
 from opd_stream._jit_reader import read_answers_jit
 from opd_stream._payloads import build_score_payload
 from opd_stream._wire import ScoreRequest, layout
 from opd_stream.testing.inprocess import InProcessSGLang
+
+
+def _mock_requests() -> list[tuple[str, ScoreRequest]]:
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 30000, 40 + 97, dtype=np.int64)
+    ids = np.stack([rng.choice(150000, 5, replace=False) for _ in range(97)]).astype(np.int64)
+    out = []
+    for form in ("per-position", "flat", "blocked"):
+        for top_k, wire in ((0, "json"), (3, "json"), (3, "b64")):
+            for block in (0, 1, 7) if form == "blocked" else (0,):
+                req = ScoreRequest(
+                    tokens=tokens,
+                    response_length=97,
+                    top_k=top_k,
+                    ids=ids,
+                    id_form=form,  # type: ignore[arg-type]
+                    topk_wire=wire,  # type: ignore[arg-type]
+                    block_size=block,
+                )
+                out.append((f"{form}-k{top_k}-{wire}-B{block}", req))
+    for top_k, wire in ((0, "json"), (4, "json"), (4, "b64")):
+        for start in ("prompt", "zero"):
+            req = ScoreRequest(
+                tokens=tokens,
+                response_length=97,
+                top_k=top_k,
+                topk_wire=wire,  # type: ignore[arg-type]
+                start=start,  # type: ignore[arg-type]
+            )
+            out.append((f"noids-k{top_k}-{wire}-{start}", req))
+    return out
+
+
+MOCK = _mock_requests()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,7 +74,7 @@ def _compiled() -> None:
 
 def _jit(body: bytes | bytearray, req: ScoreRequest) -> ScoreRows | None:
     lay = layout(req)
-    return decode_segments_arrow(
+    return decode_segments_columns(
         body,
         batch=lay.batch,
         segments=lay.segments,
@@ -56,7 +90,7 @@ def _assert_same(a: ScoreRows, b: ScoreRows) -> None:
         if isinstance(x, np.ndarray):
             assert isinstance(y, np.ndarray), name
             assert (x.dtype, x.shape) == (y.dtype, y.shape), name
-            assert np.array_equal(x, y), name
+            assert x.tobytes() == y.tobytes(), name  # bit for bit: -0.0 is not 0.0
         else:
             assert x == y, name
 
@@ -84,8 +118,7 @@ def _differential(body: bytes, req: ScoreRequest) -> ScoreRows | None:
 
 def test_the_scanner_compiles_and_is_the_parser_of_choice() -> None:
     assert available()
-    assert parser_for(in_thread=True) == "jit"
-    assert parser_for(in_thread=False) == "jit"
+    assert parser_for() == "jit"
 
 
 @pytest.mark.parametrize(("name", "req"), MOCK, ids=[n for n, _ in MOCK])
@@ -206,6 +239,45 @@ def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
     assert info.value.reason == "aborted"
 
 
+def _deep(body: bytes, levels: int) -> bytes:
+    return b'{"deep":' + b"[" * levels + b"]" * levels + b"," + body[1:]
+
+
+def test_an_unknown_field_nested_100k_deep_is_malformed_on_every_path() -> None:
+    req = REQUESTS["ids-per-position"]
+    body = _deep(wf.encode(VALID["ids-per-position"]), 100_000)
+    assert _jit(body, req) is None
+    for parser in ("msgspec", "jit"):
+        with pytest.raises(OPDStreamError, match="nested too deeply") as info:
+            decode_score_response(body, req, parser=parser)  # type: ignore[arg-type]
+        assert info.value.reason == "malformed_response"
+
+
+@pytest.mark.parametrize(
+    "name", ["plain", "topk-json", "topk-b64", "ids-per-position", "ids-blocked"]
+)
+def test_a_positive_logprob_is_malformed_for_both_parsers(name: str) -> None:
+    req = REQUESTS[name]
+    obj = copy.deepcopy(VALID[name])
+    item = obj[-1] if isinstance(obj, list) else obj
+    item["meta_info"]["input_token_logprobs"][-1][0] = 5.0
+    body = wf.encode(obj)
+    for parser in ("msgspec", "jit"):
+        with pytest.raises(OPDStreamError, match="logprob above 0") as info:
+            decode_score_response(body, req, parser=parser)  # type: ignore[arg-type]
+        assert info.value.reason == "malformed_response"
+
+
+def test_a_tiny_positive_logprob_from_float_rounding_is_accepted() -> None:
+    req = REQUESTS["plain"]
+    obj = copy.deepcopy(VALID["plain"])
+    obj["meta_info"]["input_token_logprobs"][-1][0] = 5e-5
+    body = wf.encode(obj)
+    rows = _jit(body, req)
+    assert rows is not None and rows.token_logprobs[-1] == np.float32(5e-5)
+    _assert_same(decode_score_response(body, req), rows)
+
+
 def test_an_unknown_field_nested_deeper_than_the_scanner_goes_gets_msgspecs_outcome() -> None:
     plain = wf.encode(VALID["ids-per-position"])
     for levels in (10, 70, 100_000):
@@ -249,6 +321,61 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
     _differential(body, REQUESTS["ids-per-position"])
 
 
+def test_the_scanner_takes_its_fields_from_the_msgspec_schema() -> None:
+    from opd_stream import _jit_calls
+    from opd_stream._decode_score import B64, ENTRIES, ROWS
+
+    assert dict(zip(_jit_calls.KEYS, _jit_calls.KINDS, strict=True)) == {
+        "input_token_logprobs": ENTRIES,
+        "input_top_logprobs": ROWS,
+        "input_token_ids_logprobs": ROWS,
+        "output_token_ids_logprobs": ROWS,
+        "input_top_logprobs_val_flat_b64": B64,
+        "input_top_logprobs_idx_flat_b64": B64,
+    }
+
+
+def _zero_answer(name: str, spelling: str) -> bytes:
+    """``VALID[name]`` with its last token logprob and the first entry of every last row
+    written as ``spelling``."""
+    obj = copy.deepcopy(VALID[name])
+    for item in obj if isinstance(obj, list) else [obj]:
+        meta = item["meta_info"]
+        meta["input_token_logprobs"][-1][0] = -0.125
+        for field in ("input_top_logprobs", "input_token_ids_logprobs"):
+            if meta.get(field):
+                meta[field][-1][0][0] = -0.125
+    text = json.dumps(obj, separators=(",", ":"))
+    assert "-0.125" in text
+    return text.replace("-0.125", spelling).encode()
+
+
+@pytest.mark.parametrize("spelling", ["-0", "-0.0", "-0.000", "-0e0", "0", "-0E-3"])
+@pytest.mark.parametrize("name", ["plain", "topk-json", "ids-per-position", "ids-blocked"])
+def test_a_negative_zero_logprob_is_read_alike_on_every_path(name: str, spelling: str) -> None:
+    # msgspec, the reference, reads "-0" as the integer 0 (0.0) and "-0.0" as -0.0; the
+    # scanner gives the same bits, and takes the answer itself
+    req = REQUESTS[name]
+    body = _zero_answer(name, spelling)
+    fast = _jit(body, req)
+    assert fast is not None
+    slow = decode_score_response(body, req)
+    _assert_same(slow, fast)
+    _assert_same(slow, decode_score_response(body, req, parser="jit"))
+    assert fast.token_logprobs[-1] == 0.0
+    for arr in (fast.token_logprobs, fast.top_logprobs, fast.id_logprobs):
+        if arr is not None:
+            zeros = np.signbit(arr[arr == 0.0])
+            assert not zeros.any() if spelling in ("-0", "0") else zeros.all()
+
+
+def test_a_logprob_written_minus_zero_is_zero_in_a_sampling_answer() -> None:
+    body = b'{"output_ids":[5,6],"meta_info":{"output_token_logprobs":[[-0,5,null],[-0.0,6]]}}'
+    (gen,) = decode_generate_response(body)
+    assert gen.output_logprobs.tolist() == [0.0, 0.0]
+    assert np.signbit(gen.output_logprobs).tolist() == [False, True]  # as msgspec reads them
+
+
 def test_full_double_logprobs_are_scanned_not_handed_back() -> None:
     # a double that is no float32 (a server computing in float64) is still taken: its
     # float32 rounding is unambiguous unless it lies within ~1e-14 of a rounding boundary
@@ -281,14 +408,13 @@ def test_long_digit_runs_are_read_as_msgspec_reads_them(digits: str, point: int)
     _differential(body, REQUESTS["ids-per-position"])
 
 
-def test_without_numba_the_other_parsers_remain(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_numba_msgspec_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
     import opd_stream._jit as jr
 
     monkeypatch.setattr(jr, "_kernel", None)
     monkeypatch.setattr(jr, "_failed", True)
     assert not prepare()
-    assert parser_for(in_thread=True) == "arrow"
-    assert parser_for(in_thread=False) == "msgspec"
+    assert parser_for() == "msgspec"
     body = wf.encode(VALID["plain"])
     assert read_answers_jit(body, False) is None
     _assert_same(

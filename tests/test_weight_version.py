@@ -75,7 +75,7 @@ def _blocked_request(id_form: Any = "blocked") -> ScoreRequest:
 # -- the decoders ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "arrow"])
+@pytest.mark.parametrize("parser", ["msgspec", "jit"])
 def test_items_of_one_blocked_answer_with_different_versions_are_refused(parser: Any) -> None:
     server = InProcessSGLang("teacher", 1, weight_versions=("v1", "v2"))
     req = _blocked_request()
@@ -87,7 +87,7 @@ def test_items_of_one_blocked_answer_with_different_versions_are_refused(parser:
     assert isinstance(info.value, ProtocolError) and not info.value.retryable
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "arrow"])
+@pytest.mark.parametrize("parser", ["msgspec", "jit"])
 def test_blocks_sent_as_separate_requests_with_different_versions_are_refused(
     parser: Any,
 ) -> None:
@@ -99,7 +99,7 @@ def test_blocks_sent_as_separate_requests_with_different_versions_are_refused(
         decode_block_answers(bodies, req, parser=parser)
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "arrow"])
+@pytest.mark.parametrize("parser", ["msgspec", "jit"])
 def test_one_version_across_items_is_the_answers_version(parser: Any) -> None:
     server = InProcessSGLang("teacher", 1, weight_versions=("v7",))
     req = _blocked_request()

@@ -3,36 +3,32 @@
 The msgspec decoder (:mod:`opd_stream._decode_score`) builds one Python object per answer
 entry while it holds the GIL; a 36 MB answer then stops the event loop for ~0.3 s, and threads
 cannot decode side by side. Here a *reader* parses the body into columns with the GIL
-released (:class:`~opd_stream._arrow_reader.Answers`: the compiled scanner of
-:mod:`opd_stream._jit_reader`, or pyarrow's JSON reader, ``perf-facts.md`` §9), and every
-check runs over those columns in a few vectorised numpy passes.
+released (:class:`~opd_stream._columns.Answers`: the compiled scanner of
+:mod:`opd_stream._jit_reader`), and every check runs over those columns in a few vectorised
+numpy passes.
 
 This module is a *fast path* with one rule: it accepts an answer only when every check
 of the msgspec decoder passes, and gives exactly the arrays that decoder gives. Anything
 else (a parse error, a type the msgspec decoder would reject, a count, width, id or value
 that fails a check, an abort) returns ``None``, and the caller runs the msgspec decoder on
 the same bytes for the precise error: error types and messages stay those of one
-implementation. tests/test_decode_arrow.py and tests/test_decode_jit.py check the rule
-differentially (valid, mutated and random answers through both). pyarrow's reader and its
-two inherent leniencies: :mod:`opd_stream._arrow_reader`; the scanner has none. Sampling
-answers: :mod:`opd_stream._decode_arrow_generate`.
+implementation. tests/test_decode_jit.py checks the rule differentially (valid, mutated and
+random answers through both).
 
 Costs, measured on this project's machines (R = 4096, k = 16, per-position answers, us per
-response token): the scanner ~1.3 and the checks here ~0.5; pyarrow's reader ~6; msgspec's
-untyped decode (no checks, no arrays) ~3.4.
+response token): the scanner ~1.3 and the checks here ~0.5; msgspec's untyped decode (no
+checks, no arrays) ~3.4.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ._answers import Body, ScoreRows, Segment
-from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
+from ._columns import Answers, Reader, RowColumns, gather
 from ._decode_checks import (
     LOGPROB_TOLERANCE,
     id_values,
@@ -42,69 +38,29 @@ from ._decode_checks import (
 )
 from ._errors import ProtocolError
 from ._jit import compiled
+from ._jit_reader import read_answers_jit
 
-if TYPE_CHECKING:  # pragma: no cover
-    pass
-
-__all__ = ("decode_segments_arrow", "read_answers_arrow")
+__all__ = ("decode_segments_columns",)
 
 _FLAT_FIELDS = ("val_flat_b64", "idx_flat_b64", "val_flat_b64_dtype", "idx_flat_b64_dtype")
 
 
-@functools.cache
-def _schema() -> Any:
-    """The explicit schema of one answer object (the reader's row).
-
-    Every field the msgspec decoder declares is declared here with the same JSON type, so
-    that a value of another type fails the parse (and the caller falls back) rather than
-    being skipped.
-    """
-    import pyarrow as pa
-
-    entry = pa.list_(pa.float64())  # [logprob, id, text]: text must be null here
-    entries = pa.list_(entry)
-    rows = pa.list_(entries)
-    meta = pa.struct(
-        [
-            ("finish_reason", pa.struct([("type", pa.string()), ("message", pa.string())])),
-            ("weight_version", pa.string()),
-            ("input_token_logprobs", entries),
-            ("input_top_logprobs", rows),
-            ("input_token_ids_logprobs", rows),
-            ("output_token_ids_logprobs", rows),
-            ("input_top_logprobs_shape", pa.list_(pa.int64())),
-            ("input_top_logprobs_null_prefix", pa.int64()),
-            *((f"input_top_logprobs_{name}", pa.string()) for name in _FLAT_FIELDS),
-        ]
-    )
-    return pa.schema([("meta_info", meta)])
-
-
-def read_answers_arrow(body: Body, batch: bool) -> Answers | None:
-    """The ``meta_info`` of every item, read by pyarrow, or ``None``."""
-    table = read_rows(body, batch, _schema())
-    if table is None:
-        return None
-    column = table.column(0).combine_chunks()
-    return ArrowAnswers(column) if column.null_count == 0 else None
-
-
-def decode_segments_arrow(
+def decode_segments_columns(
     body: Body,
     *,
     batch: bool,
     segments: Sequence[Segment],
     tokens: npt.NDArray[np.int64],
     top_k: int,
-    reader: Reader = read_answers_arrow,
+    reader: Reader = read_answers_jit,
 ) -> ScoreRows | None:
     """The answer as :func:`opd_stream._decode_score.decode_segments` decodes it, or ``None``.
 
-    ``reader`` parses the body into columns: pyarrow's JSON reader by default, or the
-    compiled scanner (:func:`opd_stream._jit_reader.read_answers_jit`). ``None`` means:
-    decode it with the next parser (msgspec at the end, which raises the precise error, or,
-    for the rare valid answer a reader cannot take, such as an entry with a text element,
-    decodes it). Never raises for a bad answer.
+    ``reader`` parses the body into columns: the compiled scanner
+    (:func:`opd_stream._jit_reader.read_answers_jit`; ``None`` until it is ready). ``None``
+    means: decode it with msgspec, which raises the precise error (or, for the rare valid
+    answer the reader does not take, such as an entry with a text element, decodes it).
+    Never raises for a bad answer.
     """
     try:
         return _decode(reader(body, batch), segments, tokens, top_k, batch)
@@ -188,7 +144,7 @@ def _decode(
 
 
 def _picked_id_rows(
-    f: ArrowRows, segments: Sequence[Segment], n_entries: npt.NDArray[np.intp]
+    f: RowColumns, segments: Sequence[Segment], n_entries: npt.NDArray[np.intp]
 ) -> npt.NDArray[np.float32] | None:
     """One per-position item's requested-id rows through the compiled pick
     (:func:`opd_stream._jit_checks.pick_id_rows`): float32 ``[R, k]``, or ``None`` (no
@@ -219,7 +175,7 @@ def _picked_id_rows(
 
 
 def _selected_rows(
-    f: ArrowRows,
+    f: RowColumns,
     counts: npt.NDArray[np.intp],
     take: npt.NDArray[np.intp],
     widths: npt.NDArray[np.intp],
@@ -237,7 +193,7 @@ def _selected_rows(
 
 def _topk(
     metas: Answers,
-    nested: ArrowRows,
+    nested: RowColumns,
     segments: Sequence[Segment],
     top_k: int,
     n_entries: npt.NDArray[np.intp],
@@ -317,7 +273,7 @@ def _b64_topk(
 
 
 def _id_rows(
-    fields: dict[str, ArrowRows],
+    fields: dict[str, RowColumns],
     segments: Sequence[Segment],
     n_entries: npt.NDArray[np.intp],
     n_in: npt.NDArray[np.intp],

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import anyio
 
 from ._answers import Body, ScoreRows
-from ._balance import EndpointPool
+from ._balance import ROUTING_KEY_HEADER, EndpointPool
 from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
 from ._codec import (
@@ -97,9 +97,11 @@ class AttemptSender:
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
-    def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
+    def _pick(
+        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
+    ) -> str | None:
         """The replica for the next attempt (see :class:`EndpointPool`)."""
-        return self._pool.pick(urls, exclude)
+        return self._pool.pick(urls, exclude, key)
 
     def _limiter(self, url: str) -> anyio.CapacityLimiter:
         lim = self._limiters.get(url)
@@ -115,8 +117,12 @@ class AttemptSender:
         make: Callable[[str], ScoreRequest],
         counter: Counter,
         tries: Counter,
+        key: int | None = None,
     ) -> ScoreRows:
         """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
+
+        ``key`` (the request's :func:`~opd_stream._balance.prefix_key`) places a hedge on
+        the next replica of the key's order and goes out as ``X-SMG-Routing-Key``.
 
         Raises:
             Failed: the attempt failed (when hedged: every launched copy failed; the
@@ -129,7 +135,7 @@ class AttemptSender:
             urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
         )
         if delay is None or tries.attempts >= self._cfg.max_attempts:
-            return await self._one(side, urls, url, req)
+            return await self._one(side, urls, url, req, key)
 
         winner: list[ScoreRows] = []
         won_by: list[str] = []
@@ -142,7 +148,7 @@ class AttemptSender:
         async def run(target: str, request: ScoreRequest) -> None:
             nonlocal finished
             try:
-                rows = await self._one(side, urls, target, request)
+                rows = await self._one(side, urls, target, request, key)
             except Failed as failed:
                 failures.append(failed)
             else:
@@ -163,7 +169,7 @@ class AttemptSender:
             # Hedge to a replica not yet racing; when a hedge fails while an earlier
             # attempt is still running, hedge again (within max_attempts).
             while not settled.is_set():
-                other = self._pick(urls, exclude=tuple(racing))
+                other = self._pick(urls, exclude=tuple(racing), key=key)
                 if other is None or tries.attempts >= self._cfg.max_attempts:
                     await settled.wait()
                     break
@@ -190,12 +196,17 @@ class AttemptSender:
         raise (first or failures)[0]
 
     async def _one(
-        self, side: Side, urls: tuple[str, ...], url: str, req: ScoreRequest
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        req: ScoreRequest,
+        key: int | None = None,
     ) -> ScoreRows:
         """One HTTP attempt, with its outcome recorded for passive health and hedging."""
         start = anyio.current_time()
         try:
-            rows = await self._watched_attempt(side, url, req)
+            rows = await self._watched_attempt(side, url, req, key)
         except OPDStreamError as exc:
             if not isinstance(exc, CapabilityError):
                 self._endpoints(url).errors += 1
@@ -205,7 +216,9 @@ class AttemptSender:
         self._pool.record_success(url, urls, anyio.current_time() - start)
         return rows
 
-    async def _watched_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _watched_attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
 
         A hung server would otherwise use up the whole ``request_deadline_s`` of the
@@ -214,9 +227,9 @@ class AttemptSender:
         """
         limit = self._cfg.attempt_timeout_s
         if limit <= 0:
-            return await self._attempt(side, url, req)
+            return await self._attempt(side, url, req, key)
         with anyio.move_on_after(limit):
-            return await self._attempt(side, url, req)
+            return await self._attempt(side, url, req, key)
         raise ConnectionFailed(
             f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
         )
@@ -261,20 +274,24 @@ class AttemptSender:
                 self._pool.probe_result(url, healthy, anyio.current_time())
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
-    async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         # the answer is charged to the stream's byte budget while it is read, and held
         # until it is decoded (released on any exit: success, error, cancel, lost hedge)
         with self._body_budget.hold():
-            return await self._attempt_held(side, url, req)
+            return await self._attempt_held(side, url, req, key)
 
-    async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _attempt_held(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
         if req.id_form == "blocks" and req.ids is not None:
-            answer = await self._post_blocks(side, url, req)
+            answer = await self._post_blocks(side, url, req, key)
         else:
             body, lay = await self._build_body(req)
-            answer = await self._post(side, url, body)
+            answer = await self._post(side, url, body, key)
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -292,23 +309,31 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
-    async def _post(self, side: Side, url: str, body: bytes) -> Body:
+    async def _post(self, side: Side, url: str, body: bytes, key: int | None = None) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body."""
-        ep = self._endpoints(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
-        ep.in_flight += 1
+        ep = self._endpoints.begin(url, key)
         try:
             async with self._limiter(url):
                 ep.requests += 1
                 self._stats.requests += 1
-                resp = await self._transport.post(
-                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes
-                )
+                if key is not None:
+                    headers = {ROUTING_KEY_HEADER: f"{key:016x}"}
+                    resp = await self._transport.post(
+                        generate_url(url),
+                        body,
+                        max_bytes=self._cfg.max_response_bytes,
+                        headers=headers,
+                    )
+                else:  # a transport written before headers existed still works
+                    resp = await self._transport.post(
+                        generate_url(url), body, max_bytes=self._cfg.max_response_bytes
+                    )
         except ServerError as exc:
             exc.side = side
             raise
         finally:
-            ep.in_flight -= 1
+            self._endpoints.end(url, key)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
         if resp.status != 200:
@@ -316,7 +341,9 @@ class AttemptSender:
             raise ServerHTTPError(resp.status, message, side=side, url=url)
         return resp.body
 
-    async def _post_blocks(self, side: Side, url: str, req: ScoreRequest) -> list[Body]:
+    async def _post_blocks(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
@@ -325,7 +352,7 @@ class AttemptSender:
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n])
+            answers[n] = await self._post(side, url, bodies[n], key)
 
         async with anyio.create_task_group() as tg:
             for n in range(len(bodies)):

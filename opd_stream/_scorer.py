@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TypeAlias
 
 import anyio
 import numpy as np
@@ -18,7 +19,7 @@ import numpy.typing as npt
 
 from ._answers import ScoreRows
 from ._attempts import AttemptSender, Counter, Failed
-from ._balance import EndpointPool
+from ._balance import EndpointPool, prefix_key
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
@@ -35,6 +36,10 @@ from ._wire import ScoreRequest, auto_block_size
 __all__ = ("SampleScorer", "ScoreAttemptError")
 
 log = get_logger()
+
+
+_Spec: TypeAlias = tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest], int | None]
+"""One logical request of a sample: side, configured URLs, request maker, routing key."""
 
 
 class ScoreAttemptError(Exception):
@@ -75,6 +80,8 @@ class SampleScorer:
         self._pool = EndpointPool(
             self.endpoints,
             balance=config.balance,
+            load_factor=config.balance_load_factor,
+            limit=config.max_inflight_per_endpoint,
             eject_after=config.eject_after_failures,
             cooldown_s=config.eject_cooldown_s,
             rng=self._rng,
@@ -98,8 +105,12 @@ class SampleScorer:
         urls: tuple[str, ...],
         make: Callable[[str], ScoreRequest],
         counter: Counter,
+        key: int | None = None,
     ) -> ScoreRows:
         """One logical request: retries, hedges and capability fallbacks within one deadline.
+
+        ``key`` (the prompt's :func:`~opd_stream._balance.prefix_key`, under the ``prefix``
+        balance) places every attempt: first choice, then the next replica of its order.
 
         Every HTTP request sent (a hedge included) is an attempt; a capability probe
         (an answer that shows a missing feature, retried in the fallback form at once) is
@@ -115,10 +126,10 @@ class SampleScorer:
             while True:
                 urls = await self.fleets.expand(configured)  # routers -> their workers
                 await self._sender.maybe_probe(side, urls)
-                url = self._pool.pick(urls, failed_url) or self._pool.pick(urls)
+                url = self._pool.pick(urls, failed_url, key) or self._pool.pick(urls, key=key)
                 assert url is not None  # urls is never empty and nothing is excluded
                 try:
-                    return await self._sender.send(side, urls, url, make, counter, tries)
+                    return await self._sender.send(side, urls, url, make, counter, tries, key)
                 except Failed as failed:
                     exc = failed.error
                     if isinstance(exc, CapabilityError):
@@ -152,19 +163,17 @@ class SampleScorer:
     # a whole sample ------------------------------------------------------------------
     async def _both(
         self,
-        first: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
-        second: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]],
+        first: _Spec,
+        second: _Spec,
         counter: Counter,
     ) -> tuple[ScoreRows, ScoreRows]:
         """Two independent logical requests at once; the first failure cancels the other."""
         rows: dict[int, ScoreRows] = {}
         errors: list[OPDStreamError] = []
 
-        async def one(
-            i: int, spec: tuple[Side, tuple[str, ...], Callable[[str], ScoreRequest]]
-        ) -> None:
+        async def one(i: int, spec: _Spec) -> None:
             try:
-                rows[i] = await self._request(spec[0], spec[1], spec[2], counter)
+                rows[i] = await self._request(spec[0], spec[1], spec[2], counter, spec[3])
             except OPDStreamError as exc:
                 errors.append(exc)
                 tg.cancel_scope.cancel()
@@ -225,6 +234,14 @@ class SampleScorer:
         )
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
+        # prefix locality: a request's key is its prompt's hash (the teacher's own prompt
+        # for teacher requests), so a sample's and its group's requests meet on a replica
+        s_key = t_key = None
+        if self._cfg.balance == "prefix":
+            r = prepared.response_length
+            s_key = prefix_key(prepared.tokens, r)
+            teacher_tokens = prepared.teacher_tokens
+            t_key = s_key if teacher_tokens is None else prefix_key(teacher_tokens, r)
 
         def student_topk(url: str) -> ScoreRequest:
             return self._score_request(prepared, url, top_k=k, ids=None)
@@ -237,14 +254,16 @@ class SampleScorer:
             if plan.fetch_student_topk and not plan.teacher_scores_student_ids:
                 # independent requests (intersection without the rollout's top-k): together
                 fetched, teacher_rows = await self._both(
-                    ("student", student_urls, student_topk),
-                    ("teacher", teacher_urls, teacher_request(None)),
+                    ("student", student_urls, student_topk, s_key),
+                    ("teacher", teacher_urls, teacher_request(None), t_key),
                     counter,
                 )
                 s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
             else:
                 if plan.fetch_student_topk:
-                    fetched = await self._request("student", student_urls, student_topk, counter)
+                    fetched = await self._request(
+                        "student", student_urls, student_topk, counter, s_key
+                    )
                     s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
                 # Short rows' padding (-1) never goes out: filler ids take its slots, and
                 # the KL stage reads s_ids, where padding is never a candidate.
@@ -254,7 +273,7 @@ class SampleScorer:
                     else None
                 )
                 teacher_rows = await self._request(
-                    "teacher", teacher_urls, teacher_request(teacher_ids), counter
+                    "teacher", teacher_urls, teacher_request(teacher_ids), counter, t_key
                 )
             if plan.student_scores_teacher_ids:
                 t_ids = teacher_rows.top_ids
@@ -265,6 +284,7 @@ class SampleScorer:
                     student_urls,
                     lambda url: self._score_request(prepared, url, top_k=0, ids=t_ids),
                     counter,
+                    s_key,
                 )
         except OPDStreamError as exc:
             raise ScoreAttemptError(exc, counter.attempts) from None

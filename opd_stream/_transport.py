@@ -69,8 +69,15 @@ class Transport(Protocol):
         tb: types.TracebackType | None,
     ) -> None: ...
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer."""
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
+
+        ``headers`` are sent besides the transport's own (the stream passes a request's
+        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance; it passes none
+        otherwise, so a transport written without this argument works with the others).
+        """
         ...
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
@@ -91,12 +98,14 @@ class MockTransport:
     Router discovery's ``GET .../workers`` (``router_discovery="auto"``) is answered 404,
     as a plain SGLang server answers it, without calling the handler; pass
     ``routers=True`` to let the handler answer it (to play an sglang-router).
+    ``last_headers`` holds the extra headers of the last POST (``None``: none).
     """
 
     def __init__(self, handler: Handler, *, routers: bool = False) -> None:
         self._handler = handler
         self._routers = routers
         self.requests = 0
+        self.last_headers: dict[str, str] | None = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -124,7 +133,10 @@ class MockTransport:
             await lease.settle(len(result.body))
         return result
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        self.last_headers = dict(headers) if headers else None
         return await self._call("POST", url, body, max_bytes)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
@@ -161,15 +173,22 @@ class PooledTransport(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        return await self._request("POST", url, body, max_bytes)
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        return await self._request("POST", url, body, max_bytes, headers)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
         return await self._request("GET", url, None, max_bytes)
 
     @abc.abstractmethod
     async def _request(
-        self, method: str, url: str, body: bytes | None, max_bytes: int
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
     ) -> Response: ...
 
     @staticmethod
@@ -303,14 +322,23 @@ class AiohttpTransport(PooledTransport):
         acquired = getattr(connector, "_acquired", ())
         return len(acquired) == 0
 
-    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
         import aiohttp
 
         session = self._session
         if not isinstance(session, aiohttp.ClientSession):
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
         try:
-            async with session.request(method, url, data=body, allow_redirects=False) as resp:
+            async with session.request(
+                method, url, data=body, headers=headers, allow_redirects=False
+            ) as resp:
                 self._check_head(
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
                 )

@@ -50,13 +50,13 @@ def test_the_key_is_the_blake2b_of_the_prompt_as_little_endian_int64() -> None:
 
 def test_samples_of_one_prompt_share_a_key_and_other_prompts_do_not() -> None:
     prompt = list(range(100, 140))
-    a = prefix_key(np.array(prompt + [1, 2, 3], dtype=np.int64), 3)
-    b = prefix_key(np.array(prompt + [9, 8, 7, 6, 5], dtype=np.int64), 5)
-    other = prefix_key(np.array(prompt[:-1] + [0, 1, 2, 3], dtype=np.int64), 3)
+    a = prefix_key(np.array([*prompt, 1, 2, 3], dtype=np.int64), 3)
+    b = prefix_key(np.array([*prompt, 9, 8, 7, 6, 5], dtype=np.int64), 5)
+    other = prefix_key(np.array([*prompt[:-1], 0, 1, 2, 3], dtype=np.int64), 3)
     assert a == b
     assert other != a
     # the dtype the ids come in does not matter
-    assert prefix_key(np.array(prompt + [1], dtype=np.int32), 1) == a
+    assert prefix_key(np.array([*prompt, 1], dtype=np.int32), 1) == a
 
 
 # --- the rules -------------------------------------------------------------------------

@@ -30,6 +30,11 @@ class MockStats(msgspec.Struct, kw_only=True):
         rejected_invalid: 4xx answers to invalid requests (all three error shapes).
         auth_failures: 401 answers.
         aborted: 200-abort answers, from the fault or from ``/abort_request``.
+        prompt_tokens: input tokens of the ``/generate`` items answered normally.
+        cached_tokens: those served from the prefix cache (their ``cached_tokens``).
+        computed_tokens: tokens the replica computed: input not served from the prefix
+            cache, plus generated tokens.
+        compute_s: seconds of simulated compute (``compute_*`` options).
     """
 
     requests: int = 0
@@ -49,6 +54,10 @@ class MockStats(msgspec.Struct, kw_only=True):
     rejected_invalid: int = 0
     auth_failures: int = 0
     aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    compute_s: float = 0.0
 
     def count_fault(self, kind: str) -> None:
         """Record one injected fault of ``kind``."""
@@ -68,6 +77,7 @@ class MockStats(msgspec.Struct, kw_only=True):
         """Zero every counter except the live gauges (in_flight, running, queued)."""
         keep = (self.in_flight, self.running, self.queued)
         for name in self.__struct_fields__:
-            setattr(self, name, {} if isinstance(getattr(self, name), dict) else 0)
+            value = getattr(self, name)
+            setattr(self, name, {} if isinstance(value, dict) else type(value)(0))
         self.in_flight, self.running, self.queued = keep
         self.max_in_flight = self.in_flight

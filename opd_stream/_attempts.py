@@ -41,7 +41,7 @@ from ._payloads import build_block_payloads
 from ._router import endpoint_url, generate_url
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import Layout, ScoreRequest
+from ._wire import Layout, ScoreRequest, layout
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -301,6 +301,10 @@ class AttemptSender:
             raise
         finally:
             self._stats.stage_active["decode"] -= 1
+        ep = self._endpoints(url)
+        ep.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
+        if rows.cached_tokens is not None:
+            ep.cached_tokens += rows.cached_tokens
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import Body, ScoreRows, Segment
+from ._answers import Body, ScoreRows, Segment, total_cached
 from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
 from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
 from ._errors import ProtocolError
@@ -62,6 +62,7 @@ def _schema() -> Any:
         [
             ("finish_reason", pa.struct([("type", pa.string()), ("message", pa.string())])),
             ("weight_version", pa.string()),
+            ("cached_tokens", pa.int64()),
             ("input_token_logprobs", entries),
             ("input_top_logprobs", rows),
             ("input_token_ids_logprobs", rows),
@@ -177,6 +178,7 @@ def _decode(
         id_logprobs=id_lp,
         used_b64=used_b64,
         weight_version=metas.values("weight_version")[0] if n_items else None,
+        cached_tokens=total_cached(metas.values("cached_tokens")),
     )
 
 

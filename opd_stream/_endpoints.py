@@ -48,6 +48,7 @@ class Endpoint:
     __slots__ = (
         "b64_topk",
         "blocked_batch",
+        "cached_tokens",
         "cancelled",
         "errors",
         "health",
@@ -56,6 +57,7 @@ class Endpoint:
         "in_flight",
         "keys",
         "per_position",
+        "prompt_tokens",
         "requests",
     )
 
@@ -67,6 +69,8 @@ class Endpoint:
         self.hedges = 0
         self.hedge_wins = 0
         self.cancelled = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.health = EndpointHealth()
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
@@ -87,6 +91,8 @@ class Endpoint:
             hedges=self.hedges,
             hedge_wins=self.hedge_wins,
             cancelled=self.cancelled,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
 

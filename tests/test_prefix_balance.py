@@ -322,3 +322,40 @@ async def test_other_balances_send_no_routing_key() -> None:
             out = [r async for r in results]
     assert all(isinstance(r, ScoredSample) for r in out)
     assert transport.last_headers is None and not fleet.keys
+
+
+# --- over HTTP: mock replicas with prefix caches ------------------------------------------
+def _long_groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
+    rng = np.random.default_rng(5)
+    out = []
+    for g in range(groups):
+        head = rng.integers(0, 3000, prompt).tolist()
+        for _ in range(per_group):
+            tail = rng.integers(0, 3000, response).tolist()
+            out.append(Sample(head + tail, response, sample_id=g))
+    return out
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
+async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes_less() -> None:
+    from opd_stream.testing.mock_sglang import MockOptions, serve_mock
+
+    samples = _long_groups(groups=8, per_group=8, prompt=64, response=8)
+    opts = MockOptions(prefix_cache_tokens=1 << 20, prefix_cache_page=1)
+    computed: dict[str, int] = {}
+    for balance in ("prefix", "least-outstanding"):
+        async with serve_mock("teacher", 1, replicas=4, options=opts) as fleet:
+            cfg = _cfg(teachers={"default": fleet.urls}, balance=balance, max_inflight=32)
+            async with OPDStream(cfg) as stream:
+                async with stream.run(samples) as results:
+                    out = [r async for r in results]
+                st = stream.stats().endpoints
+            _check(out, fleet.model)
+            for url, mock in zip(fleet.urls, fleet.stats, strict=True):
+                assert st[url].prompt_tokens == mock.prompt_tokens
+                assert st[url].cached_tokens == mock.cached_tokens
+            assert sum(s.prompt_tokens for s in fleet.stats) == len(samples) * 72
+            computed[balance] = sum(s.computed_tokens for s in fleet.stats)
+    # unique: 8 x (64 + 8 x 8) = 1024 tokens; a group spread over the replicas computes
+    # its prompt on each (about 3.6 of 4 for 8 samples): measured 1.05x vs 2.4x unique
+    assert computed["prefix"] <= 0.7 * computed["least-outstanding"], computed

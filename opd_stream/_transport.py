@@ -95,8 +95,9 @@ class MockTransport:
     :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
     on what it returns, like a real transport.
 
-    Router discovery's ``GET .../workers`` (``router_discovery="auto"``) is answered 404,
-    as a plain SGLang server answers it, without calling the handler; pass
+    Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
+    (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
+    without calling the handler; pass
     ``routers=True`` to let the handler answer it (to play an sglang-router).
     ``last_headers`` holds the extra headers of the last POST (``None``: none).
     """
@@ -120,6 +121,7 @@ class MockTransport:
 
     async def _call(self, method: str, url: str, body: bytes, max_bytes: int) -> Response:
         if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+            # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1
         result = self._handler(method, url, body)

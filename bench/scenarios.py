@@ -1,4 +1,4 @@
-"""The seven benchmark scenarios (see README.md). Each is ``async def sN(sizes) -> dict``.
+"""The benchmark scenarios (see README.md). Each is ``async def sN(sizes) -> dict``.
 
 Every scenario runs the mock SGLang servers as subprocesses and both clients (the baseline
 of :mod:`bench.baseline` and ``opd_stream``) in this process, one after the other, on the same
@@ -38,6 +38,7 @@ from .harness import (
     pid_list,
     run_opd,
 )
+from .locality import s9_locality
 from .workload import STUDENT_SEED, TEACHER_SEED, iter_samples, make_samples
 
 __all__ = ("SCENARIOS", "Sizes", "sizes_for")
@@ -85,6 +86,14 @@ class Sizes(msgspec.Struct, kw_only=True):
     s8_n: int = 16
     s8_prompt: int = 512
     s8_response: int = 1024
+    s9_prompts: int = 64
+    s9_per_prompt: int = 8
+    s9_prompt: int = 2048
+    s9_response: int = 1024
+    s9_teacher_prompt: int = 8192
+    s9_replicas: int = 4
+    s9_per_token_s: float = 20e-6
+    s9_cache_tokens: int = 1 << 20
     quick: bool = False
 
 
@@ -117,6 +126,13 @@ def sizes_for(quick: bool) -> Sizes:
         s8_n=6,
         s8_prompt=256,
         s8_response=1024,
+        s9_prompts=16,
+        s9_per_prompt=8,
+        s9_prompt=512,
+        s9_response=256,
+        s9_teacher_prompt=2048,
+        s9_per_token_s=200e-6,
+        s9_cache_tokens=1 << 18,
         quick=True,
     )
 
@@ -895,4 +911,5 @@ SCENARIOS: dict[int, tuple[str, Callable[[Sizes, Progress], Any]]] = {
     6: ("soak", s6_soak),
     7: ("unpatched server", s7_unpatched),
     8: ("fleet behind sglang-router", s8_router),
+    9: ("prefix locality on a GPU-bound fleet", s9_locality),
 }

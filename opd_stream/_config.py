@@ -256,8 +256,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ge=0.0,
     )] = 0.0
     router_discovery: Annotated[Literal["auto", "off"], _doc(
-        "auto = a server URL that is an sglang-router is replaced by its workers reachable "
-        "from here (listed again every 5 s); off = always send through the configured URL"
+        "auto = a server URL that is a gateway (smg, sglang-router) is replaced by its "
+        "workers reachable from here (listed again every 5 s); off = always send through "
+        "the configured URL"
     )] = "auto"
 
     def __post_init__(self) -> None:

@@ -4,9 +4,10 @@ GRPO groups (``s9_prompts`` prompts x ``s9_per_prompt`` samples) scored against
 ``s9_replicas`` mock teacher replicas, each with a prefix cache (SGLang's radix cache:
 LRU, whole pages, reuse capped at ``logprob_start_len``) and the compute-time model (one
 request at a time, ``s9_per_token_s`` per token not served from the cache): what a replica
-computes, and so the run's wall time, is what prefix placement decides. Two variants: the
-samples' own prompt (``s9_prompt`` tokens), and a privileged teacher prompt of its own
-(``s9_teacher_prompt`` tokens, one per group).
+computes, and so the run's wall time, is what prefix placement decides. Three variants:
+the samples' own prompt (``s9_prompt`` tokens), a privileged teacher prompt of its own
+(``s9_teacher_prompt`` tokens, one per group), and the first with the samples shuffled and
+``s9_window`` in flight at a time (:data:`INTERLEAVED`).
 
 Runs, on the same replicas and samples (caches flushed between runs):
 
@@ -39,7 +40,12 @@ from opd_stream.testing.mock_sglang import MockOptions
 from .harness import mocks, run_opd
 from .workload import TEACHER_SEED
 
-__all__ = ("LOCALITY_RUNS", "s9_locality")
+__all__ = ("INTERLEAVED", "LOCALITY_RUNS", "s9_locality")
+
+#: The variant whose samples come in a shuffled order, ``s9_window`` in flight at a time (as
+#: rollouts finish in a host that hands samples over one by one): a group's later samples
+#: often arrive after its earlier ones are done, and find its replica by placement alone.
+INTERLEAVED = "own prompt, interleaved arrivals"
 
 Progress = Callable[[str], None]
 
@@ -144,6 +150,7 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
             "replicas": n_rep,
             "per_token_s": sz.s9_per_token_s,
             "cache_tokens": sz.s9_cache_tokens,
+            "window": sz.s9_window,
         },
         "variants": {},
     }
@@ -156,9 +163,10 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                 workers, policy="manual", extra_args=["--assignment-mode", "min_group"]
             ) as smg_manual,
         ):
-            for variant, teacher_prompt in (
-                ("own prompt", 0),
-                ("privileged teacher prompt", sz.s9_teacher_prompt),
+            for variant, teacher_prompt, window in (
+                ("own prompt", 0, 0),
+                ("privileged teacher prompt", sz.s9_teacher_prompt, 0),
+                (INTERLEAVED, 0, sz.s9_window),
             ):
                 samples = _groups(
                     sz.s9_prompts,
@@ -168,9 +176,14 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     teacher_prompt,
                     seed=len(variant),
                 )
+                if window:  # groups' samples spread over the run, a few in flight at a time
+                    order = np.random.default_rng(3).permutation(len(samples))
+                    samples = [samples[i] for i in order]
                 head = teacher_prompt or sz.s9_prompt
                 unique = sz.s9_prompts * (head + sz.s9_per_prompt * sz.s9_response)
                 common: dict[str, Any] = {"kl_device": "cpu", "request_deadline_s": 600}
+                if window:
+                    common["max_inflight"] = window
                 configs = {
                     LOCALITY_RUNS[0]: {"teachers": {"default": workers}},
                     LOCALITY_RUNS[1]: {

@@ -214,6 +214,8 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s9 = res.get("9")
     if s9:
         for variant, v in s9["variants"].items():
+            if variant not in ("own prompt", "privileged teacher prompt"):
+                continue  # reported, not a target
             ours = v["runs"]["opd_stream prefix"]
             c, m = ours["computed_over_unique"], ours["max_over_mean_load"]
             t_lo = ours["throughput_over_least_outstanding"]

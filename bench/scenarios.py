@@ -94,6 +94,7 @@ class Sizes(msgspec.Struct, kw_only=True):
     s9_replicas: int = 4
     s9_per_token_s: float = 20e-6
     s9_cache_tokens: int = 1 << 20
+    s9_window: int = 32
     quick: bool = False
 
 
@@ -133,6 +134,7 @@ def sizes_for(quick: bool) -> Sizes:
         s9_teacher_prompt=2048,
         s9_per_token_s=200e-6,
         s9_cache_tokens=1 << 18,
+        s9_window=16,
         quick=True,
     )
 

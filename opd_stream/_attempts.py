@@ -8,6 +8,7 @@ bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable
 
@@ -53,6 +54,16 @@ _PROBE_TIMEOUT_S = 2.0
 _PROBE_MAX_BYTES = 64 * 1024
 
 
+def _takes_headers(transport: Transport) -> bool:
+    """The transport's ``post`` takes ``headers`` (one written before they existed does not:
+    it still works, without the routing key header)."""
+    try:
+        params = inspect.signature(transport.post).parameters
+    except (TypeError, ValueError):
+        return False
+    return "headers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 class Counter:
     """Attempts made (a mutable count shared by the requests of one sample)."""
 
@@ -96,6 +107,7 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._headers_ok = _takes_headers(transport)
 
     def _pick(
         self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
@@ -321,7 +333,7 @@ class AttemptSender:
             async with self._limiter(url):
                 ep.requests += 1
                 self._stats.requests += 1
-                if key is not None:
+                if key is not None and self._headers_ok:
                     headers = {ROUTING_KEY_HEADER: f"{key:016x}"}
                     resp = await self._transport.post(
                         generate_url(url),

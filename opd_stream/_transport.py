@@ -75,8 +75,8 @@ class Transport(Protocol):
         """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
 
         ``headers`` are sent besides the transport's own (the stream passes a request's
-        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance; it passes none
-        otherwise, so a transport written without this argument works with the others).
+        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). A transport
+        whose ``post`` has no ``headers`` parameter still works: it is never passed one.
         """
         ...
 

@@ -359,3 +359,36 @@ async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes
     # unique: 8 x (64 + 8 x 8) = 1024 tokens; a group spread over the replicas computes
     # its prompt on each (about 3.6 of 4 for 8 samples): measured 1.05x vs 2.4x unique
     assert computed["prefix"] <= 0.7 * computed["least-outstanding"], computed
+
+
+class _LegacyTransport:
+    """A user's transport written before ``post`` took ``headers``."""
+
+    def __init__(self, fleet: _Fleet) -> None:
+        self._inner = MockTransport(fleet.handle)
+        self.posts = 0
+
+    async def __aenter__(self) -> _LegacyTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+        self.posts += 1
+        return await self._inner.post(url, body, max_bytes=max_bytes)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._inner.get(url, max_bytes=max_bytes)
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
+async def test_a_transport_without_headers_still_gets_prefix_placement() -> None:
+    fleet = _Fleet(URLS)
+    transport = _LegacyTransport(fleet)
+    samples = _groups(2)[:8]
+    async with OPDStream(_cfg(), transport=transport) as stream:  # type: ignore[arg-type]
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+    _check(out, next(iter(fleet.servers.values())).model)
+    assert transport.posts == len(samples)

@@ -69,7 +69,8 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
         compute_fixed_s / compute_per_token_s: > 0 makes the replica one GPU: it computes
             one ``/generate`` at a time (after the latency above), for ``compute_fixed_s +
             compute_per_token_s * tokens computed`` (input tokens not served from the
-            prefix cache, plus generated tokens). 0: no compute time.
+            prefix cache, plus ``max_new_tokens``). 0: no compute time. An answer from the
+            replay cache (below) skips both.
 
     Benchmarks:
         replay_cache_bytes: > 0 keeps the bodies of successful scoring answers (every item

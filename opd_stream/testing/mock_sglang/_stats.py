@@ -33,7 +33,7 @@ class MockStats(msgspec.Struct, kw_only=True):
         prompt_tokens: input tokens of the ``/generate`` items answered normally.
         cached_tokens: those served from the prefix cache (their ``cached_tokens``).
         computed_tokens: tokens the replica computed: input not served from the prefix
-            cache, plus generated tokens.
+            cache, plus ``max_new_tokens``.
         compute_s: seconds of simulated compute (``compute_*`` options).
     """
 

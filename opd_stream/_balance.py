@@ -24,17 +24,20 @@ Rules, per replica URL:
   first; adding or removing a replica moves only the keys whose first choice it was).
   The balls are *prompts in flight*, not requests: requests that share a prompt cost the
   replica that prompt once (it is cached, or batched with the one computing it), so a
-  request whose key already has requests in flight on a replica joins them there; a new
-  key takes the first replica of its order holding fewer than
+  request whose key already has requests in flight on a replica joins them there. Any
+  other request tries the replica its key was last placed on first (the pool remembers
+  the last :data:`_HOMES` placements: a prompt that comes back finds its prefix), then its
+  order, and takes the first replica holding fewer than
   ``ceil(load_factor * (prompts_in_flight + 1) / replicas)`` prompts in flight:
   consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so
   no replica holds more than ``load_factor`` times the mean number of prompts. Both
   rules skip a replica holding ``limit`` requests in flight (the per-endpoint concurrency
   limit): one prompt with very many samples in flight at once spills to the next replica
   of its order rather than queue. A retry (the failed replica excluded) and a hedge (the
-  racing replicas excluded) go to the next replica of the same order, so the retried
-  requests of one prompt meet again there. A request without a key is placed as
-  ``least-outstanding`` places it.
+  racing replicas excluded) go to the next replica of the same order that takes them,
+  which the pool then remembers for the key, so the prompt's later requests meet there.
+  A replica added or re-admitted takes new prompts; the remembered ones stay where their
+  prefixes are. A request without a key is placed as ``least-outstanding`` places it.
 * **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a
   replica for ``cooldown_s``. A success resets the count. After the cool-down the replica
   stays out until a ``/health`` probe answers 200: ``claim_probe`` hands out at most one
@@ -51,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from typing import Final, Literal, TypeAlias
 
@@ -69,6 +72,9 @@ ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
 by it (under ``--policy manual``, or with ``--routing-key-override``)."""
 
 _MASK64: Final = (1 << 64) - 1
+
+_HOMES: Final = 4096
+"""Prompts whose last replica the pool remembers (least recently placed forgotten first)."""
 
 HEDGE_MIN_SAMPLES: Final = 16
 """Successful latencies a replica set needs before hedging starts."""
@@ -136,6 +142,7 @@ class EndpointPool:
         self._load_factor = load_factor
         self._limit = limit
         self._url_hashes: dict[str, int] = {}
+        self._homes: OrderedDict[int, str] = OrderedDict()
         self._eject_after = eject_after
         self._cooldown_s = cooldown_s
         self._rng = rng if rng is not None else random.Random()
@@ -191,15 +198,23 @@ class EndpointPool:
     def _bounded(self, pool: Sequence[str], key: int) -> str:
         eps, limit = self._endpoints, self._limit
         order = self.preference(pool, key)
-        for url in order:  # the prompt is in flight there: join it
-            if eps.holds(url, key) and eps.load(url) < limit:
-                return url
+        for joined in order:  # the prompt is in flight there: join it
+            if eps.holds(joined, key) and eps.load(joined) < limit:
+                return joined
         prompts = {url: eps.prompts(url) for url in pool}
         cap = math.ceil(self._load_factor * (sum(prompts.values()) + 1) / len(pool))
-        for url in order:
-            if prompts[url] < cap and eps.load(url) < limit:
-                return url
-        return min(order, key=eps.load)  # every replica is at its limit
+        homes = self._homes
+        home = homes.get(key)
+        if home is not None and home in prompts:  # where its prefix was computed last
+            order.remove(home)
+            order.insert(0, home)
+        free = [u for u in order if prompts[u] < cap and eps.load(u) < limit]
+        url = free[0] if free else min(order, key=eps.load)  # else: all at their limit
+        homes[key] = url
+        homes.move_to_end(key)
+        if len(homes) > _HOMES:
+            homes.popitem(last=False)
+        return url
 
     # passive health ----------------------------------------------------------------
     def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:

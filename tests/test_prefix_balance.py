@@ -94,6 +94,20 @@ def test_a_prompt_in_flight_is_joined_wherever_it_is() -> None:
     assert pool.pick(URLS, key=key) == pool.preference(URLS, key)[0]
 
 
+def test_a_prompt_that_comes_back_goes_where_it_was_placed_while_under_the_cap() -> None:
+    eps = Endpoints()
+    pool = _pool(eps)
+    key = _keys(1, seed=11)[0]
+    first, second = pool.preference(URLS, key)[:2]
+    others = _keys(5, seed=12)
+    for k in others:  # its first choice is full: 5 >= ceil(1.25 * 6 / 4) = 2
+        eps.begin(first, k)
+    assert pool.pick(URLS, key=key) == second
+    for k in others:
+        eps.end(first, k)
+    assert pool.pick(URLS, key=key) == second  # its prefix is there, not on `first`
+
+
 @pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
 def test_no_replica_takes_a_new_prompt_at_or_above_the_cap(factor: float) -> None:
     """Requests arrive and leave at random; a third of them share a few hot prompts."""
@@ -135,14 +149,36 @@ def test_one_prompt_with_many_requests_spills_at_the_endpoint_limit() -> None:
 
 
 def test_adding_a_replica_moves_only_the_keys_it_now_wins() -> None:
-    pool = _pool()
+    """Placement by rendezvous order alone (a stream that has not placed them yet)."""
     keys = _keys(2000)
     new = "http://replica-new:1"
-    before = {k: pool.pick(URLS, key=k) for k in keys}
-    after = {k: pool.pick((*URLS, new), key=k) for k in keys}
+    before = {k: _pool().pick(URLS, key=k) for k in keys}
+    fresh = _pool()
+    after = {k: fresh.pick((*URLS, new), key=k) for k in keys}
     moved = [k for k in keys if after[k] != before[k]]
     assert all(after[k] == new for k in moved)
     assert 0.15 * len(keys) < len(moved) < 0.25 * len(keys)  # about 1/5
+
+
+def test_a_placed_prompt_stays_where_its_prefix_is_when_a_replica_is_added() -> None:
+    pool = _pool()
+    keys = _keys(2000)
+    before = {k: pool.pick(URLS, key=k) for k in keys}
+    after = {k: pool.pick((*URLS, "http://replica-new:1"), key=k) for k in keys}
+    assert after == before
+    # new prompts do reach it
+    assert "http://replica-new:1" in {
+        pool.pick((*URLS, "http://replica-new:1"), key=k) for k in _keys(100, seed=5)
+    }
+
+
+def test_the_remembered_placements_are_bounded() -> None:
+    from opd_stream._balance import _HOMES
+
+    pool = _pool()
+    for k in _keys(_HOMES + 100):
+        pool.pick(URLS, key=k)
+    assert len(pool._homes) == _HOMES
 
 
 def test_removing_a_replica_moves_only_its_keys() -> None:
@@ -156,10 +192,11 @@ def test_removing_a_replica_moves_only_its_keys() -> None:
             assert after[k] == pool.preference(URLS, k)[1]
 
 
-def test_an_ejected_replica_is_skipped_and_its_keys_come_back_when_readmitted() -> None:
+def test_an_ejected_replica_is_skipped_and_takes_new_prompts_when_readmitted() -> None:
     pool = _pool()
-    keys = [k for k in _keys(200) if pool.preference(URLS, k)[0] == URLS[0]]
-    assert keys
+    homed = [k for k in _keys(400) if pool.preference(URLS, k)[0] == URLS[0]]
+    keys, later = homed[: len(homed) // 2], homed[len(homed) // 2 :]
+    assert keys and later
     for _ in range(5):
         pool.record_failure(URLS[0], URLS, now=0.0)
     assert pool.health(URLS[0]).ejected
@@ -167,7 +204,9 @@ def test_an_ejected_replica_is_skipped_and_its_keys_come_back_when_readmitted() 
         assert pool.pick(URLS, key=k) == pool.preference(URLS, k)[1]
     assert pool.claim_probe(URLS, now=100.0) == URLS[0]
     pool.probe_result(URLS[0], True, now=100.0)
-    assert all(pool.pick(URLS, key=k) == URLS[0] for k in keys)
+    # the prompts placed meanwhile stay where their prefixes are; new ones come back
+    assert all(pool.pick(URLS, key=k) == pool.preference(URLS, k)[1] for k in keys)
+    assert all(pool.pick(URLS, key=k) == URLS[0] for k in later)
 
 
 def test_a_retry_or_hedge_goes_to_the_next_replica_of_the_keys_order() -> None:

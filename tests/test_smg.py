@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -178,6 +179,35 @@ async def test_per_position_ids_pass_through_smg_with_discovery_off(
     ep = stats.endpoints[url]
     assert ep.per_position is True  # smg forwards the unknown field
     assert ep.requests == len(samples)
+
+
+@pytest.mark.parametrize(("pad", "status"), [(0, 422), (1 << 20, 200)])
+def test_smg_checks_a_batch_s_logprob_start_len_only_in_bodies_under_1_mib(
+    gateway: tuple[str, list[str]], pad: int, status: int
+) -> None:
+    """A fact of smg 1.13 the README states: the blocked batch's list-valued fields are
+    refused (422) unless the body is over 1 MiB, which it forwards unchecked."""
+    url, _ = gateway
+    body = {
+        "input_ids": [list(range(100, 120)), list(range(100, 115))],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": [10, 12],
+        "token_ids_logprob": [[1, 2], [3]],
+        "opd_padding": "x" * pad,
+    }
+    req = urllib.request.Request(
+        url + "/generate",
+        data=msgspec.json.encode(body),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            got = resp.status
+    except urllib.error.HTTPError as exc:
+        got = exc.code
+    assert got == status
 
 
 async def test_unpatched_workers_behind_smg_get_the_blocks_as_separate_requests() -> None:

@@ -11,41 +11,102 @@ payloads and answers), :mod:`opd_stream.kl` (the KL math, on your own arrays),
 :mod:`opd_stream.testing` (mock SGLang servers, an in-process transport, sglang-router),
 :mod:`opd_stream.integrations` (Miles, verl).
 
-Importing the package does not import torch; :class:`OPDStream` does when it is created.
+Importing the package is cheap: each name is loaded from its module on first use (so the
+``opd-stream`` command starts, and answers Ctrl-C, before any of them is loaded). It does
+not import torch; :class:`OPDStream` does when it is created.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as _metadata
+import importlib as _importlib
+import typing as _typing
 
-from ._config import Secret, StreamConfig
-from ._errors import (
-    CapabilityError,
-    ConfigError,
-    ConnectionFailed,
-    DeadlineExceeded,
-    InvalidSampleError,
-    MalformedResponseError,
-    MisalignedResponseError,
-    MissingLogprobError,
-    OPDStreamError,
-    ProtocolError,
-    ResponseTooLarge,
-    RoutingError,
-    ServerAbortError,
-    ServerError,
-    ServerHTTPError,
-)
-from ._logging import configure_logging
-from ._sample import Candidates, Sample, SampleFailure, ScoredSample
-from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
-from ._stream import OPDStream, Results
-from ._transport import AiohttpTransport, MockTransport, Response, Transport
+if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded lazily (__getattr__)
+    __version__: str
+    from ._config import Secret, StreamConfig
+    from ._ensemble import Ensemble
+    from ._errors import (
+        CapabilityError,
+        ConfigError,
+        ConnectionFailed,
+        DeadlineExceeded,
+        InvalidSampleError,
+        MalformedResponseError,
+        MisalignedResponseError,
+        MissingLogprobError,
+        OPDStreamError,
+        ProtocolError,
+        ResponseTooLarge,
+        RoutingError,
+        ServerAbortError,
+        ServerError,
+        ServerHTTPError,
+        WeightVersionChanged,
+    )
+    from ._logging import configure_logging
+    from ._probe import ProbeReport, ReplicaProbe
+    from ._sample import Candidates, Sample, SampleFailure, ScoredSample, TokenAlignment
+    from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
+    from ._stream import OPDStream, Results
+    from ._transport import AiohttpTransport, MockTransport, Response, Transport
 
-try:  # the one place the version lives is pyproject.toml
-    __version__ = _metadata.version("opd-stream")
-except _metadata.PackageNotFoundError:  # pragma: no cover  (a source tree that was never installed)
-    __version__ = "0+unknown"
+_MODULES: dict[str, tuple[str, ...]] = {
+    "._config": ("Secret", "StreamConfig"),
+    "._ensemble": ("Ensemble",),
+    "._errors": (
+        "CapabilityError",
+        "ConfigError",
+        "ConnectionFailed",
+        "DeadlineExceeded",
+        "InvalidSampleError",
+        "MalformedResponseError",
+        "MisalignedResponseError",
+        "MissingLogprobError",
+        "OPDStreamError",
+        "ProtocolError",
+        "ResponseTooLarge",
+        "RoutingError",
+        "ServerAbortError",
+        "ServerError",
+        "ServerHTTPError",
+        "WeightVersionChanged",
+    ),
+    "._logging": ("configure_logging",),
+    "._probe": ("ProbeReport", "ReplicaProbe"),
+    "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample", "TokenAlignment"),
+    "._stats": ("ChannelStats", "EndpointStats", "FleetState", "KLStageStats", "StreamStats"),
+    "._stream": ("OPDStream", "Results"),
+    "._transport": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
+}
+_SOURCE = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:  # the one place the version lives is pyproject.toml
+        return importlib.metadata.version("opd-stream")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover  (never installed)
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """A public name (``__version__`` included), loaded on first use, then a plain
+    attribute."""
+    if name == "__version__":
+        value: _typing.Any = _version()
+    else:
+        module = _SOURCE.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SOURCE, "__version__"})
+
 
 __all__ = [
     "__version__",
@@ -58,6 +119,7 @@ __all__ = [
     "ConnectionFailed",
     "DeadlineExceeded",
     "EndpointStats",
+    "Ensemble",
     "FleetState",
     "InvalidSampleError",
     "KLStageStats",
@@ -67,7 +129,9 @@ __all__ = [
     "MockTransport",
     "OPDStream",
     "OPDStreamError",
+    "ProbeReport",
     "ProtocolError",
+    "ReplicaProbe",
     "Response",
     "ResponseTooLarge",
     "Results",
@@ -81,5 +145,7 @@ __all__ = [
     "ServerHTTPError",
     "StreamConfig",
     "StreamStats",
+    "TokenAlignment",
     "Transport",
+    "WeightVersionChanged",
 ]

@@ -224,6 +224,11 @@ class AttemptSender:
                 self._endpoints(url).errors += 1
             if exc.retryable and isinstance(exc, ServerError):
                 self._note_failure(side, url, urls)
+            if isinstance(exc, ConnectionFailed):
+                if exc.refused:  # not reached (a reset or a timeout says nothing either way)
+                    self._pool.record_refused(url, anyio.current_time())
+            elif isinstance(exc, ServerError):  # it answered
+                self._pool.record_reached(url)
             raise Failed(exc, url, req) from None
         self._pool.record_success(url, urls, anyio.current_time() - start)
         return rows

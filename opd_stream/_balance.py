@@ -44,6 +44,15 @@ Rules, per replica URL:
   probe per replica at a time, and ``probe_result`` re-admits it (200) or ejects it for
   another cool-down. ``eject_after = 0`` disables ejection. A pool of one replica never
   ejects (there is nothing to fail over to).
+* **Unreachable replica set** (``unreachable``, ``let_through``): a replica whose
+  connection attempt was refused (no connection made: refused, no route, a name that does
+  not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment
+  until it answers anything (``record_success``, ``record_reached``). When every replica
+  of a set has been refusing for ``unreachable_after_s`` (measured from the latest of their
+  first refusals), the set is unreachable: its requests fail at once instead of being
+  retried, except one request per ``unreachable_after_s`` that ``let_through`` lets go
+  ahead (a single attempt) to see whether the set is back; any answer from any replica
+  makes the set reachable again. ``unreachable_after_s = 0`` disables the rule.
 * **Hedging delay** (``hedge_delay``): the ``percentile`` of the last ``_LATENCY_RING``
   successful attempt latencies of the same replica set, at least ``min_s``; ``None``
   (no hedging) while fewer than ``HEDGE_MIN_SAMPLES`` latencies are known.
@@ -123,6 +132,8 @@ class EndpointPool:
             while another has room (the per-endpoint concurrency limit).
         eject_after: consecutive failures that eject a replica (0: never eject).
         cooldown_s: how long an ejected replica stays out before it may be probed (> 0).
+        unreachable_after_s: how long every replica of a set must have refused
+            connections before the set is unreachable (0: never).
         rng: random source of the two-choice draw (seed it for reproducible choices).
     """
 
@@ -135,6 +146,7 @@ class EndpointPool:
         limit: int = 64,
         eject_after: int = 5,
         cooldown_s: float = 10.0,
+        unreachable_after_s: float = 0.0,
         rng: random.Random | None = None,
     ) -> None:
         self._endpoints = endpoints
@@ -145,6 +157,8 @@ class EndpointPool:
         self._homes: OrderedDict[int, str] = OrderedDict()
         self._eject_after = eject_after
         self._cooldown_s = cooldown_s
+        self._unreachable_after_s = unreachable_after_s
+        self._next_probe: dict[tuple[str, ...], float] = {}  # unreachable sets: next let-through
         self._rng = rng if rng is not None else random.Random()
         self._rr: dict[tuple[str, ...], int] = {}
         self._latency: dict[tuple[str, ...], deque[float]] = {}
@@ -219,7 +233,9 @@ class EndpointPool:
     # passive health ----------------------------------------------------------------
     def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:
         """A request to ``url`` (one of the replica set ``urls``) succeeded."""
-        self.health(url).consecutive_failures = 0
+        state = self.health(url)
+        state.consecutive_failures = 0
+        state.refused_since = None
         ring = self._latency.get(tuple(urls))
         if ring is None:
             ring = self._latency[tuple(urls)] = deque(maxlen=_LATENCY_RING)
@@ -275,6 +291,46 @@ class EndpointPool:
     def release_probe(self, url: str) -> None:
         """Give back a claimed probe without a verdict (it was cancelled)."""
         self.health(url).probing = False
+
+    # unreachable replica sets ------------------------------------------------------
+    def record_refused(self, url: str, now: float) -> None:
+        """No connection could be made to ``url`` (the server was not reached)."""
+        state = self.health(url)
+        if state.refused_since is None:
+            state.refused_since = now
+
+    def record_reached(self, url: str) -> None:
+        """``url`` answered (an error status or a bad answer included): it is not refusing."""
+        self.health(url).refused_since = None
+
+    def unreachable(self, urls: Sequence[str], now: float) -> float | None:
+        """For how long every replica of ``urls`` has been refusing connections, when that
+        is at least ``unreachable_after_s``; else ``None`` (the set is reachable)."""
+        if self._unreachable_after_s <= 0 or not urls:
+            return None
+        latest = -math.inf
+        for url in urls:
+            since = self.health(url).refused_since
+            if since is None:
+                self._next_probe.pop(tuple(urls), None)
+                return None
+            latest = max(latest, since)
+        refusing = now - latest
+        return refusing if refusing >= self._unreachable_after_s else None
+
+    def known_unreachable(self, urls: Sequence[str]) -> bool:
+        """Whether ``urls`` was found unreachable before (and has not answered since)."""
+        return tuple(urls) in self._next_probe
+
+    def let_through(self, urls: Sequence[str], now: float) -> bool:
+        """While ``urls`` is unreachable: whether this request goes ahead (the first one,
+        then one per ``unreachable_after_s``) to see whether the set is back."""
+        key = tuple(urls)
+        due = self._next_probe.get(key)
+        if due is not None and now < due:
+            return False
+        self._next_probe[key] = now + self._unreachable_after_s
+        return True
 
     # hedging -----------------------------------------------------------------------
     def hedge_delay(self, urls: Sequence[str], percentile: float, min_s: float) -> float | None:

@@ -6,18 +6,19 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import anyio
-
-from ._config import render_config_table
-from ._errors import ConfigError
-from ._logging import LOG_LEVELS, configure_logging
+# Nothing of the package is imported before main() runs: a Ctrl-C at any moment of the
+# start-up is then one line and exit 130 (main catches it), never a traceback.
 
 __all__ = ("main",)
+
+_COMMANDS = ("demo", "score", "probe", "bench", "config")
 
 _DESCRIPTION = (
     "Streaming teacher scoring for on-policy distillation against SGLang servers. "
     "demo: score rollouts against embedded mock SGLang servers (the main job); "
     "score: score a JSON Lines file of rollouts against real servers; "
+    "probe: ask every teacher replica the same request, cold and warm, and report how far "
+    "their logprobs are apart; "
     "bench: run the benchmarks (from a source checkout); config: print the configuration table."
 )
 
@@ -33,7 +34,9 @@ def _bench_available() -> bool:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
     from ._demo import add_demo_arguments
-    from ._scorefile import add_score_arguments
+    from ._logging import LOG_LEVELS
+    from ._probe_cli import add_probe_arguments
+    from ._scorefile_options import add_score_arguments
 
     p = argparse.ArgumentParser(prog="opd-stream", description=_DESCRIPTION)
     p.add_argument("--version", action="version", version=f"opd-stream {__version__}")
@@ -59,16 +62,47 @@ def _parser() -> argparse.ArgumentParser:
         "StreamConfig field not set by a flag comes from its OPD_STREAM_* variable.",
     )
     add_score_arguments(score)
+    probe = sub.add_parser(
+        "probe",
+        help="check that every teacher replica gives the same logprobs, cold and warm",
+        description="Send the same scoring request to every replica of every teacher, "
+        "cold (a fresh cache_salt) and warm (the same request again), and print the "
+        "largest logprob difference between replicas and between cold and warm, naming "
+        "the replicas beyond the tolerance (JSON on stdout; exit 1 when one is named or "
+        "failed). Every StreamConfig field not set by a flag comes from its OPD_STREAM_* "
+        "variable.",
+    )
+    add_probe_arguments(probe)
     if _bench_available():
         bench = sub.add_parser(
             "bench", help="run the benchmarks in bench/ (see bench/README.md)", add_help=False
         )
         bench.add_argument("args", nargs=argparse.REMAINDER)
-    sub.add_parser("config", help="print the configuration table (fields, env variables)")
+    sub.add_parser(
+        "config",
+        help="print the configuration table (fields, env variables) and the answer parser",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``opd-stream`` command; the exit code (130 after Ctrl-C, at any moment)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        args = sys.argv[1:] if argv is None else list(argv)
+        command = next((a for a in args if a in _COMMANDS), None)
+        print(f"opd-stream{f' {command}' if command else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    import anyio
+
+    from ._config import render_config_table
+    from ._errors import ConfigError
+    from ._logging import configure_logging
+
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
@@ -78,7 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.log_level, drop_events=("sample_failed",) if args.command == "score" else ()
     )
     if args.command == "config":
+        from ._parser_notice import parser_line
+
         print(render_config_table())
+        print(parser_line())
         return 0
     if args.command == "bench":
         import importlib
@@ -93,6 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         code: int = bench.main([*extra, *args.args])
         return code
+    if args.command == "probe":
+        from ._probe_cli import run_probe_command
+
+        try:
+            probe_code: int = anyio.run(run_probe_command, args)
+        except KeyboardInterrupt:
+            print("opd-stream probe: interrupted", file=sys.stderr)
+            return 130
+        return probe_code
     if args.command == "score":
         from ._scorefile import run_score
 

@@ -42,15 +42,18 @@ from ._config_fields import (
 )
 from ._config_rules import check_values
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
+from ._ensemble import Ensemble
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
-from ._router import normalize_server_url, normalize_teachers
+from ._kltypes import Divergence, Strategy, WeightMode
+from ._router import Teacher, normalize_server_url, normalize_teachers
 from ._secret import Secret, as_secret
+from ._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 
 __all__ = (
     "CONFIG_FIELDS",
     "ENV_PREFIX",
     "MAX_TOP_K",
+    "CacheSalt",
     "ConfigField",
     "IdScoring",
     "Secret",
@@ -70,6 +73,7 @@ costs O(k) response bytes per position; 1024 bounds a configuration mistake, not
 limit."""
 
 IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "blocks", "auto"]
+CacheSalt: TypeAlias = Literal["none", "per-sample", "per-request"]
 
 _MIB: Final = 1024 * 1024
 _GIB: Final = 1024 * _MIB
@@ -101,7 +105,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     top_k=16)``; pass ``environ={}`` to ignore the process environment) or directly. Both
     validate everything once and normalise:
 
-    * ``teachers`` to ``{name: (replica base URLs, ...)}``;
+    * ``teachers`` to ``{name: (replica base URLs, ...)}`` (``{name: Ensemble}`` for a
+      weighted ensemble of member teachers);
     * ``student_url`` to its base URL;
     * ``kl_device`` to lower case;
     * ``api_key`` to a :class:`Secret`;
@@ -117,9 +122,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ConfigError: any invalid field or combination; the message names the field(s).
     """
 
-    teachers: Annotated[dict[str, tuple[str, ...]], Normalise(normalize_teachers), _doc(
-        "teacher name -> base URL or list of replica URLs; a plain URL means the single "
-        "teacher 'default'. Env: comma-separated NAME=URL entries, replicas joined with '|'"
+    teachers: Annotated[dict[str, Teacher], Normalise(normalize_teachers), _doc(
+        "teacher name -> base URL or list of replica URLs, or a weighted ensemble; a plain "
+        "URL means the single teacher 'default'. Env: comma-separated NAME=URL entries, "
+        "replicas joined with '|'; an ensemble is NAME=W*URLS;W*URLS (weights summing to 1)"
     )] = msgspec.field(default_factory=dict)
     teacher_key: Annotated[str, _doc(
         "sample metadata key whose value (as a string) names the sample's teacher",
@@ -142,9 +148,19 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = "student_p"
     tail: Annotated[bool, _doc(
         "top-k: add a tail bucket holding the mass outside the candidates, so r_t is the "
-        "reverse KL over |C| + 1 outcomes (never negative, a lower bound of the full one); "
-        "needs weight_mode student_p. Env: 1/0/true/false"
+        "divergence over |C| + 1 outcomes (never negative, a lower bound of the full one); "
+        "reverse_kl needs weight_mode student_p with it. Env: 1/0/true/false"
     )] = False
+    divergence: Annotated[Divergence, _doc(
+        "top-k signal: reverse_kl (the reference's), forward_kl (needs weight_mode "
+        "teacher_p) or jsd (TRL's generalized JSD with jsd_beta; weight_mode left at "
+        "student_p); sampled-token mode is reverse_kl only"
+    )] = "reverse_kl"
+    jsd_beta: Annotated[float, _doc(
+        "beta of divergence jsd, in (0, 1): beta KL(teacher || M) + (1 - beta) "
+        "KL(student || M), M = beta teacher + (1 - beta) student (TRL's GKD convention)",
+        gt=0.0, lt=1.0,
+    )] = 0.5
     id_scoring: Annotated[IdScoring, _doc(
         "how ids are scored: per-position, flat (one union for all positions), blocked (one "
         "batch body), blocks (the same blocks as independent requests), auto (per-position "
@@ -242,6 +258,13 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "in seconds (> 0)",
         gt=0.0,
     )] = 10.0
+    unreachable_after_s: Annotated[float, _doc(
+        "when every replica of a teacher (or the student) has refused connections for this "
+        "long, in seconds, with no answer since, its requests fail at once "
+        "(connection_error) instead of being retried; one request per this interval still "
+        "goes ahead, and any answer makes it reachable again (0 = always retry)",
+        ge=0.0,
+    )] = 5.0
     hedge_after_percentile: Annotated[float, _doc(
         "0 = no hedging; p in (0, 100) = after the p-th percentile of recent latencies "
         "(at least hedge_min_s), send a duplicate to another replica; first answer wins",
@@ -260,6 +283,38 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "workers reachable from here (listed again every 5 s); off = always send through "
         "the configured URL"
     )] = "auto"
+    cache_salt: Annotated[CacheSalt, _doc(
+        "SGLang cache_salt on scoring requests (random, never from the payload): none; "
+        "per-sample (one salt for all of a sample's requests: no prefix reuse across "
+        "samples, so a GRPO group's shared prompt is computed once per sample); "
+        "per-request (a fresh salt for every HTTP request and block: no prefix reuse at "
+        "all, every request pays its whole prefill)"
+    )] = "none"
+    probe_tolerance: Annotated[float, _doc(
+        "largest logprob difference, in nats, the probe accepts between a replica and its "
+        "teacher's median replica and between a replica's cold and warm answers (> 0)",
+        gt=0.0,
+    )] = 0.1
+    probe_at_start: Annotated[bool, _doc(
+        "run the probe (OPDStream.probe) as the stream starts and eject, for the stream's "
+        "life, the replicas it names (never a teacher's last one). Env: 1/0/true/false"
+    )] = False
+    student_tokenizer: Annotated[str | None, Normalise(normalize_tokenizer_path), _doc(
+        "the student's tokenizer: a local tokenizer.json or a model directory holding one "
+        "(never downloaded); needed with teacher_tokenizers"
+    )] = None
+    teacher_tokenizers: Annotated[dict[str, str] | None, Normalise(
+        normalize_teacher_tokenizers
+    ), _doc(
+        "teacher name -> its own tokenizer (tokenizer.json or a directory holding one) for a "
+        "teacher with another vocabulary (sampled-token mode, or top-k only-student); a "
+        "teacher not listed shares the student's. Env: comma-separated NAME=PATH entries, or "
+        "one path for the teacher 'default'"
+    )] = None
+    return_alignment: Annotated[bool, _doc(
+        "results of a teacher with its own tokenizer carry the span alignment "
+        "(ScoredSample.alignment). Env: 1/0/true/false"
+    )] = False
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in _SPECS}
@@ -279,7 +334,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         stripped of surrounding whitespace; numbers are coerced with
         ``msgspec.convert(..., strict=False)``; an empty ``OPD_STREAM_STUDENT_URL`` or
         ``OPD_STREAM_API_KEY`` means unset. ``OPD_STREAM_TEACHERS`` holds comma-separated
-        ``NAME=URL`` entries (replicas joined with ``|``) or a plain URL.
+        ``NAME=URL`` entries (replicas joined with ``|``; an ensemble ``NAME=W*URLS;W*URLS``)
+        or a plain URL.
 
         Args:
             environ: the variables to read; ``None`` reads ``os.environ``.
@@ -321,7 +377,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in _SPECS:
             value = getattr(self, name)
             if name == "teachers":
-                value = {teacher: list(urls) for teacher, urls in value.items()}
+                value = {
+                    teacher: urls.spec() if isinstance(urls, Ensemble) else list(urls)
+                    for teacher, urls in value.items()
+                }
             elif name == "api_key":
                 value = None if value is None else "***"
             out[name] = value

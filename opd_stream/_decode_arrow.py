@@ -33,7 +33,13 @@ import numpy.typing as npt
 
 from ._answers import Body, ScoreRows, Segment, total_cached
 from ._arrow_reader import Answers, ArrowAnswers, ArrowRows, Reader, gather, read_rows
-from ._decode_checks import LOGPROB_TOLERANCE, id_values, token_values, with_tail_values
+from ._decode_checks import (
+    LOGPROB_TOLERANCE,
+    id_values,
+    one_weight_version,
+    token_values,
+    with_tail_values,
+)
 from ._errors import ProtocolError
 from ._jit import compiled
 
@@ -170,6 +176,7 @@ def _decode(
     elif n_tail.any():
         return None
 
+    weight_version = one_weight_version(metas.values("weight_version")) if n_items else None
     return ScoreRows(
         token_ids=np.array(tokens[tokens.shape[0] - int(rows.sum()) :], dtype=np.int64),
         token_logprobs=token_lp,
@@ -177,7 +184,7 @@ def _decode(
         top_logprobs=top_lps,
         id_logprobs=id_lp,
         used_b64=used_b64,
-        weight_version=metas.values("weight_version")[0] if n_items else None,
+        weight_version=weight_version,
         cached_tokens=total_cached(metas.values("cached_tokens")),
     )
 

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._answers import Segment
-from ._errors import MalformedResponseError, MisalignedResponseError
+from ._errors import MalformedResponseError, MisalignedResponseError, WeightVersionChanged
 
 __all__ = (
     "LOGPROB_TOLERANCE",
@@ -33,6 +33,7 @@ __all__ = (
     "item_of",
     "item_path",
     "missing_field",
+    "one_weight_version",
     "spread",
     "to_logprobs",
     "token_values",
@@ -59,6 +60,21 @@ def to_logprobs(values: npt.NDArray[np.float64] | npt.NDArray[np.float32], where
     out = np.where(np.isnan(values), -np.inf, values)
     with np.errstate(over="ignore"):  # below -float32 max: becomes -inf, as it should
         return out.astype(np.float32)
+
+
+def one_weight_version(values: Sequence[str | None]) -> str | None:
+    """The one ``meta_info.weight_version`` of an answer's items (block answers included).
+
+    Raises:
+        WeightVersionChanged: the items report different versions (a missing one counts as
+            a version of its own), i.e. weights changed while the sample was scored.
+    """
+    first = values[0] if values else None
+    for v in values:
+        if v != first:
+            seen = tuple(dict.fromkeys(values))
+            raise WeightVersionChanged(seen, where="the items of one answer")
+    return first
 
 
 def missing_field(field: str) -> MalformedResponseError:

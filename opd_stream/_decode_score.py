@@ -37,6 +37,7 @@ from ._decode_checks import (
     input_rows,
     item_path,
     missing_field,
+    one_weight_version,
     to_logprobs,
     token_values,
     with_tail_values,
@@ -186,7 +187,7 @@ def _decode_segments(
     tok_entries: list[list[Entry]] = []
     id_sel: list[EntryRows] = []
     used_b64 = top_k > 0
-    weight_version: str | None = None
+    versions: list[str | None] = []
     cached: list[int | None] = []
     t0 = 0
     # Structure is checked item by item; the numbers of all items are then converted and
@@ -199,8 +200,7 @@ def _decode_segments(
         fr = meta.finish_reason
         if fr is not None and fr.type == "abort":
             check_abort(fr, item_path(batch, n), "teacher")
-        if n == 0:
-            weight_version = meta.weight_version
+        versions.append(meta.weight_version)
         cached.append(meta.cached_tokens)
         id_rows = meta.input_token_ids_logprobs
         if seg.expect is not None and id_rows is None:
@@ -245,6 +245,7 @@ def _decode_segments(
         t0 += seg.rows
     if id_sel and not _rows_are_well_formed(id_sel, segments):
         _raise_row_error(items, id_sel, segments, batch)
+    weight_version = one_weight_version(versions)
     p = tokens.shape[0] - t0
     id_lp = _id_values(id_sel, segments, batch) if id_sel else None
     token_lp = _token_values(tok_entries, segments, tokens, batch, t0)

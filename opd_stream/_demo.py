@@ -16,9 +16,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import anyio
 import numpy as np
 
@@ -26,11 +25,15 @@ from ._config import StreamConfig
 from ._decode_generate import decode_generate_response
 from ._kltypes import STRATEGIES, WEIGHT_MODES
 from ._logging import LOG_LEVELS
+from ._parser_notice import scanner_notice
 from ._payloads import build_generate_payload
 from ._progress import Progress
 from ._router import generate_url
 from ._sample import Sample, SampleFailure, ScoredSample
 from ._stream import OPDStream
+
+if TYPE_CHECKING:
+    import aiohttp
 
 __all__ = ("add_demo_arguments", "run_demo")
 
@@ -182,6 +185,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         kl_device="cpu",
     )
+    notice = scanner_notice()
+    if notice is not None:
+        print(f"opd-stream demo: {notice}", file=sys.stderr)
     opts = MockOptions(
         per_position=args.per_position,
         fault_http_503=args.fault_rate,
@@ -214,6 +220,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         progress = Progress(sys.stderr, enabled=not args.no_progress)
         progress.set_total(args.samples)
+        import aiohttp  # here, not at import: the CLI builds its parser from this module
+
         async with aiohttp.ClientSession() as session, OPDStream(cfg) as stream:
             async with stream.run(_rollouts(session, student.url, args, names)) as results:
                 async for item in results:

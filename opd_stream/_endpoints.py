@@ -25,11 +25,21 @@ class EndpointHealth:
         probing: a ``/health`` probe of this replica is in flight.
         ejections: times the replica was ejected (a failed probe counts again).
         readmissions: times a probe re-admitted it.
+        refused_since: ``now`` of the first refused connection since it last answered;
+            ``None`` when it is not refusing.
     """
 
-    __slots__ = ("consecutive_failures", "ejected_until", "ejections", "probing", "readmissions")
+    __slots__ = (
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "probing",
+        "readmissions",
+        "refused_since",
+    )
 
     def __init__(self) -> None:
+        self.refused_since: float | None = None
         self.consecutive_failures = 0
         self.ejected_until: float | None = None
         self.probing = False

@@ -16,8 +16,10 @@ The whole tree::
         └── ProtocolError                   a 200 answer that cannot be used as is
             ├── MalformedResponseError      not JSON, or the wrong shape (msgspec path)
             ├── MisalignedResponseError     row counts or token ids differ from the request
-            └── CapabilityError             the server ignored a feature we relied on
-                                            (``.capability``: per_position or b64_topk)
+            ├── CapabilityError             the server ignored a feature we relied on
+            │                               (``.capability``: per_position or b64_topk)
+            └── WeightVersionChanged        one sample's answers (of one side) came from
+                                            different weights (``meta_info.weight_version``)
 
 Every error carries ``reason``, a short stable code used in :class:`SampleFailure.reason`
 and in ``stats()["failures"]``, and ``retryable``, which the retry policy consults.
@@ -42,6 +44,7 @@ __all__ = (
     "ServerAbortError",
     "ServerError",
     "ServerHTTPError",
+    "WeightVersionChanged",
 )
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -94,14 +97,18 @@ class RoutingError(OPDStreamError, LookupError):
 
 
 class MissingLogprobError(OPDStreamError, ValueError):
-    """A selected candidate token has no logprob on one side (``side`` is student/teacher)."""
+    """A selected candidate token has no logprob on one side (``side`` is student/teacher).
+
+    The message names the side and the position; the token id (a value of the sample) is
+    on ``token_id``, not in the message.
+    """
 
     reason = "missing_logprob"
 
     def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
         super().__init__(
-            f"missing {side} logprob for selected token id {token_id} "
-            f"at response position {position}"
+            f"missing {side} logprob for a selected candidate token at response position "
+            f"{position}"
         )
         self.side = side
         self.token_id = token_id
@@ -147,10 +154,31 @@ class ServerAbortError(ServerError):
 
 
 class ConnectionFailed(ServerError):
-    """The connection failed, was reset, or timed out below the HTTP layer."""
+    """The connection failed, was reset, or timed out below the HTTP layer.
+
+    ``refused`` is true when no connection could be made at all (refused, no route to the
+    host, a name that does not resolve, no answer within ``connect_timeout_s``): the
+    server was not reached. A stream stops
+    retrying a replica set whose every replica has refused for ``unreachable_after_s``
+    (``_balance.EndpointPool.unreachable``); that failure is a ``ConnectionFailed`` too,
+    with ``retryable`` false.
+    """
 
     reason = "connection_error"
     retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        side: str = "teacher",
+        url: str | None = None,
+        refused: bool = False,
+        retryable: bool = True,
+    ) -> None:
+        super().__init__(message, side=side, url=url)
+        self.refused = refused
+        self.retryable = retryable
 
 
 class ResponseTooLarge(ServerError):
@@ -193,3 +221,37 @@ class CapabilityError(ProtocolError):
     ) -> None:
         super().__init__(message, side=side, url=url)
         self.capability = capability
+
+
+class WeightVersionChanged(ProtocolError):
+    """The answers of one side (student or teacher) for one sample report different
+    ``meta_info.weight_version`` values: the weights changed between (or within) the
+    requests, so their logprobs must not be combined.
+
+    Not retried as an attempt: the scorer asks the side's requests once more as a whole,
+    and fails the sample with this error (reason ``weight_version_changed``) when the
+    versions differ again. ``versions`` lists the distinct versions seen, in answer order
+    (``None`` where an answer carried none).
+    """
+
+    reason = "weight_version_changed"
+
+    def __init__(
+        self,
+        versions: tuple[str | None, ...],
+        *,
+        side: str = "teacher",
+        url: str | None = None,
+        where: str = "the answers",
+    ) -> None:
+        super().__init__("weight_version changed", side=side, url=url)
+        self.versions = versions
+        self.where = where
+
+    def __str__(self) -> str:
+        # the side is known only once the attempt that decoded the answer names it
+        shown = ", ".join("none" if v is None else repr(v[:64]) for v in self.versions)
+        return (
+            f"{self.side}: {self.where} report different meta_info.weight_version values "
+            f"({shown})"
+        )

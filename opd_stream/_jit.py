@@ -22,7 +22,7 @@ import sys
 import threading
 from types import ModuleType
 
-__all__ = ("available", "compiled", "prepare")
+__all__ = ("available", "compiled", "prepare", "unavailable_reason")
 
 _log = logging.getLogger("opd_stream")
 _lock = threading.Lock()
@@ -69,3 +69,23 @@ def prepare() -> bool:
     finally:
         _lock.release()
     return _kernel is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled scanner cannot run in this process, or ``None`` when it can (or
+    may: the compile itself can still fail, e.g. numba too old for this numpy). Cheap:
+    numba is looked up, not imported; nothing is compiled."""
+    import importlib.util
+    import os
+
+    if _kernel is not None:
+        return None
+    if _failed:
+        return "numba failed to load or compile the kernels in this process"
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    if os.environ.get("NUMBA_DISABLE_JIT", "0").strip() not in ("", "0"):
+        return "NUMBA_DISABLE_JIT is set"
+    if sys.byteorder != "little":
+        return "a big-endian machine"
+    return None

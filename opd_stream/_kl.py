@@ -1,4 +1,5 @@
-"""Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL.
+"""Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL (and the
+forward KL and generalized JSD over the same candidates).
 
 Semantics are spec ``opd-semantics`` §1-§3 (numerically compatible with the reference
 Miles implementation); the tensor contract is ``docs/internals.md`` (``_kl.py``).
@@ -12,6 +13,15 @@ Two signal families:
   ``r_t = sum_{v in sel(t)} w(v) * (s(v) - t(v))``.  Besides ``r_t`` the per-candidate arrays
   (ids, student and teacher logprobs, weights, mask) are returned, so a trainer can use a
   candidate-level loss (``r_t`` alone depends only on the prefix).
+
+Other divergences (:func:`topk_divergence`, issue 27):
+    Over the same candidates, ``divergence="forward_kl"`` is ``sum_C w_t(v) (t(v) - s(v))``
+    with the teacher's weights (``weight_mode="teacher_p"``), and ``"jsd"`` is TRL's
+    generalized JSD ``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = beta Q + (1 - beta)
+    P``, of the two sides renormalised over the candidates (float64). With ``tail=True``
+    each is taken over ``|C| + 1`` outcomes, the tail bucket included (the forward KL gains
+    ``T_tail (log T_tail - log S_tail)``), with the same float64 tails and clamp as below.
+    ``docs/semantics.md`` ("Other divergences") has the table and the JSD's limits.
 
 The -inf floor:
     A logprob of ``-inf`` is a real value: SGLang serialises it as JSON ``null`` and it means
@@ -89,9 +99,21 @@ from torch import Tensor
 from ._errors import MissingLogprobError
 from ._klbatch import TopKBatch, TopKResult, checked_fields, empty_result, needed_inputs
 from ._klselect import SelectionPlan, plan_selection
-from ._kltypes import LOGPROB_FLOOR, STRATEGIES, TAIL_MIN, WEIGHT_MODES, Strategy, WeightMode
+from ._kltypes import (
+    DIVERGENCES,
+    LOGPROB_FLOOR,
+    STRATEGIES,
+    TAIL_MIN,
+    WEIGHT_MODES,
+    Divergence,
+    Strategy,
+    WeightMode,
+    divergence_weight_problem,
+)
 
 __all__ = (
+    "DIVERGENCES",
+    "Divergence",
     "LOGPROB_FLOOR",
     "STRATEGIES",
     "Strategy",
@@ -102,8 +124,13 @@ __all__ = (
     "WeightMode",
     "needed_inputs",
     "sampled_reverse_kl",
+    "topk_divergence",
     "topk_reverse_kl",
 )
+
+# A log-probability whose exp is 0 in float64 whatever a row holds (floored values are
+# >= -1e4): the renormalising basis of an unselected slot in the JSD.
+_UNSELECTED_LOG = -1e30
 
 
 # --------------------------------------------------------------------------- sampled-token
@@ -192,6 +219,8 @@ def topk_reverse_kl(
     With ``tail`` (see the module doc), the weights are ``exp(s(v))`` and ``r_t`` gains the
     tail bucket's term: the reverse KL over ``|C| + 1`` outcomes, never negative.
 
+    This is :func:`topk_divergence` with ``divergence="reverse_kl"``.
+
     Args:
         batch: The padded inputs; the fields :func:`needed_inputs` names must be set.
         strategy: One of :data:`STRATEGIES`.
@@ -206,16 +235,61 @@ def topk_reverse_kl(
             or devices do not agree, or ``tail`` with a weight mode other than student_p.
         MissingLogprobError: A selected candidate's student or teacher value is NaN.
     """
+    return topk_divergence(batch, strategy, weight_mode, tail=tail)
+
+
+def topk_divergence(
+    batch: TopKBatch,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    *,
+    divergence: Divergence = "reverse_kl",
+    jsd_beta: float = 0.5,
+    tail: bool = False,
+) -> TopKResult:
+    """The per-token signal of ``divergence`` over each position's candidate set.
+
+    The candidates (ids, both sides' values, mask) are chosen as in
+    :func:`topk_reverse_kl`; ``r_t`` (the result's first field, ``signal``) is:
+
+    * ``reverse_kl``: ``sum_C w(v) (s - t)`` (weights by ``weight_mode``); with ``tail``
+      the reverse KL over ``|C| + 1`` outcomes (see the module doc);
+    * ``forward_kl`` (``weight_mode="teacher_p"`` only): ``sum_C w(v) (t - s)`` with the
+      teacher's weights (softmax of ``t`` over ``C``; ``exp(t)`` for xor); with ``tail``,
+      ``sum_C exp(t) (t - s) + T_tail (log T_tail - log S_tail)``, the forward KL over
+      ``|C| + 1`` outcomes (>= 0, at most the full-vocabulary ``KL(teacher || student)``);
+    * ``jsd`` (``weight_mode="student_p"`` only, where it is unused): TRL's generalized JSD
+      ``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = beta Q + (1 - beta) P``, ``Q`` the
+      teacher's distribution and ``P`` the student's, over the candidates renormalised
+      (every strategy, xor included), or, with ``tail``, over the raw candidates plus the
+      tail bucket. In float64; ``0 <= r_t <= h(beta) <= log 2`` (``h`` the binary
+      entropy), symmetric in the two models at ``beta = 0.5``. ``weights`` holds ``M``'s
+      probabilities of the candidates.
+
+    Args:
+        batch, strategy, weight_mode, tail: as for :func:`topk_reverse_kl`.
+        divergence: One of :data:`DIVERGENCES`.
+        jsd_beta: ``beta`` of ``jsd``, in ``(0, 1)`` (ignored by the other divergences).
+
+    Raises:
+        ValueError: as :func:`topk_reverse_kl`; an unknown divergence, a weight mode the
+            divergence does not take, or ``jsd_beta`` outside ``(0, 1)``.
+        MissingLogprobError: A selected candidate's student or teacher value is NaN.
+    """
     needed = needed_inputs(strategy)
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(
             f"unknown weight mode {weight_mode!r}; expected one of {', '.join(WEIGHT_MODES)}"
         )
-    if tail and weight_mode != "student_p":
+    if divergence not in DIVERGENCES:
         raise ValueError(
-            f"tail needs weight_mode 'student_p' (the tail bucket's weights are the student's "
-            f"probabilities), got {weight_mode!r}"
+            f"unknown divergence {divergence!r}; expected one of {', '.join(DIVERGENCES)}"
         )
+    problem = divergence_weight_problem(divergence, weight_mode, tail)
+    if problem is not None:
+        raise ValueError(problem)
+    if divergence == "jsd" and not 0.0 < jsd_beta < 1.0:
+        raise ValueError(f"jsd_beta must be in (0, 1), got {jsd_beta!r}")
     fields = checked_fields(batch, strategy, needed)
     valid = batch.valid
     b, r = valid.shape
@@ -260,7 +334,8 @@ def topk_reverse_kl(
         return empty_result(b, r, c, ids.device, tail)
 
     raw = strategy == "xor" or tail  # unnormalised weights
-    basis = weight_mode != "none" and not raw
+    # forward_kl's weights are the teacher's (weight_mode teacher_p); jsd makes its own.
+    basis = weight_mode != "none" and not raw and divergence != "jsd"
     plan = plan_selection(strategy, ids, ks, row_valid, basis)
     if plan is None:
         # Every slot is selected, in input order: nothing to move or clear.
@@ -277,23 +352,35 @@ def topk_reverse_kl(
         s_val.clamp_min_(LOGPROB_FLOOR).view(torch.int32).bitwise_and_(plan.keep)
         t_val.clamp_min_(LOGPROB_FLOOR).view(torch.int32).bitwise_and_(plan.keep)
         mask = plan.mask
-    weights = _weights(raw, weight_mode, s_val, t_val, plan)
-    # (Not torch.mv with ones, which is faster on CPU: BLAS rounds a row differently
-    # depending on the row count, so a sample's r_t would depend on its batch mates.)
-    reverse_kl = torch.sub(s_val, t_val).mul_(weights).sum(dim=1)
+    forward = divergence == "forward_kl"
+    tails: tuple[Tensor, Tensor] | None = None
+    if divergence == "jsd":
+        if tail:
+            selected = None if plan is None else plan.mask
+            tails = (_tail_lp(s_val, selected), _tail_lp(t_val, selected))
+        reverse_kl, weights = _jsd(s_val, t_val, mask, jsd_beta, tails, plan is None)
+    else:
+        weights = _weights(raw, weight_mode, s_val, t_val, plan)
+        # (Not torch.mv with ones, which is faster on CPU: BLAS rounds a row differently
+        # depending on the row count, so a sample's r_t would depend on its batch mates.)
+        diff = torch.sub(t_val, s_val) if forward else torch.sub(s_val, t_val)
+        reverse_kl = diff.mul_(weights).sum(dim=1)
     # NaN is now only possible in selected slots, and one there makes its row's r_t NaN
-    # (d = s - t is NaN, and w * NaN is NaN for any weight); everything else is finite (no
-    # logprob is +inf, -inf was floored), so one small reduction finds out.
+    # (d = s - t is NaN, and w * NaN is NaN for any weight; the JSD's logs and sums carry
+    # it too); everything else is finite (no logprob is +inf, -inf was floored), so one
+    # small reduction finds out.
     if bool(torch.isnan(reverse_kl.sum())):
         _raise_on_missing(out_ids, s_val, t_val, r)
-    tails: tuple[Tensor, Tensor] | None = None
-    if tail:
+    if tail and divergence != "jsd":
         selected = None if plan is None else plan.mask
-        s_tail, t_tail = _tail_lp(s_val, selected), _tail_lp(t_val, selected)
-        # S_tail (log S_tail - log T_tail), added in float64; never below 0 (see the doc)
-        term = torch.exp(s_tail).mul_(s_tail - t_tail)
+        tails = (_tail_lp(s_val, selected), _tail_lp(t_val, selected))
+        # X_tail (log X_tail - log Y_tail), X the weighing side (the student for the
+        # reverse KL, the teacher for the forward KL), added in float64; never below 0
+        own, other = (tails[1], tails[0]) if forward else tails
+        term = torch.exp(own).mul_(own - other)
         reverse_kl = term.add_(reverse_kl).clamp_min_(0.0).to(torch.float32)
-        tails = (s_tail.to(torch.float32), t_tail.to(torch.float32))
+    if tails is not None:
+        tails = (tails[0].to(torch.float32), tails[1].to(torch.float32))
     outputs = (reverse_kl, out_ids, s_val, t_val, weights, mask)
     if b == 1:
         res = TopKResult(*(x[None] for x in outputs))
@@ -304,6 +391,61 @@ def topk_reverse_kl(
     return res._replace(
         student_tail_lp=tails[0].reshape(b, r), teacher_tail_lp=tails[1].reshape(b, r)
     )
+
+
+def _jsd(
+    s_val: Tensor,
+    t_val: Tensor,
+    mask: Tensor,
+    beta: float,
+    tails: tuple[Tensor, Tensor] | None,
+    all_selected: bool,
+) -> tuple[Tensor, Tensor]:
+    """The generalized JSD per row and the mixture's probabilities of the candidates
+    (float32 ``[N]``, ``[N, C]``), computed in float64 from floored values (+0.0 in
+    unselected slots). Without ``tails`` both sides are renormalised over the selected
+    candidates; with them (float64 log-masses), the raw candidates plus the tail bucket.
+
+    With ``m = beta q + (1 - beta) p`` per outcome, ``beta KL(Q || M) + (1 - beta) KL(P || M)
+    = sum beta q log q + (1 - beta) p log p - m log m`` (each ``x log x`` 0 at ``x = 0``):
+    a few products and one log, no ``logaddexp`` (several times slower on CPU).
+    """
+    f64 = torch.float64
+    s64, t64 = s_val.to(f64, copy=True), t_val.to(f64, copy=True)  # (written in place)
+    if tails is None:
+        # each side renormalised over the selection: unselected slots get a log whose exp
+        # is exactly 0 (a row that selects nothing is uniform on both sides: JSD 0)
+        if not all_selected:
+            unsel = torch.tensor(_UNSELECTED_LOG, dtype=f64, device=s64.device)
+            s64 = torch.where(mask, s64, unsel)
+            t64 = torch.where(mask, t64, unsel)
+        # (x - logsumexp(x) costs half of torch.log_softmax in float64 on CPU)
+        s64.sub_(torch.logsumexp(s64, dim=1, keepdim=True))
+        t64.sub_(torch.logsumexp(t64, dim=1, keepdim=True))
+    # In place wherever it can be: each new [N, C] float64 temporary is fresh memory, and
+    # its page faults cost more than the arithmetic on it.
+    p, q = torch.exp(s64), torch.exp(t64)
+    if not all_selected:
+        sel = mask.to(f64)
+        p.mul_(sel)
+        q.mul_(sel)
+    m = torch.mul(q, beta).add_(p, alpha=1.0 - beta)
+    js = q.mul_(t64).mul_(beta).add_(p.mul_(s64), alpha=1.0 - beta)
+    js = js.sub_(_xlogx(m, out=s64)).sum(dim=1)
+    if tails is not None:
+        ls, lt = tails
+        ps, pt = torch.exp(ls), torch.exp(lt)
+        mt = pt * beta + ps * (1.0 - beta)
+        js += (pt * lt).mul_(beta).add_((ps * ls).mul_(1.0 - beta)).sub_(_xlogx(mt))
+    return js.clamp_min_(0.0).to(torch.float32), m.to(torch.float32)
+
+
+def _xlogx(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """``x log x`` of float64 probabilities, 0 at ``x = 0`` (``torch.xlogy`` is ~5x slower
+    on CPU): the clamp keeps ``log`` finite, and ``0 * log(1e-300)`` is 0. ``out``: a
+    tensor of ``x``'s shape to write it into."""
+    y = torch.clamp_min(x, 1e-300, out=out) if out is not None else x.clamp_min(1e-300)
+    return y.log_().mul_(x)
 
 
 def _tail_lp(x: Tensor, selected: Tensor | None) -> Tensor:

@@ -65,7 +65,7 @@ class TopKBatch(NamedTuple):
 
 
 class TopKResult(NamedTuple):
-    """The output of :func:`topk_reverse_kl`.
+    """The output of :func:`topk_reverse_kl` and :func:`topk_divergence`.
 
     The candidate axis ``C`` is ``Ks`` (only-student, intersection), ``Kt`` (only-teacher) or
     ``Ks + Kt`` (union, xor).  The selected candidates of a position are packed to the front
@@ -73,12 +73,16 @@ class TopKResult(NamedTuple):
     weight ``0`` and mask False.  Padding positions have no selected candidate.
 
     Attributes:
-        reverse_kl: float32 ``[B, R]``: ``r_t``; 0 where nothing is selected or on padding.
+        reverse_kl: float32 ``[B, R]``: ``r_t``, the signal of the divergence asked (the
+            reverse KL unless :func:`topk_divergence` was asked for another; the field's
+            name is older than the others, :attr:`signal` is the same tensor); 0 where
+            nothing is selected or on padding.
         ids: int64 ``[B, R, C]``: candidate token ids.
         student_lp: float32 ``[B, R, C]``: student logprob of each candidate (floored).
         teacher_lp: float32 ``[B, R, C]``: teacher logprob of each candidate (floored).
         weights: float32 ``[B, R, C]``: the candidate weights ``w(v)`` (with ``tail``:
-            ``exp(s(v))``).
+            ``exp(s(v))``; forward_kl: the teacher's, ``exp(t(v))`` with ``tail``; jsd: the
+            mixture's probabilities of the candidates).
         mask: bool ``[B, R, C]``: True on selected candidates.
         student_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None):
             ``log S_tail``, the student's log-mass outside the candidates (0 where nothing
@@ -94,6 +98,11 @@ class TopKResult(NamedTuple):
     mask: Tensor
     student_tail_lp: Tensor | None = None
     teacher_tail_lp: Tensor | None = None
+
+    @property
+    def signal(self) -> Tensor:
+        """``r_t`` of the divergence asked (the same tensor as :attr:`reverse_kl`)."""
+        return self.reverse_kl
 
 
 def needed_inputs(strategy: Strategy) -> frozenset[str]:

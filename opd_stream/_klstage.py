@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -48,18 +48,30 @@ import torch
 from ._config import StreamConfig
 from ._errors import MissingLogprobError
 from ._kl import (
+    Divergence,
     Strategy,
     TopKBatch,
     WeightMode,
     needed_inputs,
     sampled_reverse_kl,
-    topk_reverse_kl,
+    topk_divergence,
 )
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
+from ._xtok import score_cross, token_alignment
 
 __all__ = ("empty_result", "score_batch", "timed_score_batch")
 
 _GIL_FREE_COPY = 1 << 20
+
+
+class _Signal(NamedTuple):
+    """Which top-k signal a batch is scored with."""
+
+    divergence: Divergence
+    jsd_beta: float
+
+
+_REVERSE_KL = _Signal("reverse_kl", 0.5)
 
 
 def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
@@ -144,7 +156,10 @@ def _own(a: npt.NDArray[Any]) -> torch.Tensor:
 
 
 def _result(
-    f: Fetched, reverse_kl: torch.Tensor | None, candidates: Candidates | None
+    f: Fetched,
+    signal: torch.Tensor | None,
+    candidates: Candidates | None,
+    divergence: Divergence = "reverse_kl",
 ) -> ScoredSample:
     p = f.prepared
     return ScoredSample(
@@ -152,14 +167,19 @@ def _result(
         index=p.index,
         teacher=p.teacher,
         teacher_logprobs=torch.from_numpy(np.ascontiguousarray(f.teacher_rows.token_logprobs)),
-        reverse_kl=reverse_kl,
+        reverse_kl=signal if divergence == "reverse_kl" else None,
         candidates=candidates,
         attempts=f.attempts,
         latency_s=time.monotonic() - f.admitted_at,
+        alignment=None if f.alignment is None else token_alignment(f),
+        signal=signal,
+        divergence=divergence,
     )
 
 
 def _score_sampled(f: Fetched) -> ScoredSample:
+    if f.alignment is not None:  # a teacher with its own tokenizer
+        return score_cross(f)
     rollout = f.prepared.rollout_logprobs
     rkl = None
     if rollout is not None:
@@ -177,15 +197,19 @@ def score_batch(
     weight_mode: WeightMode,
     device: torch.device,
     tail: bool = False,
+    divergence: Divergence = "reverse_kl",
+    jsd_beta: float = 0.5,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     """Score fetched samples; a sample with a missing logprob comes back as its error.
 
     The output has one entry per input, in input order. A sample's error names the first
     selected candidate with a missing logprob, its response position in that sample, and the
     sample's index among the samples scored together; the others are scored again without it.
-    ``tail``: top-k with the tail bucket (see :func:`~opd_stream._kl.topk_reverse_kl`).
+    ``tail``: top-k with the tail bucket; ``divergence``, ``jsd_beta``: the top-k signal (see
+    :func:`~opd_stream._kl.topk_divergence`).
     """
-    return _score_batch(items, top_k, strategy, weight_mode, device, tail)
+    signal = _Signal(divergence, jsd_beta)
+    return _score_batch(items, top_k, strategy, weight_mode, device, tail, signal)
 
 
 def timed_score_batch(
@@ -201,12 +225,19 @@ def timed_score_batch(
         weight_mode=cfg.weight_mode,
         device=device,
         tail=cfg.tail,
+        divergence=cfg.divergence,
+        jsd_beta=cfg.jsd_beta,
     )
     return results, time.perf_counter() - start, time.thread_time() - cpu
 
 
 def empty_result(
-    prepared: PreparedSample, admitted_at: float, top_k: int, strategy: Strategy, tail: bool
+    prepared: PreparedSample,
+    admitted_at: float,
+    top_k: int,
+    strategy: Strategy,
+    tail: bool,
+    divergence: Divergence = "reverse_kl",
 ) -> ScoredSample:
     """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
     shapes."""
@@ -223,15 +254,18 @@ def empty_result(
             teacher_tail_logprobs=torch.empty(0) if tail else None,
         )
     has_kl = top_k > 0 or prepared.rollout_logprobs is not None
+    signal = torch.empty(0) if has_kl else None
     return ScoredSample(
         sample=prepared.sample,
         index=prepared.index,
         teacher=prepared.teacher,
         teacher_logprobs=torch.empty(0),
-        reverse_kl=torch.empty(0) if has_kl else None,
+        reverse_kl=signal if divergence == "reverse_kl" else None,
         candidates=cands,
         attempts=0,
         latency_s=time.monotonic() - admitted_at,
+        signal=signal,
+        divergence=divergence,
     )
 
 
@@ -242,16 +276,22 @@ def _score_batch(
     weight_mode: WeightMode,
     device: torch.device,
     tail: bool = False,
+    signal: _Signal = _REVERSE_KL,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     if top_k == 0:
-        return [_score_sampled(f) for f in items]
+        return [_score_sampled(f) for f in items]  # (sampled-token: reverse_kl only)
     failed: dict[int, MissingLogprobError] = {}
     scored: dict[int, ScoredSample] = {}
     todo = list(items)
     while todo:
         try:
-            res = topk_reverse_kl(
-                _joined_batch(todo, strategy, device), strategy, weight_mode, tail=tail
+            res = topk_divergence(
+                _joined_batch(todo, strategy, device),
+                strategy,
+                weight_mode,
+                divergence=signal.divergence,
+                jsd_beta=signal.jsd_beta,
+                tail=tail,
             )
         except MissingLogprobError as exc:
             f, err = _locate(todo, exc)
@@ -278,7 +318,7 @@ def _score_batch(
                 student_tail_logprobs=None if s_tail is None else _own(s_tail[row:end]),
                 teacher_tail_logprobs=None if t_tail is None else _own(t_tail[row:end]),
             )
-            scored[f.prepared.index] = _result(f, _own(rkl[row:end]), cands)
+            scored[f.prepared.index] = _result(f, _own(rkl[row:end]), cands, signal.divergence)
             row = end
         break
     out: list[ScoredSample | tuple[Fetched, MissingLogprobError]] = []

@@ -33,7 +33,7 @@ def build_score_payload(req: ScoreRequest) -> bytes:
     Keys appear in a fixed order: ``input_ids, sampling_params, return_logprob,
     logprob_start_len, [top_logprobs_num], [token_ids_logprob |
     token_ids_logprob_positions], [return_flat_raw_top_logprobs,
-    return_flat_raw_output_top_logprobs, return_flat_raw_top_logprobs_b64],
+    return_flat_raw_output_top_logprobs, return_flat_raw_top_logprobs_b64], [cache_salt],
     return_text_in_logprobs, stream``. The three flat flags (``topk_wire="b64"`` with
     ``top_k > 0``) ask SGLang >= 0.5.23 for both the input and the output top-k as b64 flat
     arrays; servers that do not know them ignore them and answer nested JSON.
@@ -72,18 +72,24 @@ def build_laid(req: ScoreRequest, lay: Layout) -> bytes:
             body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
         else:
             body["token_ids_logprob"] = lay.unions[0].tolist()
-    _finish(body, req)
+    salt: str | list[str] | None = req.cache_salt
+    if salt is not None and req.salt_each_item and lay.batch:
+        salt = [f"{req.cache_salt}-{n}" for n in range(len(lay.segments))]
+    _finish(body, req, salt)
     return _ENCODER.encode(body)
 
 
-def _finish(body: dict[str, Any], req: ScoreRequest) -> None:
-    """The keys every scoring body ends with (b64 flags when asked, text off, no stream)."""
+def _finish(body: dict[str, Any], req: ScoreRequest, salt: str | list[str] | None) -> None:
+    """The keys every scoring body ends with (b64 flags when asked, the cache salt when
+    set, text off, no stream)."""
     if req.top_k > 0 and req.topk_wire == "b64":
         # output side too: the one (unused) output top-k row SGLang answers for
         # max_new_tokens = 0 is ~23% smaller in b64 than as nested triples (417 vs 543 B at k=16)
         body["return_flat_raw_top_logprobs"] = True
         body["return_flat_raw_output_top_logprobs"] = True
         body["return_flat_raw_top_logprobs_b64"] = True
+    if salt is not None:
+        body["cache_salt"] = salt
     body["return_text_in_logprobs"] = False
     body["stream"] = False
 
@@ -104,7 +110,9 @@ def build_block_payloads(req: ScoreRequest) -> list[bytes]:
     lay = layout(req)
     prefixes = _prefix_list(lay.tokens, [seg.length for seg in lay.segments])
     out = []
-    for seg, union, prefix in zip(lay.segments, lay.unions, prefixes, strict=True):
+    for n, (seg, union, prefix) in enumerate(
+        zip(lay.segments, lay.unions, prefixes, strict=True)
+    ):
         body: dict[str, Any] = {
             "input_ids": msgspec.Raw(prefix),
             "sampling_params": {"temperature": 0, "max_new_tokens": 0},
@@ -114,7 +122,10 @@ def build_block_payloads(req: ScoreRequest) -> list[bytes]:
         if req.top_k > 0:
             body["top_logprobs_num"] = req.top_k
         body["token_ids_logprob"] = union.tolist()
-        _finish(body, req)
+        salt = req.cache_salt
+        if salt is not None and req.salt_each_item:
+            salt = f"{salt}-{n}"
+        _finish(body, req, salt)
         out.append(_ENCODER.encode(body))
     return out
 

@@ -166,7 +166,10 @@ class _Pipeline:
                 "student_url is configured to fetch it",
             )
         teacher = self.router.resolve(prepared.sample.metadata)
-        return msgspec.structs.replace(prepared, teacher=teacher)
+        prepared = msgspec.structs.replace(prepared, teacher=teacher)
+        if self.scorer.xtok is not None:  # a teacher with its own tokenizer needs its prompt
+            self.scorer.xtok.check_prompt(prepared)
+        return prepared
 
     async def intake(
         self,
@@ -244,7 +247,9 @@ class _Pipeline:
         from ._klstage import empty_result  # torch: loaded by OPDStream already
 
         cfg = self.cfg
-        return empty_result(prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail)
+        return empty_result(
+            prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
+        )
 
     async def worker(
         self,
@@ -303,7 +308,7 @@ class _Pipeline:
         await self._send("kl", kl, fetched)
 
     async def _fetch(self, prepared: PreparedSample, admitted_at: float) -> Fetched:
-        return await self.scorer.fetch(prepared, self.router.urls(prepared.teacher), admitted_at)
+        return await self.scorer.fetch(prepared, self.router.teacher(prepared.teacher), admitted_at)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:

@@ -9,6 +9,9 @@ Semantics (spec ``opd-semantics.md`` §6):
   duplicate name raises :class:`ConfigError`.
 * Without a routing map (a plain URL, or a list of plain URLs) there is one teacher, the
   reserved name ``default``, and every sample goes to it.
+* A teacher may be a weighted ensemble of member teachers (:mod:`opd_stream._ensemble`):
+  its value is ``W*URLS;W*URLS...`` (members joined with ``;``, each a weight, ``*`` and its
+  URL or ``|``-joined replicas), e.g. ``mix=0.7*http://a|http://a2;0.3*http://b``.
 * Per sample, the teacher name is ``str(metadata[teacher_key])``. A known name routes to
   that teacher; an unknown or missing name routes to ``default`` when one is configured,
   and otherwise raises :class:`RoutingError` naming the key, the value and the known
@@ -25,10 +28,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
+from ._ensemble import Ensemble, ensemble_from_mapping, is_ensemble_text, parse_ensemble
 from ._errors import ConfigError, RoutingError
 
 __all__ = (
     "DEFAULT_TEACHER",
+    "Teacher",
     "TeacherRouter",
     "TeachersSpec",
     "endpoint_url",
@@ -36,14 +41,20 @@ __all__ = (
     "normalize_server_url",
     "normalize_teachers",
     "parse_teacher_urls",
+    "replica_groups",
     "show_value",
 )
 
 DEFAULT_TEACHER = "default"
 """The reserved teacher name that catches samples with an unknown or missing teacher name."""
 
-TeachersSpec: TypeAlias = str | Sequence[str] | Mapping[str, str | Sequence[str]]
+TeachersSpec: TypeAlias = (
+    str | Sequence[str] | Mapping[str, str | Sequence[str] | Mapping[str, float] | Ensemble]
+)
 """Every accepted spelling of a teacher configuration (see :func:`normalize_teachers`)."""
+
+Teacher: TypeAlias = tuple[str, ...] | Ensemble
+"""One configured teacher: its replica base URLs, or an :class:`Ensemble` of members."""
 
 _EXPECTED = "expected NAME=URL"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -182,12 +193,26 @@ def _replicas(name: str, urls: Iterable[str], *, shown: str | None = None) -> tu
     return tuple(out)
 
 
-def parse_teacher_urls(entries: Iterable[str] | str) -> dict[str, tuple[str, ...]]:
+def _member_replicas(who: str, urls: Iterable[str]) -> tuple[str, ...]:
+    """An ensemble member's replicas (``who``, ``teacher 'mix' member 2``, names it)."""
+    return _replicas("", urls, shown=who.removeprefix("teacher "))
+
+
+def _teacher_value(name: str, text: str, *, shown: str | None = None) -> Teacher:
+    """One teacher's text value: an ensemble (``W*URLS;...``) or replicas (``URL|URL``)."""
+    who = repr(name) if shown is None else shown
+    if is_ensemble_text(text):
+        return parse_ensemble(f"teacher {who}", text, _member_replicas)
+    return _replicas(name, text.split("|"), shown=shown)
+
+
+def parse_teacher_urls(entries: Iterable[str] | str) -> dict[str, Teacher]:
     """Parse ``NAME=URL`` routing entries into ``{name: (replica base URLs, ...)}``.
 
     Each entry is split on its FIRST ``=``; the URL part may hold several replicas joined
-    with ``|``. Names and URLs are stripped of surrounding whitespace; every URL is
-    normalised by :func:`normalize_server_url`.
+    with ``|``, or be an ensemble, ``W*URLS;W*URLS...`` (an :class:`Ensemble`). Names and
+    URLs are stripped of surrounding whitespace; every URL is normalised by
+    :func:`normalize_server_url`.
 
     Args:
         entries: an iterable of entries, or one string holding comma-separated entries
@@ -201,7 +226,7 @@ def parse_teacher_urls(entries: Iterable[str] | str) -> dict[str, tuple[str, ...
             ("expected NAME=URL"); a duplicate teacher name; an invalid URL.
     """
     items = entries.split(",") if isinstance(entries, str) else list(entries)
-    teachers: dict[str, tuple[str, ...]] = {}
+    teachers: dict[str, Teacher] = {}
     for index, entry in enumerate(items, start=1):
         if not isinstance(entry, str):
             raise ConfigError(f"teacher entry {index}: {_EXPECTED}, got {type(entry).__name__}")
@@ -218,42 +243,53 @@ def parse_teacher_urls(entries: Iterable[str] | str) -> dict[str, tuple[str, ...
             raise ConfigError(f"teacher entry {index} ({shown}): {_EXPECTED} (empty URL)")
         if name in teachers:
             raise ConfigError(f"duplicate teacher name {shown} (entry {index})")
-        teachers[name] = _replicas(name, urls.split("|"), shown=shown)
+        teachers[name] = _teacher_value(name, urls, shown=shown)
     if not teachers:
         raise ConfigError(f"no teacher configured ({_EXPECTED})")
     return teachers
 
 
-def normalize_teachers(spec: TeachersSpec) -> dict[str, tuple[str, ...]]:
-    """Normalise every accepted teacher spelling to ``{name: (replica base URLs, ...)}``.
+def normalize_teachers(spec: TeachersSpec) -> dict[str, Teacher]:
+    """Normalise every accepted teacher spelling to ``{name: (replica base URLs, ...)}``,
+    or ``{name: Ensemble}`` for an ensemble teacher.
 
     Accepted spellings:
 
-    * a plain URL string, replicas joined with ``|`` (``"http://h1|http://h2"``): one
-      teacher named ``default``. A string is a plain URL when a ``://`` comes before any
-      ``=``;
+    * a plain URL string, replicas joined with ``|`` (``"http://h1|http://h2"``), or an
+      ensemble (``"0.5*http://a;0.5*http://b"``): one teacher named ``default``. A string
+      is a plain URL when a ``://`` comes before any ``=``;
     * a string of comma-separated ``NAME=URL`` entries (:func:`parse_teacher_urls`);
     * a sequence of plain URLs (replicas of ``default``) or of ``NAME=URL`` entries (not
       a mixture);
-    * a mapping of name to a URL string (replicas may be joined with ``|``) or a sequence
-      of replica URLs.
+    * a mapping of name to a URL string (replicas may be joined with ``|``, or an ensemble
+      ``W*URLS;...``), a sequence of replica URLs, a member map ``{URLS: weight}`` or an
+      :class:`Ensemble`.
 
     Raises:
-        ConfigError: an empty configuration, a mixed sequence, a bad entry, name or URL.
+        ConfigError: an empty configuration, a mixed sequence, a bad entry, name or URL,
+            a bad ensemble (weights, members).
     """
     if isinstance(spec, str):
         if _looks_like_url(spec.strip()):
-            return {DEFAULT_TEACHER: _replicas(DEFAULT_TEACHER, spec.split("|"))}
+            return {DEFAULT_TEACHER: _teacher_value(DEFAULT_TEACHER, spec)}
         return parse_teacher_urls(spec)
     if isinstance(spec, Mapping):
-        teachers: dict[str, tuple[str, ...]] = {}
+        teachers: dict[str, Teacher] = {}
         for key, value in spec.items():
             if not isinstance(key, str) or not key.strip():
                 raise ConfigError(f"teacher name must be a non-empty string, got {key!r}")
             name = key.strip()
             if name in teachers:
                 raise ConfigError(f"duplicate teacher name {name!r}")
-            urls = value.split("|") if isinstance(value, str) else value
+            if isinstance(value, Ensemble | Mapping):
+                teachers[name] = ensemble_from_mapping(
+                    f"teacher {name!r}", value, _member_replicas
+                )
+                continue
+            if isinstance(value, str):
+                teachers[name] = _teacher_value(name, value)
+                continue
+            urls = value
             if not isinstance(urls, Sequence):
                 raise ConfigError(
                     f"teacher {name!r}: expected a URL or a list of URLs, "
@@ -279,6 +315,20 @@ def normalize_teachers(spec: TeachersSpec) -> dict[str, tuple[str, ...]]:
         "teachers must be a URL, a list of URLs, NAME=URL entries or a mapping, "
         f"got {type(spec).__name__}"
     )
+
+
+def replica_groups(teachers: Mapping[str, Teacher]) -> dict[str, tuple[str, ...]]:
+    """Every group of replicas that must give the same numbers: each plain teacher's, and
+    each ensemble member's (``NAME member I``, 1-based: the members are different models,
+    so their numbers may differ). For a check across replicas (main's teacher probe)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, teacher in teachers.items():
+        if isinstance(teacher, Ensemble):
+            for i, member in enumerate(teacher.members, start=1):
+                out[f"{name} member {i}"] = member
+        else:
+            out[name] = teacher
+    return out
 
 
 def show_value(value: object) -> str:
@@ -320,12 +370,13 @@ class TeacherRouter:
         return tuple(sorted(self._teachers))
 
     @property
-    def teachers(self) -> dict[str, tuple[str, ...]]:
-        """A copy of the normalised map: teacher name -> replica base URLs."""
+    def teachers(self) -> dict[str, Teacher]:
+        """A copy of the normalised map: teacher name -> replica base URLs (an
+        :class:`Ensemble` for an ensemble teacher)."""
         return dict(self._teachers)
 
-    def urls(self, name: str) -> tuple[str, ...]:
-        """Return the replica base URLs of teacher ``name``.
+    def teacher(self, name: str) -> Teacher:
+        """Return teacher ``name``: its replica base URLs, or its :class:`Ensemble`.
 
         Raises:
             RoutingError: ``name`` is not configured.
@@ -336,6 +387,15 @@ class TeacherRouter:
             raise RoutingError(
                 f"unknown teacher {show_value(name)}; known teachers: {list(self.names)}"
             ) from None
+
+    def urls(self, name: str) -> tuple[str, ...]:
+        """Return the base URLs of teacher ``name`` (an ensemble's: every member's).
+
+        Raises:
+            RoutingError: ``name`` is not configured.
+        """
+        found = self.teacher(name)
+        return found.urls if isinstance(found, Ensemble) else found
 
     def resolve(self, metadata: Mapping[str, Any] | None) -> str:
         """Return the teacher name for a sample with this metadata.
@@ -348,7 +408,8 @@ class TeacherRouter:
 
         Raises:
             RoutingError: unknown or missing name and no ``default`` teacher; the message
-                names the key, the value (or "missing") and the sorted known names.
+                names the key and the sorted known names, and says whether the value is
+                missing (the value itself comes from the sample and is never repeated).
         """
         value = None if metadata is None else metadata.get(self._teacher_key)
         if value is not None:
@@ -357,15 +418,19 @@ class TeacherRouter:
                 return name
         if DEFAULT_TEACHER in self._teachers:
             return DEFAULT_TEACHER
-        shown = "missing" if value is None else show_value(value)
+        # the value comes from the sample: described, never repeated
+        shown = (
+            "missing" if value is None else f"a {type(value).__name__} that names no such teacher"
+        )
         raise RoutingError(
             f"no teacher for metadata key {self._teacher_key!r} (value: {shown}); "
             f"known teachers: {list(self.names)}; configure a {DEFAULT_TEACHER!r} "
             "teacher to catch other samples"
         )
 
-    def route(self, metadata: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:
-        """Return ``(teacher name, replica base URLs)`` for a sample; see :meth:`resolve`."""
+    def route(self, metadata: Mapping[str, Any] | None) -> tuple[str, Teacher]:
+        """Return ``(teacher name, replica base URLs or Ensemble)`` for a sample; see
+        :meth:`resolve`."""
         name = self.resolve(metadata)
         return name, self._teachers[name]
 

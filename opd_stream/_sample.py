@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ._align import Alignment
 from ._answers import ScoreRows
 from ._decode_checks import LOGPROB_TOLERANCE
 from ._errors import InvalidSampleError
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = (
     "Candidates",
     "Fetched",
+    "TokenAlignment",
     "PreparedSample",
     "Sample",
     "SampleFailure",
@@ -75,7 +77,9 @@ class Sample(msgspec.Struct, kw_only=False):
             solution, a hint; self-distillation). When set, every teacher request is
             ``teacher_prompt_ids + response`` and teacher row ``t`` describes the same
             response token as student row ``t``; the student's requests keep ``tokens``.
-            None: the teacher sees ``tokens``.
+            None: the teacher sees ``tokens``. Required for a teacher with its own tokenizer
+            (``StreamConfig.teacher_tokenizers``), in that teacher's ids: its requests are
+            ``teacher_prompt_ids`` + the teacher's ids of the response text.
     """
 
     tokens: Any
@@ -94,11 +98,14 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     union and xor. Selected candidates are packed first in the strategy's order; unused
     slots have ``mask`` False, ``ids`` -1 and zero values.
 
-    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` and
+    With ``tail=True`` (the tail bucket), ``weights`` are ``exp(student_logprobs)`` (the
+    reverse KL's; the forward KL's are ``exp(teacher_logprobs)``) and
     ``student_tail_logprobs`` / ``teacher_tail_logprobs`` (float32 ``[R]``) are each model's
     log-mass outside the selected candidates (``log S_tail``, ``log T_tail``; their mass at
     least 1e-6, 0 where nothing is selected): ``r_t = sum(weights * (student_logprobs -
     teacher_logprobs)) + exp(ls) * (ls - lt)``, at least 0. Without it they are None.
+    Under ``divergence="jsd"``, ``weights`` are the mixture ``M``'s probabilities of the
+    candidates (docs/semantics.md, "Other divergences").
     """
 
     ids: torch.Tensor
@@ -110,6 +117,31 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
     teacher_tail_logprobs: torch.Tensor | None = None
 
 
+class TokenAlignment(msgspec.Struct, frozen=True, kw_only=True):
+    """What a teacher with its own tokenizer was compared on (README "Teachers with another
+    tokenizer"): the response's teacher ids and the ``n`` spans of coinciding byte
+    boundaries (CPU tensors).
+
+    Attributes:
+        teacher_ids: int64 ``[R_t]``, the teacher's ids of the response text (sent).
+        teacher_token_logprobs: float32 ``[R_t]``, the teacher's logprob of each.
+        student_spans: int64 ``[n + 1]``: span ``j`` is student response tokens
+            ``student_spans[j]:student_spans[j + 1]``.
+        teacher_spans: int64 ``[n + 1]``: span ``j`` is teacher tokens
+            ``teacher_spans[j]:teacher_spans[j + 1]``.
+        span_bytes: int64 ``[n + 1]``, the spans' byte offsets in the response text.
+        scored: bool ``[n]``: the span was compared (False: textless tokens only, or an
+            incomplete final character; its value is 0).
+    """
+
+    teacher_ids: torch.Tensor
+    teacher_token_logprobs: torch.Tensor
+    student_spans: torch.Tensor
+    teacher_spans: torch.Tensor
+    span_bytes: torch.Tensor
+    scored: torch.Tensor
+
+
 class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
     """A sample scored by its teacher.
 
@@ -117,13 +149,26 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
         sample: the input sample, unchanged.
         index: its 0-based position in the input.
         teacher: the teacher name it was routed to.
-        teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token.
-        reverse_kl: float32 ``[R]``. Top-k mode: ``r_t`` (opd-semantics §2-3). Sampled-token
-            mode: ``rollout_logprobs - teacher_logprobs`` when rollout logprobs were given,
-            else None.
+        teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token. A
+            teacher with its own tokenizer: the teacher's logprob of each span's text, on
+            the span's last student token (0 on the others).
+        reverse_kl: float32 ``[R]``, the reverse KL signal. Top-k mode: ``r_t``
+            (opd-semantics §2-3). Sampled-token mode: ``rollout_logprobs -
+            teacher_logprobs`` when rollout logprobs were given, else None. A teacher with
+            its own tokenizer: each span's ``sum(student lp) - sum(teacher lp)`` on the
+            span's last student token (0 on the others). None as well when the stream's
+            ``divergence`` is another one (see ``signal``): a forward KL or a JSD is never
+            returned under this name.
         candidates: the per-candidate arrays in top-k mode, else None.
         attempts: HTTP attempts made for this sample, all requests together.
         latency_s: seconds from admission to result.
+        alignment: a teacher with its own tokenizer, with ``return_alignment``: the spans
+            compared; else None.
+        signal: float32 ``[R]``, the per-token signal of ``divergence`` (the same tensor as
+            ``reverse_kl`` when that is the divergence); None where ``reverse_kl`` is None
+            in sampled-token mode.
+        divergence: which divergence ``signal`` is: ``reverse_kl``, ``forward_kl`` or
+            ``jsd`` (the stream's ``divergence`` setting).
     """
 
     sample: Sample
@@ -134,6 +179,9 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
     candidates: Candidates | None
     attempts: int
     latency_s: float
+    alignment: TokenAlignment | None = None
+    signal: torch.Tensor | None = None
+    divergence: str = "reverse_kl"
 
 
 class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,6 +231,11 @@ class Fetched(msgspec.Struct, frozen=True, kw_only=True):
     student_rows: ScoreRows | None
     attempts: int
     admitted_at: float
+    # a teacher with its own tokenizer: the response's alignment (teacher_rows has R_t rows)
+    alignment: Alignment | None = None
+    return_alignment: bool = False
+    # ... and the teacher's logprob of each of its R_t tokens, when teacher_rows is not them
+    teacher_token_logprobs: npt.NDArray[np.float32] | None = None
 
 
 def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]:

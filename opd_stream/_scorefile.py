@@ -31,8 +31,10 @@ from typing import BinaryIO
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._chat import TeacherPrompts
 from ._errors import ConfigError
 from ._logging import get_logger
+from ._parser_notice import scanner_notice
 from ._pipeline import Result
 from ._progress import Progress
 from ._sample import Sample, SampleFailure, ScoredSample
@@ -41,9 +43,11 @@ from ._scorefile_files import (
     LineReader,
     UsageError,
     close_file,
-    open_file,
+    discard_output,
     open_input,
+    open_output,
     same_file,
+    truncate_output,
 )
 from ._scorefile_options import add_score_arguments, score_config
 from ._scorefile_schema import decode_line, line_ref_of, render_result
@@ -82,6 +86,9 @@ class _Run:
         self.output_error: str | None = None
         self._teacher_key = cfg.teacher_key
         self._default_teacher = default_teacher
+        # prompt_messages -> a teacher's own chat template (loaded on first use, in the
+        # reader thread)
+        self._teacher_prompts = TeacherPrompts(cfg.teacher_tokenizers)
         # input order: one ticket per non-blank line (its seq, or its failure)
         self._tickets_send, self._tickets_recv = anyio.create_memory_object_stream[
             int | SampleFailure
@@ -94,6 +101,7 @@ class _Run:
             seq=seq,
             teacher_key=self._teacher_key,
             default_teacher=self._default_teacher,
+            teacher_prompts=self._teacher_prompts,
         )
 
     async def _samples(self, out: MemoryObjectSendStream[Result]) -> AsyncIterator[Sample]:
@@ -198,27 +206,39 @@ class _Run:
 async def run_score(args: argparse.Namespace) -> int:
     """Run ``opd-stream score`` with parsed ``args``; return the exit code.
 
+    The command line, the configuration and both files are checked before the stream is
+    built (which imports torch): a usage error costs well under a second.
+
     Returns:
-        0 when the run completed (whatever failed per sample); 1 with ``--fail-on-error``
-        when a sample failed; 2 on a usage, configuration or file error (the message goes
-        to stderr, no traceback).
+        0 when the run completed and some sample was scored (whatever failed per sample);
+        1 when samples failed and none was scored, or with ``--fail-on-error`` when any
+        sample failed; 2 on a usage, configuration or file error (the message goes to
+        stderr, no traceback).
     """
     start = time.perf_counter()
     try:
         cfg, default = score_config(args)
-        stream = OPDStream(cfg)  # resolves kl_device (a ConfigError is a usage error)
         if same_file(args.input, args.output):
             raise UsageError("--output is the same file as --input (or the file behind stdin)")
         source = await open_input(args.input)
-    except ConfigError as exc:
-        return _fail(f"configuration: {exc}")
     except UsageError as exc:
         return _fail(str(exc))
     try:
         try:
-            sink = open_file(args.output, "wb")
+            sink, created = open_output(args.output)  # not truncated yet
         except UsageError as exc:
             return _fail(str(exc))
+        try:
+            stream = OPDStream(cfg)  # imports torch, resolves kl_device
+            truncate_output(sink, args.output)
+        except (ConfigError, OSError) as exc:
+            discard_output(sink, args.output, created)
+            if isinstance(exc, ConfigError):
+                return _fail(f"configuration: {exc}")
+            return _fail(f"cannot write output: {exc.strerror or exc}")
+        notice = scanner_notice()
+        if notice is not None:
+            print(f"{_PROG}: {notice}", file=sys.stderr)
         run = _Run(args, stream, default, source, sink)
         log.info(
             "score_started",
@@ -250,6 +270,9 @@ async def run_score(args: argparse.Namespace) -> int:
         if run.output_error is not None and args.output == "-":
             _silence_stdout()
         return _fail(error)
+    if total_failed and run.ok == 0:
+        print(f"{_PROG}: error: no sample was scored", file=sys.stderr)
+        return 1
     return 1 if args.fail_on_error and total_failed else 0
 
 

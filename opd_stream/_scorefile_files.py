@@ -31,9 +31,12 @@ __all__ = (
     "LineReader",
     "UsageError",
     "close_file",
+    "discard_output",
     "open_file",
     "open_input",
+    "open_output",
     "same_file",
+    "truncate_output",
 )
 
 READ_CHUNK = 1 << 20
@@ -160,6 +163,42 @@ def open_file(path: str, mode: str) -> BinaryIO:
     except OSError as exc:
         raise UsageError(f"cannot open {what} {path!r}: {exc.strerror or exc}") from None
     return cast(BinaryIO, fh)
+
+
+def open_output(path: str) -> tuple[BinaryIO, bool]:
+    """Open the output for writing (``-``: stdout) without truncating it yet, so that an
+    error found later (a configuration the stream refuses) leaves an existing file as it
+    was; and whether this call created the file. :func:`truncate_output` empties it once
+    the run goes ahead, :func:`discard_output` gives it up."""
+    if path == "-":
+        return sys.stdout.buffer, False
+    created = not os.path.lexists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise UsageError(f"cannot open output {path!r}: {exc.strerror or exc}") from None
+    return cast(BinaryIO, os.fdopen(fd, "wb")), created
+
+
+def truncate_output(fh: BinaryIO, path: str) -> None:
+    """Empty the output opened by :func:`open_output` (a regular file; a pipe, a terminal
+    or ``/dev/null`` has nothing to truncate)."""
+    if path == "-":
+        return
+    fd = fh.fileno()
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.ftruncate(fd, 0)
+
+
+def discard_output(fh: BinaryIO, path: str, created: bool) -> None:
+    """Give up the output opened by :func:`open_output` before anything was written: close
+    it, and remove it when :func:`open_output` created it."""
+    if path == "-":
+        return
+    with contextlib.suppress(OSError):
+        fh.close()
+        if created:
+            os.unlink(path)
 
 
 class _Opener:

@@ -7,11 +7,11 @@ import argparse
 import os
 from typing import Any, get_args
 
-from ._config import IdScoring, StreamConfig
+from ._config import CacheSalt, IdScoring, StreamConfig
 from ._errors import ConfigError
-from ._kltypes import Strategy, WeightMode
+from ._kltypes import Divergence, Strategy, WeightMode
 from ._logging import LOG_LEVELS
-from ._router import normalize_teachers, parse_teacher_urls
+from ._router import Teacher, normalize_teachers
 from ._scorefile_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
 __all__ = ("add_score_arguments", "score_config")
@@ -25,8 +25,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher",
         action="append",
         metavar="NAME=URL",
-        help="a teacher server (repeatable); replicas joined with '|'; required unless "
-        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
+        help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
+        "as NAME=W*URLS;W*URLS (weights summing to 1); a URL without a name is the teacher "
+        "'default'; required unless OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -41,15 +42,49 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="0 = sampled-token mode; > 0 = top-k mode")
     p.add_argument("--strategy", choices=get_args(Strategy), help="top-k candidate set")
     p.add_argument("--weight-mode", choices=get_args(WeightMode), help="candidate weights")
+    p.add_argument(
+        "--divergence",
+        choices=get_args(Divergence),
+        help="top-k signal: reverse_kl (default), forward_kl (with --weight-mode teacher_p) "
+        "or jsd",
+    )
+    p.add_argument("--jsd-beta", type=float, help="beta of --divergence jsd, in (0, 1)")
+
     p.add_argument("--id-scoring", choices=get_args(IdScoring), help="how ids are scored")
     p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
     p.add_argument(
         "--request-deadline-s", type=float, help="budget of one logical request, in seconds"
     )
     p.add_argument(
+        "--cache-salt",
+        choices=get_args(CacheSalt),
+        help="SGLang cache_salt on scoring requests: none (default), per-sample or "
+        "per-request (no prefix reuse: every request pays its whole prefill)",
+    )
+    p.add_argument(
         "--api-key-env",
         metavar="VAR",
         help="read the API key from environment variable VAR (never from the command line)",
+    )
+    p.add_argument(
+        "--student-tokenizer",
+        metavar="PATH",
+        help="the student's tokenizer.json (or a directory holding one); needed with "
+        "--teacher-tokenizer",
+    )
+    p.add_argument(
+        "--teacher-tokenizer",
+        action="append",
+        metavar="NAME=PATH",
+        help="a teacher with its own tokenizer (repeatable): its tokenizer.json or a "
+        "directory holding one (sampled-token mode or top-k only-student; see README "
+        "'Teachers with another tokenizer'); such a teacher's lines need teacher_prompt_ids "
+        "or prompt_messages",
+    )
+    p.add_argument(
+        "--with-alignment",
+        action="store_true",
+        help="include the span alignment of a teacher with its own tokenizer",
     )
     p.add_argument("--ordered", action="store_true", help="write results in input order")
     p.add_argument(
@@ -91,15 +126,18 @@ _FLAG_FIELDS = (
     "top_k",
     "strategy",
     "weight_mode",
+    "divergence",
+    "jsd_beta",
     "id_scoring",
     "max_inflight",
     "request_deadline_s",
+    "cache_salt",
 )
 
 
 def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     """The configuration (env, then flags) and the default teacher's name."""
-    env_teachers: dict[str, tuple[str, ...]] | None = None
+    env_teachers: dict[str, Teacher] | None = None
     if _TEACHERS_VAR in os.environ:  # validated even when --teacher replaces it
         try:
             env_teachers = normalize_teachers(os.environ[_TEACHERS_VAR].strip())
@@ -107,7 +145,8 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
             raise UsageError(f"{_TEACHERS_VAR}: {exc}") from None
     if args.teacher:
         try:
-            teachers = parse_teacher_urls(list(args.teacher))
+            # a plain URL (no NAME=) is the teacher "default", as in OPD_STREAM_TEACHERS
+            teachers = normalize_teachers([entry.strip() for entry in args.teacher])
         except ConfigError as exc:
             raise UsageError(f"--teacher: {exc}") from None
     elif env_teachers is not None:
@@ -127,6 +166,12 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
             overrides[field] = value
     if args.ordered:
         overrides["order"] = "input"
+    if getattr(args, "student_tokenizer", None) is not None:
+        overrides["student_tokenizer"] = args.student_tokenizer
+    if getattr(args, "teacher_tokenizer", None):
+        overrides["teacher_tokenizers"] = list(args.teacher_tokenizer)
+    if getattr(args, "with_alignment", False):
+        overrides["return_alignment"] = True
     if args.api_key_env is not None:
         key = os.environ.get(args.api_key_env, "")
         if not key.strip():

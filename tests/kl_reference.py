@@ -10,17 +10,27 @@ The tail bucket (``tail=True``, issue 18) is written from its formula, straight:
 :func:`reference_full_reverse_kl` is the full-vocabulary reverse KL of a distribution given
 as a head of explicit logprobs plus ``n_tail`` ids of one shared logprob (the mock model's
 closed form).
+
+The other divergences (issue 27) are written from docs/semantics.md the same way:
+:func:`reference_divergence_position` gives ``forward_kl`` (``sum w (t - s)``, teacher
+weights; with the tail ``sum exp(t) (t - s) + T (log T - log S)``) and TRL's generalized
+``jsd`` (``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = beta Q + (1 - beta) P``, over the
+candidates renormalised, or over the candidates and the tail bucket), one term at a time;
+:func:`reference_full_divergence` their full-vocabulary values on the mock's closed form.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = (
     "FLOOR",
     "Missing",
     "RefPosition",
+    "reference_divergence_position",
+    "reference_full_divergence",
     "reference_full_reverse_kl",
     "reference_position",
     "reference_sampled",
@@ -182,3 +192,90 @@ def reference_sampled(rollout: Sequence[float], teacher: Sequence[float]) -> lis
             raise Missing("teacher", -1)
         out.append(_floor(s) - _floor(t))
     return out
+
+
+def _kl_terms(p: Sequence[float], lp: Sequence[float], lq: Sequence[float]) -> float:
+    """``sum p (log p - log q)`` over outcomes of probability ``p > 0``."""
+    return math.fsum(x * (a - b) for x, a, b in zip(p, lp, lq, strict=True) if x > 0.0)
+
+
+def _jsd_of(p: list[float], q: list[float], beta: float) -> tuple[float, list[float]]:
+    """TRL's generalized JSD of two distributions over the same outcomes, and ``M``."""
+    m = [beta * b + (1.0 - beta) * a for a, b in zip(p, q, strict=True)]
+    lm = [math.log(x) if x > 0 else -math.inf for x in m]
+    lp = [math.log(x) if x > 0 else -math.inf for x in p]
+    lq = [math.log(x) if x > 0 else -math.inf for x in q]
+    return beta * _kl_terms(q, lq, lm) + (1.0 - beta) * _kl_terms(p, lp, lm), m
+
+
+def reference_divergence_position(
+    *, divergence: str, beta: float = 0.5, strategy: str, tail: bool = False, **rows: Any
+) -> RefPosition:
+    """Score one position with ``divergence`` (``reverse_kl``, ``forward_kl``, ``jsd``).
+
+    The candidates are :func:`reference_position`'s; ``rows`` are its id/value keywords.
+    ``forward_kl`` weighs by the teacher (``teacher_p``), ``reverse_kl`` by the student."""
+    if divergence == "reverse_kl":
+        return reference_position(strategy=strategy, weight_mode="student_p", tail=tail, **rows)
+    base = reference_position(strategy=strategy, weight_mode="teacher_p", **rows)
+    student, teacher = base.student, base.teacher
+    p = [math.exp(x) for x in student]
+    q = [math.exp(x) for x in teacher]
+    s_tail = max(1.0 - math.fsum(p), TAIL_MIN)
+    t_tail = max(1.0 - math.fsum(q), TAIL_MIN)
+    tails = (math.log(s_tail), math.log(t_tail)) if tail else None
+    if divergence == "forward_kl":
+        if not tail:  # the teacher-weighted sum of t - s: minus teacher_p's s - t
+            return RefPosition(-base.r, base.ids, student, teacher, base.weights, base.scale)
+        terms = [w * (t - s) for w, s, t in zip(q, student, teacher, strict=True)]
+        r = math.fsum(terms) + t_tail * (math.log(t_tail) - math.log(s_tail))
+        scale = math.fsum(abs(x) for x in terms)
+        return RefPosition(max(r, 0.0), base.ids, student, teacher, q, scale, tails)
+    assert divergence == "jsd", divergence
+    if not base.ids:
+        return RefPosition(0.0, [], [], [], [], 0.0, tails)
+    if tail:
+        r, m = _jsd_of([*p, s_tail], [*q, t_tail], beta)
+        m = m[:-1]
+    else:
+        zs, zt = math.fsum(p), math.fsum(q)
+        if zs == 0.0 or zt == 0.0:  # every candidate floored on a side: renormalise in logs
+            top_s, top_t = max(student), max(teacher)
+            p = [math.exp(x - top_s) for x in student]
+            q = [math.exp(x - top_t) for x in teacher]
+            zs, zt = math.fsum(p), math.fsum(q)
+        r, m = _jsd_of([x / zs for x in p], [x / zt for x in q], beta)
+    return RefPosition(max(r, 0.0), base.ids, student, teacher, m, 1.0, tails)
+
+
+def reference_full_divergence(
+    divergence: str,
+    head_s: Sequence[float],
+    head_t: Sequence[float],
+    tail_s: float,
+    tail_t: float,
+    n_tail: int,
+    beta: float = 0.5,
+) -> float:
+    """The full-vocabulary value of ``divergence`` on :func:`reference_full_reverse_kl`'s
+    distributions (a head of explicit logprobs plus ``n_tail`` ids of one shared logprob)."""
+    if divergence == "reverse_kl":
+        return reference_full_reverse_kl(head_s, head_t, tail_s, tail_t, n_tail)
+    if divergence == "forward_kl":
+        return reference_full_reverse_kl(head_t, head_s, tail_t, tail_s, n_tail)
+    assert divergence == "jsd", divergence
+    total = 0.0
+    terms = []
+    pairs = [(s, t, 1) for s, t in zip(head_s, head_t, strict=True)] + [(tail_s, tail_t, n_tail)]
+    for s, t, count in pairs:
+        p, q = math.exp(s), math.exp(t)
+        m = beta * q + (1.0 - beta) * p
+        if m == 0.0:
+            continue
+        lm = math.log(m)
+        if q > 0:
+            terms.append(count * beta * q * (t - lm))
+        if p > 0:
+            terms.append(count * (1.0 - beta) * p * (s - lm))
+    total = math.fsum(terms)
+    return total

@@ -16,11 +16,11 @@ import math
 from typing import Any
 
 import numpy as np
-from kl_reference import reference_position
+from kl_reference import reference_divergence_position, reference_position
 
 from opd_stream.testing.mock_sglang import MockModel
 
-__all__ = ("Expected", "expected_result", "rollout_topk_rows")
+__all__ = ("Expected", "MixtureTeacher", "expected_result", "rollout_topk_rows")
 
 
 class Expected:
@@ -41,6 +41,48 @@ class Expected:
         self.weights = weights
         self.scale = scale
         self.tails = tails
+
+
+class MixtureTeacher:
+    """An ensemble teacher as the servers make it (issue 27), written from its definition:
+    a token's logprob is ``log sum_i w_i exp(t_i)`` of the members' values as sent
+    (float32), in float64, one position and one id at a time; the top-k is the ``k`` ids of
+    highest mixture logprob among the members' top-k ids (member 1's first, then each next
+    member's new ones; ties: the earlier). Same interface as the MockModel methods
+    :func:`expected_result` uses."""
+
+    def __init__(self, members: list[MockModel], weights: list[float]) -> None:
+        self.members = members
+        self.weights = weights
+
+    def _mix(self, values: list[float]) -> float:
+        terms = [w * math.exp(v) for w, v in zip(self.weights, values, strict=True)]
+        total = math.fsum(terms)
+        return math.log(total) if total > 0 else -math.inf
+
+    def _sent(self, per_member: list[Any]) -> list[list[float]]:
+        """Per member, one row of float32 values as a server sends them."""
+        return [[float(np.float32(v)) for v in np.ravel(x)] for x in per_member]
+
+    def token_logprobs(self, tokens: Any, positions: Any) -> np.ndarray:
+        sent = self._sent([m.token_logprobs(tokens, positions) for m in self.members])
+        return np.array([self._mix(list(col)) for col in zip(*sent, strict=True)])
+
+    def logprobs(self, tokens: Any, positions: Any, ids: Any) -> np.ndarray:
+        assert len(positions) == 1
+        sent = self._sent([m.logprobs(tokens, positions, ids) for m in self.members])
+        return np.array([[self._mix(list(col)) for col in zip(*sent, strict=True)]])
+
+    def topk(self, tokens: Any, positions: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        assert len(positions) == 1
+        union: list[int] = []
+        for m in self.members:
+            for v in m.topk(tokens, positions, k)[0][0].tolist():
+                if v not in union:
+                    union.append(int(v))
+        values = self.logprobs(tokens, positions, np.array([union]))[0].tolist()
+        ranked = sorted(range(len(union)), key=lambda j: (-values[j], j))[:k]
+        return np.array([[union[j] for j in ranked]]), np.array([[values[j] for j in ranked]])
 
 
 def _f32(values: Any) -> list[float]:
@@ -71,8 +113,14 @@ def expected_result(
     rollout_logprobs: list[float] | None = None,
     tail: bool = False,
     teacher_prompt: list[int] | None = None,
+    divergence: str = "reverse_kl",
+    jsd_beta: float = 0.5,
 ) -> Expected:
-    """What a correct pipeline must return for this sample (float64, per position)."""
+    """What a correct pipeline must return for this sample (float64, per position).
+
+    ``teacher`` is a MockModel or anything with its ``token_logprobs``, ``topk`` and
+    ``logprobs`` (an ensemble's mixture, see ``test_ensembles``); ``divergence`` other than
+    ``reverse_kl``: the expected ``signal`` (``Expected.reverse_kl`` holds it)."""
     tok = np.asarray(tokens, dtype=np.int64)
     p = len(tokens) - response_length
     # the teacher's sequence and its first response position
@@ -101,17 +149,20 @@ def expected_result(
         t_ids, t_lp = teacher.topk(t_tok, t_pos, top_k)
         t_on_s = teacher.logprobs(t_tok, t_pos, s_ids)
         s_on_t = student.logprobs(tok, pos, t_ids)
-        ref = reference_position(
-            strategy=strategy,
-            weight_mode=weight_mode,
-            s_ids=[int(x) for x in s_ids[0]],
-            s_lp=_f32(s_lp[0]),
-            t_on_s=_f32(t_on_s[0]),
-            t_ids=[int(x) for x in t_ids[0]],
-            t_lp=_f32(t_lp[0]),
-            s_on_t=_f32(s_on_t[0]),
-            tail=tail,
-        )
+        rows: dict[str, Any] = {
+            "s_ids": [int(x) for x in s_ids[0]],
+            "s_lp": _f32(s_lp[0]),
+            "t_on_s": _f32(t_on_s[0]),
+            "t_ids": [int(x) for x in t_ids[0]],
+            "t_lp": _f32(t_lp[0]),
+            "s_on_t": _f32(s_on_t[0]),
+        }
+        if divergence == "reverse_kl":
+            ref = reference_position(strategy=strategy, weight_mode=weight_mode, tail=tail, **rows)
+        else:
+            ref = reference_divergence_position(
+                divergence=divergence, beta=jsd_beta, strategy=strategy, tail=tail, **rows
+            )
         rkl_out.append(ref.r)
         ids_out.append(ref.ids)
         w_out.append(ref.weights)
@@ -121,16 +172,25 @@ def expected_result(
     return Expected(teacher_lp, rkl_out, ids_out, w_out, scale, tails if tail else None)
 
 
-def assert_matches(result: Any, expected: Expected, *, atol: float = 1e-5) -> None:
-    """Compare a ScoredSample with an :class:`Expected`, position by position."""
+def assert_matches(
+    result: Any, expected: Expected, *, atol: float = 1e-5, teacher_rtol: float = 0.0
+) -> None:
+    """Compare a ScoredSample with an :class:`Expected`, position by position (its
+    ``signal``; ``reverse_kl`` is the same tensor or, for another divergence, None).
+    ``teacher_rtol``: the teacher logprobs' relative tolerance (exact by default)."""
     got_t = result.teacher_logprobs.tolist()
     assert len(got_t) == len(expected.teacher_logprobs)
     for g, e in zip(got_t, expected.teacher_logprobs, strict=True):
-        assert g == e or (math.isinf(g) and math.isinf(e)), (g, e)
-    if expected.reverse_kl is None:
+        ok = g == e or (math.isinf(g) and math.isinf(e)) or abs(g - e) <= teacher_rtol * abs(e)
+        assert ok, (g, e)
+    if result.divergence == "reverse_kl":
+        assert result.reverse_kl is result.signal
+    else:
         assert result.reverse_kl is None
+    if expected.reverse_kl is None:
+        assert result.signal is None
         return
-    got_r = result.reverse_kl.tolist()
+    got_r = result.signal.tolist()
     assert len(got_r) == len(expected.reverse_kl)
     for t, (g, e) in enumerate(zip(got_r, expected.reverse_kl, strict=True)):
         tol = atol + 1e-6 * expected.scale[t]

@@ -68,7 +68,9 @@ def test_demo_in_sampled_token_mode_against_unpatched_teachers() -> None:
 def test_config_prints_the_configuration_table() -> None:
     proc = _run("config", timeout=60)
     assert proc.returncode == 0
-    assert proc.stdout.strip() == render_config_table().strip()
+    table, parser = proc.stdout.strip().rsplit("\n", 1)  # then the answer parser's line
+    assert table.strip() == render_config_table().strip()
+    assert parser.startswith("answer parser: ")
 
 
 def test_bench_passes_its_own_flags_through() -> None:

@@ -621,7 +621,7 @@ async def test_api_key_from_env_is_sent_as_bearer_and_never_printed(
             log_level="debug",
         )
         without = await _run(*common, "--output", str(tmp_path / "b.jsonl"))
-    assert with_key == 0 and without == 0
+    assert with_key == 0 and without == 1  # nothing scored without the key
     assert [x["ok"] for x in _read_lines(tmp_path / "a.jsonl")] == [True] * 3
     assert {x["reason"] for x in _read_lines(tmp_path / "b.jsonl")} == {"teacher_http_401"}
     err = capsys.readouterr().err

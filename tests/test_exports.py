@@ -12,6 +12,10 @@ def test_all_is_sorted_case_insensitively() -> None:
 
 
 def test_all_lists_every_public_name_and_nothing_else() -> None:
+    # each is loaded on first use, from the module the package's table names
+    assert set(opd_stream._SOURCE) == set(opd_stream.__all__) - {"__version__"}
+    for name in opd_stream.__all__:
+        getattr(opd_stream, name)
     public = {
         name
         for name, value in vars(opd_stream).items()
@@ -63,3 +67,16 @@ def test_the_version_is_the_installed_distributions() -> None:
 
 def test_kl_stage_stats_is_exported() -> None:
     assert opd_stream.KLStageStats.__name__ == "KLStageStats"
+
+
+def test_importing_the_package_loads_none_of_its_modules() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, opd_stream; "
+        "print(sorted(m for m in sys.modules if m.startswith('opd_stream.') or m == 'numpy'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert set(dir(opd_stream)) >= set(opd_stream.__all__)

@@ -268,7 +268,7 @@ def test_zero_length_batch_has_empty_tails() -> None:
 def test_tail_needs_student_weights(weight_mode: Any) -> None:
     rng = np.random.default_rng(1)
     batch = batch_of([distribution_rows(rng, 2, 3, overlap=0.0, mass_s=0.5, mass_t=0.5)])
-    with pytest.raises(ValueError, match="tail needs weight_mode 'student_p'"):
+    with pytest.raises(ValueError, match="tail bucket weighs candidates by the student's"):
         topk_reverse_kl(batch, "union", weight_mode, tail=True)
 
 

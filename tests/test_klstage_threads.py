@@ -79,13 +79,13 @@ def test_a_cpu_batch_runs_with_the_hosts_thread_setting_untouched(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: list[int] = []
-    real = klstage.topk_reverse_kl
+    real = klstage.topk_divergence
 
     def spy(*args: Any, **kw: Any) -> Any:
         seen.append(torch.get_num_threads())
         return real(*args, **kw)
 
-    monkeypatch.setattr(klstage, "topk_reverse_kl", spy)
+    monkeypatch.setattr(klstage, "topk_divergence", spy)
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
     _, after = _score_in_thread(2, seen)

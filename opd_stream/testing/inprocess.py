@@ -8,7 +8,7 @@ deterministic fault scripts. ``mock_transport`` routes base URLs to such servers
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -16,9 +16,11 @@ import numpy as np
 
 from .._transport import MockTransport, Response
 from .mock_sglang._answer import build_item_response
+from .mock_sglang._bytemodel import ByteModel
 from .mock_sglang._errors import RequestError
 from .mock_sglang._model import MockModel, Role
 from .mock_sglang._request import parse_generate_request
+from .mock_sglang._signal import SignalState
 
 __all__ = ("Fault", "InProcessSGLang", "mock_transport")
 
@@ -39,6 +41,11 @@ class InProcessSGLang:
             silently ignores it, like every released SGLang.
         vocab_size: the model's vocabulary.
         fault: optional fault script (see :data:`Fault`).
+        weight_versions: the ``meta_info.weight_version`` of each item answered, the last
+            repeated (empty: ``"default"``); ``logprob_offset``, ``warm_drift``: as the
+            aiohttp mock's options (:class:`~opd_stream.testing.mock_sglang.MockOptions`).
+        byte_model: when set, the sampled tokens' logprobs come from this model over bytes
+            (see :class:`~.mock_sglang.ByteModel`).
     """
 
     def __init__(
@@ -50,8 +57,13 @@ class InProcessSGLang:
         vocab_size: int = 151936,
         context_length: int = 1 << 20,
         fault: Fault | None = None,
+        weight_versions: Sequence[str] = (),
+        logprob_offset: float = 0.0,
+        warm_drift: float = 0.0,
+        byte_model: ByteModel | None = None,
     ) -> None:
         self.model = MockModel(role=role, seed=seed, vocab_size=vocab_size)
+        self.byte_model = byte_model
         self.per_position = per_position
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -59,6 +71,10 @@ class InProcessSGLang:
         self.requests = 0
         self.bodies: list[bytes] = []
         self._rng = np.random.default_rng(seed)
+        self.weight_versions = tuple(weight_versions)
+        self.logprob_offset = logprob_offset
+        self.warm_drift = warm_drift
+        self._signal = SignalState()
 
     def handle(self, method: str, path: str, body: bytes) -> Response:
         """Answer one HTTP request (``path`` is the part after the base URL)."""
@@ -86,10 +102,12 @@ class InProcessSGLang:
                 self.model,
                 item,
                 rng=self._rng,
-                weight_version="default",
+                weight_version=self._signal.weight_version("default", self.weight_versions),
                 flat_input=spec.flat_input,
                 flat_output=spec.flat_output,
                 b64=spec.b64,
+                shift=self._signal.shift(item, self.logprob_offset, self.warm_drift),
+                byte_model=self.byte_model,
             )
             for item in spec.items
         ]

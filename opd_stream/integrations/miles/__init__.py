@@ -130,8 +130,10 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
 
     Returns:
         ``{"teacher_log_probs": float32 [R]}`` in sampled-token mode, or
-        ``{"opd_reverse_kl": float32 [R]}`` in top-k mode, plus ``"opd_stream"``: the
-        teacher name, attempts and latency.
+        ``{"opd_reverse_kl": float32 [R]}`` in top-k mode (the signal of the configured
+        ``divergence``, reverse KL by default: the name is the one Miles' trainer reads),
+        plus ``"opd_stream"``: the teacher name, attempts and latency (and the divergence
+        in top-k mode).
 
     Raises:
         MilesRoutingError: (a ``ValueError``) the sample's teacher key is missing or
@@ -156,8 +158,10 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
         }
     }
     if engine.config.top_k > 0:
-        assert result.reverse_kl is not None
-        out["opd_reverse_kl"] = _as_float32(result.reverse_kl)
+        # the configured divergence's signal, under the name Miles' trainer reads
+        assert result.signal is not None
+        out["opd_reverse_kl"] = _as_float32(result.signal)
+        out[_RESULT_KEY]["divergence"] = result.divergence
     else:
         out["teacher_log_probs"] = _as_float32(result.teacher_logprobs)
     return out

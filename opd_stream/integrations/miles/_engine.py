@@ -11,10 +11,12 @@ from collections.abc import AsyncIterable, Mapping
 from typing import Any, Final, cast
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..._chat import TeacherPrompts
 from ..._config import StreamConfig
-from ..._errors import OPDStreamError
+from ..._errors import InvalidSampleError, OPDStreamError
 from ..._pipeline import Submission
 from ..._router import DEFAULT_TEACHER, show_value
 from ..._sample import Sample, SampleFailure, ScoredSample
@@ -155,6 +157,8 @@ class MilesEngine:
         self._error: BaseException | None = None
         self._closed = False
         self.stream: OPDStream | None = None
+        # teachers with their own tokenizer: prompts rendered from the sample's messages
+        self._prompts = TeacherPrompts(config.teacher_tokenizers)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -210,6 +214,8 @@ class MilesEngine:
                 sample=prepared, index=-1, reason="routing", message=message, attempts=0
             )
             raise MilesRoutingError(failure, message)
+        if prepared.teacher_prompt_ids is None and self._prompts:
+            prepared = await self._teacher_prompt(sample, prepared)
         send = self._start()
         assert self._loop is not None
         future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
@@ -226,6 +232,31 @@ class MilesEngine:
             # the task) or the stream failed. Its requests in flight stop too.
             if not future.done() or future.cancelled():
                 scope.cancel()
+
+    async def _teacher_prompt(self, sample: Any, prepared: Sample) -> Sample:
+        """A teacher with its own tokenizer: its prompt from the sample's ``prompt`` (chat
+        messages, or a string), rendered with its chat template in a worker thread."""
+        name = prepared.metadata.get(self.config.teacher_key)
+        teacher = str(name) if name is not None and str(name) in self.config.teachers else None
+        teacher = teacher or DEFAULT_TEACHER
+        if teacher not in (self.config.teacher_tokenizers or {}):
+            return prepared
+        prompt = getattr(sample, "prompt", None)
+        try:
+            if prompt is None:
+                raise InvalidSampleError(
+                    "prompt",
+                    f"required: teacher {teacher!r} has its own tokenizer and the sample has "
+                    f"neither metadata[{TEACHER_PROMPT_KEY!r}] nor a prompt (chat messages or "
+                    "text) to render its prompt from",
+                )
+            ids = await anyio.to_thread.run_sync(self._prompts.ids, teacher, prompt, "prompt")
+        except InvalidSampleError as exc:
+            failure = SampleFailure(
+                sample=prepared, index=-1, reason=exc.reason, message=str(exc), attempts=0
+            )
+            raise sample_error(failure) from None
+        return msgspec.structs.replace(prepared, teacher_prompt_ids=ids)
 
     async def aclose(self) -> None:
         """End the input, let samples already sent finish, and wait for the background task."""

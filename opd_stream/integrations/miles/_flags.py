@@ -27,6 +27,11 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_topk_per_position": False,
     "opd_teacher_urls": None,
     "opd_teacher_key": "opd_teacher",
+    "opd_cache_salt": None,
+    "opd_student_tokenizer": None,
+    "opd_teacher_tokenizers": None,
+    "opd_divergence": None,
+    "opd_jsd_beta": None,
 }
 
 
@@ -92,6 +97,19 @@ def config_from_miles_args(
       numbers as the reference's flat union, without its quadratic answers).
     * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
       ``OPD_STREAM_STUDENT_URL``.
+    * ``--opd-cache-salt none|per-sample|per-request`` (opd_stream's own flag; add it to
+      the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
+    * ``--opd-student-tokenizer PATH`` -> ``student_tokenizer``;
+      ``--opd-teacher-tokenizers NAME=PATH ...`` (a list, or one comma-separated string) ->
+      ``teacher_tokenizers`` (teachers with another tokenizer; not reference flags: Miles
+      declares them only with this adapter). Such a teacher's prompt is
+      ``metadata["opd_teacher_prompt_ids"]``, else the sample's ``prompt`` (chat messages,
+      or a string: one user message) rendered with the teacher's chat template.
+    * ``--opd-divergence`` -> ``divergence`` and ``--opd-jsd-beta`` -> ``jsd_beta``
+      (opd_stream's own flags, for a Miles launcher that declares them: the reference has
+      neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).
+      Whatever the divergence, its signal goes where Miles' trainer reads the OPD signal,
+      ``opd_reverse_kl``.
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -172,17 +190,30 @@ def config_from_miles_args(
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
     }
+    for flag_name, field in (("opd_divergence", "divergence"), ("opd_jsd_beta", "jsd_beta")):
+        value = get(flag_name)
+        if value is not None:
+            fields[field] = value
     if get("opd_topk_per_position", False):
         fields["id_scoring"] = "per-position"
     ip, port = get("sglang_router_ip"), get("sglang_router_port")
     if ip and port:
         host = f"[{ip}]" if ":" in str(ip) else str(ip)
         fields["student_url"] = f"http://{host}:{int(port)}"
+    if get("opd_cache_salt") is not None:
+        fields["cache_salt"] = get("opd_cache_salt")
     timeout = get("sglang_router_request_timeout_secs")
     if timeout is not None and not isinstance(timeout, bool) and timeout > 0:
         if not math.isfinite(float(timeout)):
             raise ConfigError("--sglang-router-request-timeout-secs must be finite")
         fields["request_deadline_s"] = float(timeout)
+    if get("opd_student_tokenizer"):
+        fields["student_tokenizer"] = str(get("opd_student_tokenizer"))
+    teacher_tokenizers = get("opd_teacher_tokenizers")
+    if teacher_tokenizers:
+        fields["teacher_tokenizers"] = (
+            teacher_tokenizers if isinstance(teacher_tokenizers, str) else list(teacher_tokenizers)
+        )
     fields.update(overrides)
     try:
         return StreamConfig.from_env(environ, **fields)
@@ -193,6 +224,13 @@ def config_from_miles_args(
             "teachers": "--rm-url/--opd-teacher-urls",
             "teacher_key": "--opd-teacher-key",
             "request_deadline_s": "--sglang-router-request-timeout-secs",
+            "cache_salt": "--opd-cache-salt",
+            "student_tokenizer": "--opd-student-tokenizer",
+            "teacher_tokenizers": "--opd-teacher-tokenizers",
+            "top_k": "--opd-log-prob-top-k",
+            "divergence": "--opd-divergence",
+            "jsd_beta": "--opd-jsd-beta",
+            "weight_mode": "--opd-reward-weight-mode",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

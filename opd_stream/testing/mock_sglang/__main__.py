@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from ._app import MockServer
+from ._bytemodel import ByteModel
 from ._options import MockOptions
 
 __all__ = ("build_parser", "main")
@@ -29,6 +30,10 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(",") if t.strip())
 
 
+def _str_tuple(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (server flags plus one flag per :class:`MockOptions` field)."""
     p = argparse.ArgumentParser(
@@ -38,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--role", choices=("teacher", "student"), default="teacher")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--byte-model-tokenizer",
+        metavar="PATH",
+        help="serve sampled-token logprobs from a ByteModel over this tokenizer.json's ids "
+        "(a file or a directory holding one; the [xtok] extra)",
+    )
+    p.add_argument("--byte-model-q", type=float, default=0.5, help="the ByteModel's q")
+    p.add_argument("--byte-model-salt", type=int, default=0, help="the ByteModel's salt")
     default = MockOptions()
     hints = typing.get_type_hints(MockOptions)
     for name in MockOptions.__struct_fields__:
@@ -45,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         value = getattr(default, name)
         if name == "masked_ids":
             p.add_argument(flag, dest=name, type=_int_tuple, default=None, help="comma list")
+        elif name == "weight_versions":
+            p.add_argument(flag, dest=name, type=_str_tuple, default=(), help="comma list")
         elif isinstance(value, bool):
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=value)
         elif typing.get_origin(hints[name]) is typing.Literal:
@@ -57,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace, options: MockOptions) -> None:
-    server = MockServer(args.role, args.seed, options, host=args.host, port=args.port)
+    byte_model = None
+    if args.byte_model_tokenizer:
+        from ..._vocab import load_vocab
+
+        vocab = load_vocab("--byte-model-tokenizer", args.byte_model_tokenizer)
+        byte_model = ByteModel(vocab.token_bytes, q=args.byte_model_q, salt=args.byte_model_salt)
+    server = MockServer(
+        args.role, args.seed, options, host=args.host, port=args.port, byte_model=byte_model
+    )
     url = await server.start()
     print(f"listening on {url}", flush=True)
     stop = asyncio.Event()

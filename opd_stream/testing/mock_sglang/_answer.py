@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._bytemodel import ByteModel
 from ._model import HeadRows, MockModel
 from ._request import GenerateItem
 
@@ -110,13 +111,17 @@ def build_item_response(
     fault: ItemFault = None,
     e2e_latency: float = 0.0,
     sent_ts: float = 0.0,
+    shift: float = 0.0,
+    byte_model: ByteModel | None = None,
     cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The JSON-ready answer object for one item (``{"text", "output_ids", "meta_info"}``).
 
-    ``fault`` applies a wire fault at the data level: ``"misaligned"`` shifts the token ids of
-    ``input_token_logprobs`` by one row; ``"missing_rows"`` drops the last row of every
-    ``input_*`` list.
+    ``fault`` applies a wire fault at the data level: ``"misaligned"`` shifts the token ids
+    of ``input_token_logprobs`` by one row; ``"missing_rows"`` drops the last row of every
+    ``input_*`` list. ``shift`` is added to every logprob the answer carries (a replica off
+    by a set amount; 0: the model's values). ``byte_model``: the sampled tokens' logprobs
+    come from it (top-k and requested ids still come from ``model``).
     """
     tok = item.input_ids
     length = int(tok.size)
@@ -147,7 +152,10 @@ def build_item_response(
     }
     if item.return_logprob:
         meta.update(
-            _logprob_fields(model, item, full, s, n_gen, flat_input, flat_output, b64, fault)
+            _logprob_fields(
+                model, item, full, s, n_gen, flat_input, flat_output, b64, fault, shift,
+                byte_model,
+            )
         )
     meta["reasoning_tokens"] = 0
     meta["completion_tokens"] = n_gen
@@ -175,6 +183,8 @@ def _logprob_fields(
     flat_output: bool,
     b64: bool,
     fault: ItemFault,
+    shift: float = 0.0,
+    byte_model: ByteModel | None = None,
 ) -> dict[str, Any]:
     length = int(item.input_ids.size)
     n_in = length - s  # entries of every input_* list
@@ -191,7 +201,9 @@ def _logprob_fields(
     tok_pos = positions[: n_in_rows + n_gen]
     tok_ids = full[tok_pos]
     tok_rows = _take(rows, slice(0, n_in_rows + n_gen))
-    tok_lp = model.logprobs_in(tok_rows, tok_ids[:, None])[:, 0]
+    tok_lp = model.logprobs_in(tok_rows, tok_ids[:, None])[:, 0] + shift
+    if byte_model is not None:
+        tok_lp = byte_model.token_logprobs(full, tok_pos) + shift
     in_ids = tok_ids[:n_in_rows]
     if fault == "misaligned" and n_in_rows:
         in_ids = np.roll(in_ids, 1)
@@ -210,6 +222,7 @@ def _logprob_fields(
     k = item.top_logprobs_num
     if k > 0:
         top_ids, top_lp = model.topk_in(rows, k)
+        top_lp = top_lp + shift
         in_top_lp, in_top_ids = top_lp[in_sel], top_ids[in_sel]
         if drop:
             in_top_lp, in_top_ids = (
@@ -231,7 +244,7 @@ def _logprob_fields(
     if item.token_ids_logprob is not None:
         req = np.asarray(item.token_ids_logprob, dtype=np.int64)
         mat = np.broadcast_to(req, (positions.size, req.size))
-        lp = model.logprobs_in(rows, mat)
+        lp = model.logprobs_in(rows, mat) + shift
         in_rows = _nested_rows(lp[in_sel], mat[in_sel], with_text)
         if drop:
             in_rows = in_rows[:-1] if in_rows else in_rows
@@ -239,7 +252,7 @@ def _logprob_fields(
         fields["output_token_ids_logprobs"] = _nested_rows(lp[out_sel], mat[out_sel], with_text)
     elif item.positions_ids is not None:
         fields["input_token_ids_logprobs"] = _per_position_rows(
-            model, rows, positions[in_sel], item.positions_ids, n_in, with_text, drop
+            model, rows, positions[in_sel], item.positions_ids, n_in, with_text, drop, shift
         )
         fields["output_token_ids_logprobs"] = [None]
     return fields
@@ -253,6 +266,7 @@ def _per_position_rows(
     n_in: int,
     with_text: bool,
     drop: int,
+    shift: float = 0.0,
 ) -> list[Any]:
     if n_in == 0:
         return []
@@ -266,7 +280,7 @@ def _per_position_rows(
         for i, r in enumerate(lists):
             if r:
                 mat[i, : len(r)] = r
-        lp = model.logprobs_in(_take(rows, slice(0, n)), mat)
+        lp = model.logprobs_in(_take(rows, slice(0, n)), mat) + shift
         lpl = lp.astype(np.float32).tolist()
         for i, r in enumerate(lists):
             if r:

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from ._bytemodel import ByteModel
 from ._generate import GenerateEndpoint
 from ._model import MockModel, Role
 from ._options import MockOptions
@@ -49,6 +50,8 @@ class MockServer:
         host: interface to bind (keep it on loopback).
         port: port to bind; 0 picks a free one (kept across :meth:`restart`).
         replica_index: mixed into the fault/latency RNG seed so replicas differ.
+        byte_model: when set, the sampled tokens' logprobs come from this model over
+            bytes (cross-tokenizer tests; see :class:`~._bytemodel.ByteModel`).
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class MockServer:
         host: str = "127.0.0.1",
         port: int = 0,
         replica_index: int = 0,
+        byte_model: ByteModel | None = None,
     ) -> None:
         self.role: Role = role
+        self.byte_model = byte_model
         self.seed = seed
         self.host = host
         self.port = port

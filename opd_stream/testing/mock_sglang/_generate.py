@@ -23,11 +23,13 @@ import numpy as np
 from aiohttp import web
 
 from ._answer import abort_response, build_item_response
+from ._bytemodel import ByteModel
 from ._errors import RequestError, error_response_body
 from ._model import MockModel
 from ._options import FAULT_KINDS, FaultKind, MockOptions
 from ._prefix_cache import PrefixCache, reusable_limit
 from ._request import GenerateItem, parse_generate_request
+from ._signal import SignalState
 from ._stats import MockStats
 
 __all__ = ("GenerateEndpoint", "Host")
@@ -43,6 +45,7 @@ class Host(Protocol):
     options: MockOptions
     stats: MockStats
     model: MockModel
+    byte_model: ByteModel | None
 
     def respond(
         self, body: bytes, status: int = 200, content_type: str = "application/json"
@@ -71,6 +74,7 @@ class GenerateEndpoint:
         self._replay_bytes = 0
         self._prefix: PrefixCache | None = None
         self._gpu: asyncio.Lock | None = None
+        self._signal = SignalState()
 
     def started(self) -> None:
         """The server (re)started listening: a fresh capacity condition and GPU on its loop."""
@@ -114,8 +118,8 @@ class GenerateEndpoint:
                 hit = 0
                 if cache is not None:
                     limit = reusable_limit(length, it.return_logprob, it.logprob_start_len)
-                    hit = cache.match(it.input_ids, limit)
-                    cache.insert(it.input_ids)  # the next item of a batch may reuse it
+                    hit = cache.match(it.input_ids, limit, it.cache_salt)
+                    cache.insert(it.input_ids, it.cache_salt)  # the next item may reuse it
                 cached.append(hit)
                 computed += length - hit + it.max_new_tokens
             if timed:
@@ -346,6 +350,9 @@ class GenerateEndpoint:
         self, it: GenerateItem, spec: Any, item_fault: Any, t0: float, cached: int = 0
     ) -> dict[str, Any]:
         self._request_counter += 1
+        o = self._server.options
+        if it.cache_salt is not None:
+            self._server.stats.record_salt(it.cache_salt)
         seed_key = (
             [self._server.seed, 1, it.sampling_seed]
             if it.sampling_seed is not None
@@ -355,7 +362,7 @@ class GenerateEndpoint:
             self._server.model,
             it,
             rng=np.random.default_rng(seed_key),
-            weight_version=self._server.options.weight_version,
+            weight_version=self._signal.weight_version(o.weight_version, o.weight_versions),
             flat_input=spec.flat_input,
             flat_output=spec.flat_output,
             b64=spec.b64,
@@ -363,6 +370,8 @@ class GenerateEndpoint:
             e2e_latency=time.monotonic() - t0,
             sent_ts=time.time(),
             cached_tokens=cached,
+            shift=self._signal.shift(it, o.logprob_offset, o.warm_drift),
+            byte_model=self._server.byte_model,
         )
 
     async def _stream(

@@ -47,6 +47,10 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
         api_key: when set, every endpoint but ``/health*``, ``/ready``, ``/metrics`` and
             ``/mock/*`` needs ``Authorization: Bearer <api_key>`` (else 401).
         weight_version: ``meta_info.weight_version``.
+        weight_versions: when not empty, item ``n`` answered (counted over the server's
+            life, every request) reports ``weight_versions[min(n, len - 1)]`` instead: a
+            weight update at a set point of a run (``("v1", "v2")``: the first item v1, the
+            rest v2).
         context_length: longer inputs (or input + max_new_tokens) are rejected with 400.
         info_endpoints: serve ``/model_info`` and ``/server_info`` (else 404).
         startup_delay_s: ``/health`` and ``/generate`` answer 503 for this long after start.
@@ -60,6 +64,12 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
         max_queued: requests waiting for a slot beyond which 503 "The request queue is full."
             is answered (-1: unlimited).
 
+    Signal faults (a replica that answers, but not what its peers answer):
+        logprob_offset: added to every logprob of every answer (a replica off by a set
+            amount; keep it <= 0, clients reject positive logprobs).
+        warm_drift: added to every logprob of an item the server has answered before (the
+            same ``input_ids`` and ``cache_salt``; the last 4096 remembered): warm answers
+            that move, like a prefix-cache reuse that changes the numbers.
     Prefix cache and compute (a GPU-bound fleet simulated on CPU):
         prefix_cache_tokens: > 0 gives the replica a prefix cache of this many tokens
             (SGLang's radix cache: LRU, whole pages, at most ``logprob_start_len`` reused by
@@ -102,6 +112,7 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
     per_position: Literal["patched", "unpatched"] = "patched"
     api_key: str | None = None
     weight_version: str = "default"
+    weight_versions: tuple[str, ...] = ()
     context_length: int = 131072
     info_endpoints: bool = True
     startup_delay_s: float = 0.0
@@ -119,6 +130,8 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
     prefix_cache_page: int = 1
     compute_fixed_s: float = 0.0
     compute_per_token_s: float = 0.0
+    logprob_offset: float = 0.0
+    warm_drift: float = 0.0
 
     replay_cache_bytes: int = 0
 

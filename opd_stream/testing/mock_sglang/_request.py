@@ -50,6 +50,7 @@ class GenerateItem(msgspec.Struct, kw_only=True):
     stop_token_ids: tuple[int, ...]
     sampling_seed: int | None
     return_prompt_token_ids: bool
+    cache_salt: str | None = None  # SGLang's cache_salt of this item (accepted, recorded)
 
 
 class GenerateRequestSpec(msgspec.Struct, kw_only=True):
@@ -251,6 +252,7 @@ def _normalise(
         if len(set(rids)) != len(rids):
             dup = sorted({r for r in rids if rids.count(r) > 1})
             raise RequestError("value", f"Duplicate request IDs detected within the request: {dup}")
+    salts = _per_item(body, "cache_salt", None, n, is_batch)
     return_text = bool(body.get("return_text_in_logprobs") or False)
     return_prompt = bool(body.get("return_prompt_token_ids") or False)
 
@@ -339,6 +341,7 @@ def _normalise(
                 stop_token_ids=stop_ids,
                 sampling_seed=None if seed is None else int(seed),
                 return_prompt_token_ids=return_prompt,
+                cache_salt=None if salts[i] is None else str(salts[i]),
             )
         )
     return GenerateRequestSpec(

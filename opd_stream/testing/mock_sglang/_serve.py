@@ -13,6 +13,7 @@ from typing import Any
 
 from .._process import stop_process
 from ._app import MockServer
+from ._bytemodel import ByteModel
 from ._model import Role
 from ._options import MockOptions
 from ._stats import MockStats
@@ -73,6 +74,7 @@ async def serve_mock(
     replicas: int = 1,
     options: MockOptions | None = None,
     host: str = "127.0.0.1",
+    byte_model: ByteModel | None = None,
 ) -> AsyncIterator[MockCluster]:
     """Run ``replicas`` mock servers in this event loop (asyncio only) on free ports.
 
@@ -82,8 +84,14 @@ async def serve_mock(
             server.urls          # ["http://127.0.0.1:PORT1", "http://127.0.0.1:PORT2"]
             server.stats[0].generate_requests
             server.set_options(fault_http_503=0.5)
+
+    ``byte_model``: the replicas answer sampled-token logprobs from this model over bytes
+    (:class:`ByteModel`, for teachers with another tokenizer).
     """
-    servers = [MockServer(role, seed, options, host=host, replica_index=i) for i in range(replicas)]
+    servers = [
+        MockServer(role, seed, options, host=host, replica_index=i, byte_model=byte_model)
+        for i in range(replicas)
+    ]
     try:
         for s in servers:
             await s.start()

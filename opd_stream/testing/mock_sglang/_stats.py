@@ -35,6 +35,8 @@ class MockStats(msgspec.Struct, kw_only=True):
         computed_tokens: tokens the replica computed: input not served from the prefix
             cache, plus ``max_new_tokens``.
         compute_s: seconds of simulated compute (``compute_*`` options).
+        salted_items: answered items that carried a ``cache_salt``.
+        cache_salts: the last 1024 salts received (one per salted item, in order).
     """
 
     requests: int = 0
@@ -58,6 +60,15 @@ class MockStats(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     computed_tokens: int = 0
     compute_s: float = 0.0
+    salted_items: int = 0
+    cache_salts: list[str] = msgspec.field(default_factory=list)
+
+    def record_salt(self, salt: str) -> None:
+        """Record one item's ``cache_salt`` (the last 1024 kept)."""
+        self.salted_items += 1
+        self.cache_salts.append(salt)
+        if len(self.cache_salts) > 1024:
+            del self.cache_salts[0]
 
     def count_fault(self, kind: str) -> None:
         """Record one injected fault of ``kind``."""
@@ -78,6 +89,9 @@ class MockStats(msgspec.Struct, kw_only=True):
         keep = (self.in_flight, self.running, self.queued)
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            setattr(self, name, {} if isinstance(value, dict) else type(value)(0))
+            empty: Any = (
+                {} if isinstance(value, dict) else [] if isinstance(value, list) else type(value)(0)
+            )
+            setattr(self, name, empty)
         self.in_flight, self.running, self.queued = keep
         self.max_in_flight = self.in_flight

@@ -1,0 +1,100 @@
+"""Issue 27 through the pipeline: the forward KL and the JSD, end to end.
+
+A stream configured with ``divergence`` returns the signal of that divergence in
+``ScoredSample.signal`` (``reverse_kl`` stays None, so a forward KL is never taken for a
+reverse one), equal to the independent float64 reference on the mock's closed form, for
+every strategy, with and without the tail bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+
+from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream._kl import STRATEGIES
+from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+T = "http://teacher:1"
+S = "http://student:2"
+K = 3
+WEIGHTS = {"reverse_kl": "student_p", "forward_kl": "teacher_p", "jsd": "student_p"}
+
+
+def _cfg(**kw: Any) -> StreamConfig:
+    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu", "student_url": S}
+    return StreamConfig.from_env({}, **(base | kw))
+
+
+def _servers() -> dict[str, InProcessSGLang]:
+    return {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
+
+
+def _samples(seed: int, n: int, *, with_topk: bool) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    student = InProcessSGLang("student", 1).model
+    out = []
+    for i in range(n):
+        p, r = int(rng.integers(2, 9)), int(rng.integers(0, 7))
+        tokens = rng.integers(0, 3000, p + r).tolist()
+        rows = rollout_topk_rows(student, tokens, p, K) if with_topk else None
+        out.append(Sample(tokens, r, student_top_logprobs=rows, sample_id=i))
+    return out
+
+
+async def _run(cfg: StreamConfig, servers: Any, samples: list[Any]) -> list[Any]:
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+    return sorted(out, key=lambda r: r.index)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_every_strategy_gives_the_divergence_asked(
+    strategy: str, divergence: str, tail: bool
+) -> None:
+    servers = _servers()
+    beta = 0.3 if divergence == "jsd" else 0.5
+    cfg = _cfg(
+        top_k=K,
+        strategy=strategy,
+        weight_mode=WEIGHTS[divergence],
+        divergence=divergence,
+        jsd_beta=beta,
+        tail=tail,
+    )
+    samples = _samples(5, 8, with_topk=strategy != "only-teacher")
+    out = await _run(cfg, servers, samples)
+    assert len(out) == len(samples)
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        assert res.divergence == divergence and res.reverse_kl is None
+        smp = samples[res.index]
+        expected = expected_result(
+            tokens=list(smp.tokens),
+            response_length=smp.response_length,
+            teacher=servers[T].model,
+            student=servers[S].model,
+            top_k=K,
+            strategy=strategy,
+            weight_mode=WEIGHTS[divergence],
+            tail=tail,
+            divergence=divergence,
+            jsd_beta=beta,
+        )
+        assert_matches(res, expected)
+        assert res.candidates is not None
+        assert (res.candidates.student_tail_logprobs is not None) is tail
+
+
+async def test_the_reverse_kl_default_fills_both_names() -> None:
+    servers = _servers()
+    out = await _run(_cfg(top_k=K), servers, _samples(6, 3, with_topk=True))
+    for res in out:
+        assert isinstance(res, ScoredSample)
+        assert res.divergence == "reverse_kl" and res.reverse_kl is res.signal

@@ -1,0 +1,119 @@
+"""``opd-stream score`` with a teacher of another tokenizer: ``--student-tokenizer``,
+``--teacher-tokenizer NAME=PATH``, ``--with-alignment``, and ``prompt_messages`` rendered
+with the teacher's chat template (DeepSeek V3's, from its tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import structlog
+from xtok_helpers import family_dir, family_vocab
+
+from opd_stream._chat import ChatTemplate
+from opd_stream._cli import main
+from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
+
+MESSAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Say hello in three scripts 🎉"},
+]
+RESPONSE = "Hello, 你好, Привет! 🎉"
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return ("asyncio", {"debug": True})  # serve_mock runs on asyncio
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in list(os.environ):
+        if var.startswith("OPD_STREAM_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def test_the_teacher_chat_templates_render_and_encode_their_special_tokens() -> None:
+    ds = ChatTemplate.load("t", family_dir("deepseek-v3"))
+    text = ds.render(MESSAGES)
+    assert text.startswith(ds.tokens["bos_token"]) and text.endswith("<｜Assistant｜>")  # noqa: RUF001
+    ids = ds.prompt_ids(MESSAGES).tolist()
+    assert ids[0] == ds.tokenizer.token_to_id(ds.tokens["bos_token"])
+    assert ids[-1] == ds.tokenizer.token_to_id("<｜Assistant｜>")  # noqa: RUF001
+    glm = ChatTemplate.load("t", family_dir("glm-4.7-flash"))  # from chat_template.jinja
+    ids = glm.prompt_ids(MESSAGES).tolist()
+    assert ids[0] == glm.tokenizer.token_to_id("[gMASK]")
+    assert glm.tokenizer.decode(ids, skip_special_tokens=False) == glm.render(MESSAGES)
+
+
+async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path) -> None:
+    student = family_vocab("qwen-3.5")
+    teacher = family_vocab("deepseek-v3", "teacher_tokenizers[ds]")
+    s_model = ByteModel(student.token_bytes, q=0.5)
+    t_model = ByteModel(teacher.token_bytes, q=0.6, salt=9)
+    student_prompt = student.encode("Say hello in three scripts 🎉\n").tolist()
+    response = student.encode(RESPONSE).tolist()
+    tokens = np.array(student_prompt + response)
+    rollout = s_model.token_logprobs(tokens, np.arange(len(student_prompt), tokens.shape[0]))
+    base = {
+        "prompt_ids": student_prompt,
+        "response_ids": response,
+        "rollout_logprobs": [float(np.float32(x)) for x in rollout],
+    }
+    lines = [
+        {"id": "messages", **base, "prompt_messages": MESSAGES},
+        {"id": "string", **base, "prompt_messages": "Say hello in three scripts 🎉"},
+        {"id": "both", **base, "prompt_messages": MESSAGES, "teacher_prompt_ids": [1]},
+        {"id": "none", **base},
+        {"id": "shared", **base, "teacher": "same", "prompt_messages": MESSAGES},
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    opts = MockOptions(vocab_size=262144)
+    async with serve_mock("teacher", 1, options=opts, byte_model=t_model) as server:
+        argv = [
+            "--log-level", "warning", "score",
+            "--teacher", f"ds={server.url}",
+            "--teacher", f"same={server.url}",
+            "--student-tokenizer", family_dir("qwen-3.5"),
+            "--teacher-tokenizer", f"ds={family_dir('deepseek-v3')}",
+            "--with-alignment",
+            "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        ]  # fmt: skip
+        code = await anyio.to_thread.run_sync(main, argv)
+    assert code == 0
+    out = {x["id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    template = ChatTemplate.load("t", family_dir("deepseek-v3"))
+    for key, messages in (("messages", MESSAGES), ("string", "Say hello in three scripts 🎉")):
+        got = out[key]
+        assert got["ok"] is True, got
+        chat = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+        history = teacher.join(template.prompt_ids(chat))  # what the teacher was sent
+        student_history = student.join(np.array(student_prompt))
+        ls = s_model.byte_logprobs(RESPONSE.encode(), history=student_history)
+        lt = t_model.byte_logprobs(RESPONSE.encode(), history=history)
+        al = got["alignment"]
+        spans, offsets = al["student_spans"], al["span_bytes"]
+        assert teacher.join(np.array(al["teacher_ids"])) == RESPONSE.encode()
+        expected = [0.0] * len(response)
+        for j in range(len(spans) - 1):
+            a, b = offsets[j], offsets[j + 1]
+            expected[spans[j + 1] - 1] = math.fsum(ls[a:b]) - math.fsum(lt[a:b])
+        np.testing.assert_allclose(got["reverse_kl"], expected, rtol=0, atol=2e-4)
+    assert out["both"]["ok"] is False and "not both" in out["both"]["message"]
+    assert out["none"]["reason"] == "invalid_sample"
+    assert out["none"]["message"].startswith("teacher_prompt_ids: required: teacher 'ds'")
+    assert out["shared"]["ok"] is False
+    assert "teacher 'same' has no tokenizer of its own" in out["shared"]["message"]

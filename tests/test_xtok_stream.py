@@ -1,0 +1,595 @@
+"""Teachers with another tokenizer, end to end: a Qwen 3.5 student scored by DeepSeek V3
+and GLM 4.7 teachers (the real tokenizer files) served by the mock with a model over bytes
+(:class:`ByteModel`), so every expected value is computable from the text alone."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from xtok_helpers import SPECIAL, family_dir, family_vocab, small_vocab, write_small
+
+from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
+from opd_stream._vocab import Vocab
+from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
+
+T = "http://teacher:1"
+Q_STUDENT, Q_TEACHER = 0.5, 0.6
+# Real tokenizers load in 1-3 s per stream start: those tests run on asyncio only (the
+# backend-neutral paths run on both with the small trained tokenizers); the aiohttp mock
+# server is asyncio-only anyway.
+ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
+PROMPT = "Question: say something in many scripts.\nAnswer: "
+RESPONSES = [
+    "Hello, world! Größe café naïve — Zürich façade.",
+    "東京と北京、你好世界。Ελληνικά русский язык עברית العربية हिन्दी",
+    "```python\ndef square(x):\n    return x * x  # 平方\n```\n",
+    "emoji 🎉🎉 👍🏽 ❤️ 🇫🇷 family 👨‍👩‍👧 done",
+    "<think>let me think</think> The answer is 42.",
+]
+
+
+def byte_reference(
+    prompt: bytes, response: bytes, span_bytes: list[int], student: ByteModel, teacher: ByteModel
+) -> list[float]:
+    """float64, per span: sum over its bytes of log p_student - log p_teacher, each byte
+    given every byte before it (prompt included)."""
+    ls = student.byte_logprobs(response, history=prompt)
+    lt = teacher.byte_logprobs(response, history=prompt)
+    return [
+        math.fsum(ls[a:b].tolist()) - math.fsum(lt[a:b].tolist())
+        for a, b in itertools.pairwise(span_bytes)
+    ]
+
+
+def make_sample(
+    student: Vocab,
+    teacher: Vocab,
+    model: ByteModel,
+    response_ids: np.ndarray,
+    index: int,
+    *,
+    prompt: str = PROMPT,
+) -> Sample:
+    prompt_ids = student.encode(prompt)
+    tokens = np.concatenate([prompt_ids, response_ids])
+    positions = np.arange(prompt_ids.shape[0], tokens.shape[0])
+    rollout = model.token_logprobs(tokens, positions).astype(np.float32)
+    return Sample(
+        tokens=tokens.tolist(),
+        response_length=int(response_ids.shape[0]),
+        rollout_logprobs=rollout.tolist(),
+        teacher_prompt_ids=teacher.encode(prompt).tolist(),
+        sample_id=index,
+    )
+
+
+def config(student_path: str, teacher_path: str, **kw: Any) -> StreamConfig:
+    base: dict[str, Any] = {
+        "teachers": T,
+        "kl_device": "cpu",
+        "student_tokenizer": student_path,
+        "teacher_tokenizers": {"default": teacher_path},
+        "return_alignment": True,
+    }
+    return StreamConfig.from_env({}, **(base | kw))
+
+
+async def run(cfg: StreamConfig, server: InProcessSGLang, samples: list[Any]) -> list[Any]:
+    async with OPDStream(cfg, transport=mock_transport({T: server})) as stream:
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+    return sorted(out, key=lambda r: r.index)
+
+
+def response_ids(student: Vocab, text: str, special: str) -> np.ndarray:
+    end = student.tokenizer.token_to_id(special)
+    return np.concatenate([student.encode(text), [end]])
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("teacher_family", ["deepseek-v3", "glm-4.7-flash"])
+async def test_qwen_student_with_real_teacher_tokenizers_matches_the_byte_reference(
+    teacher_family: str,
+) -> None:
+    student = family_vocab("qwen-3.5")
+    teacher = family_vocab(teacher_family, "teacher_tokenizers[same]")
+    s_model = ByteModel(student.token_bytes, q=Q_STUDENT, salt=3)
+    # two teachers with the teacher's tokenizer: the student's byte model, and another one
+    t_models = {
+        "same": ByteModel(teacher.token_bytes, q=Q_STUDENT, salt=3),
+        "other": ByteModel(teacher.token_bytes, q=Q_TEACHER),
+    }
+    urls = {"same": "http://same:1", "other": "http://other:2"}
+    servers = {
+        urls[name]: InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
+        for name, model in t_models.items()
+    }
+    samples = []
+    for name in t_models:
+        for text in RESPONSES:
+            ids = response_ids(student, text, "<|im_end|>")
+            sample = make_sample(student, teacher, s_model, ids, len(samples))
+            samples.append(msgspec.structs.replace(sample, metadata={"opd_teacher": name}))
+    path = family_dir(teacher_family)
+    cfg = config(
+        family_dir("qwen-3.5"),
+        path,
+        teachers=urls,
+        teacher_tokenizers={"same": path, "other": path},
+    )
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            out = sorted([r async for r in results], key=lambda r: r.index)
+    assert len(out) == 2 * len(RESPONSES)
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        name = res.sample.metadata["opd_teacher"]
+        text = RESPONSES[res.index % len(RESPONSES)]
+        r = res.sample.response_length
+        assert res.teacher == name
+        assert res.teacher_logprobs.shape == (r,) and res.teacher_logprobs.dtype == torch.float32
+        assert res.reverse_kl is not None and res.reverse_kl.shape == (r,)
+        al = res.alignment
+        assert al is not None
+        assert teacher.join(al.teacher_ids.numpy()) == text.encode("utf-8")
+        spans = al.student_spans.tolist()
+        # the reference over bytes, span by span, on each span's last student token
+        ref = byte_reference(
+            PROMPT.encode(), text.encode(), al.span_bytes.tolist(), s_model, t_models[name]
+        )
+        expected = np.zeros(r)
+        for j, value in enumerate(ref):
+            if al.scored[j]:
+                expected[spans[j + 1] - 1] = value
+        np.testing.assert_allclose(res.reverse_kl.numpy(), expected, rtol=0, atol=2e-4)
+        if name == "same":  # the same byte model: 0 whatever the two tokenizations
+            assert float(res.reverse_kl.abs().max()) < 2e-4
+        else:
+            assert float(res.reverse_kl.abs().max()) > 0.1
+        # the textless <|im_end|> is a span of its own, not compared, value 0
+        assert not bool(al.scored[-1]) and float(res.reverse_kl[-1]) == 0.0
+        # the teacher's span logprobs are its token logprobs summed
+        t_lp = al.teacher_token_logprobs.numpy().astype(np.float64)
+        t_sp = al.teacher_spans.tolist()
+        for j in range(len(spans) - 1):
+            if al.scored[j]:
+                assert math.isclose(
+                    float(res.teacher_logprobs[spans[j + 1] - 1]),
+                    math.fsum(t_lp[t_sp[j] : t_sp[j + 1]].tolist()),
+                    rel_tol=1e-6,
+                    abs_tol=1e-5,
+                )
+
+
+@ASYNCIO_ONLY
+async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values() -> None:
+    qwen = family_vocab("qwen-3.5")
+    model = ByteModel(qwen.token_bytes, q=Q_TEACHER, salt=1)
+    rollout_model = ByteModel(qwen.token_bytes, q=Q_STUDENT)
+    samples = [
+        make_sample(qwen, qwen, rollout_model, qwen.encode(text), i)
+        for i, text in enumerate(RESPONSES)
+    ]
+    server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
+    path = family_dir("qwen-3.5")
+    cross = await run(config(path, path), server, samples)
+    plain = await run(StreamConfig.from_env({}, teachers=T, kl_device="cpu"), server, samples)
+    for a, b in zip(cross, plain, strict=True):
+        assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
+        assert torch.equal(a.teacher_logprobs, b.teacher_logprobs)
+        assert a.reverse_kl is not None and b.reverse_kl is not None
+        assert torch.equal(a.reverse_kl, b.reverse_kl)
+        assert a.alignment is not None and b.alignment is None
+
+
+@ASYNCIO_ONLY
+async def test_the_real_aiohttp_mock_serves_the_byte_model_in_the_teachers_ids() -> None:
+    student = family_vocab("qwen-3.5")
+    teacher = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
+    s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
+    t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
+    samples = [
+        make_sample(student, teacher, s_model, response_ids(student, text, "<|im_end|>"), i)
+        for i, text in enumerate(RESPONSES[:2])
+    ]
+    opts = MockOptions(vocab_size=262144)
+    async with serve_mock("teacher", 1, options=opts, byte_model=t_model) as server:
+        cfg = config(family_dir("qwen-3.5"), family_dir("deepseek-v3"), teachers=server.url)
+        async with OPDStream(cfg) as stream:
+            async with stream.run(samples) as results:
+                out = sorted([r async for r in results], key=lambda r: r.index)
+    for text, res in zip(RESPONSES[:2], out, strict=True):
+        assert isinstance(res, ScoredSample), res
+        assert res.alignment is not None and res.reverse_kl is not None
+        ref = byte_reference(
+            PROMPT.encode(), text.encode(), res.alignment.span_bytes.tolist(), s_model, t_model
+        )
+        assert math.isclose(
+            float(res.reverse_kl.double().sum()), math.fsum(ref), rel_tol=0, abs_tol=1e-3
+        )
+
+
+@ASYNCIO_ONLY
+async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values() -> None:
+    student = family_vocab("qwen-3.5")
+    teacher = family_vocab("glm-4.7-flash", "teacher_tokenizers[default]")
+    s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
+    t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
+    text = " ".join(RESPONSES) * 8
+    ids = student.encode(text)
+    assert ids.shape[0] >= 256  # opd_stream._xtok.THREAD_TOKENS
+    sample = make_sample(student, teacher, s_model, ids, 0)
+    server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=t_model)
+    cfg = config(family_dir("qwen-3.5"), family_dir("glm-4.7-flash"))
+    async with OPDStream(cfg, transport=mock_transport({T: server})) as stream:
+        async with stream.run([sample]) as results:
+            (res,) = [r async for r in results]
+        assert stream.stats().cpu_s["align"] > 0
+    assert isinstance(res, ScoredSample) and res.reverse_kl is not None
+    assert res.alignment is not None
+    ref = byte_reference(
+        PROMPT.encode(), text.encode(), res.alignment.span_bytes.tolist(), s_model, t_model
+    )
+    ends = res.alignment.student_spans[1:] - 1
+    np.testing.assert_allclose(res.reverse_kl[ends].numpy(), ref, rtol=0, atol=2e-4)
+
+
+# ---------------------------------------------------------------- small tokenizers, any backend
+
+
+@pytest.fixture
+def small_paths(tmp_path: Path) -> tuple[str, str]:
+    return write_small(tmp_path, "a"), write_small(tmp_path, "b")
+
+
+async def test_without_return_alignment_results_have_none(small_paths: tuple[str, str]) -> None:
+    a, b = small_vocab("a"), small_vocab("b")
+    model = ByteModel(b.token_bytes)
+    sample = make_sample(a, b, ByteModel(a.token_bytes), a.encode("quick fox"), 0)
+    server = InProcessSGLang("teacher", 1, byte_model=model)
+    (res,) = await run(config(*small_paths, return_alignment=False), server, [sample])
+    assert isinstance(res, ScoredSample) and res.alignment is None
+    assert float(res.reverse_kl.abs().max()) < 1e-5  # type: ignore[union-attr]
+
+
+async def test_every_bad_input_fails_alone_with_its_reason(
+    small_paths: tuple[str, str], tmp_path: Path
+) -> None:
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model, t_model = ByteModel(a.token_bytes), ByteModel(b.token_bytes, q=0.7)
+    good = make_sample(a, b, s_model, a.encode("the quick brown fox"), 0)
+    end = a.tokenizer.token_to_id(SPECIAL)
+    only_special = make_sample(a, b, s_model, np.array([end, end]), 0)
+    byte_id = {v: i for i, v in enumerate(a.token_bytes) if len(v) == 1}
+    samples: list[Any] = [
+        good,
+        Sample(tokens=[1, 2, a.size + 5], response_length=1, teacher_prompt_ids=[1]),
+        Sample(tokens=[1, 2, 3], response_length=1),  # no teacher prompt
+        Sample(  # not UTF-8
+            tokens=[1, byte_id[b"a"], byte_id[b"\xff"], byte_id[b"b"]],
+            response_length=3,
+            teacher_prompt_ids=[1],
+        ),
+        only_special,
+        good,
+    ]
+    server = InProcessSGLang("teacher", 1, byte_model=t_model)
+    out = await run(config(*small_paths), server, samples)
+    assert [type(r).__name__ for r in out] == [
+        "ScoredSample",
+        "SampleFailure",
+        "SampleFailure",
+        "SampleFailure",
+        "ScoredSample",
+        "ScoredSample",
+    ]
+    assert "outside the student tokenizer's vocabulary" in out[1].message
+    assert out[2].message.startswith("teacher_prompt_ids: required: teacher 'default' has its")
+    assert "not UTF-8 text at byte 1" in out[3].message
+    assert all(r.reason == "invalid_sample" for r in out[1:4])
+    assert out[1].attempts == out[2].attempts == out[3].attempts == 0
+    # a response of textless tokens only: nothing asked, zeros
+    assert out[4].attempts == 0 and out[4].reverse_kl.tolist() == [0.0, 0.0]
+    assert torch.equal(out[0].reverse_kl, out[5].reverse_kl)
+    assert server.requests == 2
+
+
+async def test_text_the_teacher_tokenizer_cannot_round_trip_fails_alone(tmp_path: Path) -> None:
+    import json
+
+    from xtok_helpers import small_json
+
+    data = json.loads(small_json("b"))
+    data["normalizer"] = {"type": "NFC"}
+    (tmp_path / "nfc").mkdir()
+    (tmp_path / "nfc" / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model = ByteModel(a.token_bytes)
+    nfd = make_sample(a, b, s_model, a.encode(unicodedata.normalize("NFD", "café")), 0)
+    ok = make_sample(a, b, s_model, a.encode("cafe"), 1)
+    server = InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes))
+    cfg = config(write_small(tmp_path, "a"), str(tmp_path / "nfc"))
+    bad, fine = await run(cfg, server, [nfd, ok])
+    assert isinstance(bad, SampleFailure) and bad.reason == "invalid_sample"
+    assert "does not round-trip the response text" in bad.message
+    assert isinstance(fine, ScoredSample)
+
+
+@ASYNCIO_ONLY
+async def test_a_teacher_answer_in_other_ids_than_sent_fails_as_misaligned() -> None:
+    a = family_vocab("qwen-3.5")
+    b = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
+    sample = make_sample(a, b, ByteModel(a.token_bytes), a.encode(RESPONSES[0]), 0)
+    opts = MockOptions(vocab_size=262144, fault_misaligned=1.0)
+    async with serve_mock("teacher", 1, options=opts, byte_model=ByteModel(b.token_bytes)) as srv:
+        cfg = config(
+            family_dir("qwen-3.5"), family_dir("deepseek-v3"), teachers=srv.url, max_attempts=1
+        )
+        async with OPDStream(cfg) as stream:
+            async with stream.run([sample]) as results:
+                (res,) = [r async for r in results]
+    assert isinstance(res, SampleFailure) and res.reason == "misaligned_response", res
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_teacher_tokenizers_need_the_student_tokenizer(small_paths: tuple[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers, student_tokenizer: .*set "
+                       r"student_tokenizer"):
+        config(*small_paths, student_tokenizer=None)
+
+
+def test_teacher_tokenizers_name_configured_teachers(small_paths: tuple[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"names no configured teacher: 'other'"):
+        config(small_paths[0], small_paths[1], teacher_tokenizers={"other": small_paths[1]})
+
+
+def test_an_ensemble_teacher_takes_no_tokenizer_of_its_own(small_paths: tuple[str, str]) -> None:
+    mix = {"default": "0.5*http://127.0.0.1:1;0.5*http://127.0.0.1:2"}
+    with pytest.raises(ConfigError, match=r"teachers: 'default' is an ensemble"):
+        config(*small_paths, teachers=mix)
+
+
+def test_a_missing_tokenizer_file_from_the_environment_names_variable_and_path() -> None:
+    env = {"OPD_STREAM_TEACHERS": T, "OPD_STREAM_STUDENT_TOKENIZER": "/nonexistent/qwen"}
+    with pytest.raises(ConfigError, match=r"student_tokenizer \(from OPD_STREAM_STUDENT_TOKENIZER"
+                       r"\): tokenizer file not found: /nonexistent/qwen"):
+        StreamConfig.from_env(env)
+
+
+def test_teacher_tokenizers_parse_from_the_environment(small_paths: tuple[str, str]) -> None:
+    a, b = small_paths
+    env = {
+        "OPD_STREAM_TEACHERS": f"big={T},small=http://small:2",
+        "OPD_STREAM_STUDENT_TOKENIZER": a,
+        "OPD_STREAM_TEACHER_TOKENIZERS": f"big={b}",
+        "OPD_STREAM_RETURN_ALIGNMENT": "1",
+    }
+    cfg = StreamConfig.from_env(env)
+    assert cfg.teacher_tokenizers == {"big": b} and cfg.student_tokenizer == a
+    assert cfg.return_alignment is True
+
+
+async def test_an_unreadable_tokenizer_file_fails_the_stream_start(tmp_path: Path) -> None:
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("{oops", encoding="utf-8")
+    cfg = config(write_small(tmp_path, "a"), str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers\[default\]: .*bad.*not a readable"):
+        async with OPDStream(cfg, transport=mock_transport({})):
+            pass
+
+
+
+async def test_a_teacher_without_a_tokenizer_of_its_own_is_scored_as_before(
+    small_paths: tuple[str, str],
+) -> None:
+    """One stream, two teachers: "x" has its own tokenizer, "same" shares the student's;
+    the second's results equal a stream without any tokenizer setting. Long responses
+    (aligned in a decode thread) and short ones, in one KL batch."""
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    urls = {"x": "http://x:1", "same": "http://same:2"}
+    servers = {
+        urls["x"]: InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6)),
+        urls["same"]: InProcessSGLang("teacher", 1, byte_model=ByteModel(a.token_bytes, q=0.6)),
+    }
+    samples = []
+    for i, text in enumerate(RESPONSES * 2):
+        long_text = text * (40 if i % 3 == 0 else 1)  # >= 256 tokens: aligned in a thread
+        for name in ("x", "same"):
+            sample = make_sample(a, b, s_model, a.encode(long_text), len(samples))
+            sample = msgspec.structs.replace(sample, metadata={"opd_teacher": name})
+            if name == "same":  # it sees the student's tokens, as today
+                sample = msgspec.structs.replace(sample, teacher_prompt_ids=None)
+            samples.append(sample)
+    assert max(s.response_length for s in samples) >= 256
+    cfg = config(*small_paths, teachers=urls, teacher_tokenizers={"x": small_paths[1]})
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            mixed = sorted([r async for r in results], key=lambda r: r.index)
+    plain_cfg = StreamConfig.from_env({}, teachers=T, kl_device="cpu")
+    plain = await run(plain_cfg, servers[urls["same"]], samples[1::2])
+    for res in mixed:
+        assert isinstance(res, ScoredSample), res
+        if res.teacher == "x":
+            assert res.alignment is not None
+            ref = byte_reference(
+                PROMPT.encode(),
+                a.join(np.asarray(res.sample.tokens)[-res.sample.response_length :]),
+                res.alignment.span_bytes.tolist(),
+                s_model,
+                servers[urls["x"]].byte_model,  # type: ignore[arg-type]
+            )
+            ends = res.alignment.student_spans[1:] - 1
+            assert res.reverse_kl is not None
+            np.testing.assert_allclose(res.reverse_kl[ends].numpy(), ref, rtol=0, atol=2e-4)
+    for res, ref_res in zip(mixed[1::2], plain, strict=True):
+        assert res.teacher == "same" and res.alignment is None
+        assert torch.equal(res.teacher_logprobs, ref_res.teacher_logprobs)
+        assert torch.equal(res.reverse_kl, ref_res.reverse_kl)
+
+
+# ---------------------------------------------------------------- top-k: only-student
+
+
+def reference_topk(
+    student: Vocab,
+    teacher: Vocab,
+    model: Any,
+    t_tokens: np.ndarray,
+    t_prompt: int,
+    spans: tuple[list[int], list[int], list[bool]],
+    s_ids: np.ndarray,
+    s_lps: np.ndarray,
+    tail: bool = False,
+) -> list[float]:
+    """float64, per student row: student_p-weighted log-ratio over the candidates kept (a
+    one-to-one span, a teacher token of the same bytes), 0 elsewhere; with ``tail`` the
+    reverse KL over the kept candidates + one outcome holding the rest of the mass."""
+    s_sp, t_sp, scored = spans
+    r = s_ids.shape[0]
+    out = [0.0] * r
+    for j in range(len(scored)):
+        if not (scored[j] and s_sp[j + 1] - s_sp[j] == 1 and t_sp[j + 1] - t_sp[j] == 1):
+            continue
+        s, u = s_sp[j], t_sp[j]
+        pairs, seen = [], set()
+        for v, lp in zip(s_ids[s].tolist(), s_lps[s].tolist(), strict=True):
+            if v < 0 or not student.token_bytes[v]:
+                continue
+            spelled = student.token_bytes[v]
+            twins = [w for w in range(teacher.size) if teacher.token_bytes[w] == spelled]
+            if not twins or twins[0] in seen:
+                continue
+            seen.add(twins[0])
+            t_lp = float(np.float32(model.logprobs(t_tokens, [t_prompt + u], [[twins[0]]])[0, 0]))
+            pairs.append((float(np.float32(lp)), t_lp))
+        if pairs and tail:
+            # each model's mass outside the kept candidates (at least 1e-6, as documented)
+            s_tail = 1 - min(math.fsum(math.exp(a) for a, _ in pairs), 1 - 1e-6)
+            t_tail = 1 - min(math.fsum(math.exp(b) for _, b in pairs), 1 - 1e-6)
+            out[s] = math.fsum(math.exp(a) * (a - b) for a, b in pairs) + s_tail * (
+                math.log(s_tail) - math.log(t_tail)
+            )
+        elif pairs:
+            z = math.fsum(math.exp(a) for a, _ in pairs)
+            out[s] = math.fsum(math.exp(a) / z * (a - b) for a, b in pairs)
+    return out
+
+
+@pytest.mark.parametrize("tail", [False, True], ids=["normalised", "tail"])
+async def test_only_student_top_k_asks_the_candidates_by_their_bytes(
+    small_paths: tuple[str, str], tail: bool
+) -> None:
+    a, b = small_vocab("a"), small_vocab("b")
+    k = 6
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    server = InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6))
+    rng = np.random.default_rng(7)
+    end = a.tokenizer.token_to_id(SPECIAL)
+    samples = []
+    for i, text in enumerate(RESPONSES):
+        sample = make_sample(a, b, s_model, np.append(a.encode(text), end), i)
+        r = sample.response_length
+        rows = []
+        for t, sampled in enumerate(np.asarray(sample.tokens)[-r:].tolist()):
+            others = [v for v in range(a.size) if v not in (sampled, end)]
+            row = [sampled, *rng.choice(others, k - 1, replace=False).tolist()]
+            if t % 3 == 0 and sampled != end:
+                row[1] = end  # a textless candidate: never kept
+            if t % 4 == 1:
+                row[-2:] = [-1, -1]  # a short row
+            rows.append(row)
+        ids = np.array(rows, dtype=np.int64)
+        probs = 0.9 * rng.dirichlet(np.ones(k), r)  # a top-k holds part of the mass
+        lps = np.log(np.sort(probs, axis=1)[:, ::-1]).astype(np.float32)
+        samples.append(msgspec.structs.replace(sample, student_top_logprobs=(ids, lps)))
+    cfg = config(*small_paths, top_k=k, tail=tail)
+    out = await run(cfg, server, samples)
+    kept_total = 0
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        al, c = res.alignment, res.candidates
+        assert al is not None and c is not None and res.reverse_kl is not None
+        ids, lps = res.sample.student_top_logprobs
+        t_tokens = np.concatenate(
+            [np.asarray(res.sample.teacher_prompt_ids), al.teacher_ids.numpy()]
+        )
+        expected = reference_topk(
+            a,
+            b,
+            server.model,
+            t_tokens,
+            len(res.sample.teacher_prompt_ids),
+            (al.student_spans.tolist(), al.teacher_spans.tolist(), al.scored.tolist()),
+            ids,
+            lps,
+            tail,
+        )
+        np.testing.assert_allclose(res.reverse_kl.numpy(), expected, rtol=1e-5, atol=1e-5)
+        kept_total += int(c.mask.sum())
+        # the textless candidate is never kept; the teacher logprobs are the span values
+        assert not bool((c.ids[c.mask] == end).any())
+        teacher, _ = span_signal_of(al)
+        assert torch.equal(res.teacher_logprobs, teacher)
+    assert kept_total > 20
+
+
+def span_signal_of(al: Any) -> tuple[torch.Tensor, Any]:
+    from opd_stream._align import Alignment, span_signal
+
+    a = Alignment(
+        teacher_ids=al.teacher_ids.numpy(),
+        student_spans=al.student_spans.numpy(),
+        teacher_spans=al.teacher_spans.numpy(),
+        span_bytes=al.span_bytes.numpy(),
+        scored=al.scored.numpy(),
+        textless=np.zeros(int(al.student_spans[-1]), bool),
+    )
+    teacher, rkl = span_signal(a, al.teacher_token_logprobs.numpy(), None)
+    return torch.from_numpy(teacher), rkl
+
+
+def test_strategies_reading_the_teachers_top_k_are_refused(
+    small_paths: tuple[str, str],
+) -> None:
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers, top_k, strategy: strategy union "
+                       r"reads the teacher's top-k"):
+        config(*small_paths, top_k=4, strategy="union", student_url="http://s:1")
+
+
+async def test_only_student_top_k_fetches_a_missing_student_top_k(
+    small_paths: tuple[str, str],
+) -> None:
+    """Samples without the student's top-k: it comes from the student server first (the
+    mock's ids run past the small tokenizer: such candidates have no bytes and are
+    dropped), then the teacher is asked the kept candidates."""
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model = ByteModel(a.token_bytes, q=0.5)
+    student_url = "http://student:3"
+    servers = {
+        T: InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=0.6)),
+        student_url: InProcessSGLang("student", 1),
+    }
+    samples = [make_sample(a, b, s_model, a.encode(text), i) for i, text in enumerate(RESPONSES)]
+    cfg = config(*small_paths, top_k=4, student_url=student_url)
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+    assert servers[student_url].requests == len(samples)
+    for res in out:
+        assert isinstance(res, ScoredSample), res
+        c = res.candidates
+        assert c is not None and res.reverse_kl is not None
+        assert bool((c.ids[c.mask] < a.size).all())
+        assert torch.equal(res.reverse_kl[~c.mask.any(1)], torch.zeros(int((~c.mask.any(1)).sum())))

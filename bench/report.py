@@ -480,7 +480,11 @@ def render_markdown(
             ]
     if "8" in res:
         s = res["8"]
-        lines += ["## 8. A fleet behind a gateway: sglang-router 0.3.2, smg 1.13 (top-k 16 only-student)", ""]
+        lines += [
+            "## 8. A fleet behind a gateway: sglang-router 0.3.2, smg 1.13 "
+            "(top-k 16 only-student)",
+            "",
+        ]
         lines += [f"sizes: {s['sizes']}", "", *_header()]
         for name, d in s["runs"].items():
             extra = ""

@@ -4,6 +4,7 @@ answer by each parser, summed over a batch's items, and ``None`` when no item re
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -52,7 +53,13 @@ def _answer(req: ScoreRequest) -> bytes:
 
 @pytest.fixture(scope="module", autouse=True)
 def _compiled() -> None:
-    assert prepare(), "numba could not compile the scanner"
+    # prepare() answers False at once while another thread (a stream of an earlier test)
+    # compiles: wait for that compile, and fail only when it failed
+    from opd_stream import _jit
+
+    while not prepare():
+        assert not _jit._failed, "numba could not compile the scanner"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("parser", PARSERS)

@@ -6,7 +6,9 @@ Scores the same samples through ``OPDStream`` against four in-process mock SGLan
 * ``round-robin``: no balancing (what a naive client does);
 * ``balanced``: least outstanding requests, power of two choices;
 * ``balanced+eject``: plus passive health (a failing replica is ejected);
-* ``balanced+hedge``: plus hedging after the p90 latency.
+* ``balanced+hedge``: plus hedging after the p90 latency;
+* ``prefix+eject (default)``: the default balance (prefix locality with bounded loads: a
+  slow replica holding more prompts in flight than its share takes no new ones).
 
 Usage: ``python bench/replicas.py [--samples N] [--inflight N] [--latency S]
 [--slow-factor F] [--fault slow|fail] [--json PATH]``.
@@ -36,6 +38,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "hedge_after_percentile": 90.0,
         "hedge_min_s": 0.005,
     },
+    "prefix+eject (default)": {"balance": "prefix", "eject_after_failures": 3},
 }
 
 

@@ -211,6 +211,27 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             _t("S8 values equal direct scoring in every run", s8["equal_to_direct"], "")
         )
+    s9 = res.get("9")
+    if s9:
+        for variant, v in s9["variants"].items():
+            if variant not in ("own prompt", "privileged teacher prompt"):
+                continue  # reported, not a target
+            ours = v["runs"]["opd_stream prefix"]
+            c, m = ours["computed_over_unique"], ours["max_over_mean_load"]
+            t_lo = ours["throughput_over_least_outstanding"]
+            t_smg = ours["throughput_over_smg_cache_aware"]
+            out += [
+                _t(f"S9 {variant}: teacher tokens computed <= 1.1x unique", c <= 1.1, f"{c:.3f}x"),
+                _t(f"S9 {variant}: max/mean replica load <= 1.25", m <= 1.25, f"{m:.3f}"),
+                _t(
+                    f"S9 {variant}: throughput >= least-outstanding", t_lo >= 1.0, f"{t_lo:.2f}x"
+                ),
+                _t(
+                    f"S9 {variant}: throughput >= smg cache_aware", t_smg >= 1.0, f"{t_smg:.2f}x"
+                ),
+            ]
+            failed = sum(r["failures"] for r in v["runs"].values())
+            out.append(_t(f"S9 {variant}: every sample scored in every run", failed == 0, ""))
     return out
 
 
@@ -459,7 +480,11 @@ def render_markdown(
             ]
     if "8" in res:
         s = res["8"]
-        lines += ["## 8. A fleet behind sglang-router (top-k 16 only-student)", ""]
+        lines += [
+            "## 8. A fleet behind a gateway: sglang-router 0.3.2, smg 1.13 "
+            "(top-k 16 only-student)",
+            "",
+        ]
         lines += [f"sizes: {s['sizes']}", "", *_header()]
         for name, d in s["runs"].items():
             extra = ""
@@ -470,6 +495,26 @@ def render_markdown(
                 )
             lines.append(_row(name, d, extra))
         lines += ["", f"values equal to direct scoring: {s['equal_to_direct']}", ""]
+    if "9" in res:
+        s = res["9"]
+        lines += ["## 9. Prefix locality on a GPU-bound fleet (mock compute model)", ""]
+        lines += [f"sizes: {s['sizes']}", ""]
+        for variant, v in s["variants"].items():
+            lines += [
+                f"### {variant} (unique teacher tokens {v['unique_tokens']})",
+                "",
+                "| run | computed / unique | max / mean replica load | samples/s | "
+                "vs least-outstanding | cached share (client) | failures |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for name, d in v["runs"].items():
+                lines.append(
+                    f"| {name} | {d['computed_over_unique']:.3f} | "
+                    f"{_fmt(d['max_over_mean_load'], digits=3)} | {d['samples_per_s']:.1f} | "
+                    f"{d['throughput_over_least_outstanding']:.2f}x | "
+                    f"{_fmt(d['client_cached_share'], digits=3)} | {d['failures']} |"
+                )
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         "--scenario",
         type=int,
         action="append",
-        choices=range(1, 9),
+        choices=range(1, 10),
         metavar="N",
         help="run only scenario N (repeatable; default all)",
     )

@@ -1,4 +1,4 @@
-"""The seven benchmark scenarios (see README.md). Each is ``async def sN(sizes) -> dict``.
+"""The benchmark scenarios (see README.md). Each is ``async def sN(sizes) -> dict``.
 
 Every scenario runs the mock SGLang servers as subprocesses and both clients (the baseline
 of :mod:`bench.baseline` and ``opd_stream``) in this process, one after the other, on the same
@@ -39,6 +39,7 @@ from .harness import (
     pid_list,
     run_opd,
 )
+from .locality import s9_locality
 from .workload import STUDENT_SEED, TEACHER_SEED, iter_samples, make_samples
 
 __all__ = ("SCENARIOS", "Sizes", "sizes_for")
@@ -86,6 +87,15 @@ class Sizes(msgspec.Struct, kw_only=True):
     s8_n: int = 16
     s8_prompt: int = 512
     s8_response: int = 1024
+    s9_prompts: int = 64
+    s9_per_prompt: int = 8
+    s9_prompt: int = 2048
+    s9_response: int = 1024
+    s9_teacher_prompt: int = 8192
+    s9_replicas: int = 4
+    s9_per_token_s: float = 20e-6
+    s9_cache_tokens: int = 1 << 20
+    s9_window: int = 32
     quick: bool = False
 
 
@@ -118,6 +128,14 @@ def sizes_for(quick: bool) -> Sizes:
         s8_n=6,
         s8_prompt=256,
         s8_response=1024,
+        s9_prompts=16,
+        s9_per_prompt=8,
+        s9_prompt=512,
+        s9_response=256,
+        s9_teacher_prompt=2048,
+        s9_per_token_s=200e-6,
+        s9_cache_tokens=1 << 18,
+        s9_window=16,
         quick=True,
     )
 
@@ -824,14 +842,19 @@ ROUTER_RUNS = (
     "direct (client-side replicas)",
     "through sglang-router, discovery on",
     "through sglang-router, discovery off (blocks)",
+    "through smg, discovery on",
+    "through smg, discovery off (per-position passes)",
+    "through smg, discovery off, unpatched workers (blocks)",
 )
 
 
 async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
-    """A teacher fleet behind sglang-router 0.3.2: the same two mock replicas scored as
-    client-side replicas, through the router with discovery (its workers addressed
-    directly), and through the router without it (blocks as independent requests)."""
-    from opd_stream.testing.router import SGLangRouter
+    """A teacher fleet behind a gateway: the same two mock replicas scored as client-side
+    replicas, through sglang-router 0.3.2 with discovery (its workers addressed directly)
+    and without it (blocks as independent requests), and through smg 1.13 with and
+    without discovery (per-position ids pass it; unpatched workers behind it get blocks
+    as independent requests, after its 422 to the blocked batch)."""
+    from opd_stream.testing.router import SGLangRouter, SMGGateway
 
     k, strategy, r = 16, "only-student", sz.s8_response
     opts = msgspec.structs.replace(REPLAY, info_endpoints=False)
@@ -861,6 +884,32 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
                     for u, f in opd.stats.fleets.items()
                 }
                 out["runs"][name] = d
+    # smg registers only workers that answer /server_info: mocks with their info endpoints
+    smg_runs = (
+        (ROUTER_RUNS[3], REPLAY, {}),
+        (ROUTER_RUNS[4], REPLAY, {"router_discovery": "off"}),
+        (
+            ROUTER_RUNS[5],
+            msgspec.structs.replace(REPLAY, per_position="unpatched"),
+            {"router_discovery": "off"},
+        ),
+    )
+    for name, opts_smg, kw in smg_runs:
+        with mocks(
+            ("teacher", TEACHER_SEED, opts_smg), ("teacher", TEACHER_SEED, opts_smg)
+        ) as procs:
+            workers = [p.url for p in procs]
+            with SMGGateway(workers) as smg_url:
+                pids = pid_list(procs) + _router_pids()
+                cfg = _config(smg_url, top_k=k, strategy=strategy, **kw)
+                progress(f"s8 {name}")
+                opd, d = await _warm_then_measure(name, cfg, samples, pids)
+                results[name] = opd
+                d["fleets"] = {
+                    u: {"kind": f.kind, "direct": f.direct, "workers": len(f.workers)}
+                    for u, f in opd.stats.fleets.items()
+                }
+                out["runs"][name] = d
     base = out["runs"][ROUTER_RUNS[0]]
     for name in ROUTER_RUNS[1:]:
         run = out["runs"][name]
@@ -877,13 +926,14 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
 
 
 def _router_pids() -> list[int]:
-    """This process's sglang-router children (server side: never the client's CPU)."""
+    """This process's gateway children, sglang-router or smg (server side: never the
+    client's CPU)."""
     import psutil
 
     return [
         p.pid
         for p in psutil.Process().children(recursive=True)
-        if "sglang_router" in " ".join(p.cmdline())
+        if any(name in " ".join(p.cmdline()) for name in ("sglang_router", "smg.launch_router"))
     ]
 
 
@@ -895,5 +945,6 @@ SCENARIOS: dict[int, tuple[str, Callable[[Sizes, Progress], Any]]] = {
     5: ("concurrency sweep", s5_concurrency),
     6: ("soak", s6_soak),
     7: ("unpatched server", s7_unpatched),
-    8: ("fleet behind sglang-router", s8_router),
+    8: ("fleet behind a gateway (sglang-router, smg)", s8_router),
+    9: ("prefix locality on a GPU-bound fleet", s9_locality),
 }

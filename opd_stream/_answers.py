@@ -9,13 +9,14 @@ turns a request into segments).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("Body", "Generation", "ScoreRows", "Segment")
+__all__ = ("Body", "Generation", "ScoreRows", "Segment", "total_cached")
 
 #: An answer's body as the transports give it: ``bytes``, or what it was read into without
 #: another copy (a ``bytearray`` the chunks were joined into, or a ``memoryview`` of the
@@ -37,6 +38,9 @@ class ScoreRows(msgspec.Struct, frozen=True, kw_only=True):
             ``None`` when no ids were requested.
         used_b64: the server answered top-k in the b64 flat form.
         weight_version: the server's ``meta_info.weight_version`` (first item's).
+        cached_tokens: input tokens the server served from its prefix cache
+            (``meta_info.cached_tokens``, summed over the items); ``None`` when no item
+            reports it.
     """
 
     token_ids: npt.NDArray[np.int64]
@@ -46,6 +50,7 @@ class ScoreRows(msgspec.Struct, frozen=True, kw_only=True):
     id_logprobs: npt.NDArray[np.float32] | None
     used_b64: bool
     weight_version: str | None
+    cached_tokens: int | None = None
 
 
 class Generation(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,3 +99,9 @@ class Segment(NamedTuple):
     expect: npt.NDArray[np.int64] | None = None
     col: npt.NDArray[np.intp] | None = None
     tail_col: int = -1
+
+
+def total_cached(values: Sequence[int | None]) -> int | None:
+    """The items' ``meta_info.cached_tokens`` summed (``None`` when none reports one)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None

@@ -8,13 +8,14 @@ bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable
 
 import anyio
 
 from ._answers import Body, ScoreRows
-from ._balance import EndpointPool
+from ._balance import ROUTING_KEY_HEADER, EndpointPool
 from ._budget import ByteBudget
 from ._capabilities import Capabilities, Side
 from ._codec import (
@@ -41,7 +42,7 @@ from ._payloads import build_block_payloads
 from ._router import endpoint_url, generate_url
 from ._stats import StatsRecorder
 from ._transport import Transport
-from ._wire import Layout, ScoreRequest
+from ._wire import Layout, ScoreRequest, layout
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -51,6 +52,16 @@ _PROBE_TIMEOUT_S = 2.0
 """Longest wait for a re-admission probe's ``/health`` answer."""
 
 _PROBE_MAX_BYTES = 64 * 1024
+
+
+def _takes_headers(transport: Transport) -> bool:
+    """The transport's ``post`` takes ``headers`` (one written before they existed does not:
+    it still works, without the routing key header)."""
+    try:
+        params = inspect.signature(transport.post).parameters
+    except (TypeError, ValueError):
+        return False
+    return "headers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Counter:
@@ -96,10 +107,13 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._headers_ok = _takes_headers(transport)
 
-    def _pick(self, urls: tuple[str, ...], exclude: tuple[str, ...] = ()) -> str | None:
+    def _pick(
+        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
+    ) -> str | None:
         """The replica for the next attempt (see :class:`EndpointPool`)."""
-        return self._pool.pick(urls, exclude)
+        return self._pool.pick(urls, exclude, key)
 
     def _limiter(self, url: str) -> anyio.CapacityLimiter:
         lim = self._limiters.get(url)
@@ -115,8 +129,12 @@ class AttemptSender:
         make: Callable[[str], ScoreRequest],
         counter: Counter,
         tries: Counter,
+        key: int | None = None,
     ) -> ScoreRows:
         """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
+
+        ``key`` (the request's :func:`~opd_stream._balance.prefix_key`) places a hedge on
+        the next replica of the key's order and goes out as ``X-SMG-Routing-Key``.
 
         Raises:
             Failed: the attempt failed (when hedged: every launched copy failed; the
@@ -129,7 +147,7 @@ class AttemptSender:
             urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
         )
         if delay is None or tries.attempts >= self._cfg.max_attempts:
-            return await self._one(side, urls, url, req)
+            return await self._one(side, urls, url, req, key)
 
         winner: list[ScoreRows] = []
         won_by: list[str] = []
@@ -142,7 +160,7 @@ class AttemptSender:
         async def run(target: str, request: ScoreRequest) -> None:
             nonlocal finished
             try:
-                rows = await self._one(side, urls, target, request)
+                rows = await self._one(side, urls, target, request, key)
             except Failed as failed:
                 failures.append(failed)
             else:
@@ -163,7 +181,7 @@ class AttemptSender:
             # Hedge to a replica not yet racing; when a hedge fails while an earlier
             # attempt is still running, hedge again (within max_attempts).
             while not settled.is_set():
-                other = self._pick(urls, exclude=tuple(racing))
+                other = self._pick(urls, exclude=tuple(racing), key=key)
                 if other is None or tries.attempts >= self._cfg.max_attempts:
                     await settled.wait()
                     break
@@ -190,12 +208,17 @@ class AttemptSender:
         raise (first or failures)[0]
 
     async def _one(
-        self, side: Side, urls: tuple[str, ...], url: str, req: ScoreRequest
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        req: ScoreRequest,
+        key: int | None = None,
     ) -> ScoreRows:
         """One HTTP attempt, with its outcome recorded for passive health and hedging."""
         start = anyio.current_time()
         try:
-            rows = await self._watched_attempt(side, url, req)
+            rows = await self._watched_attempt(side, url, req, key)
         except OPDStreamError as exc:
             if not isinstance(exc, CapabilityError):
                 self._endpoints(url).errors += 1
@@ -210,7 +233,9 @@ class AttemptSender:
         self._pool.record_success(url, urls, anyio.current_time() - start)
         return rows
 
-    async def _watched_attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _watched_attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
 
         A hung server would otherwise use up the whole ``request_deadline_s`` of the
@@ -219,9 +244,9 @@ class AttemptSender:
         """
         limit = self._cfg.attempt_timeout_s
         if limit <= 0:
-            return await self._attempt(side, url, req)
+            return await self._attempt(side, url, req, key)
         with anyio.move_on_after(limit):
-            return await self._attempt(side, url, req)
+            return await self._attempt(side, url, req, key)
         raise ConnectionFailed(
             f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
         )
@@ -266,20 +291,24 @@ class AttemptSender:
                 self._pool.probe_result(url, healthy, anyio.current_time())
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
-    async def _attempt(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         # the answer is charged to the stream's byte budget while it is read, and held
         # until it is decoded (released on any exit: success, error, cancel, lost hedge)
         with self._body_budget.hold():
-            return await self._attempt_held(side, url, req)
+            return await self._attempt_held(side, url, req, key)
 
-    async def _attempt_held(self, side: Side, url: str, req: ScoreRequest) -> ScoreRows:
+    async def _attempt_held(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
         if req.id_form == "blocks" and req.ids is not None:
-            answer = await self._post_blocks(side, url, req)
+            answer = await self._post_blocks(side, url, req, key)
         else:
             body, lay = await self._build_body(req)
-            answer = await self._post(side, url, body)
+            answer = await self._post(side, url, body, key)
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -289,6 +318,10 @@ class AttemptSender:
             raise
         finally:
             self._stats.stage_active["decode"] -= 1
+        ep = self._endpoints(url)
+        ep.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
+        if rows.cached_tokens is not None:
+            ep.cached_tokens += rows.cached_tokens
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
@@ -297,23 +330,31 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
-    async def _post(self, side: Side, url: str, body: bytes) -> Body:
+    async def _post(self, side: Side, url: str, body: bytes, key: int | None = None) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body."""
-        ep = self._endpoints(url)
         self._stats.stage_active[f"{side}_fetch"] += 1
-        ep.in_flight += 1
+        ep = self._endpoints.begin(url, key)
         try:
             async with self._limiter(url):
                 ep.requests += 1
                 self._stats.requests += 1
-                resp = await self._transport.post(
-                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes
-                )
+                if key is not None and self._headers_ok:
+                    headers = {ROUTING_KEY_HEADER: f"{key:016x}"}
+                    resp = await self._transport.post(
+                        generate_url(url),
+                        body,
+                        max_bytes=self._cfg.max_response_bytes,
+                        headers=headers,
+                    )
+                else:  # a transport written before headers existed still works
+                    resp = await self._transport.post(
+                        generate_url(url), body, max_bytes=self._cfg.max_response_bytes
+                    )
         except ServerError as exc:
             exc.side = side
             raise
         finally:
-            ep.in_flight -= 1
+            self._endpoints.end(url, key)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
         if resp.status != 200:
@@ -321,7 +362,9 @@ class AttemptSender:
             raise ServerHTTPError(resp.status, message, side=side, url=url)
         return resp.body
 
-    async def _post_blocks(self, side: Side, url: str, req: ScoreRequest) -> list[Body]:
+    async def _post_blocks(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
@@ -330,7 +373,7 @@ class AttemptSender:
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n])
+            answers[n] = await self._post(side, url, bodies[n], key)
 
         async with anyio.create_task_group() as tg:
             for n in range(len(bodies)):

@@ -7,12 +7,37 @@ any monotonic clock) and performs the I/O (requests, ``/health`` probes); see
 
 Rules, per replica URL:
 
-* **Choice** (``pick``): among the replicas that are not ejected, ``least-outstanding``
-  draws two distinct replicas at random and takes the one with fewer requests in flight
-  ("power of two choices"; with two replicas that is plain least-outstanding), ties going
-  to the first drawn; ``round-robin`` cycles through them. If every replica is ejected the
-  choice is made among all of them (fail open: an ejection never fails a request by
-  itself).
+* **Choice** (``pick``): among the replicas that are not ejected, ``prefix`` (the
+  default) sends a request to the first replica of its key's preference order whose load
+  is under the cap (below); ``least-outstanding`` draws two distinct replicas at random
+  and takes the one with fewer requests in flight ("power of two choices"; with two
+  replicas that is plain least-outstanding), ties going to the first drawn;
+  ``round-robin`` cycles through them. If every replica is ejected the choice is made
+  among all of them (fail open: an ejection never fails a request by itself).
+* **Prefix locality** (``prefix``): SGLang reuses a cached prompt only on the replica that
+  computed it, so requests that share a prompt should meet on one replica. A request's
+  key is :func:`prefix_key`, a 64-bit hash of its whole prompt (the tokens before the
+  response: ``tokens[:L - R]``; for a teacher request with a teacher prompt of its own,
+  that prompt): every request of one sample to one side has the same key, and so do the
+  samples of one GRPO group (same prompt, n responses) or of one privileged teacher
+  prompt. Each key orders the replicas by rendezvous hashing (highest ``mix(key, url)``
+  first; adding or removing a replica moves only the keys whose first choice it was).
+  The balls are *prompts in flight*, not requests: requests that share a prompt cost the
+  replica that prompt once (it is cached, or batched with the one computing it), so a
+  request whose key already has requests in flight on a replica joins them there. Any
+  other request tries the replica its key was last placed on first (the pool remembers
+  the last :data:`_HOMES` placements: a prompt that comes back finds its prefix), then its
+  order, and takes the first replica holding fewer than
+  ``ceil(load_factor * (prompts_in_flight + 1) / replicas)`` prompts in flight:
+  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so
+  no replica holds more than ``load_factor`` times the mean number of prompts. Both
+  rules skip a replica holding ``limit`` requests in flight (the per-endpoint concurrency
+  limit): one prompt with very many samples in flight at once spills to the next replica
+  of its order rather than queue. A retry (the failed replica excluded) and a hedge (the
+  racing replicas excluded) go to the next replica of the same order that takes them,
+  which the pool then remembers for the key, so the prompt's later requests meet there.
+  A replica added or re-admitted takes new prompts; the remembered ones stay where their
+  prefixes are. A request without a key is placed as ``least-outstanding`` places it.
 * **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a
   replica for ``cooldown_s``. A success resets the count. After the cool-down the replica
   stays out until a ``/health`` probe answers 200: ``claim_probe`` hands out at most one
@@ -35,24 +60,59 @@ Rules, per replica URL:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from typing import Final, Literal, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from ._endpoints import EndpointHealth, Endpoints
 
-__all__ = ("HEDGE_MIN_SAMPLES", "Balance", "EndpointPool")
+__all__ = ("HEDGE_MIN_SAMPLES", "ROUTING_KEY_HEADER", "Balance", "EndpointPool", "prefix_key")
 
-Balance: TypeAlias = Literal["least-outstanding", "round-robin"]
+Balance: TypeAlias = Literal["prefix", "least-outstanding", "round-robin"]
+
+ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
+"""The header that carries a request's prefix key (16 hex digits) to a gateway: smg routes
+by it (under ``--policy manual``, or with ``--routing-key-override``)."""
+
+_MASK64: Final = (1 << 64) - 1
+
+_HOMES: Final = 4096
+"""Prompts whose last replica the pool remembers (least recently placed forgotten first)."""
 
 HEDGE_MIN_SAMPLES: Final = 16
 """Successful latencies a replica set needs before hedging starts."""
 
 _LATENCY_RING: Final = 512
+
+
+def prefix_key(tokens: npt.NDArray[np.int64], response_length: int) -> int:
+    """The routing key of a scoring request: a 64-bit hash of its prompt.
+
+    The prompt is ``tokens[:len(tokens) - response_length]``, hashed as little-endian
+    int64 with BLAKE2b (8 bytes): the same prompt gives the same key in every process and
+    on every run, so several streams (one per rollout worker) send a group's requests to
+    the same replica, and a gateway sees the same key from all of them.
+    """
+    prompt = np.ascontiguousarray(tokens[: len(tokens) - response_length], dtype="<i8")
+    digest = hashlib.blake2b(prompt.data, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def _url_hash(url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
 
 
 class EndpointPool:
@@ -64,7 +124,12 @@ class EndpointPool:
 
     Args:
         endpoints: the stream's per-URL state.
-        balance: ``least-outstanding`` (power of two choices) or ``round-robin``.
+        balance: ``prefix`` (bounded-load rendezvous hashing of a request's key),
+            ``least-outstanding`` (power of two choices) or ``round-robin``.
+        load_factor: ``prefix`` only: no replica takes a new prompt while it holds
+            ``ceil(load_factor * (prompts + 1) / replicas)`` prompts in flight (>= 1).
+        limit: ``prefix`` only: a replica with this many requests in flight takes no more
+            while another has room (the per-endpoint concurrency limit).
         eject_after: consecutive failures that eject a replica (0: never eject).
         cooldown_s: how long an ejected replica stays out before it may be probed (> 0).
         unreachable_after_s: how long every replica of a set must have refused
@@ -77,6 +142,8 @@ class EndpointPool:
         endpoints: Endpoints,
         *,
         balance: Balance = "least-outstanding",
+        load_factor: float = 1.25,
+        limit: int = 64,
         eject_after: int = 5,
         cooldown_s: float = 10.0,
         unreachable_after_s: float = 0.0,
@@ -84,6 +151,10 @@ class EndpointPool:
     ) -> None:
         self._endpoints = endpoints
         self._balance = balance
+        self._load_factor = load_factor
+        self._limit = limit
+        self._url_hashes: dict[str, int] = {}
+        self._homes: OrderedDict[int, str] = OrderedDict()
         self._eject_after = eject_after
         self._cooldown_s = cooldown_s
         self._unreachable_after_s = unreachable_after_s
@@ -97,11 +168,14 @@ class EndpointPool:
         return self._endpoints(url).health
 
     # choice ------------------------------------------------------------------------
-    def pick(self, urls: Sequence[str], exclude: Collection[str] = ()) -> str | None:
+    def pick(
+        self, urls: Sequence[str], exclude: Collection[str] = (), key: int | None = None
+    ) -> str | None:
         """The replica of ``urls`` for the next request, or ``None`` when ``exclude``
         leaves none.
 
-        Ejected replicas are skipped unless every candidate is ejected.
+        Ejected replicas are skipped unless every candidate is ejected. ``key`` (a
+        :func:`prefix_key`) places the request under the ``prefix`` balance.
         """
         candidates = [u for u in urls if u not in exclude]
         if not candidates:
@@ -113,13 +187,48 @@ class EndpointPool:
         if len(pool) == 1:
             return pool[0]
         if self._balance == "round-robin":
-            key = tuple(urls)
-            turn = self._rr.get(key, 0)
-            self._rr[key] = turn + 1
+            ring = tuple(urls)
+            turn = self._rr.get(ring, 0)
+            self._rr[ring] = turn + 1
             return pool[turn % len(pool)]
+        if self._balance == "prefix" and key is not None:
+            return self._bounded(pool, key)
         first, second = self._rng.sample(pool, 2)
         load = self._endpoints.load
         return second if load(second) < load(first) else first
+
+    def preference(self, urls: Sequence[str], key: int) -> list[str]:
+        """``urls`` in ``key``'s rendezvous order (its first choice first)."""
+        hashes = self._url_hashes
+        scores = []
+        for url in urls:
+            h = hashes.get(url)
+            if h is None:
+                h = hashes[url] = _url_hash(url)
+            scores.append((_mix(key ^ h), url))
+        scores.sort(reverse=True)
+        return [url for _, url in scores]
+
+    def _bounded(self, pool: Sequence[str], key: int) -> str:
+        eps, limit = self._endpoints, self._limit
+        order = self.preference(pool, key)
+        for joined in order:  # the prompt is in flight there: join it
+            if eps.holds(joined, key) and eps.load(joined) < limit:
+                return joined
+        prompts = {url: eps.prompts(url) for url in pool}
+        cap = math.ceil(self._load_factor * (sum(prompts.values()) + 1) / len(pool))
+        homes = self._homes
+        home = homes.get(key)
+        if home is not None and home in prompts:  # where its prefix was computed last
+            order.remove(home)
+            order.insert(0, home)
+        free = [u for u in order if prompts[u] < cap and eps.load(u) < limit]
+        url = free[0] if free else min(order, key=eps.load)  # else: all at their limit
+        homes[key] = url
+        homes.move_to_end(key)
+        if len(homes) > _HOMES:
+            homes.popitem(last=False)
+        return url
 
     # passive health ----------------------------------------------------------------
     def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:

@@ -165,21 +165,6 @@ def _main(argv: Sequence[str] | None) -> int:
 def _announce_compile(command: str) -> None:
     """One line on stderr when the answer scanner compiles for the first time (its cache is
     cold); a run never waits for it."""
-
-    def notice() -> None:
-        print(
-            f"opd-stream {command}: compiling the answer scanner for the first time, in the "
-            "background (~8 s of CPU, once); msgspec parses the answers until it is ready",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    announce_compile(notice)
-
-
-def _announce_compile(command: str) -> None:
-    """One line on stderr when the answer scanner compiles for the first time (its cache is
-    cold); a run never waits for it."""
     from ._jit import announce_compile
 
     def notice() -> None:

@@ -239,9 +239,15 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "bound of the input-order reorder buffer, in samples (>= 1)", ge=1
     )] = 1024
     balance: Annotated[Balance, _doc(
-        "replica choice within a teacher: least-outstanding (power of two choices) or "
-        "round-robin"
-    )] = "least-outstanding"
+        "replica choice within a teacher: prefix (requests that share a prompt go to one "
+        "replica, loads bounded by balance_load_factor; the key is also sent as "
+        "X-SMG-Routing-Key), least-outstanding (power of two choices) or round-robin"
+    )] = "prefix"
+    balance_load_factor: Annotated[float, _doc(
+        "prefix balance: a replica takes no new prompt while it holds this many times the "
+        "mean number of prompts in flight (>= 1; lower spreads more, higher reuses more)",
+        ge=1.0, advanced=True,
+    )] = 1.25
     eject_after_failures: Annotated[int, _doc(
         "consecutive retryable failures that eject a replica for eject_cooldown_s "
         "(0 = never eject)",
@@ -273,8 +279,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ge=0.0,
     )] = 0.0
     router_discovery: Annotated[Literal["auto", "off"], _doc(
-        "auto = a server URL that is an sglang-router is replaced by its workers reachable "
-        "from here (listed again every 5 s); off = always send through the configured URL"
+        "auto = a server URL that is a gateway (smg, sglang-router) is replaced by its "
+        "workers reachable from here (listed again every 5 s); off = always send through "
+        "the configured URL"
     )] = "auto"
     cache_salt: Annotated[CacheSalt, _doc(
         "SGLang cache_salt on scoring requests (random, never from the payload): none; "

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import Body, ScoreRows, Segment
+from ._answers import Body, ScoreRows, Segment, total_cached
 from ._columns import Answers, Reader, RowColumns, gather
 from ._decode_checks import (
     LOGPROB_TOLERANCE,
@@ -140,6 +140,7 @@ def _decode(
         id_logprobs=id_lp,
         used_b64=used_b64,
         weight_version=weight_version,
+        cached_tokens=total_cached(metas.values("cached_tokens")),
     )
 
 

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import Body, ScoreRows, Segment
+from ._answers import Body, ScoreRows, Segment, total_cached
 from ._decode_checks import (
     FlatTopK,
     cat,
@@ -69,6 +69,7 @@ class _Meta(msgspec.Struct, gc=False, frozen=True):
     # unparsed in whichever form the server sent it, or none.
     finish_reason: FinishReason | None = None
     weight_version: str | None = None
+    cached_tokens: int | None = None
     input_token_logprobs: list[Entry] | None = None
     input_top_logprobs: EntryRows | None = None
     input_token_ids_logprobs: EntryRows | None = None
@@ -214,6 +215,7 @@ def _decode_segments(
     id_sel: list[EntryRows] = []
     used_b64 = top_k > 0
     versions: list[str | None] = []
+    cached: list[int | None] = []
     t0 = 0
     # Structure is checked item by item; the numbers of all items are then converted and
     # checked in one vectorised pass (a blocked answer has R/B small items). Error
@@ -226,6 +228,7 @@ def _decode_segments(
         if fr is not None and fr.type == "abort":
             check_abort(fr, item_path(batch, n), "teacher")
         versions.append(meta.weight_version)
+        cached.append(meta.cached_tokens)
         id_rows = meta.input_token_ids_logprobs
         if seg.expect is not None and id_rows is None:
             if per_position:
@@ -283,6 +286,7 @@ def _decode_segments(
         id_logprobs=id_lp,
         used_b64=used_b64,
         weight_version=weight_version,
+        cached_tokens=total_cached(cached),
     )
 
 

@@ -1,22 +1,28 @@
-"""Teacher (and student) fleets behind sglang-router: its workers, addressed directly.
+"""Teacher (and student) fleets behind a gateway (smg, or sglang-router 0.3.2): its
+workers, addressed directly.
 
 sglang-router re-serialises ``/generate`` bodies: it drops ``token_ids_logprob_positions``
 and the base64 top-k flags and answers 422 to a batch with a list ``logprob_start_len``
-(``hosts.md`` §6). Through it, id scoring loses every compact form. So a configured URL
-that is a router is *expanded*: its workers are listed (``GET /workers``), the healthy
-regular ones that answer ``/health`` from here are used as replicas of that URL (our own
-balancing, ejection and hedging, per-position ids and base64 answers intact), and the list
-is refreshed every :data:`REFRESH_S` seconds. When the workers cannot be reached from here,
-the endpoint is missing, or the router serves prefill/decode-disaggregated workers,
-requests go through the router as before (and id scoring falls back to blocks sent as
-independent requests, which it forwards).
+(``hosts.md`` §6). smg 1.13 forwards unknown fields but still answers 422 to a batch with a
+list ``logprob_start_len`` or a list-of-lists ``token_ids_logprob``, and routes each request
+by its own policy (prefix reuse is then the gateway's guess, not our key's). So a configured
+URL that is a gateway is *expanded*: its workers are listed (``GET /workers``, which both
+serve; else smg's RL control plane, ``GET /v1/rl/workers`` under ``--enable-rl``), the
+healthy regular ones that answer ``/health`` from here are used as replicas of that URL (our
+own balancing with prefix locality, ejection and hedging, per-position ids and base64
+answers intact), and the list is refreshed every :data:`REFRESH_S` seconds. When the
+workers cannot be reached from here, the endpoint is missing, or the gateway serves
+prefill/decode-disaggregated workers, requests go through the gateway as before (and id
+scoring falls back to blocks sent as independent requests, which both forward; each
+carries the sample's ``X-SMG-Routing-Key``, by which smg can keep a prompt on one worker).
 
 Discovery is lazy and runs in the requesting task (no task outlives a request): the first
 request to a URL discovers it while later ones wait for that answer; a refresh is done by
 one request while the others keep using the current list. ``router_discovery="off"``
 sends everything to the configured URLs.
 
-The sans-IO part (:func:`parse_router_workers`) reads the router's answer; the rest is
+The sans-IO part (:func:`parse_router_workers`, :func:`parse_rl_workers`) reads the
+gateway's answer; the rest is
 the small async shell around the transport.
 """
 
@@ -34,7 +40,7 @@ from ._router import endpoint_url, normalize_server_url
 from ._stats import FleetState, Kind
 from ._transport import Transport
 
-__all__ = ("REFRESH_S", "FleetDirectory", "parse_router_workers")
+__all__ = ("REFRESH_S", "FleetDirectory", "parse_rl_workers", "parse_router_workers")
 
 log = get_logger()
 
@@ -45,6 +51,7 @@ _PROBE_TIMEOUT_S = 2.0
 _MAX_BYTES = 1 << 20
 _UNREACHABLE = object()
 
+
 class _Worker(msgspec.Struct):
     url: str
     is_healthy: bool = True
@@ -53,6 +60,20 @@ class _Worker(msgspec.Struct):
 
 class _Workers(msgspec.Struct):
     workers: list[_Worker]
+
+
+class _RLWorker(msgspec.Struct):
+    url: str
+    health: str | None = None
+    worker_type: str | None = "regular"
+
+
+class _RLWorkers(msgspec.Struct):
+    workers: list[_RLWorker]
+
+
+#: ``health`` values of smg's ``/v1/rl/workers`` that mean the worker takes requests.
+_RL_HEALTHY = frozenset({"ready", "healthy"})
 
 
 def parse_router_workers(body: Body) -> list[str] | None:
@@ -71,6 +92,23 @@ def parse_router_workers(body: Body) -> list[str] | None:
         return None
     try:
         urls = [normalize_server_url(w.url) for w in listing.workers if w.is_healthy]
+    except ConfigError:
+        return None
+    return list(dict.fromkeys(urls))
+
+
+def parse_rl_workers(body: Body) -> list[str] | None:
+    """The worker URLs smg's RL control plane lists (``GET /v1/rl/workers``, smg
+    ``--enable-rl``), under the rules of :func:`parse_router_workers`: a worker is healthy
+    when its ``health`` is ``ready`` (or ``healthy``); a missing ``worker_type`` is regular."""
+    try:
+        listing = msgspec.json.decode(body, type=_RLWorkers)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if any(w.worker_type not in (None, "regular") for w in listing.workers):
+        return None
+    try:
+        urls = [normalize_server_url(w.url) for w in listing.workers if w.health in _RL_HEALTHY]
     except ConfigError:
         return None
     return list(dict.fromkeys(urls))
@@ -148,18 +186,19 @@ class FleetDirectory:
         fleet.workers = reachable
 
     async def _list(self, url: str) -> list[str] | object | None:
-        """The router's worker list; ``None`` when the URL answered something else (not a
-        router); ``_UNREACHABLE`` when it did not answer."""
-        try:
-            with anyio.fail_after(_PROBE_TIMEOUT_S):
-                resp = await self._transport.get(
-                    endpoint_url(url, "workers"), max_bytes=_MAX_BYTES
-                )
-        except (OPDStreamError, TimeoutError):
-            return _UNREACHABLE
-        if resp.status != 200:
-            return None
-        return parse_router_workers(resp.body)
+        """The gateway's worker list (``/workers``, else ``/v1/rl/workers``); ``None`` when
+        the URL answered something else (not a gateway); ``_UNREACHABLE`` when it did not
+        answer."""
+        for path, parse in (("workers", parse_router_workers), ("v1/rl/workers", parse_rl_workers)):
+            try:
+                with anyio.fail_after(_PROBE_TIMEOUT_S):
+                    resp = await self._transport.get(endpoint_url(url, path), max_bytes=_MAX_BYTES)
+            except (OPDStreamError, TimeoutError):
+                return _UNREACHABLE
+            listed = parse(resp.body) if resp.status == 200 else None
+            if listed is not None:
+                return listed
+        return None
 
     async def _reachable(self, workers: list[str]) -> list[str]:
         """The workers whose ``/health`` answers 200 from here, in the router's order."""

@@ -58,23 +58,29 @@ class Endpoint:
     __slots__ = (
         "b64_topk",
         "blocked_batch",
+        "cached_tokens",
         "cancelled",
         "errors",
         "health",
         "hedge_wins",
         "hedges",
         "in_flight",
+        "keys",
         "per_position",
+        "prompt_tokens",
         "requests",
     )
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
         self.requests = 0
         self.errors = 0
         self.hedges = 0
         self.hedge_wins = 0
         self.cancelled = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.health = EndpointHealth()
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
@@ -95,6 +101,8 @@ class Endpoint:
             hedges=self.hedges,
             hedge_wins=self.hedge_wins,
             cancelled=self.cancelled,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -114,6 +122,35 @@ class Endpoints:
         """Requests in flight to ``url`` now."""
         ep = self._by_url.get(url)
         return 0 if ep is None else ep.in_flight
+
+    def prompts(self, url: str) -> int:
+        """Distinct routing keys (prompts) with requests in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else len(ep.keys)
+
+    def holds(self, url: str, key: int) -> bool:
+        """``key`` has requests in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return ep is not None and key in ep.keys
+
+    def begin(self, url: str, key: int | None) -> Endpoint:
+        """A request (with routing ``key``, if any) to ``url`` is in flight from now."""
+        ep = self(url)
+        ep.in_flight += 1
+        if key is not None:
+            ep.keys[key] = ep.keys.get(key, 0) + 1
+        return ep
+
+    def end(self, url: str, key: int | None) -> None:
+        """The request of :meth:`begin` is over (answered, failed or cancelled)."""
+        ep = self(url)
+        ep.in_flight -= 1
+        if key is not None:
+            left = ep.keys[key] - 1
+            if left:
+                ep.keys[key] = left
+            else:
+                del ep.keys[key]  # nothing kept once a prompt's last request is over
 
     def snapshot(self) -> dict[str, EndpointStats]:
         return {url: ep.stats() for url, ep in self._by_url.items()}

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from ._answers import ScoreRows
 from ._attempts import AttemptSender, Counter, Failed
-from ._balance import EndpointPool
+from ._balance import EndpointPool, prefix_key
 from ._capabilities import Capabilities, Side
 from ._config import StreamConfig
 from ._discovery import FleetDirectory
@@ -117,6 +117,8 @@ class SampleScorer:
         self._pool = EndpointPool(
             self.endpoints,
             balance=config.balance,
+            load_factor=config.balance_load_factor,
+            limit=config.max_inflight_per_endpoint,
             eject_after=config.eject_after_failures,
             cooldown_s=config.eject_cooldown_s,
             unreachable_after_s=config.unreachable_after_s,
@@ -150,8 +152,12 @@ class SampleScorer:
         urls: tuple[str, ...],
         make: Callable[[str], ScoreRequest],
         counter: Counter,
+        key: int | None = None,
     ) -> ScoreRows:
         """One logical request: retries, hedges and capability fallbacks within one deadline.
+
+        ``key`` (the prompt's :func:`~opd_stream._balance.prefix_key`, under the ``prefix``
+        balance: :meth:`_key`) places every attempt: first choice, then the next replica.
 
         Every HTTP request sent (a hedge included) is an attempt; a capability probe
         (an answer that shows a missing feature, retried in the fallback form at once) is
@@ -168,10 +174,10 @@ class SampleScorer:
                 urls = await self.fleets.expand(configured)  # routers -> their workers
                 self._check_reachable(side, urls, let_through=True)
                 await self._sender.maybe_probe(side, urls)
-                url = self._pool.pick(urls, failed_url) or self._pool.pick(urls)
+                url = self._pool.pick(urls, failed_url, key) or self._pool.pick(urls, key=key)
                 assert url is not None  # urls is never empty and nothing is excluded
                 try:
-                    return await self._sender.send(side, urls, url, make, counter, tries)
+                    return await self._sender.send(side, urls, url, make, counter, tries, key)
                 except Failed as failed:
                     exc = failed.error
                     if isinstance(exc, CapabilityError):
@@ -259,6 +265,7 @@ class SampleScorer:
         ids: npt.NDArray[np.int64] | None,
         top_k: int,
         counter: Counter,
+        key: int | None = None,
     ) -> ScoreRows:
         """The teacher's answer: one logical request, or an ensemble's mixture.
 
@@ -269,8 +276,8 @@ class SampleScorer:
         retries) fails the whole answer, the member named in the error.
         """
         if not isinstance(teacher, Ensemble):
-            return await self._request("teacher", teacher, make(top_k, ids), counter)
-        answers = await self._members(teacher, lambda i: make(top_k, ids), counter)
+            return await self._request("teacher", teacher, make(top_k, ids), counter, key)
+        answers = await self._members(teacher, lambda i: make(top_k, ids), counter, key)
         top = None
         if top_k > 0:
             tops = [present(a.top_ids, "top_ids") for a in answers]
@@ -279,7 +286,7 @@ class SampleScorer:
             else:
                 union = union_ids(tops)
                 sent = request_ids(union)
-                scored = await self._members(teacher, lambda i: make(0, sent), counter)
+                scored = await self._members(teacher, lambda i: make(0, sent), counter, key)
                 parts = [present(a.id_logprobs, "id_logprobs") for a in scored]
                 top = mixture_topk(union, mix_logprobs(parts, teacher.weights), top_k)
         return mixed_rows(teacher, answers, top)
@@ -289,13 +296,16 @@ class SampleScorer:
         ensemble: Ensemble,
         make: Callable[[int], Callable[[str], ScoreRequest]],
         counter: Counter,
+        key: int | None = None,
     ) -> list[ScoreRows]:
         """Every member's answer to its request ``make(i)``, asked at once."""
 
         def job(i: int) -> Callable[[], Awaitable[ScoreRows]]:
             async def ask() -> ScoreRows:
                 try:
-                    return await self._request("teacher", ensemble.members[i], make(i), counter)
+                    return await self._request(
+                        "teacher", ensemble.members[i], make(i), counter, key
+                    )
                 except OPDStreamError as exc:
                     raise member_error(exc, ensemble.member_name(i)) from None
 
@@ -346,6 +356,13 @@ class SampleScorer:
             salt_each_item=per_request,
         )
 
+    def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> int | None:
+        """A request's routing key under the ``prefix`` balance: its prompt's hash (so a
+        sample's and its group's requests meet on a replica); ``None`` otherwise."""
+        if self._cfg.balance != "prefix":
+            return None
+        return prefix_key(tokens, response_length)
+
     def _sample_salt(self) -> str | None:
         """The salt of all of one sample's requests (``cache_salt="per-sample"``)."""
         return new_salt() if self._cfg.cache_salt == "per-sample" else None
@@ -384,6 +401,7 @@ class SampleScorer:
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         kept = asked = None
         salt = self._sample_salt()
+        s_key = self._key(prepared.tokens, prepared.response_length)
         try:
             if k > 0 and s_ids is None:  # the student's top-k, from the student server
                 student_urls: tuple[str, ...] = (
@@ -394,6 +412,7 @@ class SampleScorer:
                     student_urls,
                     lambda url: self._score_request(prepared, url, top_k=k, ids=None, salt=salt),
                     counter,
+                    s_key,
                 )
                 s_ids, s_lps = fetched.top_ids, fetched.top_logprobs
             if k > 0:
@@ -406,6 +425,7 @@ class SampleScorer:
                     teacher_urls,
                     lambda url: self._score_request(side, url, top_k=0, ids=ids, salt=salt),
                     counter,
+                    self._key(side.tokens, side.response_length),
                 )
         except OPDStreamError as exc:
             raise ScoreAttemptError(exc, counter.attempts) from None
@@ -473,6 +493,14 @@ class SampleScorer:
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
         salt = self._sample_salt()
+        # prefix locality: the teacher's key is over its own prompt when it has one
+        s_key = self._key(prepared.tokens, prepared.response_length)
+        teacher_tokens = prepared.teacher_tokens
+        t_key = (
+            s_key
+            if teacher_tokens is None or s_key is None
+            else prefix_key(teacher_tokens, prepared.response_length)
+        )
 
         def student_topk(url: str) -> ScoreRequest:
             return self._score_request(prepared, url, top_k=k, ids=None, salt=salt)
@@ -491,26 +519,28 @@ class SampleScorer:
             if got.student_topk is None and got.teacher is None:
                 got.student_topk, got.teacher = await self._together(
                     [
-                        lambda: self._request("student", student_urls, student_topk, counter),
+                        lambda: self._request(
+                            "student", student_urls, student_topk, counter, s_key
+                        ),
                         lambda: self._teacher(
-                            teacher, teacher_request, None, teacher_top, counter
+                            teacher, teacher_request, None, teacher_top, counter, t_key
                         ),
                     ]
                 )
             elif got.student_topk is None:
                 got.student_topk = await self._request(
-                    "student", student_urls, student_topk, counter
+                    "student", student_urls, student_topk, counter, s_key
                 )
             elif got.teacher is None:
                 got.teacher = await self._teacher(
-                    teacher, teacher_request, None, teacher_top, counter
+                    teacher, teacher_request, None, teacher_top, counter, t_key
                 )
             s_ids, s_lps = got.student_topk.top_ids, got.student_topk.top_logprobs
         else:
             if plan.fetch_student_topk:
                 if got.student_topk is None:
                     got.student_topk = await self._request(
-                        "student", student_urls, student_topk, counter
+                        "student", student_urls, student_topk, counter, s_key
                     )
                 s_ids, s_lps = got.student_topk.top_ids, got.student_topk.top_logprobs
             # Short rows' padding (-1) never goes out: filler ids take its slots, and
@@ -522,7 +552,7 @@ class SampleScorer:
             )
             if got.teacher is None:
                 got.teacher = await self._teacher(
-                    teacher, teacher_request, teacher_ids, teacher_top, counter
+                    teacher, teacher_request, teacher_ids, teacher_top, counter, t_key
                 )
         teacher_rows = got.teacher
         assert teacher_rows is not None
@@ -535,6 +565,7 @@ class SampleScorer:
                 student_urls,
                 lambda url: self._score_request(prepared, url, top_k=0, ids=t_ids, salt=salt),
                 counter,
+                s_key,
             )
             if got.student_topk is not None:
                 same_weights((got.student_topk, student_rows), "student")

@@ -54,6 +54,12 @@ class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
         hedges: duplicate requests sent to this URL because another replica was slow.
         hedge_wins: those duplicates that answered first.
         cancelled: attempts to this URL cancelled because a hedged twin answered first.
+        prompt_tokens: input tokens of the scoring requests this URL answered (every item
+            of a batch; a prefix sent again counts again).
+        cached_tokens: of those, what the server reported it served from its prefix cache
+            (``meta_info.cached_tokens``; SGLang reuses a prefix only on the replica that
+            computed it, and a logprob request at most up to its ``logprob_start_len``).
+            ``prompt_tokens - cached_tokens`` is what the server computed.
     """
 
     in_flight: int
@@ -68,6 +74,8 @@ class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
     hedges: int = 0
     hedge_wins: int = 0
     cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):

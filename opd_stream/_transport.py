@@ -71,8 +71,15 @@ class Transport(Protocol):
         tb: types.TracebackType | None,
     ) -> None: ...
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer."""
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
+
+        ``headers`` are sent besides the transport's own (the stream passes a request's
+        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). A transport
+        whose ``post`` has no ``headers`` parameter still works: it is never passed one.
+        """
         ...
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
@@ -90,15 +97,18 @@ class MockTransport:
     :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
     on what it returns, like a real transport.
 
-    Router discovery's ``GET .../workers`` (``router_discovery="auto"``) is answered 404,
-    as a plain SGLang server answers it, without calling the handler; pass
+    Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
+    (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
+    without calling the handler; pass
     ``routers=True`` to let the handler answer it (to play an sglang-router).
+    ``last_headers`` holds the extra headers of the last POST (``None``: none).
     """
 
     def __init__(self, handler: Handler, *, routers: bool = False) -> None:
         self._handler = handler
         self._routers = routers
         self.requests = 0
+        self.last_headers: dict[str, str] | None = None
 
     async def __aenter__(self) -> Self:
         return self
@@ -113,6 +123,7 @@ class MockTransport:
 
     async def _call(self, method: str, url: str, body: bytes, max_bytes: int) -> Response:
         if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+            # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1
         result = self._handler(method, url, body)
@@ -126,7 +137,10 @@ class MockTransport:
             await lease.settle(len(result.body))
         return result
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        self.last_headers = dict(headers) if headers else None
         return await self._call("POST", url, body, max_bytes)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
@@ -163,15 +177,22 @@ class PooledTransport(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
 
-    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Response:
-        return await self._request("POST", url, body, max_bytes)
+    async def post(
+        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+    ) -> Response:
+        return await self._request("POST", url, body, max_bytes, headers)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
         return await self._request("GET", url, None, max_bytes)
 
     @abc.abstractmethod
     async def _request(
-        self, method: str, url: str, body: bytes | None, max_bytes: int
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
     ) -> Response: ...
 
     @staticmethod
@@ -328,14 +349,23 @@ class AiohttpTransport(PooledTransport):
         acquired = getattr(connector, "_acquired", ())
         return len(acquired) == 0
 
-    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
         import aiohttp
 
         session = self._session
         if not isinstance(session, aiohttp.ClientSession):
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
         try:
-            async with session.request(method, url, data=body, allow_redirects=False) as resp:
+            async with session.request(
+                method, url, data=body, headers=headers, allow_redirects=False
+            ) as resp:
                 self._check_head(
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
                 )

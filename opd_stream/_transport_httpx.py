@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Self
 
 import httpx
@@ -84,12 +84,19 @@ class HttpxTransport(PooledTransport):
         connections = getattr(pool, "connections", ())
         return all(c.is_idle() or c.is_closed() for c in connections)
 
-    async def _request(self, method: str, url: str, body: bytes | None, max_bytes: int) -> Response:
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
         client = self._client
         if client is None:
             raise RuntimeError("HttpxTransport used outside its 'async with' block")
         try:
-            async with client.stream(method, url, content=body) as resp:
+            async with client.stream(method, url, content=body, headers=headers) as resp:
                 text = resp.headers.get("Content-Length", "").strip()
                 declared = int(text) if text.isdigit() else None
                 self._check_head(

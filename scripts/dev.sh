@@ -29,6 +29,10 @@ setup() {
   if ! "$PY" -c "import sglang_router" 2>/dev/null; then
     "$PY" -m pip install -q --disable-pip-version-check "sglang-router==0.3.2"
   fi
+  # smg (SGLang's model gateway, sglang-router's successor, a ~37 MB wheel) for tests/test_smg.py.
+  if ! "$PY" -c "import smg" 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check "smg==1.13.0"
+  fi
   # SGLang's own JSON contract (api_types.py needs msgspec only); never imported by the package.
   local api=".cache/sglang/src/sglang/api/v1/api_types.py"
   if [ ! -f "$api" ]; then

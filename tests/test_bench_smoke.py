@@ -3,8 +3,12 @@ opd_stream (no timing is asserted: performance is shown by the bench, never by t
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 from bench.run import main
 
@@ -47,3 +51,30 @@ def test_bench_runs_and_baseline_equals_opd_stream(tmp_path: Path) -> None:
     assert statuses <= {"MET", "MISSED", "N/A"}
     assert (tmp_path / "results.md").read_text().startswith("# opd_stream bench")
     assert (tmp_path / "bytes_per_token.png").stat().st_size > 0
+
+
+def test_prefix_locality_scenario_runs_end_to_end(tmp_path: Path) -> None:
+    """Scenario 9 (prefix locality; smg in the same run) on a minuscule size: every run of
+    every variant scores every sample and the report has its rows (no timing asserted)."""
+    if importlib.util.find_spec("smg") is None:
+        if os.environ.get("CI"):
+            pytest.fail("smg is not installed: run `scripts/dev.sh setup`")
+        pytest.skip("smg is not installed (the test extra has it on Linux)")
+    sizes = (
+        '{"s9_prompts": 2, "s9_per_prompt": 2, "s9_prompt": 16, "s9_response": 8,'
+        ' "s9_teacher_prompt": 32, "s9_window": 2, "s9_per_token_s": 0.0}'
+    )
+    code = main(
+        ["--quick", "--scenario", "9", "--no-progress", "--out", str(tmp_path), "--sizes", sizes]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["errors"] == {}
+    variants = data["results"]["9"]["variants"]
+    assert len(variants) == 3
+    for v in variants.values():
+        assert len(v["runs"]) == 5
+        for run in v["runs"].values():
+            assert run["failures"] == 0
+            assert run["computed_tokens"] > 0
+    assert "## 9. Prefix locality" in (tmp_path / "results.md").read_text()

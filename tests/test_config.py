@@ -219,6 +219,7 @@ INVALID: list[tuple[str, Any]] = [
     ("decode_thread_bytes", -1),
     ("max_reorder", 0),
     ("balance", "random"),
+    ("balance_load_factor", 0.9),
     ("eject_after_failures", -1),
     ("eject_cooldown_s", 0.0),
     ("unreachable_after_s", -1.0),
@@ -306,6 +307,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("decode_thread_bytes", "-1"),
     ("max_reorder", "0"),
     ("balance", "p2c"),
+    ("balance_load_factor", "one"),
     ("eject_after_failures", "some"),
     ("eject_cooldown_s", "0"),
     ("unreachable_after_s", "a while"),
@@ -481,6 +483,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_DECODE_THREAD_BYTES": "100",
         "OPD_STREAM_MAX_REORDER": "9",
         "OPD_STREAM_BALANCE": "round-robin",
+        "OPD_STREAM_BALANCE_LOAD_FACTOR": "1.5",
         "OPD_STREAM_EJECT_AFTER_FAILURES": "2",
         "OPD_STREAM_EJECT_COOLDOWN_S": "1.5",
         "OPD_STREAM_UNREACHABLE_AFTER_S": "30",
@@ -530,6 +533,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         decode_thread_bytes=100,
         max_reorder=9,
         balance="round-robin",
+        balance_load_factor=1.5,
         eject_after_failures=2,
         eject_cooldown_s=1.5,
         unreachable_after_s=30.0,
@@ -824,7 +828,7 @@ def test_config_survives_pickling_with_its_secret() -> None:
 
 def test_replica_balancing_defaults_are_the_documented_ones() -> None:
     cfg = StreamConfig.from_env(environ={}, teachers=T)
-    assert cfg.balance == "least-outstanding"
+    assert (cfg.balance, cfg.balance_load_factor) == ("prefix", 1.25)
     assert (cfg.eject_after_failures, cfg.eject_cooldown_s) == (5, 10.0)
     assert (cfg.hedge_after_percentile, cfg.hedge_min_s) == (0.0, 0.05)
 
@@ -832,7 +836,8 @@ def test_replica_balancing_defaults_are_the_documented_ones() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("balance", "random", r"^balance: must be one of least-outstanding, round-robin"),
+        ("balance", "random", r"^balance: must be one of prefix, least-outstanding, round-robin"),
+        ("balance_load_factor", 0.5, r"^balance_load_factor: must be >= 1"),
         ("eject_after_failures", -1, r"^eject_after_failures: must be >= 0"),
         ("eject_cooldown_s", 0, r"^eject_cooldown_s: must be > 0"),
         ("eject_cooldown_s", math.inf, r"^eject_cooldown_s: must be finite"),

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample, StreamConfig
-from opd_stream._discovery import FleetDirectory, parse_router_workers
+from opd_stream._discovery import FleetDirectory, parse_rl_workers, parse_router_workers
 from opd_stream.testing.inprocess import InProcessSGLang
 
 R = "http://router:1"
@@ -125,3 +125,43 @@ async def test_a_stream_scores_on_the_workers_and_says_so_in_its_stats() -> None
     assert net.router.requests == 0
     assert net.servers[W1].requests + net.servers[W2].requests == 8
     assert stats.fleets[R].kind == "router" and stats.fleets[R].workers == (W1, W2)
+
+
+# --- smg's RL control plane (GET /v1/rl/workers, smg --enable-rl) --------------------------
+def _rl(*workers: dict[str, Any]) -> bytes:
+    return msgspec.json.encode({"protocol_version": 1, "workers": list(workers)})
+
+
+def _rw(url: str, **kw: Any) -> dict[str, Any]:
+    return {"id": url, "url": url, "health": "ready", "weight_version": None, **kw}
+
+
+def test_smg_rl_listing_gives_its_ready_regular_workers() -> None:
+    body = _rl(_rw("http://W1:2/"), _rw(W2, health="unhealthy"), _rw("http://w3:4", role=None))
+    assert parse_rl_workers(body) == ["http://w1:2", "http://w3:4"]
+    assert parse_rl_workers(_rl(_rw(W1, worker_type="regular"))) == [W1]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b'{"detail": "Not Found"}', _rl(_rw(W1), _rw(W2, worker_type="decode"))],
+    ids=["not-json", "no-workers", "disaggregated"],
+)
+def test_anything_else_is_not_an_rl_worker_list(body: bytes) -> None:
+    assert parse_rl_workers(body) is None
+
+
+async def test_a_gateway_without_workers_listing_is_read_from_its_rl_control_plane() -> None:
+    net = _Net()
+
+    def handle(method: str, url: str, body: bytes) -> Response:
+        if url == R + "/workers":
+            net.gets += 1
+            return Response(401, b"")  # e.g. an admin key on the management API
+        if url == R + "/v1/rl/workers":
+            return Response(200, _rl(*(_rw(w) for w in net.workers)))
+        return net.handle(method, url, body)
+
+    fleets = FleetDirectory(MockTransport(handle, routers=True), enabled=True)
+    assert await fleets.expand([R]) == (W1, W2)
+    assert net.gets == 1 and fleets.snapshot()[R].kind == "router"

@@ -113,6 +113,7 @@ def build_item_response(
     sent_ts: float = 0.0,
     shift: float = 0.0,
     byte_model: ByteModel | None = None,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The JSON-ready answer object for one item (``{"text", "output_ids", "meta_info"}``).
 
@@ -158,7 +159,7 @@ def build_item_response(
         )
     meta["reasoning_tokens"] = 0
     meta["completion_tokens"] = n_gen
-    meta["cached_tokens"] = 0
+    meta["cached_tokens"] = cached_tokens
     meta["e2e_latency"] = e2e_latency
     meta["response_sent_to_client_ts"] = sent_ts
     gen_list: list[int] = gen.tolist()

@@ -258,6 +258,7 @@ class MockServer:
         return self.respond(_encoder.encode(info))
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
+        self._generate.flush_cache()
         return self.respond(_FLUSH_TEXT.encode(), content_type="text/plain")
 
     async def _mock_stats(self, request: web.Request) -> web.Response:

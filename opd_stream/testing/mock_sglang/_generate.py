@@ -3,8 +3,9 @@
 One :class:`GenerateEndpoint` per :class:`~._app.MockServer` holds what answering
 ``/generate`` needs across requests: the request ids in flight and those asked to abort, the
 capacity (``max_running`` running, ``max_queued`` waiting), the fault and latency RNG, the
-replay cache. A request is parsed (:mod:`._request`), may draw an injected fault, waits for
-capacity and latency, and is answered (:mod:`._answer`), whole or as an event stream.
+replay cache, the prefix cache and the simulated GPU (``_prefix_cache``). A request is
+parsed (:mod:`._request`), may draw an injected fault, waits for capacity and latency (and
+its compute time), and is answered (:mod:`._answer`), whole or as an event stream.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ._bytemodel import ByteModel
 from ._errors import RequestError, error_response_body
 from ._model import MockModel
 from ._options import FAULT_KINDS, FaultKind, MockOptions
+from ._prefix_cache import PrefixCache, reusable_limit
 from ._request import GenerateItem, parse_generate_request
 from ._signal import SignalState
 from ._stats import MockStats
@@ -70,11 +72,67 @@ class GenerateEndpoint:
         self._pad_cache: bytes = b""
         self._replay: dict[bytes, tuple[bytes, int, int]] = {}
         self._replay_bytes = 0
+        self._prefix: PrefixCache | None = None
+        self._gpu: asyncio.Lock | None = None
         self._signal = SignalState()
 
     def started(self) -> None:
-        """The server (re)started listening: a fresh capacity condition on its loop."""
+        """The server (re)started listening: a fresh capacity condition and GPU on its loop."""
         self._cond = asyncio.Condition()
+        self._gpu = asyncio.Lock()
+
+    def flush_cache(self) -> None:
+        """``/flush_cache``: the prefix cache forgets everything."""
+        if self._prefix is not None:
+            self._prefix.clear()
+
+    def _prefix_cache(self, o: MockOptions) -> PrefixCache | None:
+        """The replica's prefix cache (rebuilt empty when its size options change)."""
+        cache = self._prefix
+        if o.prefix_cache_tokens <= 0:
+            self._prefix = None
+            return None
+        if (
+            cache is None
+            or cache.page_size != o.prefix_cache_page
+            or cache.capacity_pages != o.prefix_cache_tokens // o.prefix_cache_page
+        ):
+            cache = self._prefix = PrefixCache(o.prefix_cache_tokens, o.prefix_cache_page)
+        return cache
+
+    async def _compute(self, items: list[GenerateItem]) -> list[int]:
+        """Each item's ``cached_tokens``; under the compute model the replica's GPU is held
+        for the time the uncached tokens take. The items' inputs are cached afterwards."""
+        o = self._server.options
+        st = self._server.stats
+        cache = self._prefix_cache(o)
+        timed = o.compute_fixed_s > 0 or o.compute_per_token_s > 0
+        gpu = self._gpu if timed else None
+        if gpu is not None:
+            await gpu.acquire()
+        try:
+            cached: list[int] = []
+            computed = 0
+            for it in items:
+                length = int(it.input_ids.size)
+                hit = 0
+                if cache is not None:
+                    limit = reusable_limit(length, it.return_logprob, it.logprob_start_len)
+                    hit = cache.match(it.input_ids, limit, it.cache_salt)
+                    cache.insert(it.input_ids, it.cache_salt)  # the next item may reuse it
+                cached.append(hit)
+                computed += length - hit + it.max_new_tokens
+            if timed:
+                seconds = o.compute_fixed_s + o.compute_per_token_s * computed
+                await asyncio.sleep(seconds)
+                st.compute_s += seconds
+        finally:
+            if gpu is not None:
+                gpu.release()
+        st.prompt_tokens += sum(int(it.input_ids.size) for it in items)
+        st.cached_tokens += sum(cached)
+        st.computed_tokens += computed
+        return cached
 
     def reseed(self, options: MockOptions) -> None:
         """``fault_seed`` changed: a fresh fault and latency RNG."""
@@ -263,11 +321,15 @@ class GenerateEndpoint:
             st.aborted += 1
             objs = [abort_response(it, o.weight_version, "Abort request.") for it in items]
         else:
+            cached = await self._compute(items)
             item_fault = fault if fault in ("misaligned", "missing_rows") else None
             gc_was_enabled = gc.isenabled()
             gc.disable()  # building ~10^5 small tuples: generational GC passes are pure overhead
             try:
-                objs = [self._build(it, spec, item_fault, t0) for it in items]
+                objs = [
+                    self._build(it, spec, item_fault, t0, hit)
+                    for it, hit in zip(items, cached, strict=True)
+                ]
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -284,7 +346,9 @@ class GenerateEndpoint:
             return await self._faulty_body(request, body, fault)
         return self._server.respond(body)
 
-    def _build(self, it: GenerateItem, spec: Any, item_fault: Any, t0: float) -> dict[str, Any]:
+    def _build(
+        self, it: GenerateItem, spec: Any, item_fault: Any, t0: float, cached: int = 0
+    ) -> dict[str, Any]:
         self._request_counter += 1
         o = self._server.options
         if it.cache_salt is not None:
@@ -305,6 +369,7 @@ class GenerateEndpoint:
             fault=item_fault,
             e2e_latency=time.monotonic() - t0,
             sent_ts=time.time(),
+            cached_tokens=cached,
             shift=self._signal.shift(it, o.logprob_offset, o.warm_drift),
             byte_model=self._server.byte_model,
         )

@@ -70,6 +70,17 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
         warm_drift: added to every logprob of an item the server has answered before (the
             same ``input_ids`` and ``cache_salt``; the last 4096 remembered): warm answers
             that move, like a prefix-cache reuse that changes the numbers.
+    Prefix cache and compute (a GPU-bound fleet simulated on CPU):
+        prefix_cache_tokens: > 0 gives the replica a prefix cache of this many tokens
+            (SGLang's radix cache: LRU, whole pages, at most ``logprob_start_len`` reused by
+            a logprob request; see ``_prefix_cache``), which sets ``meta_info.cached_tokens``.
+            0: off (``cached_tokens`` is 0).
+        prefix_cache_page: SGLang's ``--page-size``: a prefix is reused in whole pages.
+        compute_fixed_s / compute_per_token_s: > 0 makes the replica one GPU: it computes
+            one ``/generate`` at a time (after the latency above), for ``compute_fixed_s +
+            compute_per_token_s * tokens computed`` (input tokens not served from the
+            prefix cache, plus ``max_new_tokens``). 0: no compute time. An answer from the
+            replay cache (below) skips both.
 
     Benchmarks:
         replay_cache_bytes: > 0 keeps the bodies of successful scoring answers (every item
@@ -115,6 +126,10 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
     max_running: int = 0
     max_queued: int = -1
 
+    prefix_cache_tokens: int = 0
+    prefix_cache_page: int = 1
+    compute_fixed_s: float = 0.0
+    compute_per_token_s: float = 0.0
     logprob_offset: float = 0.0
     warm_drift: float = 0.0
 
@@ -144,6 +159,10 @@ class MockOptions(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"fault_{kind} must be in [0, 1]")
         if self.max_running < 0:
             raise ValueError("max_running must be >= 0 (0: unlimited)")
+        if self.prefix_cache_tokens < 0 or self.prefix_cache_page < 1:
+            raise ValueError("prefix_cache_tokens must be >= 0 and prefix_cache_page >= 1")
+        if self.compute_fixed_s < 0 or self.compute_per_token_s < 0:
+            raise ValueError("compute_fixed_s and compute_per_token_s must be >= 0")
         if self.replay_cache_bytes < 0:
             raise ValueError("replay_cache_bytes must be >= 0 (0: off)")
         if self.max_queued < -1:

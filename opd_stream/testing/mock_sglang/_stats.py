@@ -30,6 +30,11 @@ class MockStats(msgspec.Struct, kw_only=True):
         rejected_invalid: 4xx answers to invalid requests (all three error shapes).
         auth_failures: 401 answers.
         aborted: 200-abort answers, from the fault or from ``/abort_request``.
+        prompt_tokens: input tokens of the ``/generate`` items answered normally.
+        cached_tokens: those served from the prefix cache (their ``cached_tokens``).
+        computed_tokens: tokens the replica computed: input not served from the prefix
+            cache, plus ``max_new_tokens``.
+        compute_s: seconds of simulated compute (``compute_*`` options).
         salted_items: answered items that carried a ``cache_salt``.
         cache_salts: the last 1024 salts received (one per salted item, in order).
     """
@@ -51,6 +56,10 @@ class MockStats(msgspec.Struct, kw_only=True):
     rejected_invalid: int = 0
     auth_failures: int = 0
     aborted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    compute_s: float = 0.0
     salted_items: int = 0
     cache_salts: list[str] = msgspec.field(default_factory=list)
 
@@ -80,7 +89,9 @@ class MockStats(msgspec.Struct, kw_only=True):
         keep = (self.in_flight, self.running, self.queued)
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            empty: Any = {} if isinstance(value, dict) else [] if isinstance(value, list) else 0
+            empty: Any = (
+                {} if isinstance(value, dict) else [] if isinstance(value, list) else type(value)(0)
+            )
             setattr(self, name, empty)
         self.in_flight, self.running, self.queued = keep
         self.max_in_flight = self.in_flight

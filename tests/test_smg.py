@@ -1,0 +1,361 @@
+"""smg 1.13 (SGLang's model gateway, PyPI ``smg``, sglang-router's successor) in front of mock
+replicas: discovery of its workers (``GET /workers``, and ``GET /v1/rl/workers`` under
+``--enable-rl``), scoring through it with discovery off (per-position ids pass; a batch with
+per-item ``logprob_start_len`` is answered 422, so unpatched workers get the blocks as
+independent requests), the routing key (``X-SMG-Routing-Key``) keeping a prompt on one
+worker under ``--policy manual``, and workers added and removed during a run.
+
+smg runs as ``python -m smg.launch_router`` on 127.0.0.1; the workers are mock SGLang
+subprocesses with their info endpoints on (smg registers a worker only after reading its
+``/server_info``; the mock's ``model_path`` is a local path, so no model hub is asked).
+The set-up step installs smg (``scripts/dev.sh setup``, or the test extra on Linux); a
+missing install fails these tests in CI and skips them, with the reason, elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import pytest
+from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+
+from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream._discovery import parse_rl_workers, parse_router_workers
+from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
+from opd_stream.testing.router import RouterUnavailable, SMGGateway
+
+TEACHER = MockModel("teacher", 1)
+STUDENT = MockModel("student", 1)
+K = 3
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return ("asyncio", {"debug": True})
+
+
+@contextmanager
+def _launch(urls: list[str], **kw: Any) -> Iterator[str]:
+    """smg on 127.0.0.1 in front of ``urls``; yields its URL."""
+    try:
+        with SMGGateway(urls, **kw) as url:
+            yield url
+    except RouterUnavailable as exc:
+        # Skipped only where the tool is truly absent, never in CI (the test extra has it)
+        if importlib.util.find_spec("smg") is None and not os.environ.get("CI"):
+            pytest.skip("smg is not installed (the test extra has it on Linux)")
+        pytest.fail(f"{exc}: run `scripts/dev.sh setup`")
+
+
+def _workers(n: int, **options: Any) -> list[MockProcess]:
+    return [MockProcess("teacher", 1, options=MockOptions(**options)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[tuple[str, list[str]]]:
+    """smg (round robin, RL control plane on) in front of two mock teacher replicas."""
+    workers = _workers(2)
+    try:
+        urls = [w.start() for w in workers]
+        with _launch(urls, enable_rl=True) as url:
+            yield url, urls
+    finally:
+        for w in workers:
+            w.kill()
+
+
+def _samples(n: int, *, top_k: int, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p, r = int(rng.integers(3, 10)), int(rng.integers(1, 9))
+        tokens = rng.integers(0, 5000, p + r).tolist()
+        rollout = STUDENT.token_logprobs(np.asarray(tokens), np.arange(p, p + r))
+        rows = rollout_topk_rows(STUDENT, tokens, p, top_k) if top_k else None
+        out.append(
+            Sample(
+                tokens,
+                r,
+                rollout_logprobs=[float(np.float32(x)) for x in rollout],
+                student_top_logprobs=rows,
+                sample_id=i,
+            )
+        )
+    return out
+
+
+async def _score(cfg: StreamConfig, samples: Any) -> tuple[list[Any], Any]:
+    async with OPDStream(cfg) as stream:
+        async with stream.run(samples) as results:
+            out = sorted([r async for r in results], key=lambda r: r.index)
+        return out, stream.stats()
+
+
+async def _mock_stats(workers: list[str]) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as session:
+        out = []
+        for w in workers:
+            async with session.get(w + "/mock/stats") as resp:
+                out.append(msgspec.json.decode(await resp.read()))
+        return out
+
+
+def _check(out: list[Any], *, top_k: int) -> None:
+    for item in out:
+        assert isinstance(item, ScoredSample), (item.reason, item.message)
+        exp = expected_result(
+            tokens=list(item.sample.tokens),
+            response_length=item.sample.response_length,
+            teacher=TEACHER,
+            student=STUDENT,
+            top_k=top_k,
+            strategy="only-student",
+            weight_mode="student_p",
+            rollout_logprobs=list(item.sample.rollout_logprobs),
+        )
+        assert_matches(item, exp)
+
+
+def _api(url: str, method: str, path: str, body: Any = None) -> Any:
+    data = None if body is None else msgspec.json.encode(body)
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return resp.read()
+
+
+def _cfg(url: str, **kw: Any) -> StreamConfig:
+    return StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, **kw)
+
+
+# --- discovery ------------------------------------------------------------------------
+def test_both_listings_name_the_workers(gateway: tuple[str, list[str]]) -> None:
+    url, workers = gateway
+    assert sorted(parse_router_workers(_api(url, "GET", "/workers")) or []) == sorted(workers)
+    assert sorted(parse_rl_workers(_api(url, "GET", "/v1/rl/workers")) or []) == sorted(workers)
+
+
+async def test_discovery_scores_per_position_on_the_workers_directly(
+    gateway: tuple[str, list[str]],
+) -> None:
+    url, workers = gateway
+    before = [s["generate_requests"] for s in await _mock_stats(workers)]
+    samples = _samples(12, top_k=K, seed=4)
+    out, stats = await _score(_cfg(url), samples)
+    _check(out, top_k=K)
+    fleet = stats.fleets[url]
+    assert fleet.kind == "router" and fleet.direct and set(fleet.workers) == set(workers)
+    assert url not in stats.endpoints  # nothing went through smg
+    for w in workers:
+        assert stats.endpoints[w].per_position is True
+    assert stats.requests == len(samples)  # one per-position request per sample
+    after = [s["generate_requests"] for s in await _mock_stats(workers)]
+    assert sum(after) - sum(before) == len(samples)
+
+
+# --- through smg (discovery off) -------------------------------------------------------
+async def test_per_position_ids_pass_through_smg_with_discovery_off(
+    gateway: tuple[str, list[str]],
+) -> None:
+    url, _ = gateway
+    samples = _samples(10, top_k=K, seed=5)
+    out_direct, _ = await _score(_cfg(url), samples)
+    out_smg, stats = await _score(_cfg(url, router_discovery="off"), samples)
+    _check(out_smg, top_k=K)
+    for a, b in zip(out_direct, out_smg, strict=True):
+        assert np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
+        assert np.array_equal(a.reverse_kl, b.reverse_kl)
+    assert stats.fleets == {}
+    ep = stats.endpoints[url]
+    assert ep.per_position is True  # smg forwards the unknown field
+    assert ep.requests == len(samples)
+
+
+@pytest.mark.parametrize(("pad", "status"), [(0, 422), (1 << 20, 200)])
+def test_smg_checks_a_batch_s_logprob_start_len_only_in_bodies_under_1_mib(
+    gateway: tuple[str, list[str]], pad: int, status: int
+) -> None:
+    """A fact of smg 1.13 the README states: the blocked batch's list-valued fields are
+    refused (422) unless the body is over 1 MiB, which it forwards unchecked."""
+    url, _ = gateway
+    body = {
+        "input_ids": [list(range(100, 120)), list(range(100, 115))],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": [10, 12],
+        "token_ids_logprob": [[1, 2], [3]],
+        "opd_padding": "x" * pad,
+    }
+    req = urllib.request.Request(
+        url + "/generate",
+        data=msgspec.json.encode(body),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            got = resp.status
+    except urllib.error.HTTPError as exc:
+        got = exc.code
+    assert got == status
+
+
+async def test_unpatched_workers_behind_smg_get_the_blocks_as_separate_requests() -> None:
+    """smg answers 422 to the blocked batch (list logprob_start_len / list-of-lists
+    token_ids_logprob); the blocks then go one by one, with the same values."""
+    procs = _workers(2, per_position="unpatched")
+    try:
+        urls = [p.start() for p in procs]
+        with _launch(urls) as url:
+            samples = _samples(8, top_k=K, seed=6)
+            out, stats = await _score(_cfg(url, router_discovery="off"), samples)
+    finally:
+        for p in procs:
+            p.kill()
+    _check(out, top_k=K)
+    ep = stats.endpoints[url]
+    assert (ep.per_position, ep.blocked_batch) == (False, False)
+
+
+def _groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
+    rng = np.random.default_rng(9)
+    out = []
+    for g in range(groups):
+        head = rng.integers(0, 3000, prompt).tolist()
+        for _ in range(per_group):
+            tail = rng.integers(0, 3000, response).tolist()
+            out.append(Sample(head + tail, response, sample_id=g))
+    return out
+
+
+async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_policy() -> None:
+    groups, per_group, prompt, response = 8, 8, 64, 8
+    samples = _groups(groups, per_group, prompt, response)
+    procs = _workers(4, prefix_cache_tokens=1 << 20)
+    computed: dict[str, int] = {}
+    try:
+        urls = [p.start() for p in procs]
+        with _launch(urls, policy="manual") as url:
+            for balance in ("prefix", "least-outstanding"):  # with and without the key
+                for w in urls:
+                    _api(w, "POST", "/flush_cache")
+                before = sum(s["computed_tokens"] for s in await _mock_stats(urls))
+                out, stats = await _score(
+                    StreamConfig.from_env(
+                        {},
+                        teachers=url,
+                        kl_device="cpu",
+                        router_discovery="off",
+                        balance=balance,
+                        max_inflight=32,
+                    ),
+                    samples,
+                )
+                assert all(isinstance(r, ScoredSample) for r in out)
+                after = await _mock_stats(urls)
+                computed[balance] = sum(s["computed_tokens"] for s in after) - before
+                assert stats.endpoints[url].prompt_tokens == len(samples) * (prompt + response)
+    finally:
+        for p in procs:
+            p.kill()
+    unique = groups * (prompt + per_group * response)
+    # smg pins each key to one worker: each prompt is computed once (a response's first
+    # token is recomputed: logprob_start_len = P - 1 caps the reuse)
+    assert computed["prefix"] <= 1.1 * unique, computed
+    assert computed["prefix"] <= 0.7 * computed["least-outstanding"], computed
+
+
+# --- workers added and removed during a run ---------------------------------------------
+async def _paced(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
+    import anyio
+
+    for s in samples:
+        yield s
+        await anyio.sleep(every)
+
+
+async def test_a_worker_added_through_smg_gets_requests_during_a_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import anyio
+
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
+    procs = _workers(3)
+    try:
+        urls = [p.start() for p in procs]
+        with _launch(urls[:2], enable_rl=True) as url:
+            pool = _samples(200, top_k=K, seed=7)
+            async with OPDStream(_cfg(url)) as stream:
+
+                async def feed() -> AsyncIterator[Sample]:
+                    seen_at = None
+                    for n, sample in enumerate(pool):
+                        if n == 5:
+                            _api(url, "POST", "/workers", {"url": urls[2]})
+                        fleet = stream.stats().fleets.get(url)
+                        if seen_at is None and fleet and urls[2] in fleet.workers:
+                            seen_at = n
+                        if seen_at is not None and n >= seen_at + 10:
+                            return
+                        yield sample
+                        await anyio.sleep(0.05)
+
+                async with stream.run(feed()) as results:
+                    out = sorted([item async for item in results], key=lambda r: r.index)
+                stats = stream.stats()
+            _check(out, top_k=K)
+            assert [r.index for r in out] == list(range(len(out)))
+            assert urls[2] in stats.fleets[url].workers
+            assert (await _mock_stats(urls[2:]))[0]["generate_requests"] > 0
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.parametrize("how", ["removed", "killed"])
+async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
+    procs = _workers(2)
+    try:
+        urls = [p.start() for p in procs]
+        with _launch(urls) as url:
+            samples = _samples(30, top_k=K, seed=8)
+            async with OPDStream(_cfg(url, backoff_initial_s=0.01)) as stream:
+                async with stream.run(_paced(samples, 0.05)) as results:
+                    out = []
+                    async for item in results:
+                        out.append(item)
+                        if len(out) == 5:
+                            if how == "killed":
+                                procs[1].kill()
+                            else:
+                                listing = msgspec.json.decode(_api(url, "GET", "/workers"))
+                                wid = next(
+                                    w["id"] for w in listing["workers"] if w["url"] == urls[1]
+                                )
+                                _api(url, "DELETE", f"/workers/{wid}")
+                stats = stream.stats()
+            out.sort(key=lambda r: r.index)
+            assert [r.index for r in out] == list(range(len(samples)))
+            _check(out, top_k=K)
+            if how == "removed":
+                assert stats.fleets[url].workers == (urls[0],)
+    finally:
+        for p in procs:
+            p.kill()

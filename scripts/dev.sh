@@ -101,7 +101,9 @@ lowest() {
   trap 'rm -rf "$tmp"' RETURN
   python3 -m venv "$tmp/venv"
   "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "numba==0.65.0" ".[test]"
+  # only what the kernels' tests import (the whole test extra would fetch the routers too)
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "numba==0.65.0" . \
+    "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" "psutil>=5.9"
   "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
   (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
     test_decode_jit.py test_jit_payloads.py test_jit_rows.py test_jit_startup.py)

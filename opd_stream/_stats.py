@@ -284,5 +284,5 @@ class StatsRecorder:
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
             cpu_s=self.cpu.as_dict(),
-            decoded={parser: n for parser, n in self.decoded.items()},
+            decoded=dict(self.decoded.items()),
         )

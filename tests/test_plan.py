@@ -203,3 +203,12 @@ def test_the_kl_reads_and_returns_what_the_strategy_table_says(strategy: Any) ->
     res = topk_reverse_kl(batch, strategy, "student_p")
     assert res.ids.shape == (1, 1, candidate_width(strategy, 2, 3))
     assert candidate_width(strategy, 4) == 4 * needs.width
+
+
+def test_the_miles_flag_choices_are_the_strategies_and_weight_modes_of_the_table() -> None:
+    # Miles' reference flags are listed as the reference spells them; they are ours exactly.
+    from opd_stream._kltypes import STRATEGIES, WEIGHT_MODES
+    from opd_stream.integrations.miles import _flags
+
+    assert set(_flags.STRATEGIES) == set(STRATEGIES)
+    assert set(_flags.WEIGHT_MODES) == set(WEIGHT_MODES)

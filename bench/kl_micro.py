@@ -43,7 +43,7 @@ from opd_stream import Sample
 from opd_stream._answers import ScoreRows
 from opd_stream._kl import STRATEGIES, Strategy, WeightMode
 from opd_stream._klstage import score_batch
-from opd_stream._plan import plan_requests
+from opd_stream._plan import candidate_width, plan_requests
 from opd_stream._sample import Fetched, PreparedSample, ScoredSample
 
 __all__ = ("main", "make_batch")
@@ -178,7 +178,7 @@ def _check_against_reference(
 ) -> float:
     """Compare every array of a spread of positions with the float64 reference (the
     tolerances of ``tests/test_kl.py``); return the largest ``|r_t - reference|`` seen."""
-    c = 2 * k if strategy in ("union", "xor") else k
+    c = candidate_width(strategy, k)
     worst = 0.0
     for f, res in zip(items, results, strict=True):
         assert isinstance(res, ScoredSample), res

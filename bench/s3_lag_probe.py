@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from opd_stream import _jit
+from opd_stream._codec import PARSERS
 
 from .harness import LagTicker, mocks, run_opd
 from .scenarios import REPLAY, STUDENT_SEED, TEACHER_SEED, _config
@@ -70,7 +71,7 @@ async def _run(parser: str, n: int, passes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parser", choices=("jit", "msgspec"), default="jit")
+    ap.add_argument("--parser", choices=PARSERS, default="jit")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()

@@ -23,7 +23,9 @@ import numpy as np
 from opd_stream import Sample, StreamConfig
 from opd_stream._codec import decode_score_response, parser_for
 from opd_stream._jit import prepare
+from opd_stream._kltypes import Strategy
 from opd_stream._payloads import build_score_payload
+from opd_stream._plan import STRATEGY_NEEDS
 from opd_stream._student_topk import parse_student_topk
 from opd_stream._wire import ScoreRequest, auto_block_size
 from opd_stream.testing.mock_sglang import MockOptions
@@ -159,10 +161,11 @@ def _settle() -> None:
 
 
 async def _fetch_bodies(
-    samples: list[Sample], teacher: str, student: str | None, top_k: int, strategy: str
+    samples: list[Sample], teacher: str, student: str | None, top_k: int, strategy: Strategy
 ) -> list[tuple[bytes, ScoreRequest]]:
     """The answers opd_stream asks for (per-position, prompt start, b64 top-k), raw."""
     out: list[tuple[bytes, ScoreRequest]] = []
+    needs = STRATEGY_NEEDS[strategy]
     async with aiohttp.ClientSession() as session:
 
         async def post(url: str, req: ScoreRequest) -> bytes:
@@ -175,15 +178,15 @@ async def _fetch_bodies(
             tokens = np.asarray(s.tokens, dtype=np.int64)
             r = s.response_length
             s_ids = None
-            if top_k > 0 and strategy in ("only-student", "union", "xor"):
+            if top_k > 0 and needs.teacher_scores_student_ids:
                 s_ids, _ = parse_student_topk(s.student_top_logprobs, r, top_k)
-            t_topk = top_k if top_k > 0 and strategy != "only-student" else 0
+            t_topk = top_k if top_k > 0 and needs.teacher_topk else 0
             treq = ScoreRequest(
                 tokens=tokens, response_length=r, top_k=t_topk, ids=s_ids, topk_wire="b64"
             )
             tbody = await post(teacher, treq)
             out.append((tbody, treq))
-            if student is not None and top_k > 0 and strategy in ("only-teacher", "union", "xor"):
+            if student is not None and top_k > 0 and needs.student_scores_teacher_ids:
                 rows = decode_score_response(tbody, treq)
                 sreq = ScoreRequest(tokens=tokens, response_length=r, ids=rows.top_ids)
                 out.append((await post(student, sreq), sreq))

@@ -168,7 +168,7 @@ class AttemptSender:
                     winner.append(rows)
                     won_by.append(target)
                     if target != url:
-                        self._endpoints(target).hedge_wins += 1
+                        self._endpoints(target).traffic.hedge_wins += 1
             finished += 1
             changed[0].set()
             if winner or finished == len(racing):
@@ -187,7 +187,7 @@ class AttemptSender:
                     break
                 tries.attempts += 1
                 counter.attempts += 1
-                self._endpoints(other).hedges += 1
+                self._endpoints(other).traffic.hedges += 1
                 racing.append(other)
                 log.debug("hedge", side=side, after_s=delay)
                 tg.start_soon(run, other, make(other))
@@ -197,7 +197,7 @@ class AttemptSender:
                     await changed[0].wait()
             for target in racing:
                 if target not in won_by and all(f.url != target for f in failures):
-                    self._endpoints(target).cancelled += 1  # the loser, cancelled now
+                    self._endpoints(target).traffic.cancelled += 1  # the loser, cancelled now
             tg.cancel_scope.cancel()
         if winner:
             return winner[0]
@@ -221,7 +221,7 @@ class AttemptSender:
             rows = await self._watched_attempt(side, url, req, key)
         except OPDStreamError as exc:
             if not isinstance(exc, CapabilityError):
-                self._endpoints(url).errors += 1
+                self._endpoints(url).traffic.errors += 1
             if exc.retryable and isinstance(exc, ServerError):
                 self._note_failure(side, url, urls)
             if isinstance(exc, ConnectionFailed):
@@ -319,9 +319,9 @@ class AttemptSender:
         finally:
             self._stats.stage_active["decode"] -= 1
         ep = self._endpoints(url)
-        ep.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
+        ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
-            ep.cached_tokens += rows.cached_tokens
+            ep.traffic.cached_tokens += rows.cached_tokens
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
@@ -336,7 +336,7 @@ class AttemptSender:
         ep = self._endpoints.begin(url, key)
         try:
             async with self._limiter(url):
-                ep.requests += 1
+                ep.traffic.requests += 1
                 self._stats.requests += 1
                 if key is not None and self._headers_ok:
                     headers = {ROUTING_KEY_HEADER: f"{key:016x}"}
@@ -369,7 +369,7 @@ class AttemptSender:
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
         start = time.thread_time()
         bodies = build_block_payloads(req)
-        self._stats.cpu["build"] += time.thread_time() - start
+        self._stats.cpu.build += time.thread_time() - start
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
@@ -408,7 +408,7 @@ class AttemptSender:
                 limiter=self._threads,
                 abandon_on_cancel=True,
             )
-        self._stats.cpu["build"] += cpu
+        self._stats.cpu.build += cpu
         return body, lay
 
     async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
@@ -420,7 +420,7 @@ class AttemptSender:
             try:
                 rows, parser = decode(body, req, lay=lay)
             finally:
-                self._stats.cpu["decode_loop"] += time.thread_time() - start
+                self._stats.cpu.decode_loop += time.thread_time() - start
             self._stats.decoded[parser] += 1
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
@@ -431,7 +431,7 @@ class AttemptSender:
             limiter=self._threads,
             abandon_on_cancel=True,
         )
-        self._stats.cpu["decode_threads"] += cpu
+        self._stats.cpu.decode_threads += cpu
         if isinstance(got, BaseException):
             raise got
         rows, parser = got

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Final, Literal, get_args
 
 from ._answers import Body, ScoreRows
 from ._decode_columns import decode_segments_columns
@@ -28,6 +28,7 @@ from ._payloads import build_laid, payload_size_hint
 from ._wire import Layout, ScoreRequest, layout
 
 __all__ = (
+    "PARSERS",
     "Answer",
     "Parser",
     "answer_size",
@@ -41,7 +42,10 @@ __all__ = (
     "timed_decode",
 )
 
-Parser = Literal["msgspec", "jit"]
+Parser = Literal["jit", "msgspec"]
+"""The parsers of a scoring answer: the compiled scanner, and msgspec (its fallback)."""
+#: The same names as a tuple (the keys of ``StreamStats.decoded``, in this order).
+PARSERS: Final[tuple[Parser, ...]] = get_args(Parser)
 #: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
 Answer = Body | Sequence[Body]
 

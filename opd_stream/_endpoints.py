@@ -10,7 +10,9 @@ it; ``OPDStream.stats()`` only reads a snapshot (:meth:`Endpoints.snapshot`). Sa
 
 from __future__ import annotations
 
-from ._stats import EndpointStats
+import msgspec
+
+from ._stats import EndpointStats, EndpointTraffic
 
 __all__ = ("Endpoint", "EndpointHealth", "Endpoints")
 
@@ -58,29 +60,17 @@ class Endpoint:
     __slots__ = (
         "b64_topk",
         "blocked_batch",
-        "cached_tokens",
-        "cancelled",
-        "errors",
         "health",
-        "hedge_wins",
-        "hedges",
         "in_flight",
         "keys",
         "per_position",
-        "prompt_tokens",
-        "requests",
+        "traffic",
     )
 
     def __init__(self) -> None:
         self.in_flight = 0
         self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
-        self.requests = 0
-        self.errors = 0
-        self.hedges = 0
-        self.hedge_wins = 0
-        self.cancelled = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.traffic = EndpointTraffic()  # its counters (EndpointStats carries a copy)
         self.health = EndpointHealth()
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
@@ -89,20 +79,14 @@ class Endpoint:
     def stats(self) -> EndpointStats:
         health = self.health
         return EndpointStats(
+            **msgspec.structs.asdict(self.traffic),
             in_flight=self.in_flight,
-            requests=self.requests,
-            errors=self.errors,
             per_position=self.per_position,
             b64_topk=self.b64_topk,
             blocked_batch=self.blocked_batch,
             ejected=health.ejected,
             ejections=health.ejections,
             readmissions=health.readmissions,
-            hedges=self.hedges,
-            hedge_wins=self.hedge_wins,
-            cancelled=self.cancelled,
-            prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
         )
 
 

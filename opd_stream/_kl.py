@@ -110,6 +110,7 @@ from ._kltypes import (
     WeightMode,
     divergence_weight_problem,
 )
+from ._plan import candidate_width
 
 __all__ = (
     "DIVERGENCES",
@@ -329,7 +330,11 @@ def topk_divergence(
         else:
             s_base = _joined(flat("student_lp", f32), flat("student_on_teacher", f32))
             t_base = _joined(flat("teacher_on_student", f32), flat("teacher_lp", f32))
-    c = ks if strategy in ("only-student", "only-teacher", "intersection") else ids.shape[1]
+    c = candidate_width(
+        strategy,
+        fields["student_ids"].shape[-1] if "student_ids" in fields else 0,
+        fields["teacher_ids"].shape[-1] if "teacher_ids" in fields else 0,
+    )
     if n == 0 or c == 0:
         return empty_result(b, r, c, ids.device, tail)
 

@@ -5,12 +5,15 @@ batch's fields (:func:`checked_fields`). The math is :mod:`opd_stream._kl`'s.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ._kltypes import STRATEGIES, Strategy
+from ._plan import STRATEGY_NEEDS, StrategyNeeds
 
 __all__ = (
     "TopKBatch",
@@ -28,13 +31,22 @@ _FIELDS = (
     "teacher_lp",
     "student_on_teacher",
 )
-_NEEDED: dict[str, frozenset[str]] = {
-    "only-student": frozenset({"student_ids", "student_lp", "teacher_on_student"}),
-    "only-teacher": frozenset({"teacher_ids", "teacher_lp", "student_on_teacher"}),
-    "intersection": frozenset({"student_ids", "student_lp", "teacher_ids", "teacher_lp"}),
-    "union": frozenset(_FIELDS),
-    "xor": frozenset(_FIELDS),
-}
+
+
+def _fields_read(needs: StrategyNeeds) -> frozenset[str]:
+    """The batch fields that hold what ``needs`` says a strategy reads."""
+    return frozenset(
+        (["student_ids", "student_lp"] if needs.student_topk else [])
+        + (["teacher_ids", "teacher_lp"] if needs.teacher_topk else [])
+        + (["teacher_on_student"] if needs.teacher_scores_student_ids else [])
+        + (["student_on_teacher"] if needs.student_scores_teacher_ids else [])
+    )
+
+
+_NEEDED: Final[Mapping[str, frozenset[str]]] = MappingProxyType(
+    {strategy: _fields_read(needs) for strategy, needs in STRATEGY_NEEDS.items()}
+)
+"""Strategy -> the fields it reads: read from :data:`~opd_stream._plan.STRATEGY_NEEDS`."""
 
 
 class TopKBatch(NamedTuple):

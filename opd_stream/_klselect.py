@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 
 from ._klindex import Index, NumpyIndex, TorchIndex
+from ._kltypes import Strategy
+from ._plan import candidate_width
 
 __all__ = ("SelectionPlan", "plan_selection")
 
@@ -81,7 +83,7 @@ def _bits(n: int) -> int:
 
 
 def plan_selection(
-    strategy: str, ids_t: Tensor, ks: int, row_valid_t: Tensor | None, basis: bool
+    strategy: Strategy, ids_t: Tensor, ks: int, row_valid_t: Tensor | None, basis: bool
 ) -> SelectionPlan | None:
     """Decide each position's selected candidates and pack them to the front, in order.
 
@@ -133,7 +135,7 @@ def plan_selection(
         unsel, key = _membership_sorted(xp, strategy, ids, ks, kdt, b, lo, hi)
     if row_valid is not None:
         unsel |= ~row_valid[:, None]
-    c = ks if strategy == "intersection" else w
+    c = candidate_width(strategy, ks, w - ks)
     return _unpack(xp, xp.sort_rows((xp.cast(unsel, kdt) << (2 * b)) | key)[:, :c], b, w, basis)
 
 
@@ -227,7 +229,7 @@ def _classify(
 
 
 def _plan_sorted_numpy(
-    strategy: str, ids: Any, ks: int, row_valid: Any, lo: int, basis: bool
+    strategy: Strategy, ids: Any, ks: int, row_valid: Any, lo: int, basis: bool
 ) -> SelectionPlan:
     """:func:`plan_selection` for intersection, union and xor on numpy when ``id << b | column``
     fits int32: the two row sorts of :func:`_membership_sorted` and :func:`plan_selection`, written
@@ -235,7 +237,7 @@ def _plan_sorted_numpy(
     on ``[N, small]`` slices, and every fresh array can cost page faults)."""
     n, w = ids.shape
     size = n * w
-    c = ks if strategy == "intersection" else w
+    c = candidate_width(strategy, ks, w - ks)
     b = _bits(w)
     low = (1 << b) - 1
     idt: Any = np.int32 if size < 2**31 else np.int64

@@ -56,6 +56,7 @@ from ._kl import (
     sampled_reverse_kl,
     topk_divergence,
 )
+from ._plan import candidate_width
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
 from ._xtok import score_cross, token_alignment
 
@@ -241,7 +242,7 @@ def empty_result(
 ) -> ScoredSample:
     """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
     shapes."""
-    width = top_k * (2 if strategy in ("union", "xor") else 1)
+    width = candidate_width(strategy, top_k)
     cands = None
     if top_k > 0:
         cands = Candidates(

@@ -151,7 +151,7 @@ class _Pipeline:
         try:
             return self._prepare_timed(sample, index)
         finally:
-            self.stats.cpu["prepare"] += time.thread_time() - start
+            self.stats.cpu.prepare += time.thread_time() - start
 
     def _prepare_timed(self, sample: Any, index: int) -> PreparedSample:
         prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)
@@ -356,7 +356,7 @@ class _Pipeline:
                 limiter=self.kl_limiter,
             )
             self.stats.record_kl_batch(len(batch), seconds)
-            self.stats.cpu["kl"] += cpu
+            self.stats.cpu.kl += cpu
         except Exception as bug:  # a bug: fail this batch's samples, keep going
             results = [internal_failure(f.prepared, bug, f.attempts, self.secret) for f in batch]
         finally:

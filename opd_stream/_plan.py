@@ -5,20 +5,31 @@ fetched from the student server), the teacher top-k ``T``, the teacher's logprob
 ``S`` ids, and the student's logprobs of the ``T`` ids. The teacher request always
 returns the teacher's logprob of every sampled token as well. :data:`STRATEGY_NEEDS` is
 the one table of what each strategy reads; the configuration rules, the request plan and
-the candidate width are read from it.
+the candidate width (:func:`candidate_width`) are read from it, and so are the
+:class:`~opd_stream._klbatch.TopKBatch` fields each strategy reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 import msgspec
 
 from ._kltypes import Strategy
 
-__all__ = ("STRATEGY_NEEDS", "RequestPlan", "StrategyNeeds", "plan_requests")
+__all__ = (
+    "STRATEGY_NEEDS",
+    "CandidateColumns",
+    "RequestPlan",
+    "StrategyNeeds",
+    "candidate_width",
+    "plan_requests",
+)
+
+CandidateColumns = Literal["student", "teacher", "both"]
+"""Whose top-k columns a strategy's candidates are: ``S``'s, ``T``'s, or ``S`` then ``T``."""
 
 
 class StrategyNeeds(NamedTuple):
@@ -32,20 +43,39 @@ class StrategyNeeds(NamedTuple):
     """The teacher's logprobs of the ``S`` ids."""
     student_scores_teacher_ids: bool
     """The student's logprobs of the ``T`` ids (so the student server is needed)."""
-    width: int
-    """Candidate columns per top-k slot: a result has ``width * top_k`` candidates."""
+    candidates: CandidateColumns
+    """Whose top-k columns the candidate axis ``C`` holds (:func:`candidate_width`)."""
+
+    @property
+    def width(self) -> int:
+        """Candidate columns per top-k slot: a result has ``width * top_k`` candidates."""
+        return 2 if self.candidates == "both" else 1
+
+    def candidate_width(self, ks: int, kt: int) -> int:
+        """``C`` for a student top-k ``Ks`` wide and a teacher top-k ``Kt`` wide."""
+        return {"student": ks, "teacher": kt, "both": ks + kt}[self.candidates]
 
 
 STRATEGY_NEEDS: Final[Mapping[Strategy, StrategyNeeds]] = MappingProxyType(
     {
-        "only-student": StrategyNeeds(True, False, True, False, width=1),
-        "only-teacher": StrategyNeeds(False, True, False, True, width=1),
-        "intersection": StrategyNeeds(True, True, False, False, width=1),
-        "union": StrategyNeeds(True, True, True, True, width=2),
-        "xor": StrategyNeeds(True, True, True, True, width=2),
+        "only-student": StrategyNeeds(True, False, True, False, candidates="student"),
+        "only-teacher": StrategyNeeds(False, True, False, True, candidates="teacher"),
+        "intersection": StrategyNeeds(True, True, False, False, candidates="student"),
+        "union": StrategyNeeds(True, True, True, True, candidates="both"),
+        "xor": StrategyNeeds(True, True, True, True, candidates="both"),
     }
 )
 """Strategy -> what it reads: the one table (``STRATEGIES`` lists the same names)."""
+
+
+def candidate_width(strategy: Strategy, ks: int, kt: int | None = None) -> int:
+    """``C``, the candidate columns of a top-k result: ``Ks`` (only-student, intersection),
+    ``Kt`` (only-teacher) or ``Ks + Kt`` (union, xor); ``kt`` defaults to ``ks``.
+
+    Raises:
+        KeyError: ``strategy`` is not one of ``STRATEGIES``.
+    """
+    return STRATEGY_NEEDS[strategy].candidate_width(ks, ks if kt is None else kt)
 
 
 class RequestPlan(msgspec.Struct, frozen=True, kw_only=True):

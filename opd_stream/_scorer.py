@@ -375,7 +375,7 @@ class SampleScorer:
             try:
                 return xtok.prepare(prepared)
             finally:
-                self._stats.cpu["align"] += time.thread_time() - start
+                self._stats.cpu.align += time.thread_time() - start
 
         try:
             if prepared.response_length >= THREAD_TOKENS:

@@ -7,15 +7,20 @@ latency and loop-lag samples are ring buffers.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
-from typing import Literal
+from collections import Counter, deque
+from typing import Final, Literal
 
 import msgspec
 import numpy as np
 
+from ._codec import PARSERS, Parser
+
 __all__ = (
+    "CPU_STEPS",
     "ChannelStats",
+    "CpuSeconds",
     "EndpointStats",
+    "EndpointTraffic",
     "FleetState",
     "KLStageStats",
     "Kind",
@@ -37,20 +42,14 @@ class ChannelStats(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
 
 
-class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One server URL: requests in flight now, totals, detected capabilities, and the
-    replica bookkeeping of client-side balancing.
+class EndpointTraffic(msgspec.Struct, kw_only=True):
+    """The traffic counters of one server URL, declared once: an
+    :class:`~opd_stream._endpoints.Endpoint` counts in one, and :class:`EndpointStats`
+    (which has the same fields) carries a copy.
 
     Attributes:
-        in_flight: HTTP requests to this URL in flight now (its load).
         requests: HTTP requests sent, hedges included.
         errors: attempts that failed (any error).
-        per_position, b64_topk: detected capabilities (``None``: not yet known).
-        blocked_batch: the blocked id form's batch (per-item ``logprob_start_len``) is
-            accepted; ``False`` behind sglang-router 0.3.2, which answers 422.
-        ejected: out of the rotation now (passive health).
-        ejections: times it was ejected (a failed re-admission probe counts again).
-        readmissions: times a ``/health`` probe re-admitted it.
         hedges: duplicate requests sent to this URL because another replica was slow.
         hedge_wins: those duplicates that answered first.
         cancelled: attempts to this URL cancelled because a hedged twin answered first.
@@ -62,20 +61,40 @@ class EndpointStats(msgspec.Struct, frozen=True, kw_only=True):
             ``prompt_tokens - cached_tokens`` is what the server computed.
     """
 
+    requests: int = 0
+    errors: int = 0
+    hedges: int = 0
+    hedge_wins: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+# msgspec makes the inherited fields read-only too; mypy applies the dataclass rule instead.
+class EndpointStats(EndpointTraffic, frozen=True, kw_only=True):  # type: ignore[misc]
+    """One server URL: requests in flight now, totals, detected capabilities, and the
+    replica bookkeeping of client-side balancing.
+
+    The totals (``requests``, ``errors``, ``hedges``, ``hedge_wins``, ``cancelled``,
+    ``prompt_tokens``, ``cached_tokens``) are the fields of :class:`EndpointTraffic`.
+
+    Attributes:
+        in_flight: HTTP requests to this URL in flight now (its load).
+        per_position, b64_topk: detected capabilities (``None``: not yet known).
+        blocked_batch: the blocked id form's batch (per-item ``logprob_start_len``) is
+            accepted; ``False`` behind sglang-router 0.3.2, which answers 422.
+        ejected: out of the rotation now (passive health).
+        ejections: times it was ejected (a failed re-admission probe counts again).
+        readmissions: times a ``/health`` probe re-admitted it.
+    """
+
     in_flight: int
-    requests: int
-    errors: int
     per_position: bool | None
     b64_topk: bool | None
     blocked_batch: bool | None = None
     ejected: bool = False
     ejections: int = 0
     readmissions: int = 0
-    hedges: int = 0
-    hedge_wins: int = 0
-    cancelled: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -153,10 +172,26 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     directly when reachable from here) or a server (``router_discovery``)."""
 
 
-#: The steps of :attr:`StreamStats.cpu_s`.
-CPU_STEPS = ("prepare", "build", "decode_loop", "decode_threads", "kl", "align")
-#: The parsers of :attr:`StreamStats.decoded`.
-PARSERS = ("jit", "msgspec")
+class CpuSeconds(msgspec.Struct, kw_only=True):
+    """CPU seconds of each synchronous step so far (:attr:`StreamStats.cpu_s` is a copy).
+
+    One field per step, so a misspelt step is an ``AttributeError`` (and a mypy error),
+    never a new key."""
+
+    prepare: float = 0.0
+    build: float = 0.0
+    decode_loop: float = 0.0
+    decode_threads: float = 0.0
+    kl: float = 0.0
+    align: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Step -> seconds, in field order (the shape of :attr:`StreamStats.cpu_s`)."""
+        return {step: float(getattr(self, step)) for step in CPU_STEPS}
+
+
+#: The steps of :attr:`StreamStats.cpu_s`: the fields of :class:`CpuSeconds`.
+CPU_STEPS: Final[tuple[str, ...]] = CpuSeconds.__struct_fields__
 
 
 class StatsRecorder:
@@ -183,8 +218,8 @@ class StatsRecorder:
         self.kl_samples = 0
         self.kl_seconds = 0.0
         self._kl_batch: deque[float] = deque(maxlen=_RING)
-        self.cpu: defaultdict[str, float] = defaultdict(float)
-        self.decoded: defaultdict[str, int] = defaultdict(int)
+        self.cpu = CpuSeconds()
+        self.decoded: dict[Parser, int] = dict.fromkeys(PARSERS, 0)
 
     # channels ---------------------------------------------------------------------
     def channel(self, name: str, capacity: int) -> None:
@@ -248,6 +283,6 @@ class StatsRecorder:
                 batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
-            cpu_s={step: float(self.cpu[step]) for step in CPU_STEPS},
-            decoded={parser: self.decoded[parser] for parser in PARSERS},
+            cpu_s=self.cpu.as_dict(),
+            decoded=dict(self.decoded.items()),
         )

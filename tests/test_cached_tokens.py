@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import Parser, decode_score_response
+from opd_stream._codec import PARSERS, Parser, decode_score_response
 from opd_stream._decode_columns import decode_segments_columns
 from opd_stream._jit import prepare
 from opd_stream._jit_reader import read_answers_jit
@@ -27,7 +27,6 @@ REQUESTS = {
         tokens=_TOKENS, response_length=20, ids=_IDS, id_form="blocked", block_size=6
     ),
 }
-PARSERS: list[Parser] = ["msgspec", "jit"]
 
 
 def _decode(body: bytes, req: ScoreRequest, parser: Parser) -> ScoreRows:

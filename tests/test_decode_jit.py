@@ -23,7 +23,7 @@ from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_value
 
 from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import decode_score_response, parser_for
+from opd_stream._codec import PARSERS, decode_score_response, parser_for
 from opd_stream._decode_columns import decode_segments_columns
 from opd_stream._decode_generate import decode_generate_response
 from opd_stream._jit import available, prepare
@@ -247,9 +247,9 @@ def test_an_unknown_field_nested_100k_deep_is_malformed_on_every_path() -> None:
     req = REQUESTS["ids-per-position"]
     body = _deep(wf.encode(VALID["ids-per-position"]), 100_000)
     assert _jit(body, req) is None
-    for parser in ("msgspec", "jit"):
+    for parser in PARSERS:
         with pytest.raises(OPDStreamError, match="nested too deeply") as info:
-            decode_score_response(body, req, parser=parser)  # type: ignore[arg-type]
+            decode_score_response(body, req, parser=parser)
         assert info.value.reason == "malformed_response"
 
 
@@ -262,9 +262,9 @@ def test_a_positive_logprob_is_malformed_for_both_parsers(name: str) -> None:
     item = obj[-1] if isinstance(obj, list) else obj
     item["meta_info"]["input_token_logprobs"][-1][0] = 5.0
     body = wf.encode(obj)
-    for parser in ("msgspec", "jit"):
+    for parser in PARSERS:
         with pytest.raises(OPDStreamError, match="logprob above 0") as info:
-            decode_score_response(body, req, parser=parser)  # type: ignore[arg-type]
+            decode_score_response(body, req, parser=parser)
         assert info.value.reason == "malformed_response"
 
 

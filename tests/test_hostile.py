@@ -31,6 +31,7 @@ from opd_stream import (
 )
 from opd_stream._budget import ByteBudget, current_lease
 from opd_stream._cli import main
+from opd_stream._codec import PARSERS
 from opd_stream._error_body import parse_error_message
 from opd_stream._redact import redact
 from opd_stream.testing import capture_events
@@ -440,7 +441,7 @@ def _valid_answer(tokens: list[int], lp: float) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "jit"])
+@pytest.mark.parametrize("parser", PARSERS)
 async def test_a_deeply_nested_unknown_field_is_malformed_never_internal(
     parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

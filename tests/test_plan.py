@@ -162,3 +162,53 @@ def test_the_strategy_table_covers_every_strategy_once() -> None:
         # a strategy reads at least one top-k, and is twice as wide only when it joins both
         assert needs.student_topk or needs.teacher_topk, strategy
         assert needs.width == (2 if strategy in ("union", "xor") else 1)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["only-student", "only-teacher", "intersection", "union", "xor"]
+)
+def test_the_kl_reads_and_returns_what_the_strategy_table_says(strategy: Any) -> None:
+    import torch
+
+    from opd_stream._kl import topk_reverse_kl
+    from opd_stream._klbatch import TopKBatch, needed_inputs
+    from opd_stream._plan import STRATEGY_NEEDS, candidate_width
+
+    needs = STRATEGY_NEEDS[strategy]
+    want = {
+        "student_ids": needs.student_topk,
+        "student_lp": needs.student_topk,
+        "teacher_ids": needs.teacher_topk,
+        "teacher_lp": needs.teacher_topk,
+        "teacher_on_student": needs.teacher_scores_student_ids,
+        "student_on_teacher": needs.student_scores_teacher_ids,
+    }
+    assert needed_inputs(strategy) == {name for name, used in want.items() if used}
+    # Ks = 2, Kt = 3: the candidate axis of the result is the table's width, and only the
+    # fields the table names are needed (the others are None).
+    lp = torch.log(torch.tensor([[[0.5, 0.25]]]))
+    lp3 = torch.log(torch.tensor([[[0.5, 0.25, 0.125]]]))
+    full = {
+        "student_ids": torch.tensor([[[1, 2]]]),
+        "student_lp": lp,
+        "teacher_on_student": lp,
+        "teacher_ids": torch.tensor([[[2, 3, 4]]]),
+        "teacher_lp": lp3,
+        "student_on_teacher": lp3,
+    }
+    batch = TopKBatch(
+        **{name: (x if want[name] else None) for name, x in full.items()},
+        valid=torch.ones((1, 1), dtype=torch.bool),
+    )
+    res = topk_reverse_kl(batch, strategy, "student_p")
+    assert res.ids.shape == (1, 1, candidate_width(strategy, 2, 3))
+    assert candidate_width(strategy, 4) == 4 * needs.width
+
+
+def test_the_miles_flag_choices_are_the_strategies_and_weight_modes_of_the_table() -> None:
+    # Miles' reference flags are listed as the reference spells them; they are ours exactly.
+    from opd_stream._kltypes import STRATEGIES, WEIGHT_MODES
+    from opd_stream.integrations.miles import _flags
+
+    assert set(_flags.STRATEGIES) == set(STRATEGIES)
+    assert set(_flags.WEIGHT_MODES) == set(WEIGHT_MODES)

@@ -24,7 +24,7 @@ from opd_stream import (
     StreamConfig,
     WeightVersionChanged,
 )
-from opd_stream._codec import decode_block_answers, decode_score_response
+from opd_stream._codec import PARSERS, decode_block_answers, decode_score_response
 from opd_stream._payloads import build_block_payloads, build_score_payload
 from opd_stream._scorer import same_weights
 from opd_stream._wire import ScoreRequest
@@ -75,7 +75,7 @@ def _blocked_request(id_form: Any = "blocked") -> ScoreRequest:
 # -- the decoders ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "jit"])
+@pytest.mark.parametrize("parser", PARSERS)
 def test_items_of_one_blocked_answer_with_different_versions_are_refused(parser: Any) -> None:
     server = InProcessSGLang("teacher", 1, weight_versions=("v1", "v2"))
     req = _blocked_request()
@@ -87,7 +87,7 @@ def test_items_of_one_blocked_answer_with_different_versions_are_refused(parser:
     assert isinstance(info.value, ProtocolError) and not info.value.retryable
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "jit"])
+@pytest.mark.parametrize("parser", PARSERS)
 def test_blocks_sent_as_separate_requests_with_different_versions_are_refused(
     parser: Any,
 ) -> None:
@@ -99,7 +99,7 @@ def test_blocks_sent_as_separate_requests_with_different_versions_are_refused(
         decode_block_answers(bodies, req, parser=parser)
 
 
-@pytest.mark.parametrize("parser", ["msgspec", "jit"])
+@pytest.mark.parametrize("parser", PARSERS)
 def test_one_version_across_items_is_the_answers_version(parser: Any) -> None:
     server = InProcessSGLang("teacher", 1, weight_versions=("v7",))
     req = _blocked_request()

@@ -1,0 +1,84 @@
+"""The compiled scanner and checks restate a few facts that the Python decoders declare
+(numba compiles module-level constants in, so the kernels keep their own copies): each copy
+is tied to its one declaration here, not by hand."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from opd_stream import (
+    _decode_checks,
+    _decode_score,
+    _jit_calls,
+    _jit_checks,
+    _jit_ids,
+    _jit_kernel,
+    _jit_rows,
+    _student_topk,
+)
+from opd_stream._student_topk import MAX_TOKEN_ID, PAD_ID
+
+
+def test_the_scanner_falls_back_at_the_decoders_logprob_tolerance() -> None:
+    assert _jit_kernel._TOLERANCE == _decode_checks.LOGPROB_TOLERANCE
+
+
+def test_the_scanner_numbers_the_kinds_of_value_as_the_schema_does() -> None:
+    kernel = (_jit_kernel._ENTRIES, _jit_kernel._ROWS, _jit_kernel._B64)
+    assert kernel == (_decode_score.ENTRIES, _decode_score.ROWS, _decode_score.B64)
+    assert set(_jit_calls.KINDS) <= set(kernel)
+
+
+def test_the_scanner_looks_for_the_schemas_field_names() -> None:
+    fields = {f.name for f in msgspec.structs.fields(_decode_score._Response)}
+    assert _jit_calls._META.tobytes().decode() in fields
+    meta = {f.name for f in msgspec.structs.fields(_decode_score._Meta)}
+    assert set(_jit_calls.KEYS) <= meta
+
+
+def test_the_number_limits_of_the_kernels_are_those_of_the_types() -> None:
+    exact = 2 ** (np.finfo(np.float64).nmant + 1)  # integers exact in a double
+    assert _jit_kernel._EXACT_MANTISSA == _jit_rows._EXACT == exact
+    f32 = np.finfo(np.float32)
+    assert float(f32.tiny) <= _jit_kernel._F32_TINY < 2 * float(f32.tiny)
+    assert float(f32.max) > _jit_kernel._F32_SAFE
+    # the id writer: every id below its limit has at most as many digits as it has powers
+    assert len(str(_jit_ids._LIMIT - 1)) <= len(_jit_ids._POWERS)
+    assert MAX_TOKEN_ID < _jit_ids._LIMIT
+    assert _jit_ids._ASCII_ZEROS == _jit_kernel._ASCII_ZEROS == np.uint64(
+        int.from_bytes(b"0" * 8, "little")
+    )
+
+
+def test_the_fault_numbers_of_the_checks_follow_their_names() -> None:
+    names = ("negative_id", "id_above", "lp_nan", "lp_posinf", "lp_above")
+    names += ("pad_before_id", "duplicate")
+    numbers = (_jit_checks.NEGATIVE_ID, _jit_checks.ID_ABOVE, _jit_checks.LP_NAN)
+    numbers += (_jit_checks.LP_POSINF, _jit_checks.LP_ABOVE, _jit_checks.PAD_BEFORE_ID)
+    numbers += (_jit_checks.DUPLICATE,)
+    assert tuple(_jit_checks.FAULTS.index(n) for n in names) == numbers
+    assert _jit_checks.N_FAULTS == len(_jit_checks.FAULTS) == len(set(_jit_checks.FAULTS))
+    # every fault the sample checks report is one the kernel names
+    assert {n for n, _ in _student_topk._ARRAY_FAULTS} == set(_jit_checks.FAULTS)
+    assert {n for n, _ in _student_topk._ROW_FAULTS} <= set(_jit_checks.FAULTS)
+
+
+def test_the_kernel_and_its_numpy_twin_name_the_same_faults_at_the_same_rows() -> None:
+    # one row per fault, in FAULTS order
+    ids = np.array(
+        [[PAD_ID - 1, 1], [MAX_TOKEN_ID + 1, 1], [1, 2], [1, 2], [1, 2], [PAD_ID, 3], [4, 4]],
+        dtype=np.int64,
+    )
+    lps = np.full(ids.shape, -1.0)
+    lps[2, 0], lps[3, 0], lps[4, 0] = np.nan, np.inf, 0.5
+    twin_out, twin = _student_topk._topk_faults(ids, lps)
+    out, kernel = _jit_calls.topk_check(
+        ids, lps, PAD_ID, MAX_TOKEN_ID, _decode_checks.LOGPROB_TOLERANCE
+    )
+    assert set(twin) == set(_jit_checks.FAULTS)
+    assert {name: twin[name] for name in _jit_checks.FAULTS} == {
+        name: row for row, name in enumerate(_jit_checks.FAULTS)
+    } | {"lp_above": 3}  # +inf is above the tolerance too, and its row comes first
+    assert kernel == twin
+    assert np.array_equal(out, twin_out)

@@ -84,7 +84,7 @@ def measure(response: int, k: int, reps: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, (body, req) in shapes(response, k).items():
         assert decode_score_response(body, req, parser="jit") is not None
-        assert _jit_calls.run_scan(body, False)[0][0] == _jit_calls.OK, name
+        assert _jit_calls.run_scan(body, False).status == _jit_calls.OK, name
         ways: dict[str, Callable[[], Any]] = {
             "scan": lambda body=body: _jit_calls.run_scan(body, False),
             "scanner decode": lambda body=body, req=req: decode_score_response(

@@ -438,11 +438,11 @@ _ALPHABET = b'[]{},:"\\0123456789.-eE nul'
     batch=st.booleans(),
 )
 def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch: bool) -> None:
-    import opd_stream._jit as jr
+    from opd_stream import _jit_calls as kernel
 
-    kernel = jr.compiled()
-    assert kernel is not None
-    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.run_scan(data, batch)
+    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.scan_buffers(
+        data, batch
+    )
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
     assert 0 <= n_ent <= lps.shape[0] and 0 <= n_rows <= widths.shape[0]
     for rec in records[:n_rec]:

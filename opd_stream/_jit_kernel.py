@@ -493,6 +493,14 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
         return i, ne, nr, UNUSUAL
 
 
+#: Each byte's value in the base64 alphabet (``A-Z a-z 0-9 + /``: 0-63), or 255.
+_B64_VALUES = np.full(256, 255, dtype=np.uint8)
+_B64_VALUES[
+    np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", np.uint8)
+] = np.arange(64, dtype=np.uint8)
+_B64_VALUES.flags.writeable = False
+
+
 @njit_leaf
 def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     """A JSON string at ``b[i]`` (which is ``"``) of canonical base64 (no escapes, no
@@ -505,6 +513,23 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     bits = 0
     alpha = 0
     pads = 0
+    # four characters of the alphabet a step, three bytes out (the string's body); the
+    # first step that meets anything else (the padding, the closing quote, a stray byte)
+    # leaves it to the loop below, which starts at a whole group: no bits pending
+    while i + 4 <= n and nb + 3 <= cap:
+        v0 = _B64_VALUES[load_byte(b, i)]
+        v1 = _B64_VALUES[load_byte(b, i + 1)]
+        v2 = _B64_VALUES[load_byte(b, i + 2)]
+        v3 = _B64_VALUES[load_byte(b, i + 3)]
+        if (v0 | v1 | v2 | v3) > 63:
+            break
+        x = (np.int64(v0) << 18) | (np.int64(v1) << 12) | (np.int64(v2) << 6) | np.int64(v3)
+        raw[nb] = (x >> 16) & 0xFF
+        raw[nb + 1] = (x >> 8) & 0xFF
+        raw[nb + 2] = x & 0xFF
+        nb += 3
+        alpha += 4
+        i += 4
     while i < n:
         c = load_byte(b, i)
         if c == QUOTE:

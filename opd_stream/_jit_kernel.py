@@ -41,7 +41,11 @@ Speed: the scan is one serial chain (each token's place depends on the one befor
 what counts is the bytes touched per step. An entry in SGLang's own compact form,
 ``-D.DDD,ID,null],[``, is read eight bytes at a time (``_fast_entry``: the fraction and the
 id as SWAR words, the entry's end as one word compare), the same value :func:`_number`
-gives; anything else in the entry sends it down the general path. Bytes are read through
+gives; anything else in the entry sends it down the general path (``bench/scan_micro.py``,
+on the mock's answers: without it the scan takes 6-15% more CPU by answer shape, 0.63-0.66
+against 0.69-0.72 ns per byte of a per-position answer; its compile, ~0.3 s of the ~7 s).
+A base64 string is decoded four characters a step through a table (0.5 ns per byte of a
+b64 top-k answer, 3.4 one character at a time). Bytes are read through
 :data:`load_byte` / :data:`load_le64`, which skip numba's negative-index wraparound (a
 compare and select on every signed index, which also keeps LLVM from merging loads).
 """

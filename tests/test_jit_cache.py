@@ -46,6 +46,9 @@ def _package_imports(tree: ast.Module) -> dict[str, set[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             out.setdefault(node.module, set()).update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import _x
+            for a in node.names:
+                out.setdefault(a.name, set()).add("*")
         elif isinstance(node, ast.ImportFrom) and node.module == "opd_stream":
             out.setdefault("", set()).update(a.name for a in node.names)
     return out

@@ -117,6 +117,11 @@ class JitAnswers:
         k = self._k
         recs = self._records(name)
         present = [r for r in recs if r is not None]
+        if not present:  # null or absent in every item (the fields a request did not ask)
+            n = len(recs)
+            empty = EntryColumns.of(np.empty(0), np.empty(0))
+            none = np.ones(n, dtype=bool)
+            return RowColumns.of(none, np.zeros(n + 1, np.intp), none[:0], _NO_ROWS, empty)
         item_null = np.array([r is None for r in recs], dtype=bool)
         counts = np.array([0 if r is None else r[k.R_ROW1] - r[k.R_ROW0] for r in recs])
         item_off = np.concatenate(([0], np.cumsum(counts))).astype(np.intp)
@@ -124,6 +129,10 @@ class JitAnswers:
         row_width = _cat([self._widths[a:b] for a, b in spans], np.int32).astype(np.intp)
         row_null = _cat([self._nulls[a:b] for a, b in spans], np.uint8).astype(bool)
         return RowColumns.of(item_null, item_off, row_null, row_width, self._entries_of(present))
+
+
+_NO_ROWS = np.empty(0, dtype=np.intp)
+_NO_ROWS.flags.writeable = False
 
 
 def _cat(parts: list[npt.NDArray[Any]], dtype: Any) -> npt.NDArray[Any]:

@@ -159,7 +159,7 @@ def _picked_id_rows(
     if f.item_null[0] or f.count(0) != n_entries[0] or seg.rows > n_entries[0]:
         return None
     out = np.empty(seg.expect.shape, dtype=np.float32)
-    ok, top = kernel.pick_id_rows(
+    ok, top = kernel.pick_rows(
         np.asarray(f.entries.ids, dtype=np.float64),
         np.asarray(f.entries.lps, dtype=np.float64),
         np.asarray(f.entry_off, dtype=np.intp),

@@ -16,6 +16,8 @@ here, the thread compiles in-process instead (still a daemon).
 Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
 ``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a
 big-endian machine), :func:`compiled` gives ``None`` and the callers use msgspec and numpy.
+Once ready it gives :class:`Kernels`, the typed calls of :mod:`opd_stream._jit_calls`
+(mypy checks that module against it, and every caller against it).
 A failure is logged once at DEBUG and never retried. Nothing is printed: the CLI asks for
 its one line with :func:`announce_compile`.
 """
@@ -28,14 +30,98 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-__all__ = ("announce_compile", "available", "compiled", "prepare", "start", "unavailable_reason")
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from ._answers import Body
+
+__all__ = (
+    "Kernels",
+    "Scan",
+    "announce_compile",
+    "available",
+    "compiled",
+    "prepare",
+    "start",
+    "unavailable_reason",
+)
+
+
+class Scan(NamedTuple):
+    """What the answer scan gives (:func:`opd_stream._jit_kernel.scan`), its buffers cut
+    to what it wrote (``raw`` whole: records hold its byte ranges)."""
+
+    status: int  #: :attr:`Kernels.OK`, or the answer is not for the scanner
+    n_items: int
+    records: npt.NDArray[np.int64]  #: ``[n, 8]``, columns :attr:`Kernels.R_KEY` ...
+    lps: npt.NDArray[np.float64]
+    ids: npt.NDArray[np.int64]
+    widths: npt.NDArray[np.int32]
+    nulls: npt.NDArray[np.uint8]
+    raw: npt.NDArray[np.uint8]
+
+
+class Kernels(Protocol):
+    """The compiled kernels as :func:`compiled` gives them: :mod:`opd_stream._jit_calls`,
+    checked against this by mypy where :func:`prepare` hands it out."""
+
+    #: The scan's status of an answer it took (:attr:`Scan.status`).
+    OK: int
+    #: The columns of :attr:`Scan.records`: the value's key (an index into :attr:`KEYS`),
+    #: its item, its byte span in the body, its rows and its entries (for a base64 string,
+    #: its bytes in :attr:`Scan.raw`).
+    R_KEY: int
+    R_ITEM: int
+    R_START: int
+    R_END: int
+    R_ROW0: int
+    R_ROW1: int
+    R_ENT0: int
+    R_ENT1: int
+    #: The ``meta_info`` values the scan parses, and their kinds (:attr:`B64` or a list).
+    KEYS: tuple[str, ...]
+    KINDS: tuple[int, ...]
+    B64: int
+
+    def run_scan(self, body: Body, batch: bool) -> Scan: ...
+
+    def rows_read(
+        self, body: bytes, r: int, k: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None: ...
+
+    def topk_check(
+        self,
+        ids: npt.NDArray[np.int64],
+        lps: npt.NDArray[np.floating[Any]],
+        pad_id: int,
+        max_id: int,
+        tolerance: float,
+    ) -> tuple[npt.NDArray[np.float32], dict[str, int]]: ...
+
+    def positions_json(self, ids: npt.NDArray[Any], empty_rows: int) -> memoryview | None: ...
+
+    def id_fault(self, ids: npt.NDArray[np.int64], max_id: int) -> tuple[int, int]: ...
+
+    def pick_rows(
+        self,
+        e_ids: npt.NDArray[np.float64],
+        e_lps: npt.NDArray[np.float64],
+        entry_off: npt.NDArray[np.intp],
+        row_width: npt.NDArray[np.intp],
+        row_null: npt.NDArray[np.bool_],
+        first_row: int,
+        expect: npt.NDArray[np.int64],
+        out: npt.NDArray[np.float32],
+    ) -> tuple[bool, float]: ...
+
 
 _log = logging.getLogger("opd_stream")
 _start_lock = threading.Lock()
 _compile_lock = threading.Lock()
-_kernel: ModuleType | None = None
+_kernel: Kernels | None = None
 _failed = False
 _thread: threading.Thread | None = None
 _notice: Callable[[], None] | None = None
@@ -47,8 +133,8 @@ _CHILD = (
 )
 
 
-def compiled() -> ModuleType | None:
-    """The compiled kernels' module, or ``None`` (not ready yet, or unavailable)."""
+def compiled() -> Kernels | None:
+    """The compiled kernels, or ``None`` (not ready yet, or unavailable)."""
     return _kernel
 
 

@@ -1,6 +1,7 @@
-"""The compiled kernels as plain calls (:func:`opd_stream._jit.compiled` gives this module):
-buffers sized for any input, the kernels' constants, and :func:`warm`, which compiles
-every kernel with the argument types it is always called with.
+"""The compiled kernels as typed calls (:func:`opd_stream._jit.compiled` gives this module,
+as :class:`opd_stream._jit.Kernels`, which mypy checks it against): buffers sized for any
+input, the kernels' constants, and :func:`warm`, which compiles every kernel with the
+argument types it is always called with.
 
 Importing it imports numba and compiles (or loads from numba's cache): only
 :func:`opd_stream._jit.prepare` does, in a worker thread.
@@ -11,9 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ._answers import Body
 from ._decode_score import B64, SCANNED
+from ._jit import Scan
 from ._jit_checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
 from ._jit_ids import _write_positions, positions_json
 from ._jit_kernel import (
@@ -46,20 +49,21 @@ __all__ = (
     "R_START",
     "KERNELS",
     "UNUSUAL",
-    "request_id_fault",
-    "pick_id_rows",
+    "id_fault",
+    "pick_rows",
     "positions_json",
     "rows_read",
     "topk_check",
     "run_scan",
+    "scan_buffers",
     "warm",
 )
 
 
 #: The ``meta_info`` values the scan parses, by index in its records: their names and
 #: kinds (:data:`opd_stream._decode_score.SCANNED`, the msgspec decoder's schema).
-KEYS = tuple(name for name, _ in SCANNED)
-KINDS = tuple(kind for _, kind in SCANNED)
+KEYS: tuple[str, ...] = tuple(name for name, _ in SCANNED)
+KINDS: tuple[int, ...] = tuple(kind for _, kind in SCANNED)
 _KEY_BYTES = np.frombuffer("".join(KEYS).encode(), dtype=np.uint8).copy()
 _KEY_STARTS = np.cumsum([0] + [len(k) for k in KEYS]).astype(np.int64)
 _KINDS = np.array(KINDS, dtype=np.int64)
@@ -73,7 +77,9 @@ for _arr in (_KEY_BYTES, _KEY_STARTS, _KINDS, _META):
 KERNELS = (scan, read_rows, _write_positions, request_id_fault, pick_id_rows, topk_faults)
 
 
-def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
+def rows_read(
+    body: bytes, r: int, k: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None:
     """The msgpack of a rollout's ``r`` Python top-k rows into ``(lps float64 [r * k],
     ids int64 [r * k])``, each row's first ``k`` entries (a ``nil`` logprob is ``-inf``),
     or ``None`` for anything :func:`opd_stream._jit_rows.read_rows` does not take."""
@@ -86,8 +92,12 @@ def rows_read(body: bytes, r: int, k: int) -> tuple[Any, Any] | None:
 
 
 def topk_check(
-    ids: Any, lps: Any, pad_id: int, max_id: int, tolerance: float
-) -> tuple[Any, dict[str, int]]:
+    ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.floating[Any]],
+    pad_id: int,
+    max_id: int,
+    tolerance: float,
+) -> tuple[npt.NDArray[np.float32], dict[str, int]]:
     """A student top-k's checks in one compiled pass (:func:`opd_stream._jit_checks.
     topk_faults`): ``(logprobs as float32 [R, k], {fault: first row})``, the faults
     named as in :data:`opd_stream._jit_checks.FAULTS`, only those found."""
@@ -96,10 +106,52 @@ def topk_check(
     return out, {name: int(row) for name, row in zip(FAULTS, first, strict=True) if row >= 0}
 
 
-def run_scan(body: Body, batch: bool) -> tuple[Any, ...]:
+def id_fault(ids: npt.NDArray[np.int64], max_id: int) -> tuple[int, int]:
+    """A request's ids (int64 ``[R, k]``, contiguous) checked in one pass
+    (:func:`opd_stream._jit_checks.request_id_fault`): ``(1, -1)`` for an id outside
+    ``[0, max_id)``, ``(2, row)`` for the first row holding an id twice, else ``(0, -1)``."""
+    fault, row = request_id_fault(ids, max_id)
+    return int(fault), int(row)
+
+
+def pick_rows(
+    e_ids: npt.NDArray[np.float64],
+    e_lps: npt.NDArray[np.float64],
+    entry_off: npt.NDArray[np.intp],
+    row_width: npt.NDArray[np.intp],
+    row_null: npt.NDArray[np.bool_],
+    first_row: int,
+    expect: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float32],
+) -> tuple[bool, float]:
+    """One answer's per-position id rows checked and picked into ``out``
+    (:func:`opd_stream._jit_checks.pick_id_rows`): ``(ok, largest logprob)``."""
+    ok, top = pick_id_rows(e_ids, e_lps, entry_off, row_width, row_null, first_row, expect, out)
+    return bool(ok), float(top)
+
+
+def run_scan(body: Body, batch: bool) -> Scan:
+    """:func:`scan` over ``body`` (:func:`scan_buffers`), its buffers cut to what it
+    wrote."""
+    got, lps, ids, widths, nulls, raw, records = scan_buffers(body, batch)
+    status, n_rec, n_items, n_ent, n_rows = got
+    return Scan(
+        int(status),
+        int(n_items),
+        records[:n_rec],
+        lps[:n_ent],
+        ids[:n_ent],
+        widths[:n_rows],
+        nulls[:n_rows],
+        raw,
+    )
+
+
+def scan_buffers(body: Body, batch: bool) -> tuple[Any, ...]:
     """:func:`scan` over ``body`` with buffers big enough for any body of its size:
     ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
-    records)``. Allocated with ``np.empty``: pages a scan does not touch cost nothing."""
+    records)``, the buffers whole. Allocated with ``np.empty``: pages a scan does not touch
+    cost nothing."""
     n = len(body)
     b = np.frombuffer(body, dtype=np.uint8)
     if b.flags.writeable:  # one compiled variant: read-only bytes
@@ -141,9 +193,9 @@ def warm() -> None:
     rows_read(_WARM_ROWS, 2, 1)
     positions_json(np.zeros((1, 1), dtype=np.int64), 1)
     ids = np.zeros((1, 1), dtype=np.int64)
-    request_id_fault(ids, 1)
+    id_fault(ids, 1)
     one = np.zeros(1, dtype=np.intp)
     out = np.empty((1, 1), dtype=np.float32)
-    pick_id_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
+    pick_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
     for dtype in (np.float64, np.float32):
         topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

@@ -5,16 +5,21 @@ with the float32 logprobs written on the way; and the per-position id rows of an
 checked and picked (:func:`pick_id_rows`).
 
 Its own module: it calls no function of another file (numba's disk cache keys a compiled
-function on its own file only).
+function on its own file only); it takes the decorators of :mod:`opd_stream._jit_shared`,
+whose digest it carries as ``SHARED_DIGEST`` (``tests/test_jit_cache.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._jit_kernel import njit_cached, njit_leaf
+from ._jit_shared import njit_cached, njit_leaf
 
-__all__ = ("FAULTS", "pick_id_rows", "request_id_fault", "topk_faults")
+__all__ = ("FAULTS", "SHARED_DIGEST", "pick_id_rows", "request_id_fault", "topk_faults")
+
+#: :func:`opd_stream._jit_shared.digest` of the file this one's kernels take code from
+#: (an edit there must edit this file too, or numba serves its stale cache).
+SHARED_DIGEST = "0c75b6974009bdfb"
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (

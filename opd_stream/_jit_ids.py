@@ -1,9 +1,9 @@
 """The compiled writer of per-position id rows for request payloads (numba, ``nogil``).
 
-Its own module: numba caches a compiled function keyed on its file alone, and this one
-calls no function of the scan's file (:mod:`opd_stream._jit_kernel`), only its store
-intrinsic, whose code is generated inline (should it ever change, touch this file too, or
-its cached code keeps the old store). A token id (below 10^8) is written as one SWAR word
+Its own module: numba caches a compiled function keyed on its file alone; it takes from
+other files only what :mod:`opd_stream._jit_shared` holds (the store intrinsic, whose code
+is generated inline, and the bytes of JSON by name), whose digest it carries as
+``SHARED_DIGEST`` (``tests/test_jit_cache.py``). A token id (below 10^8) is written as one SWAR word
 of eight digits, shifted to its own digits, and one unaligned store.
 """
 
@@ -13,9 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from ._jit_kernel import njit_leaf, store_le64
+from ._jit_shared import CLOSE_BRACKET, COMMA, OPEN_BRACKET, ZERO, njit_leaf, store_le64
 
-__all__ = ("positions_json",)
+__all__ = ("SHARED_DIGEST", "positions_json")
+
+#: :func:`opd_stream._jit_shared.digest` of the file this one's kernels take code from
+#: (an edit there must edit this file too, or numba serves its stale cache).
+SHARED_DIGEST = "0c75b6974009bdfb"
 
 #: "00" "01" ... "99": two digits per table step, half the divisions.
 _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()
@@ -46,15 +50,15 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
     int64 ``[R, k]``, each in ``[0, 2^62)``) into ``out``; the bytes written, or -1 for an
     id out of that range."""
     pos = 0
-    out[pos] = 91
+    out[pos] = OPEN_BRACKET
     pos += 1
     for _ in range(empty_rows):
-        out[pos] = 91
-        out[pos + 1] = 93
-        out[pos + 2] = 44
+        out[pos] = OPEN_BRACKET
+        out[pos + 1] = CLOSE_BRACKET
+        out[pos + 2] = COMMA
         pos += 3
     for r in range(ids.shape[0]):
-        out[pos] = 91
+        out[pos] = OPEN_BRACKET
         pos += 1
         for j in range(ids.shape[1]):
             v = ids[r, j]
@@ -66,7 +70,7 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
                     nd += v >= _POWERS[p]
                 store_le64(out, pos, _ascii8(v) >> np.uint64(8 * (8 - nd)))
                 pos += nd
-                out[pos] = 44
+                out[pos] = COMMA
                 pos += 1
                 continue
             nd = 1
@@ -84,18 +88,18 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
                 out[end - 2] = _PAIRS[2 * v]
                 out[end - 1] = _PAIRS[2 * v + 1]
             else:
-                out[end - 1] = 48 + v
+                out[end - 1] = ZERO + v
             pos += nd
-            out[pos] = 44
+            out[pos] = COMMA
             pos += 1
         if ids.shape[1]:
             pos -= 1  # the last comma of the row
-        out[pos] = 93
-        out[pos + 1] = 44
+        out[pos] = CLOSE_BRACKET
+        out[pos + 1] = COMMA
         pos += 2
     if ids.shape[0] or empty_rows:
         pos -= 1  # the last comma
-    out[pos] = 93
+    out[pos] = CLOSE_BRACKET
     return pos + 1
 
 

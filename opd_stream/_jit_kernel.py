@@ -4,9 +4,11 @@ answer's logprob lists straight into numpy buffers.
 Plain functions over numpy arrays, called through :mod:`opd_stream._jit_calls`;
 :mod:`opd_stream._jit_reader` turns what the scan returns into the checked columns the
 column decoder (:mod:`opd_stream._decode_columns`) reads. Every function the scan calls is
-in this one file, on purpose: numba's disk cache keys a compiled function on its own file
-only, so a callee in another file could be served stale after an edit (the reason this
-module is longer than the project's 400-line rule).
+in this one file, and it takes from other files only what :mod:`opd_stream._jit_shared`
+holds (decorators, byte-access intrinsics, the bytes of JSON by name), whose digest it
+carries as ``SHARED_DIGEST``: numba's disk cache keys a compiled function on its own file
+only, so a callee in another file could be served stale after an edit
+(``tests/test_jit_cache.py`` holds both rules).
 
 What the scan does, in one pass:
 
@@ -39,19 +41,54 @@ Speed: the scan is one serial chain (each token's place depends on the one befor
 what counts is the bytes touched per step. An entry in SGLang's own compact form,
 ``-D.DDD,ID,null],[``, is read eight bytes at a time (``_fast_entry``: the fraction and the
 id as SWAR words, the entry's end as one word compare), the same value :func:`_number`
-gives; anything else in the entry sends it down the general path. Bytes are read through
+gives; anything else in the entry sends it down the general path (``bench/scan_micro.py``,
+on the mock's answers: without it the scan takes 6-15% more CPU by answer shape, 0.63-0.66
+against 0.69-0.72 ns per byte of a per-position answer; its compile, ~0.3 s of the ~7 s).
+A base64 string is decoded four characters a step through a table (0.5 ns per byte of a
+b64 top-k answer, 3.4 one character at a time). Bytes are read through
 :data:`load_byte` / :data:`load_le64`, which skip numba's negative-index wraparound (a
 compare and select on every signed index, which also keeps LLVM from merging loads).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import numba
 import numpy as np
-from numba import types as _types
-from numba.extending import intrinsic as _intrinsic
+
+from ._jit_shared import (
+    BACKSLASH,
+    CLOSE_BRACE,
+    CLOSE_BRACKET,
+    COLON,
+    COMMA,
+    DOT,
+    EQUALS,
+    LOWER_A,
+    LOWER_E,
+    LOWER_L,
+    LOWER_N,
+    LOWER_U,
+    LOWER_Z,
+    MINUS,
+    NEWLINE,
+    NINE,
+    OPEN_BRACE,
+    OPEN_BRACKET,
+    PLUS,
+    QUOTE,
+    RETURN,
+    SLASH,
+    SPACE,
+    TAB,
+    UPPER_A,
+    UPPER_E,
+    UPPER_Z,
+    ZERO,
+    load_byte,
+    load_le64,
+    njit_cached,
+    njit_leaf,
+    njit_once,
+)
 
 __all__ = (
     "CAPACITY",
@@ -65,15 +102,14 @@ __all__ = (
     "R_ROW0",
     "R_ROW1",
     "R_START",
+    "SHARED_DIGEST",
     "UNUSUAL",
-    "load_be64",
-    "load_byte",
-    "load_le64",
-    "store_le64",
-    "njit_cached",
-    "njit_leaf",
     "scan",
 )
+
+#: :func:`opd_stream._jit_shared.digest` of the file this one's kernels take code from
+#: (an edit there must edit this file too, or numba serves its stale cache).
+SHARED_DIGEST = "0c75b6974009bdfb"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
@@ -84,90 +120,6 @@ CAPACITY = 2
 #: The kinds of value (``kinds``), as :mod:`opd_stream._decode_score` numbers them.
 _ENTRIES, _ROWS, _B64 = 0, 1, 2
 MAX_DEPTH = 64
-
-
-def njit_cached(fn):  # type: ignore[no-untyped-def]
-    """``numba.njit(nogil=True)``, cached on disk where numba finds a writable place (next
-    to this module, else the user's cache directory); without one, numba refuses
-    ``cache=True`` outright, so compile uncached."""
-    return _njit(fn, nogil=True)
-
-
-def njit_leaf(fn):  # type: ignore[no-untyped-def]
-    """:func:`njit_cached` for a function that allocates nothing (nor do its callees):
-    compiled without numba's reference counting, which otherwise increments and
-    decrements (atomically) every array passed at each call, ~10% of the scan.
-
-    Callees are compiled apart and LLVM inlines the small ones at link time. Inlining every
-    helper at numba's IR level (``inline="always"``) more than doubled the scan's cold
-    compile (11.7 s of CPU against 4.7 s, ``bench/jit_startup.py``): each call site is
-    typed and lowered again. A constant argument is passed as ``np.int64(c)`` and a counter
-    starts as one: numba compiles a callee once more for each literal value it is given."""
-    return _njit(fn, nogil=True, _nrt=False)
-
-
-def njit_once(fn):  # type: ignore[no-untyped-def]
-    """:func:`njit_leaf`, inlined at numba's IR level into its one caller: the number
-    parsers of :func:`_entries` (~15% of the general path, ~4% of the compact one, for
-    no more compile time, there being one call site each)."""
-    return _njit(fn, nogil=True, _nrt=False, inline="always")
-
-
-def _njit(fn: Any, **options: Any) -> Any:
-    try:
-        return numba.njit(cache=True, **options)(fn)
-    except RuntimeError:
-        return numba.njit(**options)(fn)
-
-
-def _load_byte_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.load(builder.gep(ary.data, [args[1]]))
-
-    return _types.uint8(arr, idx), codegen
-
-
-def _load_le64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        p64 = builder.bitcast(ptr, context.get_value_type(_types.uint64).as_pointer())
-        return builder.load(p64, align=1)
-
-    return _types.uint64(arr, idx), codegen
-
-
-def _load_be64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.bswap(_load_le64_typer(typingctx, arr, idx)[1](context, builder, sig, args))
-
-    return _types.uint64(arr, idx), codegen
-
-
-def _store_le64_typer(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        p64 = builder.bitcast(ptr, context.get_value_type(_types.uint64).as_pointer())
-        builder.store(args[2], p64, align=1)
-        return context.get_dummy_value()
-
-    return _types.none(arr, idx, _types.uint64), codegen
-
-
-#: ``b[i]`` of a uint8 array without numba's negative-index wraparound, which every
-#: signed index otherwise pays (and which keeps LLVM from merging loads): the scan's
-#: reads, whose callers keep ``0 <= i < len(b)``.
-load_byte: Any = _intrinsic(_load_byte_typer)
-#: The eight bytes ``b[i : i + 8]`` as one little-endian uint64, one unaligned load
-#: (callers keep ``i + 8 <= len(b)``).
-load_le64: Any = _intrinsic(_load_le64_typer)
-#: The eight bytes ``b[i : i + 8]`` as one big-endian uint64 (msgpack's byte order).
-load_be64: Any = _intrinsic(_load_be64_typer)
-#: ``out[i : i + 8] = value``'s eight little-endian bytes, one unaligned store (callers
-#: keep ``i + 8 <= len(out)``).
-store_le64: Any = _intrinsic(_store_le64_typer)
 
 
 _P10 = np.array([10.0**i for i in range(23)], dtype=np.float64)
@@ -185,7 +137,8 @@ R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)
 def _ws(b, i, n):  # type: ignore[no-untyped-def]
     while i < n:
         c = load_byte(b, i)
-        if c > 32 or (c != 32 and c != 10 and c != 13 and c != 9):  # most often the first
+        # the first test is the one that most often decides
+        if c > SPACE or (c != SPACE and c != NEWLINE and c != RETURN and c != TAB):
             return i
         i += 1
     return i
@@ -195,10 +148,10 @@ def _ws(b, i, n):  # type: ignore[no-untyped-def]
 def _is_null(b, i, n):  # type: ignore[no-untyped-def]
     return (
         i + 4 <= n
-        and load_byte(b, i) == 110
-        and load_byte(b, i + 1) == 117
-        and load_byte(b, i + 2) == 108
-        and load_byte(b, i + 3) == 108
+        and load_byte(b, i) == LOWER_N
+        and load_byte(b, i + 1) == LOWER_U
+        and load_byte(b, i + 2) == LOWER_L
+        and load_byte(b, i + 3) == LOWER_L
     )
 
 
@@ -248,37 +201,37 @@ def _eight_digits(b, i):  # type: ignore[no-untyped-def]
 def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
     """Parse a JSON number at ``b[i]``: (next index, value, ok)."""
     neg = False
-    if i < n and load_byte(b, i) == 45:
+    if i < n and load_byte(b, i) == MINUS:
         neg = True
         i += 1
-    if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
+    if i >= n or load_byte(b, i) < ZERO or load_byte(b, i) > NINE:
         return i, 0.0, False
     m = 0
     nd = 0
     e = 0
     inexact = False
     integral = True  # no fraction, no exponent: msgspec reads it as an int (-0 is 0)
-    if load_byte(b, i) == 48:
+    if load_byte(b, i) == ZERO:
         i += 1
-        if i < n and 48 <= load_byte(b, i) <= 57:
+        if i < n and ZERO <= load_byte(b, i) <= NINE:
             return i, 0.0, False
     else:
         while i < n:
             c = load_byte(b, i)
-            if c < 48 or c > 57:
+            if c < ZERO or c > NINE:
                 break
             if nd < 18:
-                m = m * 10 + (int(c) - 48)
+                m = m * 10 + (int(c) - ZERO)
                 nd += 1
             else:
                 e += 1
-                if c != 48:
+                if c != ZERO:
                     inexact = True
             i += 1
-    if i < n and load_byte(b, i) == 46:
+    if i < n and load_byte(b, i) == DOT:
         integral = False
         i += 1
-        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < ZERO or load_byte(b, i) > NINE:
             return i, 0.0, False
         # eight digits at a time once past the leading zeros, while they fit 18 digits
         while m != 0 and nd <= 10 and i + 8 <= n:
@@ -291,33 +244,33 @@ def _number(b, i, n, p10):  # type: ignore[no-untyped-def]
             i += 8
         while i < n:
             c = load_byte(b, i)
-            if c < 48 or c > 57:
+            if c < ZERO or c > NINE:
                 break
             if nd < 18:
-                if m != 0 or c != 48:
-                    m = m * 10 + (int(c) - 48)
+                if m != 0 or c != ZERO:
+                    m = m * 10 + (int(c) - ZERO)
                     if m != 0:
                         nd += 1
                 e -= 1
-            elif c != 48:
+            elif c != ZERO:
                 inexact = True
             i += 1
-    if i < n and (load_byte(b, i) == 101 or load_byte(b, i) == 69):
+    if i < n and (load_byte(b, i) == LOWER_E or load_byte(b, i) == UPPER_E):
         integral = False
         i += 1
         eneg = False
-        if i < n and (load_byte(b, i) == 43 or load_byte(b, i) == 45):
-            eneg = load_byte(b, i) == 45
+        if i < n and (load_byte(b, i) == PLUS or load_byte(b, i) == MINUS):
+            eneg = load_byte(b, i) == MINUS
             i += 1
-        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < ZERO or load_byte(b, i) > NINE:
             return i, 0.0, False
         x = 0
         while i < n:
             c = load_byte(b, i)
-            if c < 48 or c > 57:
+            if c < ZERO or c > NINE:
                 break
             if x < 100000:
-                x = x * 10 + (int(c) - 48)
+                x = x * 10 + (int(c) - ZERO)
             i += 1
         e += -x if eneg else x
     if m == 0:  # "-0" is 0.0 (an int for msgspec), "-0.0" and "-0e1" are -0.0
@@ -376,12 +329,12 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
     a value :func:`_number` would refuse; the general path then reads the entry."""
     if i + 64 > n:
         return i, 0.0, 0, False
-    neg = load_byte(b, i) == 45
+    neg = load_byte(b, i) == MINUS
     if neg:
         i += 1
     x = load_le64(b, i)
     d0 = _lead_digits(x)
-    if d0 == 0 or d0 > 3 or load_byte(b, i + d0) != 46 or (d0 > 1 and load_byte(b, i) == 48):
+    if d0 == 0 or d0 > 3 or load_byte(b, i + d0) != DOT or (d0 > 1 and load_byte(b, i) == ZERO):
         return i, 0.0, 0, False
     m = _digits_value(x, d0)
     p = i + d0 + 1
@@ -409,14 +362,14 @@ def _fast_entry(b, i, n, p10):  # type: ignore[no-untyped-def]
             m = m * 100000000 + _digits_value(w2, np.int64(8))
             if d3 > 0:
                 m = m * _P10I[d3] + _digits_value(w3, d3)
-    if fd > 18 or (d0 + fd > 18 and load_byte(b, i) != 48):  # beyond 18 digits: exact?
+    if fd > 18 or (d0 + fd > 18 and load_byte(b, i) != ZERO):  # beyond 18 digits: exact?
         return i, 0.0, 0, False
     q = p + fd
-    if load_byte(b, q) != 44:
+    if load_byte(b, q) != COMMA:
         return i, 0.0, 0, False
     x = load_le64(b, q + 1)
     d = _lead_digits(x)
-    if d == 0 or d == 8 or (d > 1 and load_byte(b, q + 1) == 48):
+    if d == 0 or d == 8 or (d > 1 and load_byte(b, q + 1) == ZERO):
         return i, 0.0, 0, False
     t = q + 1 + d
     if load_le64(b, t) != _NULL_NEXT:
@@ -438,10 +391,10 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
     after it, status)."""
     cap = lps.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and load_byte(b, i) == 93:
+    if i < n and load_byte(b, i) == CLOSE_BRACKET:
         return i + 1, ne, OK
     while True:
-        if i >= n or load_byte(b, i) != 91:
+        if i >= n or load_byte(b, i) != OPEN_BRACKET:
             return i, ne, UNUSUAL
         if ne >= cap:
             return i, ne, CAPACITY
@@ -462,49 +415,51 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
                 return i, ne, UNUSUAL
             lps[ne] = v
         i = _ws(b, i, n)
-        if i >= n or load_byte(b, i) != 44:
+        if i >= n or load_byte(b, i) != COMMA:
             return i, ne, UNUSUAL
         i = _ws(b, i + 1, n)
         neg = False
-        if i < n and load_byte(b, i) == 45:
+        if i < n and load_byte(b, i) == MINUS:
             neg = True
             i += 1
-        if i >= n or load_byte(b, i) < 48 or load_byte(b, i) > 57:
+        if i >= n or load_byte(b, i) < ZERO or load_byte(b, i) > NINE:
             return i, ne, UNUSUAL
         d = 0
         nd = 0
-        if load_byte(b, i) == 48:
+        if load_byte(b, i) == ZERO:
             i += 1
             nd = 1
         else:
             while i < n:
                 c = load_byte(b, i)
-                if c < 48 or c > 57:
+                if c < ZERO or c > NINE:
                     break
-                d = d * 10 + (int(c) - 48)
+                d = d * 10 + (int(c) - ZERO)
                 nd += 1
                 i += 1
         if nd > 16 or d >= _EXACT_MANTISSA:  # beyond exact doubles: the others decide
             return i, ne, UNUSUAL
-        if i < n and (load_byte(b, i) == 46 or load_byte(b, i) == 101 or load_byte(b, i) == 69):
+        if i < n and (
+            load_byte(b, i) == DOT or load_byte(b, i) == LOWER_E or load_byte(b, i) == UPPER_E
+        ):
             return i, ne, UNUSUAL
-        if i < n and 48 <= load_byte(b, i) <= 57:  # a leading zero
+        if i < n and ZERO <= load_byte(b, i) <= NINE:  # a leading zero
             return i, ne, UNUSUAL
         ids[ne] = -d if neg else d
         i = _ws(b, i, n)
-        if i < n and load_byte(b, i) == 44:
+        if i < n and load_byte(b, i) == COMMA:
             i = _ws(b, i + 1, n)
             if not _is_null(b, i, n):
                 return i, ne, UNUSUAL
             i = _ws(b, i + 4, n)
-        if i >= n or load_byte(b, i) != 93:
+        if i >= n or load_byte(b, i) != CLOSE_BRACKET:
             return i, ne, UNUSUAL
         ne += 1
         i = _ws(b, i + 1, n)
-        if i < n and load_byte(b, i) == 44:
+        if i < n and load_byte(b, i) == COMMA:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and load_byte(b, i) == 93:
+        if i < n and load_byte(b, i) == CLOSE_BRACKET:
             return i + 1, ne, OK
         return i, ne, UNUSUAL
 
@@ -514,7 +469,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
     """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
     cap = widths.shape[0]
     i = _ws(b, i + 1, n)
-    if i < n and load_byte(b, i) == 93:
+    if i < n and load_byte(b, i) == CLOSE_BRACKET:
         return i + 1, ne, nr, OK
     while True:
         if nr >= cap:
@@ -523,7 +478,7 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             widths[nr] = 0
             nulls[nr] = 1
             i += 4
-        elif i < n and load_byte(b, i) == 91:
+        elif i < n and load_byte(b, i) == OPEN_BRACKET:
             i, ne2, st = _entries(b, i, n, p10, lps, ids, ne)
             if st != OK:
                 return i, ne2, nr, st
@@ -534,12 +489,20 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
             return i, ne, nr, UNUSUAL
         nr += 1
         i = _ws(b, i, n)
-        if i < n and load_byte(b, i) == 44:
+        if i < n and load_byte(b, i) == COMMA:
             i = _ws(b, i + 1, n)
             continue
-        if i < n and load_byte(b, i) == 93:
+        if i < n and load_byte(b, i) == CLOSE_BRACKET:
             return i + 1, ne, nr, OK
         return i, ne, nr, UNUSUAL
+
+
+#: Each byte's value in the base64 alphabet (``A-Z a-z 0-9 + /``: 0-63), or 255.
+_B64_VALUES = np.full(256, 255, dtype=np.uint8)
+_B64_VALUES[
+    np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", np.uint8)
+] = np.arange(64, dtype=np.uint8)
+_B64_VALUES.flags.writeable = False
 
 
 @njit_leaf
@@ -554,25 +517,42 @@ def _b64(b, i, n, raw, nb):  # type: ignore[no-untyped-def]
     bits = 0
     alpha = 0
     pads = 0
+    # four characters of the alphabet a step, three bytes out (the string's body); the
+    # first step that meets anything else (the padding, the closing quote, a stray byte)
+    # leaves it to the loop below, which starts at a whole group: no bits pending
+    while i + 4 <= n and nb + 3 <= cap:
+        v0 = _B64_VALUES[load_byte(b, i)]
+        v1 = _B64_VALUES[load_byte(b, i + 1)]
+        v2 = _B64_VALUES[load_byte(b, i + 2)]
+        v3 = _B64_VALUES[load_byte(b, i + 3)]
+        if (v0 | v1 | v2 | v3) > 63:
+            break
+        x = (np.int64(v0) << 18) | (np.int64(v1) << 12) | (np.int64(v2) << 6) | np.int64(v3)
+        raw[nb] = (x >> 16) & 0xFF
+        raw[nb + 1] = (x >> 8) & 0xFF
+        raw[nb + 2] = x & 0xFF
+        nb += 3
+        alpha += 4
+        i += 4
     while i < n:
         c = load_byte(b, i)
-        if c == 34:
+        if c == QUOTE:
             break
-        if c == 61:
+        if c == EQUALS:
             pads += 1
             i += 1
             continue
         if pads:
             return i, nb, UNUSUAL
-        if 65 <= c <= 90:
-            v = c - 65
-        elif 97 <= c <= 122:
-            v = c - 71
-        elif 48 <= c <= 57:
-            v = c + 4
-        elif c == 43:
+        if UPPER_A <= c <= UPPER_Z:
+            v = c - UPPER_A
+        elif LOWER_A <= c <= LOWER_Z:
+            v = c - LOWER_A + 26
+        elif ZERO <= c <= NINE:
+            v = c - ZERO + 52
+        elif c == PLUS:  # the alphabet: A-Z a-z 0-9 + /
             v = 62
-        elif c == 47:
+        elif c == SLASH:
             v = 63
         else:
             return i, nb, UNUSUAL
@@ -671,17 +651,17 @@ def scan(  # type: ignore[no-untyped-def]
     i = 0
     while i < n:
         c = load_byte(b, i)
-        if c == 34:  # a string: skip it, remember where it was
+        if c == QUOTE:  # a string: skip it, remember where it was
             s_start = i + 1
             s_escaped = False
             i += 1
             while i < n:
                 c = load_byte(b, i)
-                if c == 92:
+                if c == BACKSLASH:
                     s_escaped = True
                     i += 2
                     continue
-                if c == 34:
+                if c == QUOTE:
                     break
                 i += 1
             if i >= n:
@@ -689,7 +669,7 @@ def scan(  # type: ignore[no-untyped-def]
             s_end = i
             i += 1
             continue
-        if c == 58:  # ':' after a key
+        if c == COLON:  # ':' after a key
             i = _ws(b, i + 1, n)
             if depth == key_depth - 1 and stack[depth] == 1:
                 meta_key = (not s_escaped) and _same(b, s_start, s_end, meta)
@@ -709,7 +689,7 @@ def scan(  # type: ignore[no-untyped-def]
             if nrec >= records.shape[0]:
                 return CAPACITY, nrec, item + 1, ne, nr
             if kinds[k] == _B64:
-                if i >= n or load_byte(b, i) != 34:
+                if i >= n or load_byte(b, i) != QUOTE:
                     continue  # null (or a wrong type, which msgspec names): left in place
                 start, nb0 = i, nb
                 i, nb, st = _b64(b, i, n, raw, nb)
@@ -718,7 +698,7 @@ def scan(  # type: ignore[no-untyped-def]
                 _record(records, nrec, k, item, start, i, zero, zero, nb0, nb)
                 nrec += 1
                 continue
-            if i >= n or load_byte(b, i) != 91:
+            if i >= n or load_byte(b, i) != OPEN_BRACKET:
                 continue  # null (or a wrong type, which msgspec names): left in place
             start, ne0, nr0 = i, ne, nr
             if kinds[k] == _ENTRIES:
@@ -730,10 +710,10 @@ def scan(  # type: ignore[no-untyped-def]
             _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
             nrec += 1
             continue
-        if c == 123 or c == 91:
+        if c == OPEN_BRACE or c == OPEN_BRACKET:  # noqa: SIM109 (compares, no tuple)
             if depth >= MAX_DEPTH:
                 return UNUSUAL, nrec, item + 1, ne, nr
-            opened_object = c == 123
+            opened_object = c == OPEN_BRACE
             if opened_object and depth == key_depth - 1 and meta_key:
                 in_meta = True
             if batch and opened_object and depth == 1 and stack[1] == 2:
@@ -742,7 +722,7 @@ def scan(  # type: ignore[no-untyped-def]
             stack[depth] = 1 if opened_object else 2
             i += 1
             continue
-        if c == 125 or c == 93:
+        if c == CLOSE_BRACE or c == CLOSE_BRACKET:  # noqa: SIM109 (compares, no tuple)
             if depth == 0:
                 return UNUSUAL, nrec, item + 1, ne, nr
             if depth == key_depth:
@@ -752,7 +732,7 @@ def scan(  # type: ignore[no-untyped-def]
             depth -= 1
             i += 1
             continue
-        if c == 44 and depth == key_depth - 1:
+        if c == COMMA and depth == key_depth - 1:
             meta_key = False
         i += 1
     return OK, nrec, item + 1, ne, nr

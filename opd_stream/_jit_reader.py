@@ -24,7 +24,7 @@ import numpy.typing as npt
 from ._answers import Body
 from ._columns import EntryColumns, RowColumns
 from ._decode_score import decode_metas
-from ._jit import compiled
+from ._jit import Kernels, Scan, compiled
 
 __all__ = ("JitAnswers", "read_answers_jit")
 
@@ -35,11 +35,10 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
     kernel = compiled()
     if kernel is None or not body:
         return None
-    got, lps, ids, widths, nulls, raw, records = kernel.run_scan(body, batch)
-    status, n_rec, n_items, n_ent, n_rows = got
-    if status != kernel.OK:
+    got = kernel.run_scan(body, batch)
+    if got.status != kernel.OK:
         return None
-    rec = records[:n_rec]
+    rec = got.records
     view = memoryview(body)
     pieces: list[bytes | memoryview] = []
     pos = 0
@@ -48,16 +47,14 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
         pos = end
     pieces.append(view[pos:])
     metas = decode_metas(b"".join(pieces), batch)
-    if metas is None or len(metas) != n_items:
+    if metas is None or len(metas) != got.n_items:
         return None
     keys = kernel.KEYS
     for key, item in rec[:, [kernel.R_KEY, kernel.R_ITEM]].tolist():
         # the envelope must agree with the scan
         if getattr(metas[item], keys[key]) != ("" if kernel.KINDS[key] == kernel.B64 else []):
             return None
-    return JitAnswers(
-        metas, keys, rec, lps[:n_ent], ids[:n_ent], widths[:n_rows], nulls[:n_rows], raw, kernel
-    )
+    return JitAnswers(metas, got, kernel)
 
 
 class JitAnswers:
@@ -66,21 +63,10 @@ class JitAnswers:
 
     __slots__ = ("_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_rec", "_widths")
 
-    def __init__(
-        self,
-        metas: Sequence[Any],
-        keys: list[str],
-        rec: npt.NDArray[np.int64],
-        lps: npt.NDArray[np.float64],
-        ids: npt.NDArray[np.int64],
-        widths: npt.NDArray[np.int32],
-        nulls: npt.NDArray[np.uint8],
-        raw: npt.NDArray[np.uint8],
-        kernel: Any,
-    ) -> None:
-        self._metas, self._keys, self._rec = metas, keys, rec
-        self._lps, self._ids, self._widths, self._nulls = lps, ids, widths, nulls
-        self._raw, self._k = raw, kernel
+    def __init__(self, metas: Sequence[Any], scan: Scan, kernel: Kernels) -> None:
+        self._metas, self._keys, self._rec, self._raw = metas, kernel.KEYS, scan.records, scan.raw
+        self._lps, self._ids = scan.lps, scan.ids
+        self._widths, self._nulls, self._k = scan.widths, scan.nulls, kernel
 
     def __len__(self) -> int:
         return len(self._metas)
@@ -131,6 +117,11 @@ class JitAnswers:
         k = self._k
         recs = self._records(name)
         present = [r for r in recs if r is not None]
+        if not present:  # null or absent in every item (the fields a request did not ask)
+            n = len(recs)
+            empty = EntryColumns.of(np.empty(0), np.empty(0))
+            none = np.ones(n, dtype=bool)
+            return RowColumns.of(none, np.zeros(n + 1, np.intp), none[:0], _NO_ROWS, empty)
         item_null = np.array([r is None for r in recs], dtype=bool)
         counts = np.array([0 if r is None else r[k.R_ROW1] - r[k.R_ROW0] for r in recs])
         item_off = np.concatenate(([0], np.cumsum(counts))).astype(np.intp)
@@ -138,6 +129,10 @@ class JitAnswers:
         row_width = _cat([self._widths[a:b] for a, b in spans], np.int32).astype(np.intp)
         row_null = _cat([self._nulls[a:b] for a, b in spans], np.uint8).astype(bool)
         return RowColumns.of(item_null, item_off, row_null, row_width, self._entries_of(present))
+
+
+_NO_ROWS = np.empty(0, dtype=np.intp)
+_NO_ROWS.flags.writeable = False
 
 
 def _cat(parts: list[npt.NDArray[Any]], dtype: Any) -> npt.NDArray[Any]:

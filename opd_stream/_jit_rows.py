@@ -4,9 +4,10 @@
 MessagePack keeps a float as its 8 IEEE bytes, so no number is printed or parsed: the
 logprobs come back bit for bit (NaN and infinities included) and the reader's work is a
 byte walk. Called through :mod:`opd_stream._jit_calls`; it calls no function of another
-file (numba's disk cache keys a compiled function on its own file only), only the load
-intrinsics of :mod:`opd_stream._jit_kernel`, whose code is generated inline (should they
-ever change, touch this file too, or its cached code keeps the old loads).
+file (numba's disk cache keys a compiled function on its own file only) and takes from
+other files only what :mod:`opd_stream._jit_shared` holds (the load intrinsics, whose code
+is generated inline), whose digest it carries as ``SHARED_DIGEST``
+(``tests/test_jit_cache.py``).
 
 What it accepts, and nothing else (it answers ``False`` for the rest, which the
 entry-by-entry conversion then takes or rejects with its precise error): an outer array
@@ -22,12 +23,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit_kernel import load_be64, load_byte, njit_leaf
+from ._jit_shared import load_be64, load_byte, njit_leaf
 
-__all__ = ("read_rows",)
+__all__ = ("SHARED_DIGEST", "read_rows")
+
+#: :func:`opd_stream._jit_shared.digest` of the file this one's kernels take code from
+#: (an edit there must edit this file too, or numba serves its stale cache).
+SHARED_DIGEST = "0c75b6974009bdfb"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53
+
+# MessagePack's type bytes (its specification's names)
+POSITIVE_FIXINT_MAX = 0x7F
+FIXARRAY, FIXARRAY_MAX = 0x90, 0x9F
+FIXSTR, FIXSTR_MAX = 0xA0, 0xBF
+NIL = 0xC0
+FLOAT64 = 0xCB
+UINT8, UINT16, UINT32, UINT64 = 0xCC, 0xCD, 0xCE, 0xCF
+INT8, INT64 = 0xD0, 0xD3
+STR8, STR32 = 0xD9, 0xDB
+ARRAY16, ARRAY32 = 0xDC, 0xDD
+NEGATIVE_FIXINT_MIN = 0xE0
 
 
 @njit_leaf
@@ -44,20 +61,20 @@ def _int(b, i, n):  # type: ignore[no-untyped-def]
     """A msgpack integer at ``b[i]``: (next index, value, ok); ``ok`` is False for
     anything else and for an unsigned value beyond int64."""
     c = load_byte(b, i)
-    if c <= 0x7F:
+    if c <= POSITIVE_FIXINT_MAX:
         return i + 1, np.int64(c), True
-    if c >= 0xE0:
+    if c >= NEGATIVE_FIXINT_MIN:
         return i + 1, np.int64(c) - 256, True
-    if 0xCC <= c <= 0xCF:
-        size = 1 << (c - 0xCC)
+    if UINT8 <= c <= UINT64:
+        size = 1 << (c - UINT8)
         if i + 1 + size > n:
             return i, np.int64(0), False
         u = _uint(b, i + 1, size)
         if u > np.uint64(2**63 - 1):
             return i, np.int64(0), False
         return i + 1 + size, np.int64(u), True
-    if 0xD0 <= c <= 0xD3:
-        size = 1 << (c - 0xD0)
+    if INT8 <= c <= INT64:
+        size = 1 << (c - INT8)
         if i + 1 + size > n:
             return i, np.int64(0), False
         u = _uint(b, i + 1, size)
@@ -74,11 +91,11 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
     if i >= n:
         return i, -1
     c = load_byte(b, i)
-    if 0x90 <= c <= 0x9F:
-        return i + 1, np.int64(c - 0x90)
-    if c == 0xDC and i + 3 <= n:
+    if FIXARRAY <= c <= FIXARRAY_MAX:
+        return i + 1, np.int64(c - FIXARRAY)
+    if c == ARRAY16 and i + 3 <= n:
         return i + 3, np.int64(_uint(b, i + 1, np.int64(2)))
-    if c == 0xDD and i + 5 <= n:
+    if c == ARRAY32 and i + 5 <= n:
         return i + 5, np.int64(_uint(b, i + 1, np.int64(4)))
     return i, -1
 
@@ -87,13 +104,13 @@ def _array(b, i, n):  # type: ignore[no-untyped-def]
 def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
     """A ``nil`` or a string at ``b[i]``: the next index, or -1."""
     c = load_byte(b, i)
-    if c == 0xC0:
+    if c == NIL:
         return i + 1
-    if 0xA0 <= c <= 0xBF:
-        size = np.int64(c - 0xA0)
+    if FIXSTR <= c <= FIXSTR_MAX:
+        size = np.int64(c - FIXSTR)
         start = i + 1
-    elif 0xD9 <= c <= 0xDB:
-        w = 1 << (c - 0xD9)
+    elif STR8 <= c <= STR32:
+        w = 1 << (c - STR8)
         if i + 1 + w > n:
             return -1
         size = np.int64(_uint(b, i + 1, w))
@@ -124,7 +141,7 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                 i, size = _array(b, i, n)
             else:
                 c = load_byte(b, i)
-                size = np.int64(c) - 0x90
+                size = np.int64(c) - FIXARRAY
                 i += 1
             if size != 2 and size != 3:
                 return False
@@ -132,13 +149,13 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                 return False
             c = load_byte(b, i)
             keep = e < k
-            if c == 0xCB:
+            if c == FLOAT64:
                 if i + 9 > n:
                     return False
                 if keep:
                     lp_bits[out] = load_be64(b, i + 1)
                 i += 9
-            elif c == 0xC0:
+            elif c == NIL:
                 if keep:
                     lps[out] = -np.inf
                 i += 1
@@ -151,13 +168,13 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             if i >= n:
                 return False
             c = load_byte(b, i)
-            if c <= 0x7F:
+            if c <= POSITIVE_FIXINT_MAX:
                 d = np.int64(c)
                 i += 1
-            elif c == 0xCD and i + 3 <= n:
+            elif c == UINT16 and i + 3 <= n:
                 d = (np.int64(load_byte(b, i + 1)) << 8) | np.int64(load_byte(b, i + 2))
                 i += 3
-            elif c == 0xCE and i + 5 <= n:
+            elif c == UINT32 and i + 5 <= n:
                 d = (
                     (np.int64(load_byte(b, i + 1)) << 24)
                     | (np.int64(load_byte(b, i + 2)) << 16)
@@ -175,7 +192,7 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
             if size == 3:
                 if i >= n:
                     return False
-                if load_byte(b, i) == 0xC0:
+                if load_byte(b, i) == NIL:
                     i += 1
                 else:
                     i = _skip_text(b, i, n)

@@ -157,7 +157,7 @@ def _id_fault(ids: npt.NDArray[np.integer[Any]]) -> str | None:
     kernel = compiled()
     if kernel is not None:
         # (a uint64 id past int64 wraps to a negative one: outside the range all the same)
-        fault, row = kernel.request_id_fault(np.ascontiguousarray(ids, np.int64), _MAX_ID)
+        fault, row = kernel.id_fault(np.ascontiguousarray(ids, np.int64), _MAX_ID)
         return None if fault == 0 else _ID_FAULTS[fault].format(row=row)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _MAX_ID):
         return _ID_FAULTS[1]

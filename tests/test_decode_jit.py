@@ -438,11 +438,11 @@ _ALPHABET = b'[]{},:"\\0123456789.-eE nul'
     batch=st.booleans(),
 )
 def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch: bool) -> None:
-    import opd_stream._jit as jr
+    from opd_stream import _jit_calls as kernel
 
-    kernel = jr.compiled()
-    assert kernel is not None
-    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.run_scan(data, batch)
+    (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.scan_buffers(
+        data, batch
+    )
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
     assert 0 <= n_ent <= lps.shape[0] and 0 <= n_rows <= widths.shape[0]
     for rec in records[:n_rec]:
@@ -602,3 +602,38 @@ def test_the_eight_byte_path_takes_only_the_compact_form(entry: str, taken: bool
         assert lp == want and np.signbit(lp) == np.signbit(want)
         assert token == int(entry.split(",")[1])
         assert entry.encode()[end - 1 : end + 1] == b",["
+
+
+_B64_STRAYS = sorted({*b'\x00\t "+,-./09:=@AZ[\\]`az{\x7f\x80\xff'})
+
+
+def test_b64_strings_of_every_length_with_any_stray_byte_are_read_as_b64decode_reads_them() -> None:
+    # four characters a step through the string's body, the rest one at a time: whichever
+    # way a stray byte or the padding is met, the outcome is b64decode's on the canonical
+    # form and "unusual" on anything else
+    import base64
+    import re
+
+    from opd_stream._jit_kernel import OK, _b64
+
+    rng = np.random.default_rng(3)
+    canonical = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
+    for size in range(20):
+        text = base64.b64encode(rng.bytes(size))
+        variants = [text] + [
+            text[:at] + bytes([c]) + text[at + drop :]
+            for at in range(len(text) + 1)
+            for c in _B64_STRAYS
+            for drop in (0, 1)
+        ]
+        for s in variants:
+            body = b'"' + s + b'"' + b" " * 8
+            b = np.frombuffer(body, dtype=np.uint8)
+            raw = np.zeros(len(body), dtype=np.uint8)
+            end, nb, status = _b64(b, 0, len(body), raw, np.int64(0))
+            content = s.split(b'"')[0]
+            want = canonical.fullmatch(content) is not None and len(content) % 4 == 0
+            assert (status == OK) is want, s
+            if want:
+                assert raw[:nb].tobytes() == base64.b64decode(content, validate=True), s
+                assert end == len(content) + 2, s

@@ -29,7 +29,7 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._budget import ByteBudget, current_lease
+from opd_stream._budget import ByteBudget
 from opd_stream._cli import main
 from opd_stream._error_body import parse_error_message
 from opd_stream._redact import redact
@@ -399,25 +399,25 @@ async def test_budget_forgets_a_cancelled_waiter() -> None:
     assert budget.used == 0
 
 
-async def test_the_transport_charges_what_it_reads_to_the_running_lease() -> None:
+async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given() -> None:
     body = b"[" + b"0," * 40_000 + b"0]"
 
     async with raw_server(lambda _h: http(200, body)) as (url, _):
         async with AiohttpTransport() as transport:
             budget = ByteBudget(1 << 20)
-            with budget.hold() as lease:
-                assert current_lease() is lease
-                resp = await transport.post(url + "/generate", b"{}", max_bytes=1 << 20)
+            with budget.lease() as lease:
+                resp = await transport.post(
+                    url + "/generate", b"{}", max_bytes=1 << 20, lease=lease
+                )
                 assert lease.held == len(resp.body) == len(body)
-            assert current_lease() is None
             assert budget.used == 0
 
             # Many answers at once through a budget of two: all complete, bounded.
             small = ByteBudget(2 * len(body))
 
             async def one() -> None:
-                with small.hold():
-                    await transport.post(url + "/generate", b"{}", max_bytes=1 << 20)
+                with small.lease() as lease:
+                    await transport.post(url + "/generate", b"{}", max_bytes=1 << 20, lease=lease)
 
             async with anyio.create_task_group() as tg:
                 for _ in range(6):

@@ -426,6 +426,44 @@ async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given() ->
             assert small.peak <= small.limit + len(body)
 
 
+class _TransportWithoutLease:
+    """A user's transport written before ``post`` took ``lease``: it charges nothing."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.sizes: list[int] = []
+
+    async def __aenter__(self) -> _TransportWithoutLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Any:
+        resp = await self._inner.post(url, body, max_bytes=max_bytes)
+        self.sizes.append(len(resp.body))
+        return resp
+
+    async def get(self, url: str, *, max_bytes: int) -> Any:
+        return await self._inner.get(url, max_bytes=max_bytes)
+
+
+async def test_an_answer_read_by_a_transport_without_a_lease_is_charged_once_whole() -> None:
+    from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+    url = "http://teacher:1"
+    transport = _TransportWithoutLease(mock_transport({url: InProcessSGLang("teacher", 1)}))
+    cfg = _cfg(url, max_inflight_response_bytes=1024)
+    samples = [Sample([1, 2, 3, 4 + i, 5, 6], 3) for i in range(6)]
+    async with OPDStream(cfg, transport=transport) as stream:  # type: ignore[arg-type]
+        budget = stream._parts.scorer._sender._body_budget  # type: ignore[union-attr]
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+        assert all(isinstance(r, ScoredSample) for r in out)
+        assert budget.peak >= max(transport.sizes) > 0  # each answer was charged
+        assert budget.used == 0 and budget.waiting == 0  # and released
+
+
 # ------------------------------------------------------------------ hostile answers (decode)
 
 

@@ -181,6 +181,7 @@ async def test_a_cancelled_caller_stops_its_requests_and_counts_as_cancelled(
             with anyio.fail_after(10):  # generous: no timing is measured
                 while hanging.started < 3:  # noqa: ASYNC110
                     await anyio.sleep(0.001)
+            assert stream.stats().in_flight == 3
             tg.cancel_scope.cancel()
         with anyio.fail_after(10):
             while stream.stats().failures.get("cancelled", 0) < 3:  # noqa: ASYNC110

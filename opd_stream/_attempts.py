@@ -11,12 +11,13 @@ import functools
 import inspect
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 
 from ._answers import Body, ScoreRows
 from ._balance import ROUTING_KEY_HEADER, EndpointPool
-from ._budget import ByteBudget
+from ._budget import BudgetLease, ByteBudget
 from ._capabilities import Capabilities, Side
 from ._codec import (
     Answer,
@@ -54,14 +55,14 @@ _PROBE_TIMEOUT_S = 2.0
 _PROBE_MAX_BYTES = 64 * 1024
 
 
-def _takes_headers(transport: Transport) -> bool:
-    """The transport's ``post`` takes ``headers`` (one written before they existed does not:
-    it still works, without the routing key header)."""
+def _post_takes(transport: Transport, name: str) -> bool:
+    """The transport's ``post`` takes the keyword ``name`` (``headers``, ``lease``): one
+    written before it existed does not, and still works, never passed it."""
     try:
         params = inspect.signature(transport.post).parameters
     except (TypeError, ValueError):
         return False
-    return "headers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Counter:
@@ -107,7 +108,8 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
-        self._headers_ok = _takes_headers(transport)
+        self._headers_ok = _post_takes(transport, "headers")
+        self._lease_ok = _post_takes(transport, "lease")
 
     def _pick(
         self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
@@ -294,21 +296,22 @@ class AttemptSender:
     async def _attempt(
         self, side: Side, url: str, req: ScoreRequest, key: int | None = None
     ) -> ScoreRows:
-        # the answer is charged to the stream's byte budget while it is read, and held
-        # until it is decoded (released on any exit: success, error, cancel, lost hedge)
-        with self._body_budget.hold():
-            return await self._attempt_held(side, url, req, key)
+        # the answer is charged to the stream's byte budget while it is read (the lease is
+        # handed to the transport), and held until it is decoded (released on any exit:
+        # success, error, cancel, lost hedge)
+        with self._body_budget.lease() as lease:
+            return await self._attempt_held(side, url, req, lease, key)
 
     async def _attempt_held(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
     ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
         if req.id_form == "blocks" and req.ids is not None:
-            answer = await self._post_blocks(side, url, req, key)
+            answer = await self._post_blocks(side, url, req, lease, key)
         else:
             body, lay = await self._build_body(req)
-            answer = await self._post(side, url, body, key)
+            answer = await self._post(side, url, body, lease, key)
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -330,26 +333,28 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
-    async def _post(self, side: Side, url: str, body: bytes, key: int | None = None) -> Body:
-        """One HTTP request under the endpoint's limit; the 200 answer's body."""
+    async def _post(
+        self, side: Side, url: str, body: bytes, lease: BudgetLease, key: int | None = None
+    ) -> Body:
+        """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
+        ``lease`` (by the transport as it reads it, or here once it is whole)."""
         self._stats.stage_active[f"{side}_fetch"] += 1
         ep = self._endpoints.begin(url, key)
+        # a transport written before headers (or the lease) existed is not passed them
+        extra: dict[str, Any] = {}
+        if key is not None and self._headers_ok:
+            extra["headers"] = {ROUTING_KEY_HEADER: f"{key:016x}"}
+        if self._lease_ok:
+            extra["lease"] = lease
         try:
             async with self._limiter(url):
                 ep.traffic.requests += 1
                 self._stats.requests += 1
-                if key is not None and self._headers_ok:
-                    headers = {ROUTING_KEY_HEADER: f"{key:016x}"}
-                    resp = await self._transport.post(
-                        generate_url(url),
-                        body,
-                        max_bytes=self._cfg.max_response_bytes,
-                        headers=headers,
-                    )
-                else:  # a transport written before headers existed still works
-                    resp = await self._transport.post(
-                        generate_url(url), body, max_bytes=self._cfg.max_response_bytes
-                    )
+                resp = await self._transport.post(
+                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes, **extra
+                )
+                if not self._lease_ok:  # charged after the fact
+                    await lease.settle(lease.held + len(resp.body))
         except ServerError as exc:
             exc.side = side
             raise
@@ -363,7 +368,7 @@ class AttemptSender:
         return resp.body
 
     async def _post_blocks(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
     ) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
@@ -373,7 +378,7 @@ class AttemptSender:
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n], key)
+            answers[n] = await self._post(side, url, bodies[n], lease, key)
 
         async with anyio.create_task_group() as tg:
             for n in range(len(bodies)):

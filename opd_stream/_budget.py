@@ -3,10 +3,10 @@
 ``max_response_bytes`` caps one answer; this bounds the bytes of *all* answers a stream
 holds at once (being read, or read and waiting for their decode). Each attempt takes a
 :class:`BudgetLease` from the stream's :class:`ByteBudget` for as long as it holds its body
-(:meth:`ByteBudget.hold`, around the request and the decode); the transport charges the
-body to the lease chunk by chunk as it reads it (:meth:`BudgetLease.grow`), so a reader
-that would go over the budget waits, and stops reading its socket, until bodies held by
-others are released.
+(:meth:`ByteBudget.lease`, around the request and the decode) and hands it to the
+transport (``Transport.post(..., lease=lease)``), which charges the body to it chunk by
+chunk as it reads it (:meth:`BudgetLease.grow`), so a reader that would go over the budget
+waits, and stops reading its socket, until bodies held by others are released.
 
 Rules (they make the budget deadlock-free and never refuse an answer):
 
@@ -18,33 +18,21 @@ Rules (they make the budget deadlock-free and never refuse an answer):
   at once until it has read its whole body (:meth:`BudgetLease.done_reading`) or released.
   So the bytes held stay below ``limit`` plus one answer (at most ``max_response_bytes``).
 
-The lease of the running task is found through a context variable
-(:func:`current_lease`), so a :class:`~opd_stream._transport.Transport` needs no extra
-parameter; a transport that does not charge its reads is charged after the fact by
-:meth:`BudgetLease.settle`. Works on any anyio backend.
+The lease travels as an argument, nothing is read from the running task's context: a
+:class:`~opd_stream._transport.Transport` whose ``post`` takes no ``lease`` (one written
+before it existed) is never passed one, and the attempt charges its answer after the fact
+(:meth:`BudgetLease.settle`). Works on any anyio backend.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import types
 from collections import deque
-from collections.abc import Iterator
 from typing import Self
 
 import anyio
 
-__all__ = ("BudgetLease", "ByteBudget", "current_lease")
-
-_CURRENT: contextvars.ContextVar[BudgetLease | None] = contextvars.ContextVar(
-    "opd_stream_budget_lease", default=None
-)
-
-
-def current_lease() -> BudgetLease | None:
-    """The lease bound by :meth:`ByteBudget.hold` in the running task, if any."""
-    return _CURRENT.get()
+__all__ = ("BudgetLease", "ByteBudget")
 
 
 class _Waiter:
@@ -59,7 +47,8 @@ class _Waiter:
 
 
 class BudgetLease:
-    """The bytes one attempt holds: made by :meth:`ByteBudget.hold` or :meth:`ByteBudget.lease`."""
+    """The bytes one attempt holds: made by :meth:`ByteBudget.lease`, released on exit
+    from its ``with`` block (or by :meth:`release`)."""
 
     __slots__ = ("_budget", "_released", "held")
 
@@ -132,17 +121,6 @@ class ByteBudget:
     def lease(self) -> BudgetLease:
         """A new, empty lease (release it, or use it as a ``with`` block)."""
         return BudgetLease(self)
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[BudgetLease]:
-        """A lease bound to the running task (:func:`current_lease`), released on exit."""
-        lease = BudgetLease(self)
-        token = _CURRENT.set(lease)
-        try:
-            yield lease
-        finally:
-            _CURRENT.reset(token)
-            lease.release()
 
     # --- the state machine --------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from contextvars import ContextVar
 from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -92,10 +91,6 @@ def _doc(description: str, *, advanced: bool = False, **constraints: Any) -> msg
 
 def _device_spelling(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
-
-
-_SOURCES: ContextVar[Mapping[str, str] | None] = ContextVar("opd_config_sources", default=None)
-"""Field -> the env variable it came from, while :meth:`StreamConfig.from_env` builds one."""
 
 
 class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -321,7 +316,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         try:
             normalised = check_values(_SPECS, values)
         except Invalid as problem:
-            raise ConfigError(problem.message(_SOURCES.get())) from None
+            raise ConfigError(problem.message()) from None
         for name, value in normalised.items():
             if value is not values[name]:
                 msgspec.structs.force_setattr(self, name, value)
@@ -353,11 +348,22 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             sources.pop(name, None)
         if "teachers" not in values:
             raise ConfigError(f"teachers: required (set {ENV_PREFIX}TEACHERS or pass teachers=...)")
-        token = _SOURCES.set(sources)  # __post_init__ names the variable of a bad value
         try:
             return cls(**values)
-        finally:
-            _SOURCES.reset(token)
+        except ConfigError:
+            if not sources:
+                raise
+        # A bad value: the same check again, to name the variable it came from (only on
+        # this path: a valid configuration is checked once).
+        given = {
+            f.name: f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+            for f in msgspec.structs.fields(cls)
+        }
+        try:
+            check_values(_SPECS, {name: given[name] for name in _SPECS} | values)
+        except Invalid as problem:
+            raise ConfigError(problem.message(sources)) from None
+        raise AssertionError("a configuration refused once is refused again")  # pragma: no cover
 
     def evolve(self, **changes: Any) -> StreamConfig:
         """Return a copy with ``changes`` applied, validated like a new configuration.

@@ -9,20 +9,27 @@
 Invalid samples and fetch failures go straight to ``emit``. Every admitted sample holds one
 of ``max_inflight`` slots until its result is handed over, so memory is bounded by the
 configured capacities and a slow consumer stops intake. The stage tasks live in one task
-group per run, inside the stream's (the drawing with modules: ``docs/internals.md``)."""
+group per run, inside the stream's (the drawing with modules: ``docs/internals.md``).
+
+What a run borrows from its stream comes in one struct (:class:`StreamParts`). The per-call
+entry points (:meth:`OPDStream.score`, :meth:`OPDStream.teacher_rows`) feed one long-lived
+run of :class:`Call` items: each carries its caller's cancel scope, and its outcome is
+handed to it (:meth:`Call.outcome`) instead of the output channel."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import msgspec
+import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._answers import ScoreRows
 from ._config import StreamConfig
 from ._errors import InvalidSampleError, RoutingError
 from ._failures import internal_failure, sample_failure
@@ -37,24 +44,66 @@ from ._student_topk import rows_convert_in_thread
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("Result", "RunState", "Submission", "run_pipeline")
+__all__ = ("Call", "Result", "RunState", "StreamParts", "TeacherRows", "run_pipeline")
 
 log = get_logger()
 
 Result = ScoredSample | SampleFailure
 
 
-class Submission(NamedTuple):
-    """An input item that carries its own cancel scope (the integrations' per-call input):
-    cancelling ``scope`` cancels the sample's requests in flight, or skips them if they have
-    not started; its result is then a ``SampleFailure`` with reason ``cancelled``."""
+class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
+    """What every run of a stream shares, owned by the :class:`~opd_stream.OPDStream`: its
+    configuration, its scorer (replica pool, limits, capability state, byte budget), its
+    router, its stats, the KL device and the KL stage's thread limiter."""
 
-    sample: Any
-    scope: anyio.CancelScope
+    config: StreamConfig
+    scorer: SampleScorer
+    router: TeacherRouter
+    stats: StatsRecorder
+    kl_device: torch.device
+    kl_limiter: anyio.CapacityLimiter
 
 
-# What intake hands the fetch workers: the sample, its admission time, its cancel scope.
-_Work = tuple[PreparedSample, float, "anyio.CancelScope | None"]
+class TeacherRows(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of a teacher-rows call: the teacher's answer for one sample's response
+    positions (``rows``: R rows, its top-k when the stream's ``top_k`` > 0)."""
+
+    index: int
+    rows: ScoreRows
+    attempts: int
+    latency_s: float
+
+
+_Item = Result | TeacherRows  # what the emitter hands over
+
+
+class Call:
+    """One per-call input (:meth:`OPDStream.score`, :meth:`OPDStream.teacher_rows`).
+
+    Cancelling ``scope`` cancels the sample's requests in flight, or skips them if they
+    have not started; its outcome is then a ``SampleFailure`` with reason ``cancelled``.
+    The run hands the outcome to the call (``done`` is set) instead of its output channel.
+    """
+
+    __slots__ = ("done", "error", "item", "sample", "scope", "teacher_only")
+
+    def __init__(self, sample: Any, *, teacher_only: bool = False) -> None:
+        self.sample = sample
+        self.teacher_only = teacher_only
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self.item: _Item | None = None
+        self.error: BaseException | None = None  # the exception behind a failure, if any
+
+    def deliver(self, item: _Item) -> None:
+        self.item = item
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """No outcome will come (the run ended): the call raises ``error``."""
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
 
 
 class RunState:
@@ -66,6 +115,21 @@ class RunState:
         self.error: BaseException | None = None
 
 
+class _Job(msgspec.Struct, frozen=True):
+    """What intake hands the fetch workers."""
+
+    prepared: PreparedSample
+    admitted_at: float
+    call: Call | None  # a per-call input: its cancel scope, its mode
+
+
+_Ends = tuple[
+    MemoryObjectReceiveStream[_Job],
+    MemoryObjectSendStream[Fetched],
+    MemoryObjectSendStream[_Item],
+]
+
+
 class _Crew:
     """The fetch workers, started as work arrives: one for each job sent when no worker is
     idle for it, at most ``limit`` (``max_inflight``). A run of a few samples starts a few
@@ -73,21 +137,21 @@ class _Crew:
 
     It holds spare ends of the channels, cloned for each new worker, until :meth:`close`
     (the intake's end: no job comes after it, so no worker is needed after it either).
+    A worker hands each job to ``fetch_one(job, kl, emit)``.
     """
 
     def __init__(
         self,
         tg: TaskGroup,
-        worker: Any,
-        ends: tuple[
-            MemoryObjectReceiveStream[_Work],
-            MemoryObjectSendStream[Fetched],
-            MemoryObjectSendStream[Result],
+        fetch_one: Callable[
+            [_Job, MemoryObjectSendStream[Fetched], MemoryObjectSendStream[_Item]],
+            Coroutine[Any, Any, None],
         ],
+        ends: _Ends,
         limit: int,
     ) -> None:
         self._tg = tg
-        self._worker = worker
+        self._fetch_one = fetch_one
         self._ends = ends
         self._limit = limit
         self.started = 0
@@ -102,14 +166,23 @@ class _Crew:
             self.started += 1
         self.queued += 1
 
-    def took(self) -> None:
-        """A worker took a job."""
-        self.queued -= 1
-        self.busy += 1
-
-    def finished(self) -> None:
-        """A worker is done with its job (and idle again)."""
-        self.busy -= 1
+    async def _worker(
+        self,
+        work: MemoryObjectReceiveStream[_Job],
+        kl: MemoryObjectSendStream[Fetched],
+        emit: MemoryObjectSendStream[_Item],
+    ) -> None:
+        async with work, kl, emit:
+            async for job in work:
+                self.queued -= 1
+                self.busy += 1
+                try:
+                    await self._fetch_one(job, kl, emit)
+                finally:
+                    self.busy -= 1  # done with it, and idle again
+                # Nothing of a finished sample stays referenced while this worker waits for
+                # the next one (up to max_inflight workers: that would be GBs at long R).
+                del job
 
     def close(self) -> None:
         for end in self._ends:
@@ -117,46 +190,42 @@ class _Crew:
 
 
 class _Pipeline:
-    def __init__(
-        self,
-        config: StreamConfig,
-        scorer: SampleScorer,
-        router: TeacherRouter,
-        stats: StatsRecorder,
-        kl_device: torch.device,
-        kl_limiter: anyio.CapacityLimiter,
-    ) -> None:
+    def __init__(self, parts: StreamParts, order: Literal["completed", "input"]) -> None:
+        config = parts.config
         self.cfg = config
-        self.scorer = scorer
-        self.router = router
-        self.stats = stats
-        self.kl_device = kl_device
-        self.kl_limiter = kl_limiter
+        self.scorer = parts.scorer
+        self.router = parts.router
+        self.stats = parts.stats
+        self.kl_device = parts.kl_device
+        self.kl_limiter = parts.kl_limiter
+        self.order = order
         # In input order, results wait in the reorder buffer while holding their slot,
         # so bounding the slots bounds the buffer too.
         slots = config.max_inflight
-        if config.order == "input":
+        if order == "input":
             slots = min(slots, config.max_reorder)
         self.slots = anyio.Semaphore(slots)
-        self.outstanding = 0  # admitted, result not yet handed over (for stats on cancel)
-        self.crew: _Crew | None = None  # set by run_pipeline before the intake starts
+        # admitted, result not yet handed over: the one count (the stream's is their sum)
+        self.in_flight = 0
+        self.calls: dict[int, Call] = {}  # admitted calls by index, until handed over
         self.secret = None if config.api_key is None else config.api_key.get_secret_value()
         cap = config.channel_capacity
         for name in ("intake", "kl", "emit", "output"):
-            stats.channel(name, cap)
+            self.stats.channel(name, cap)
 
     # stage 1: intake ---------------------------------------------------------------
-    def _prepare(self, sample: Any, index: int) -> PreparedSample:
+    def _prepare(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
         start = time.thread_time()
         try:
-            return self._prepare_timed(sample, index)
+            return self._prepare_timed(sample, index, teacher_only)
         finally:
             self.stats.cpu.prepare += time.thread_time() - start
 
-    def _prepare_timed(self, sample: Any, index: int) -> PreparedSample:
+    def _prepare_timed(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
         prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)
         if (
-            self.cfg.student_url is None
+            not teacher_only
+            and self.cfg.student_url is None
             and prepared.response_length > 0
             and self.scorer.plan(prepared).needs_student_server
         ):
@@ -167,35 +236,45 @@ class _Pipeline:
             )
         teacher = self.router.resolve(prepared.sample.metadata)
         prepared = msgspec.structs.replace(prepared, teacher=teacher)
-        if self.scorer.xtok is not None:  # a teacher with its own tokenizer needs its prompt
-            self.scorer.xtok.check_prompt(prepared)
+        xtok = self.scorer.xtok
+        if xtok is not None and teacher_only and xtok.teacher(teacher) is not None:
+            raise InvalidSampleError(
+                "metadata",
+                f"teacher {teacher!r} has its own tokenizer: its rows are in its own ids, not "
+                "at the sample's response positions; use OPDStream.score for it",
+            )
+        if xtok is not None:  # a teacher with its own tokenizer needs its prompt
+            xtok.check_prompt(prepared)
         return prepared
 
     async def intake(
         self,
         samples: Iterable[Any] | AsyncIterable[Any],
-        work: MemoryObjectSendStream[_Work],
-        emit: MemoryObjectSendStream[Result],
+        work: MemoryObjectSendStream[_Job],
+        emit: MemoryObjectSendStream[_Item],
+        crew: _Crew,
     ) -> None:
+        # anyio starts every task it is given (a cancelled one runs to its first
+        # checkpoint), so this block is always entered and the crew always closed
         async with work, emit:
             try:
-                await self._intake(samples, work, emit)
+                await self._intake(samples, work, emit, crew)
             finally:
-                if self.crew is not None:
-                    self.crew.close()  # no job after this one: no worker needed either
+                crew.close()  # no job after this one: no worker needed either
 
     async def _intake(
         self,
         samples: Iterable[Any] | AsyncIterable[Any],
-        work: MemoryObjectSendStream[_Work],
-        emit: MemoryObjectSendStream[Result],
+        work: MemoryObjectSendStream[_Job],
+        emit: MemoryObjectSendStream[_Item],
+        crew: _Crew,
     ) -> None:
         if isinstance(samples, AsyncIterable):
             iterator = aiter(samples)
             try:
                 index = 0
                 async for sample in iterator:
-                    await self._admit(sample, index, work, emit)
+                    await self._admit(sample, index, work, emit, crew)
                     index += 1
                     del sample  # not held while waiting for the next one
             finally:
@@ -207,34 +286,38 @@ class _Pipeline:
                         await aclose()
         else:
             for index, sample in enumerate(samples):
-                await self._admit(sample, index, work, emit)
+                await self._admit(sample, index, work, emit, crew)
                 del sample
 
     async def _admit(
         self,
         sample: Any,
         index: int,
-        work: MemoryObjectSendStream[_Work],
-        emit: MemoryObjectSendStream[Result],
+        work: MemoryObjectSendStream[_Job],
+        emit: MemoryObjectSendStream[_Item],
+        crew: _Crew,
     ) -> None:
-        scope = None
-        if isinstance(sample, Submission):
-            sample, scope = sample.sample, sample.scope
+        call = None
+        if isinstance(sample, Call):
+            call, sample = sample, sample.sample
         await self.slots.acquire()
         self.stats.admitted += 1
-        self.stats.in_flight += 1
-        self.outstanding += 1
+        self.in_flight += 1
+        if call is not None:
+            self.calls[index] = call
         admitted_at = time.monotonic()
+        teacher_only = call is not None and call.teacher_only
         try:
-            prepare = partial(self._prepare, sample, index)  # big Python rows: in a thread
-            in_thread = rows_convert_in_thread(sample, self.cfg.top_k)
+            prepare = partial(self._prepare, sample, index, teacher_only)
+            in_thread = rows_convert_in_thread(sample, self.cfg.top_k)  # big Python rows
             prepared = await anyio.to_thread.run_sync(prepare) if in_thread else prepare()
         except (InvalidSampleError, RoutingError) as exc:
+            if call is not None:
+                call.error = exc
             await self._send("emit", emit, sample_failure(sample, index, exc, 0, self.secret))
         else:
-            if self.crew is not None:
-                self.crew.before_send()
-            await self._send("intake", work, (prepared, admitted_at, scope))
+            crew.before_send()
+            await self._send("intake", work, _Job(prepared, admitted_at, call))
 
     async def _send(self, channel: str, stream: MemoryObjectSendStream[Any], item: Any) -> None:
         """Send, then count the item as sitting in ``channel`` (for depth/high-water stats)."""
@@ -242,51 +325,49 @@ class _Pipeline:
         self.stats.put(channel)
 
     # stage 2: fetch workers --------------------------------------------------------
-    def _empty_result(self, prepared: PreparedSample, admitted_at: float) -> ScoredSample:
+    def _empty_result(self, job: _Job) -> _Item:
         """R = 0: nothing to ask; an empty result of the right shapes."""
+        prepared, cfg = job.prepared, self.cfg
+        if job.call is not None and job.call.teacher_only:
+            k = cfg.top_k
+            top = (np.empty((0, k), np.int64), np.empty((0, k), np.float32)) if k else None
+            rows = ScoreRows(
+                token_ids=np.empty(0, np.int64),
+                token_logprobs=np.empty(0, np.float32),
+                top_ids=None if top is None else top[0],
+                top_logprobs=None if top is None else top[1],
+                id_logprobs=None,
+                used_b64=False,
+                weight_version=None,
+            )
+            return TeacherRows(index=prepared.index, rows=rows, attempts=0, latency_s=0.0)
+
         from ._klstage import empty_result  # torch: loaded by OPDStream already
 
-        cfg = self.cfg
         return empty_result(
-            prepared, admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
+            prepared, job.admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
         )
 
-    async def worker(
-        self,
-        work: MemoryObjectReceiveStream[_Work],
-        kl: MemoryObjectSendStream[Fetched],
-        emit: MemoryObjectSendStream[Result],
+    async def fetch_one(
+        self, job: _Job, kl: MemoryObjectSendStream[Fetched], emit: MemoryObjectSendStream[_Item]
     ) -> None:
-        async with work, kl, emit:
-            async for job in work:
-                self.stats.take("intake")
-                crew = self.crew
-                if crew is not None:
-                    crew.took()
-                try:
-                    await self._fetch_one(job, kl, emit)
-                finally:
-                    if crew is not None:
-                        crew.finished()
-                # Nothing of a finished sample stays referenced while this worker waits for
-                # the next one (up to max_inflight workers: that would be GBs at long R).
-                del job
-
-    async def _fetch_one(
-        self, job: _Work, kl: MemoryObjectSendStream[Fetched], emit: MemoryObjectSendStream[Result]
-    ) -> None:
-        prepared, admitted_at, scope = job
+        """A fetch worker's job (see :class:`_Crew`)."""
+        self.stats.take("intake")
+        prepared, call = job.prepared, job.call
         if prepared.response_length == 0:
-            await self._send("emit", emit, self._empty_result(prepared, admitted_at))
+            await self._send("emit", emit, self._empty_result(job))
             return
+        teacher_only = call is not None and call.teacher_only
         fetched: Fetched | None = None
         try:
-            if scope is None:
-                fetched = await self._fetch(prepared, admitted_at)
+            if call is None:
+                fetched = await self._fetch(prepared, job.admitted_at, teacher_only)
             else:
-                with scope:  # cancelled by the caller: its requests stop, at once
-                    fetched = await self._fetch(prepared, admitted_at)
+                with call.scope:  # cancelled by the caller: its requests stop, at once
+                    fetched = await self._fetch(prepared, job.admitted_at, teacher_only)
         except ScoreAttemptError as exc:
+            if call is not None:
+                call.error = exc.error
             failure = sample_failure(
                 prepared.sample, prepared.index, exc.error, exc.attempts, self.secret
             )
@@ -305,10 +386,22 @@ class _Pipeline:
             )
             await self._send("emit", emit, cancelled)
             return
+        if teacher_only:  # nothing for the KL stage: the teacher's rows are the outcome
+            rows = TeacherRows(
+                index=prepared.index,
+                rows=fetched.teacher_rows,
+                attempts=fetched.attempts,
+                latency_s=time.monotonic() - job.admitted_at,
+            )
+            await self._send("emit", emit, rows)
+            return
         await self._send("kl", kl, fetched)
 
-    async def _fetch(self, prepared: PreparedSample, admitted_at: float) -> Fetched:
-        return await self.scorer.fetch(prepared, self.router.teacher(prepared.teacher), admitted_at)
+    async def _fetch(
+        self, prepared: PreparedSample, admitted_at: float, teacher_only: bool
+    ) -> Fetched:
+        teacher = self.router.teacher(prepared.teacher)
+        return await self.scorer.fetch(prepared, teacher, admitted_at, teacher_only=teacher_only)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:
@@ -336,7 +429,7 @@ class _Pipeline:
         return batch
 
     async def kl_stage(
-        self, kl: MemoryObjectReceiveStream[Fetched], emit: MemoryObjectSendStream[Result]
+        self, kl: MemoryObjectReceiveStream[Fetched], emit: MemoryObjectSendStream[_Item]
     ) -> None:
         async with kl, emit:
             while batch := await self._next_batch(kl):
@@ -344,7 +437,7 @@ class _Pipeline:
                 del batch  # not held while waiting for the next batch
 
     async def _score_batch(
-        self, batch: list[Fetched], emit: MemoryObjectSendStream[Result]
+        self, batch: list[Fetched], emit: MemoryObjectSendStream[_Item]
     ) -> None:
         self.stats.stage_active["kl"] += 1
         from ._klstage import timed_score_batch  # torch: loaded by OPDStream already
@@ -376,10 +469,9 @@ class _Pipeline:
         results.clear()
 
     # stage 4: emit -----------------------------------------------------------------
-    def _account(self, item: Result) -> None:
-        self.stats.in_flight -= 1
-        self.outstanding -= 1
-        if isinstance(item, ScoredSample):
+    def _account(self, item: _Item) -> None:
+        self.in_flight -= 1
+        if isinstance(item, ScoredSample | TeacherRows):
             self.stats.completed += 1
             self.stats.record_latency(item.latency_s)
         else:
@@ -393,22 +485,27 @@ class _Pipeline:
                 message=item.message,
             )
 
-    async def _hand_over(self, item: Result, out: MemoryObjectSendStream[Result]) -> None:
+    async def _hand_over(self, item: _Item, out: MemoryObjectSendStream[Result]) -> None:
         self._account(item)
-        await self._send("output", out, item)
+        call = self.calls.pop(item.index, None)
+        if call is not None:
+            call.deliver(item)  # the caller waits for it, not the output channel
+        else:
+            assert not isinstance(item, TeacherRows)  # (only a call asks for them)
+            await self._send("output", out, item)
         self.slots.release()
-        if self.outstanding == 0:  # nothing in flight: give freed heap memory back
+        if self.in_flight == 0:  # nothing in flight: give freed heap memory back
             maybe_release_freed_memory()
 
     async def emitter(
-        self, emit: MemoryObjectReceiveStream[Result], out: MemoryObjectSendStream[Result]
+        self, emit: MemoryObjectReceiveStream[_Item], out: MemoryObjectSendStream[Result]
     ) -> None:
         async with emit, out:
-            pending: dict[int, Result] = {}
+            pending: dict[int, _Item] = {}
             next_index = 0
             async for item in emit:
                 self.stats.take("emit")
-                if self.cfg.order == "completed":
+                if self.order == "completed":
                     await self._hand_over(item, out)
                 else:
                     pending[item.index] = item
@@ -417,39 +514,44 @@ class _Pipeline:
                         next_index += 1
                 del item  # handed over: not held while waiting for the next one
 
+    async def run(
+        self, samples: Iterable[Any] | AsyncIterable[Any], out: MemoryObjectSendStream[Result]
+    ) -> None:
+        """The stages, in one task group; returns when every one has ended."""
+        cap = self.cfg.channel_capacity
+        workers = min(self.cfg.max_inflight, 1024)
+        work_send, work_recv = anyio.create_memory_object_stream[_Job](cap)
+        kl_send, kl_recv = anyio.create_memory_object_stream[Fetched](cap)
+        emit_send, emit_recv = anyio.create_memory_object_stream[_Item](cap)
+        async with anyio.create_task_group() as tg:
+            with work_send, work_recv, kl_send, kl_recv, emit_send, emit_recv:
+                ends = (work_recv.clone(), kl_send.clone(), emit_send.clone())
+                crew = _Crew(tg, self.fetch_one, ends, workers)
+                tg.start_soon(self.intake, samples, work_send.clone(), emit_send.clone(), crew)
+                tg.start_soon(self.kl_stage, kl_recv.clone(), emit_send.clone())
+                tg.start_soon(self.emitter, emit_recv.clone(), out.clone())
+
 
 async def run_pipeline(
-    pipeline_args: tuple[
-        StreamConfig,
-        SampleScorer,
-        TeacherRouter,
-        StatsRecorder,
-        torch.device,
-        anyio.CapacityLimiter,
-    ],
+    parts: StreamParts,
     samples: Iterable[Any] | AsyncIterable[Any],
     out: MemoryObjectSendStream[Result],
     state: RunState,
     *,
+    order: Literal["completed", "input"] | None = None,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Supervise one run: start the stages, record a pipeline-level error, close ``out``."""
-    pipe = _Pipeline(*pipeline_args)
-    cap = pipe.cfg.channel_capacity
-    workers = min(pipe.cfg.max_inflight, 1024)
+    """Supervise one run: start the stages, record a pipeline-level error, close ``out``.
+
+    ``order``: the result order (default: the configuration's ``order``).
+    """
+    pipe = _Pipeline(parts, order or parts.config.order)
+    stats = parts.stats
+    stats.runs.add(pipe)
     try:
         with state.scope, out:
             task_status.started()
-            work_send, work_recv = anyio.create_memory_object_stream[_Work](cap)
-            kl_send, kl_recv = anyio.create_memory_object_stream[Fetched](cap)
-            emit_send, emit_recv = anyio.create_memory_object_stream[Result](cap)
-            async with anyio.create_task_group() as tg:
-                with work_send, work_recv, kl_send, kl_recv, emit_send, emit_recv:
-                    ends = (work_recv.clone(), kl_send.clone(), emit_send.clone())
-                    pipe.crew = _Crew(tg, pipe.worker, ends, workers)
-                    tg.start_soon(pipe.intake, samples, work_send.clone(), emit_send.clone())
-                    tg.start_soon(pipe.kl_stage, kl_recv.clone(), emit_send.clone())
-                    tg.start_soon(pipe.emitter, emit_recv.clone(), out.clone())
+            await pipe.run(samples, out)
     except anyio.BrokenResourceError:
         pass  # the consumer closed its end: nothing left to deliver
     except Exception as exc:
@@ -459,19 +561,16 @@ async def run_pipeline(
         if not isinstance(err, anyio.BrokenResourceError):
             state.error = err
     finally:
-        if pipe.crew is not None:
-            pipe.crew.close()  # (the intake's end does, unless it never ran)
-        # a cancelled run leaves samples that will never come out: not in flight any more
-        pipe.stats.in_flight -= pipe.outstanding
-        pipe.outstanding = 0
+        # a cancelled run leaves samples that will never come out: they leave the count
+        # of samples in flight with the run
+        stats.runs.discard(pipe)
         release_freed_memory()  # see _memory: glibc keeps large freed blocks otherwise
         state.done.set()
-        st = pipe.stats
         log.info(
             "run_finished",
-            admitted=st.admitted,
-            completed=st.completed,
-            failed=st.failed,
-            retries=st.retries,
+            admitted=stats.admitted,
+            completed=stats.completed,
+            failed=stats.failed,
+            retries=stats.retries,
             error=type(state.error).__name__ if state.error is not None else None,
         )

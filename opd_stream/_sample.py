@@ -147,7 +147,8 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         sample: the input sample, unchanged.
-        index: its 0-based position in the input.
+        index: its 0-based position in the input (a call of ``OPDStream.score``: the
+            call's number among the stream's calls).
         teacher: the teacher name it was routed to.
         teacher_logprobs: float32 ``[R]``, the teacher logprob of each sampled token. A
             teacher with its own tokenizer: the teacher's logprob of each span's text, on
@@ -190,10 +191,11 @@ class SampleFailure(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         sample: the input, unchanged: the :class:`Sample`, or, for an input that is not
             one (reason ``invalid_sample``), the object given in its place.
-        index: its 0-based position in the input.
+        index: its 0-based position in the input (a call of ``OPDStream.score``: the
+            call's number among the stream's calls).
         reason: a short stable code (``invalid_sample``, ``routing``, ``teacher_http_400``,
             ``deadline_exceeded``, ``misaligned_response``, ``capability``, ``cancelled``
-            (an integration's caller stopped waiting for it), ...).
+            (the caller of ``OPDStream.score`` stopped waiting for it), ...).
         message: a human-readable explanation (never a payload or a secret).
         attempts: HTTP attempts made before giving up.
     """

@@ -446,10 +446,18 @@ class SampleScorer:
         )
 
     async def fetch(
-        self, prepared: PreparedSample, teacher: Teacher, admitted_at: float
+        self,
+        prepared: PreparedSample,
+        teacher: Teacher,
+        admitted_at: float,
+        *,
+        teacher_only: bool = False,
     ) -> Fetched:
         """Run the sample's plan against ``teacher`` (its replica URLs, or an ensemble).
         Raises :class:`ScoreAttemptError` on failure.
+
+        ``teacher_only``: ask the teacher alone, its top-k when ``top_k`` > 0 (its
+        sampled-token logprobs always), whatever the strategy; nothing of the student.
 
         One side's answers for the sample must all report the same
         ``meta_info.weight_version`` (the items of one answer, and the student's requests
@@ -458,10 +466,14 @@ class SampleScorer:
         fails with :class:`WeightVersionChanged`.
         """
         if self.xtok is not None and self.xtok.teacher(prepared.teacher) is not None:
-            # (config rule: a teacher with its own tokenizer is never an ensemble)
+            # (config rule: a teacher with its own tokenizer is never an ensemble; the
+            # pipeline refuses a teacher-only call for it)
             assert not isinstance(teacher, Ensemble)
+            assert not teacher_only
             return await self._fetch_cross(prepared, self.xtok, teacher, admitted_at)
-        plan = self.plan(prepared)
+        plan = (
+            RequestPlan(teacher_topk=self._cfg.top_k > 0) if teacher_only else self.plan(prepared)
+        )
         counter = Counter()
         got = _Progress()
         args = (prepared, teacher, admitted_at, plan, counter, got)

@@ -8,7 +8,7 @@ latency and loop-lag samples are ring buffers.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -194,15 +194,27 @@ class CpuSeconds(msgspec.Struct, kw_only=True):
 CPU_STEPS: Final[tuple[str, ...]] = CpuSeconds.__struct_fields__
 
 
+class CountsInFlight(Protocol):
+    """A run of the pipeline: it counts its own samples in flight (admitted, result not
+    yet handed over)."""
+
+    in_flight: int
+
+
 class StatsRecorder:
-    """Mutable bookkeeping for one stream."""
+    """Mutable bookkeeping for one stream.
+
+    Samples in flight are counted in one place, by each run (``CountsInFlight``); a run
+    is registered in :attr:`runs` while it goes on, and :attr:`in_flight` is their sum (a
+    cancelled run's samples, which never come out, leave with it).
+    """
 
     def __init__(self) -> None:
         self.channel_capacity: dict[str, int] = {}
         self._depth: Counter[str] = Counter()
         self._high: Counter[str] = Counter()
         self.stage_active: Counter[str] = Counter()
-        self.in_flight = 0
+        self.runs: set[CountsInFlight] = set()
         self.admitted = 0
         self.completed = 0
         self.failed = 0
@@ -220,6 +232,11 @@ class StatsRecorder:
         self._kl_batch: deque[float] = deque(maxlen=_RING)
         self.cpu = CpuSeconds()
         self.decoded: dict[Parser, int] = dict.fromkeys(PARSERS, 0)
+
+    @property
+    def in_flight(self) -> int:
+        """Samples admitted by the runs going on whose result is not handed over yet."""
+        return sum(run.in_flight for run in self.runs)
 
     # channels ---------------------------------------------------------------------
     def channel(self, name: str, capacity: int) -> None:

@@ -6,12 +6,15 @@
         async with stream.run(samples) as results:
             async for item in results:      # ScoredSample | SampleFailure, each input once
                 ...
+        result = await stream.score(sample)     # or one sample at a time, from any task
 
-The stream owns one task group (the pipeline runs and a loop-lag ticker), one transport
+The stream owns one task group (the pipeline runs, the run of per-call samples, a loop-lag
+ticker), one transport
 (a pooled aiohttp session by default, created inside the running loop), and the per
-endpoint state (concurrency limiters, detected capabilities). Leaving ``results`` early,
-or cancelling the caller, cancels the run: in-flight HTTP requests are cancelled and no
-task is left behind.
+endpoint state (concurrency limiters, detected capabilities), handed to each run in one
+:class:`~opd_stream._pipeline.StreamParts`. Leaving ``results`` early, or cancelling the
+caller, cancels the run: in-flight HTTP requests are cancelled and no task is left behind;
+a cancelled :meth:`OPDStream.score` call cancels its sample's requests.
 """
 
 from __future__ import annotations
@@ -23,17 +26,18 @@ from typing import Self
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._answers import ScoreRows
 from ._config import StreamConfig, resolve_decode_threads, resolve_kl_device
-from ._errors import ConfigError
+from ._errors import ConfigError, OPDStreamError
 from ._jit import start as start_kernels
 from ._logging import get_logger
-from ._pipeline import Result, RunState, run_pipeline
+from ._pipeline import Call, Result, RunState, StreamParts, TeacherRows, run_pipeline
 from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
 from ._probe_requests import run_probe
 from ._router import TeacherRouter, replica_groups
-from ._sample import Sample, prepare_sample
+from ._sample import Sample, SampleFailure, ScoredSample, prepare_sample
 from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
 from ._transport import AiohttpTransport, Transport
@@ -170,11 +174,14 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._stats = StatsRecorder()
         self._stats.kl_device = str(self._device)
         self._tg: anyio.abc.TaskGroup | None = None
-        self._scorer: SampleScorer | None = None
+        self._parts: StreamParts | None = None  # what every run shares (set on entry)
         self._in_use: Transport | None = None
         self._decode_limiter = anyio.CapacityLimiter(resolve_decode_threads(config))
         # open run handles: a dropped one is closed at the stream's exit
         self._runs: set[Results] = set()
+        # the per-call samples' run (started by the first call) and the calls waiting
+        self._calls: MemoryObjectSendStream[Call] | None = None
+        self._waiting: set[Call] = set()
 
     def __repr__(self) -> str:
         return f"OPDStream(teachers={sorted(self.config.teachers)}, top_k={self.config.top_k})"
@@ -188,14 +195,21 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
         transport = self._transport or default_transport(self.config)
         async with transport, anyio.create_task_group() as tg:
-            self._scorer = SampleScorer(
+            scorer = SampleScorer(
                 self.config,
                 transport,
                 self._stats,
                 threads=self._decode_limiter,
                 xtok=xtok,
             )
-            self._kl_limiter = anyio.CapacityLimiter(1)
+            self._parts = StreamParts(
+                config=self.config,
+                scorer=scorer,
+                router=self._router,
+                stats=self._stats,
+                kl_device=self._device,
+                kl_limiter=anyio.CapacityLimiter(1),
+            )
             self._in_use = transport
             self._tg = tg
             tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
@@ -227,13 +241,12 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         item that is not a :class:`Sample` fails alone (``invalid_sample``); its
         :class:`SampleFailure` holds the object as given.
         """
-        tg, scorer = self._tg, self._scorer
-        if tg is None or scorer is None:
+        tg, parts = self._tg, self._parts
+        if tg is None or parts is None:
             raise RuntimeError("OPDStream.run() called outside 'async with OPDStream(...)'")
         send, receive = anyio.create_memory_object_stream[Result](self.config.channel_capacity)
         state = RunState()
-        args = (self.config, scorer, self._router, self._stats, self._device, self._kl_limiter)
-        tg.start_soon(run_pipeline, args, samples, send, state, name="opd_stream.run")
+        tg.start_soon(run_pipeline, parts, samples, send, state, name="opd_stream.run")
         results = Results(receive, state, self._stats, self._runs)
         self._runs.add(results)
         return results
@@ -269,8 +282,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         Raises:
             InvalidSampleError: ``sample`` is not a valid sample.
         """
-        scorer, transport = self._scorer, self._in_use
-        if scorer is None or transport is None:
+        parts, transport = self._parts, self._in_use
+        if parts is None or transport is None:
             raise RuntimeError("OPDStream.probe() called outside 'async with OPDStream(...)'")
         if sample is None:
             tokens, r = default_probe_tokens(), PROBE_RESPONSE_LENGTH
@@ -283,7 +296,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         cfg = self.config
         report = await run_probe(
             transport,
-            scorer.fleets,
+            parts.scorer.fleets,
             replica_groups(cfg.teachers),
             tokens,
             r,
@@ -304,7 +317,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             return report
         out = set(ejectable(report))
         for url in out:
-            scorer.eject_for_good(url)
+            parts.scorer.eject_for_good(url)
             log.warning("replica_ejected_by_probe", url=url, tolerance=report.tolerance)
         return msgspec.structs.replace(
             report,
@@ -319,10 +332,120 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         retries, failures by reason, bytes received, latency and loop-lag percentiles,
         and per-endpoint load and detected capabilities."""
         snap = self._stats.snapshot()
-        if self._scorer is None:
+        if self._parts is None:
             return snap
         return msgspec.structs.replace(
             snap,
-            endpoints=self._scorer.endpoints.snapshot(),
-            fleets=self._scorer.fleets.snapshot(),
+            endpoints=self._parts.scorer.endpoints.snapshot(),
+            fleets=self._parts.scorer.fleets.snapshot(),
         )
+
+    # one sample at a time ------------------------------------------------------------
+    async def score(self, sample: Sample) -> ScoredSample | SampleFailure:
+        """Score one sample; its :class:`ScoredSample`, or the :class:`SampleFailure` that
+        says why not (the same result :meth:`run` would give it).
+
+        The per-call entry point, for a host that awaits one sample per task (a rollout's
+        ``reward_func``): concurrent calls, from any tasks of the stream's event loop, share
+        one run of the pipeline, so they share its bounds (``max_inflight`` samples
+        admitted at once, the per-endpoint limits, the byte budget) and its KL batches,
+        and are counted in :meth:`stats` like a run's samples. The results come as they
+        are ready (``order`` applies to :meth:`run` only); ``index`` is the call's number
+        among this stream's calls.
+
+        Cancelling the caller cancels the sample: its requests in flight are cancelled at
+        once (or never sent), it is counted as failed with reason ``cancelled``, and the
+        cancellation propagates to the caller.
+
+        Raises:
+            OPDStreamError: the stream closed before the sample's result was ready.
+            RuntimeError: called outside ``async with OPDStream(...)``.
+        """
+        item = await self._call(Call(sample))
+        assert not isinstance(item, TeacherRows)
+        return item
+
+    async def teacher_rows(self, sample: Sample) -> ScoreRows:
+        """The teacher's answer alone for one sample's response positions: its logprob of
+        each response token and, when ``top_k`` > 0, its top-k (best first), whatever the
+        ``strategy``; nothing is asked of the student and no KL is computed (what verl's
+        teacher manager needs).
+
+        Like :meth:`score`: one call shares the stream's run of calls, its bounds and its
+        stats (a sample counted completed or failed), and cancelling the caller cancels
+        its requests.
+
+        Returns:
+            :class:`~opd_stream.wire.ScoreRows`: ``token_logprobs`` float32 ``[R]``;
+            ``top_ids`` int64 / ``top_logprobs`` float32 ``[R, top_k]`` (None when
+            ``top_k`` is 0). ``R = 0``: empty rows, nothing asked.
+
+        Raises:
+            OPDStreamError: the error that failed the sample (the one behind its
+                ``SampleFailure``: :class:`InvalidSampleError` for an invalid sample or a
+                teacher with its own tokenizer, :class:`DeadlineExceeded` after
+                ``request_deadline_s``, :class:`ServerHTTPError`, ...), or the stream
+                closed first.
+            RuntimeError: called outside ``async with OPDStream(...)``.
+        """
+        call = Call(sample, teacher_only=True)
+        item = await self._call(call)
+        if isinstance(item, TeacherRows):
+            return item.rows
+        assert isinstance(item, SampleFailure)
+        if call.error is not None:
+            raise call.error
+        error = OPDStreamError(f"{item.reason}: {item.message}")
+        error.reason = item.reason
+        raise error
+
+    async def _call(self, call: Call) -> ScoredSample | SampleFailure | TeacherRows:
+        """Send ``call`` into the calls' run (started by the first call) and wait for its
+        outcome; a caller that stops waiting cancels its sample."""
+        send = self._calls
+        if send is None:
+            tg, parts = self._tg, self._parts
+            if tg is None or parts is None:
+                raise RuntimeError("OPDStream.score() called outside 'async with OPDStream(...)'")
+            send, receive = anyio.create_memory_object_stream[Call](self.config.channel_capacity)
+            self._calls = send
+            tg.start_soon(self._serve_calls, parts, send, receive, name="opd_stream.calls")
+        self._waiting.add(call)
+        try:
+            await send.send(call)
+            await call.done.wait()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise OPDStreamError("the stream closed before the sample was scored") from None
+        finally:
+            self._waiting.discard(call)
+            if not call.done.is_set():  # the caller stopped waiting: its requests stop too
+                call.scope.cancel()
+        if call.item is None:
+            assert call.error is not None
+            raise call.error
+        return call.item
+
+    async def _serve_calls(
+        self,
+        parts: StreamParts,
+        send: MemoryObjectSendStream[Call],
+        receive: MemoryObjectReceiveStream[Call],
+    ) -> None:
+        """The run of the per-call samples, in the stream's task group, until it exits."""
+        state = RunState()
+        out, unused = anyio.create_memory_object_stream[Result](0)  # (calls are handed over)
+        try:
+            with unused:
+                await run_pipeline(parts, receive, out, state, order="completed")
+        finally:
+            receive.close()  # a call waiting to be sent is told at once
+            send.close()
+            if self._calls is send:
+                self._calls = None  # (after an error, the next call starts a new run)
+            error = OPDStreamError(
+                "the stream closed before the sample was scored"
+                if state.error is None
+                else f"the stream's run of calls failed: {type(state.error).__name__}"
+            )
+            for call in list(self._waiting):
+                call.fail(error)

@@ -11,9 +11,10 @@ Errors: connection problems become :class:`ConnectionFailed`; a body over the ca
 :class:`ResponseTooLarge`; a compressed body (which we never ask for) becomes
 :class:`MalformedResponseError`. HTTP status codes are *not* errors here: the caller decides.
 
-Memory: besides the per-answer cap, both transports charge what they read to the
-:class:`~opd_stream._budget.BudgetLease` of the running task, when there is one
-(:func:`~opd_stream._budget.current_lease`): the stream's budget for all bodies in flight.
+Memory: besides the per-answer cap, every transport here charges what it reads to the
+:class:`~opd_stream._budget.BudgetLease` passed to ``post`` (``lease=``, when there is one):
+the stream's budget for all bodies in flight. The stream hands each scoring attempt's lease
+to the transport explicitly; nothing is read from the running task's context.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import msgspec
 import numpy as np
 
 from ._answers import Body
-from ._budget import current_lease
+from ._budget import BudgetLease
 from ._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
 from ._redact import redact
 
@@ -72,13 +73,23 @@ class Transport(Protocol):
     ) -> None: ...
 
     async def post(
-        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response:
         """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
 
         ``headers`` are sent besides the transport's own (the stream passes a request's
-        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). A transport
-        whose ``post`` has no ``headers`` parameter still works: it is never passed one.
+        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). ``lease`` is the
+        stream's byte budget for this answer: charge each chunk read to it (``await
+        lease.grow(len(chunk))``, which waits while the stream holds too many answer bytes)
+        and call ``lease.done_reading()`` once the body is complete. A transport whose
+        ``post`` has no ``headers`` or ``lease`` parameter still works: it is never passed
+        one (an answer read without a lease is charged to it once it is whole).
         """
         ...
 
@@ -121,7 +132,9 @@ class MockTransport:
     ) -> None:
         return None
 
-    async def _call(self, method: str, url: str, body: bytes, max_bytes: int) -> Response:
+    async def _call(
+        self, method: str, url: str, body: bytes, max_bytes: int, lease: BudgetLease | None
+    ) -> Response:
         if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
             # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
@@ -132,26 +145,31 @@ class MockTransport:
         assert isinstance(result, Response)
         if len(result.body) > max_bytes:
             raise ResponseTooLarge(max_bytes, url=url)
-        lease = current_lease()
         if lease is not None:
             await lease.settle(len(result.body))
         return result
 
     async def post(
-        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response:
         self.last_headers = dict(headers) if headers else None
-        return await self._call("POST", url, body, max_bytes)
+        return await self._call("POST", url, body, max_bytes, lease)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
-        return await self._call("GET", url, b"", max_bytes)
+        return await self._call("GET", url, b"", max_bytes, None)
 
 
 class PooledTransport(abc.ABC):
     """What both pooled HTTP transports share (aiohttp here, httpx in ``_transport_httpx``):
     the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
     refusal of a compressed answer, reading a body under the byte cap while charging the
-    task's budget lease, and turning connection problems into a redacted
+    budget lease it was given, and turning connection problems into a redacted
     :class:`ConnectionFailed`. Subclasses implement ``_request``.
 
     Args:
@@ -178,9 +196,15 @@ class PooledTransport(abc.ABC):
         return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
 
     async def post(
-        self, url: str, body: bytes, *, max_bytes: int, headers: Mapping[str, str] | None = None
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response:
-        return await self._request("POST", url, body, max_bytes, headers)
+        return await self._request("POST", url, body, max_bytes, headers, lease)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
         return await self._request("GET", url, None, max_bytes)
@@ -193,6 +217,7 @@ class PooledTransport(abc.ABC):
         body: bytes | None,
         max_bytes: int,
         headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response: ...
 
     @staticmethod
@@ -210,10 +235,14 @@ class PooledTransport(abc.ABC):
 
     @staticmethod
     async def _read_body(
-        chunks: AsyncIterator[bytes], max_bytes: int, url: str, declared: int | None = None
+        chunks: AsyncIterator[bytes],
+        max_bytes: int,
+        url: str,
+        declared: int | None = None,
+        lease: BudgetLease | None = None,
     ) -> Body:
         """The body, chunk by chunk: the cap enforced as it is read (a lying or absent
-        ``Content-Length`` included), each chunk charged to the task's budget lease.
+        ``Content-Length`` included), each chunk charged to ``lease`` (when given).
 
         With a ``Content-Length`` (``declared``, already checked against the cap), each
         chunk is copied as it comes into an uninitialised buffer of that size (numpy's:
@@ -224,7 +253,6 @@ class PooledTransport(abc.ABC):
         bytearray grown chunk by chunk would be copied again at each realloc that cannot
         grow in place, ~10 copies of such a body once glibc serves it from the heap).
         """
-        lease = current_lease()
         view = np.empty(declared or 0, dtype=np.uint8).data
         parts: list[bytes] = []
         size = copied = since_yield = 0
@@ -356,6 +384,7 @@ class AiohttpTransport(PooledTransport):
         body: bytes | None,
         max_bytes: int,
         headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response:
         import aiohttp
 
@@ -370,7 +399,7 @@ class AiohttpTransport(PooledTransport):
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
                 )
                 chunks = resp.content.iter_chunked(_READ_CHUNK)
-                buf = await self._read_body(chunks, max_bytes, url, resp.content_length)
+                buf = await self._read_body(chunks, max_bytes, url, resp.content_length, lease)
                 return Response(resp.status, buf)  # no copy: see Response
         except aiohttp.ClientConnectorCertificateError as exc:  # reached, but not trusted
             raise self._failed(exc, url) from None

@@ -13,7 +13,7 @@ picks it by itself under trio, where aiohttp cannot run; under asyncio the defau
 * redirects are not followed (a 3xx is handed to the caller as it is), and no proxy or
   ``.netrc`` setting of the environment is read (aiohttp's default too);
 * the byte cap is enforced while reading (a lying or absent ``Content-Length`` included),
-  and each chunk is charged to the task's :class:`~opd_stream._budget.BudgetLease`;
+  and each chunk is charged to the :class:`~opd_stream._budget.BudgetLease` given to ``post``;
 * no compression is asked for (``Accept-Encoding: identity``) and none is undone: a body
   with a ``Content-Encoding`` is refused unread (:class:`MalformedResponseError`);
 * connection problems become :class:`ConnectionFailed`, redacted of the key.
@@ -28,6 +28,7 @@ from typing import Self
 
 import httpx
 
+from ._budget import BudgetLease
 from ._errors import ResponseTooLarge
 from ._transport import PooledTransport, Response
 
@@ -91,6 +92,7 @@ class HttpxTransport(PooledTransport):
         body: bytes | None,
         max_bytes: int,
         headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
     ) -> Response:
         client = self._client
         if client is None:
@@ -104,7 +106,7 @@ class HttpxTransport(PooledTransport):
                 )
                 chunks = resp.aiter_raw()
                 try:
-                    buf = await self._read_body(chunks, max_bytes, url, declared)
+                    buf = await self._read_body(chunks, max_bytes, url, declared, lease)
                 except ResponseTooLarge:
                     await _abandon(resp, chunks)
                     raise

@@ -29,7 +29,7 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._budget import ByteBudget, current_lease
+from opd_stream._budget import ByteBudget
 from opd_stream._cli import main
 from opd_stream._codec import PARSERS
 from opd_stream._error_body import parse_error_message
@@ -400,31 +400,69 @@ async def test_budget_forgets_a_cancelled_waiter() -> None:
     assert budget.used == 0
 
 
-async def test_the_transport_charges_what_it_reads_to_the_running_lease() -> None:
+async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given() -> None:
     body = b"[" + b"0," * 40_000 + b"0]"
 
     async with raw_server(lambda _h: http(200, body)) as (url, _):
         async with AiohttpTransport() as transport:
             budget = ByteBudget(1 << 20)
-            with budget.hold() as lease:
-                assert current_lease() is lease
-                resp = await transport.post(url + "/generate", b"{}", max_bytes=1 << 20)
+            with budget.lease() as lease:
+                resp = await transport.post(
+                    url + "/generate", b"{}", max_bytes=1 << 20, lease=lease
+                )
                 assert lease.held == len(resp.body) == len(body)
-            assert current_lease() is None
             assert budget.used == 0
 
             # Many answers at once through a budget of two: all complete, bounded.
             small = ByteBudget(2 * len(body))
 
             async def one() -> None:
-                with small.hold():
-                    await transport.post(url + "/generate", b"{}", max_bytes=1 << 20)
+                with small.lease() as lease:
+                    await transport.post(url + "/generate", b"{}", max_bytes=1 << 20, lease=lease)
 
             async with anyio.create_task_group() as tg:
                 for _ in range(6):
                     tg.start_soon(one)
             assert small.used == 0
             assert small.peak <= small.limit + len(body)
+
+
+class _TransportWithoutLease:
+    """A user's transport written before ``post`` took ``lease``: it charges nothing."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.sizes: list[int] = []
+
+    async def __aenter__(self) -> _TransportWithoutLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int) -> Any:
+        resp = await self._inner.post(url, body, max_bytes=max_bytes)
+        self.sizes.append(len(resp.body))
+        return resp
+
+    async def get(self, url: str, *, max_bytes: int) -> Any:
+        return await self._inner.get(url, max_bytes=max_bytes)
+
+
+async def test_an_answer_read_by_a_transport_without_a_lease_is_charged_once_whole() -> None:
+    from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+
+    url = "http://teacher:1"
+    transport = _TransportWithoutLease(mock_transport({url: InProcessSGLang("teacher", 1)}))
+    cfg = _cfg(url, max_inflight_response_bytes=1024)
+    samples = [Sample([1, 2, 3, 4 + i, 5, 6], 3) for i in range(6)]
+    async with OPDStream(cfg, transport=transport) as stream:  # type: ignore[arg-type]
+        budget = stream._parts.scorer._sender._body_budget  # type: ignore[union-attr]
+        async with stream.run(samples) as results:
+            out = [r async for r in results]
+        assert all(isinstance(r, ScoredSample) for r in out)
+        assert budget.peak >= max(transport.sizes) > 0  # each answer was charged
+        assert budget.used == 0 and budget.waiting == 0  # and released
 
 
 # ------------------------------------------------------------------ hostile answers (decode)

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import aiohttp
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -309,6 +310,44 @@ async def test_null_logprobs_are_minus_infinity_rows(k: int) -> None:
     else:
         assert ids.tolist() == [[7, 9]] * 3 + [[0, 0]]
         assert lps.tolist() == [[-0.5, -math.inf]] * 3 + [[0.0, 0.0]]
+
+
+async def test_teacher_manager_calls_show_in_the_streams_stats_and_cancel_their_requests() -> None:
+    import asyncio
+
+    hung: list[str] = []
+
+    async def teacher(method: str, url: str, body: bytes) -> Response:
+        if b'"input_ids":[9,' in body.replace(b" ", b""):  # this one never answers
+            hung.append("started")
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                hung.append("cancelled")
+        return _null_rows_server(method, url, body)
+
+    cfg = StreamConfig.from_env({}, teachers="http://t:1", topk_wire="json")
+    manager = TeacherManager(cfg, top_k=2, transport=MockTransport(teacher))
+    try:
+        for seq in ([3, 4, 5], [6, 7], [8, 1, 2, 3]):
+            await manager.compute_teacher_logprobs_single(seq)
+        call = asyncio.create_task(manager.compute_teacher_logprobs_single([9, 1, 2]))
+        with anyio.fail_after(10):
+            while not hung:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert manager.stream is not None
+        with anyio.fail_after(10):
+            while manager.stream.stats().failed < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+        stats = manager.stream.stats()
+    finally:
+        await manager.aclose()
+    assert hung == ["started", "cancelled"]
+    assert stats.admitted == 4 and stats.completed == 3
+    assert stats.failures == {"cancelled": 1} and stats.in_flight == 0
 
 
 async def test_verl_routing_rules() -> None:

@@ -175,11 +175,11 @@ async def test_a_cut_body_and_a_refused_connection_are_connection_failures(make:
 
 
 @both_transports
-async def test_the_transport_charges_what_it_reads_to_the_running_lease(make: Any) -> None:
+async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given(make: Any) -> None:
     budget = ByteBudget(1 << 20)
     async with raw_server(_ok(b"y" * 3000)) as server, make() as transport:
-        with budget.hold() as lease:
-            resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)
+        with budget.lease() as lease:
+            resp = await transport.post(server.url, b"{}", max_bytes=1 << 20, lease=lease)
             assert lease.held == len(resp.body) == 3000
 
 

@@ -16,10 +16,10 @@ win where both speak); see :func:`config_from_miles_args`.
 
 How it runs: Miles' rollout loop calls ``reward_func(args, sample)`` once per sample,
 concurrently, on one asyncio loop. The first call starts a :class:`MilesEngine` for that
-loop and configuration: one background task that feeds an anyio memory channel into a
-single ``stream.run()`` and resolves each caller's future when its result comes out, so
-every call shares one connection pool, the per-endpoint limits, the replica balancing and
-the batched KL stage. The engine lives until :func:`close` (or :meth:`MilesEngine.aclose`);
+loop and configuration: one background task holds an :class:`~opd_stream.OPDStream` open,
+and each call is one :meth:`OPDStream.score` on it, so every call shares one connection
+pool, the per-endpoint limits, the replica balancing and the batched KL stage, and shows
+in the stream's ``stats()``. The engine lives until :func:`close` (or :meth:`MilesEngine.aclose`);
 call it when training ends. A caller that is cancelled (a ``reward_func`` call cancelled by
 its rollout) cancels its sample: the sample's requests in flight are cancelled at once (or
 never sent), and the rest of the stream goes on.

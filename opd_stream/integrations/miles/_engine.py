@@ -1,27 +1,26 @@
-"""The shared engine of the Miles adapter: :class:`MilesEngine` (one long-lived
-``stream.run()`` fed by concurrent ``reward_func`` calls), the Miles sample -> :class:`Sample`
-mapping and the errors ``reward_func`` raises, in the reference's families."""
+"""The shared engine of the Miles adapter: :class:`MilesEngine` (one shared stream scoring
+concurrent ``reward_func`` calls through :meth:`OPDStream.score`), the Miles sample ->
+:class:`Sample` mapping and the errors ``reward_func`` raises, in the reference's
+families."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-from collections.abc import AsyncIterable, Mapping
-from typing import Any, Final, cast
+from collections.abc import Mapping
+from typing import Any, Final
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..._chat import TeacherPrompts
 from ..._config import StreamConfig
 from ..._errors import InvalidSampleError, OPDStreamError
-from ..._pipeline import Submission
 from ..._router import DEFAULT_TEACHER, show_value
 from ..._sample import Sample, SampleFailure, ScoredSample
 from ..._stream import OPDStream
 from ..._transport import Transport
+from .._shared import SharedStream
 
 __all__ = (
     "MilesEngine",
@@ -136,7 +135,7 @@ def _route_error(config: StreamConfig, metadata: Mapping[str, Any]) -> str | Non
 
 
 class MilesEngine:
-    """One long-lived ``stream.run()`` shared by concurrent :meth:`score` calls.
+    """The shared stream of concurrent :meth:`score` calls (:meth:`OPDStream.score`).
 
     Bound to the asyncio loop of its first :meth:`score` call. Not reusable after
     :meth:`aclose`.
@@ -148,64 +147,25 @@ class MilesEngine:
 
     def __init__(self, config: StreamConfig, *, transport: Transport | None = None) -> None:
         self.config = config
-        self._transport = transport
         self._keys = itertools.count()
-        self._pending: dict[int, asyncio.Future[ScoredSample | SampleFailure]] = {}
-        self._send: MemoryObjectSendStream[Submission] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-        self.stream: OPDStream | None = None
+        self._shared = SharedStream(config, transport=transport, owner="MilesEngine")
         # teachers with their own tokenizer: prompts rendered from the sample's messages
         self._prompts = TeacherPrompts(config.teacher_tokenizers)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop the engine runs on (``None`` before the first call)."""
-        return self._loop
+        return self._shared.loop
 
-    def _start(self) -> MemoryObjectSendStream[Submission]:
-        if self._closed:
-            raise RuntimeError("MilesEngine is closed")
-        if self._error is not None:
-            raise OPDStreamError(
-                f"the shared OPD stream stopped: {type(self._error).__name__}: {self._error}"
-            )
-        loop = asyncio.get_running_loop()
-        if self._send is not None:
-            if loop is not self._loop:
-                raise RuntimeError("MilesEngine used from a different event loop")
-            return self._send
-        send, receive = anyio.create_memory_object_stream[Submission](self.config.max_inflight)
-        self._send, self._loop = send, loop
-        self._task = loop.create_task(self._serve(receive), name="opd_stream.miles")
-        return send
-
-    async def _serve(self, receive: MemoryObjectReceiveStream[Submission]) -> None:
-        # Each item carries its caller's cancel scope (the pipeline's Submission).
-        samples = cast(AsyncIterable[Sample], receive)
-        try:
-            async with OPDStream(self.config, transport=self._transport) as stream:
-                self.stream = stream
-                async with receive, stream.run(samples) as results:
-                    async for item in results:
-                        future = self._pending.pop(item.sample.sample_id, None)
-                        if future is not None and not future.done():
-                            future.set_result(item)
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self.stream = None
-            error = self._error or OPDStreamError("the shared OPD stream ended")
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
+    @property
+    def stream(self) -> OPDStream | None:
+        """The shared stream while it runs (for ``stream.stats()``), else None."""
+        return self._shared.stream
 
     async def score(self, sample: Any) -> ScoredSample | SampleFailure:
-        """Score one duck-typed sample through the shared stream; wait for its result."""
+        """Score one duck-typed sample through the shared stream; wait for its result.
+
+        A cancelled caller cancels its sample's requests (see :meth:`OPDStream.score`)."""
         key = next(self._keys)
         prepared = _to_sample(sample, key, self.config)
         message = _route_error(self.config, prepared.metadata)
@@ -216,22 +176,7 @@ class MilesEngine:
             raise MilesRoutingError(failure, message)
         if prepared.teacher_prompt_ids is None and self._prompts:
             prepared = await self._teacher_prompt(sample, prepared)
-        send = self._start()
-        assert self._loop is not None
-        future: asyncio.Future[ScoredSample | SampleFailure] = self._loop.create_future()
-        self._pending[key] = future
-        scope = anyio.CancelScope()
-        try:
-            await send.send(Submission(prepared, scope))
-            return await future
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            raise OPDStreamError("the shared OPD stream is not running") from None
-        finally:
-            self._pending.pop(key, None)
-            # No result: the caller stopped waiting (asyncio cancels the awaited future with
-            # the task) or the stream failed. Its requests in flight stop too.
-            if not future.done() or future.cancelled():
-                scope.cancel()
+        return await self._shared.score(prepared)
 
     async def _teacher_prompt(self, sample: Any, prepared: Sample) -> Sample:
         """A teacher with its own tokenizer: its prompt from the sample's ``prompt`` (chat
@@ -259,12 +204,5 @@ class MilesEngine:
         return msgspec.structs.replace(prepared, teacher_prompt_ids=ids)
 
     async def aclose(self) -> None:
-        """End the input, let samples already sent finish, and wait for the background task."""
-        self._closed = True
-        send, self._send = self._send, None
-        task, self._task = self._task, None
-        if send is not None:
-            await send.aclose()
-        if task is not None:
-            with contextlib.suppress(Exception):  # already delivered to the callers
-                await task
+        """Let the samples already sent finish, then end the shared stream."""
+        await self._shared.aclose()

@@ -4,21 +4,17 @@ configuration it is built from (:func:`verl_top_k`, :func:`verl_teacher_names`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import msgspec
 import numpy as np
 
 from ..._config import StreamConfig
 from ..._errors import ConfigError
 from ..._sample import Sample, prepare_sample
-from ..._scorer import SampleScorer, ScoreAttemptError
 from ..._stream import OPDStream
 from ..._transport import Transport
+from .._shared import SharedStream
 from ._prompt_logprobs import check_k
 
 if TYPE_CHECKING:
@@ -88,11 +84,13 @@ def verl_teacher_names(config: Any) -> list[str]:
 class TeacherManager:
     """verl's ``AsyncTeacherLLMServerManager`` against external SGLang teacher servers.
 
-    One shared :class:`~opd_stream.OPDStream` scores every call: one connection pool, the
-    per-endpoint bounds (``max_inflight_per_endpoint``), at most ``max_inflight`` calls at
-    once, retries, hedging and deadlines (``request_deadline_s``), replica balancing.
-    Concurrent calls (verl awaits one per sample, many at once) share it. The stream
-    starts on the first call, on that call's asyncio loop, and ends with :meth:`aclose`.
+    One shared :class:`~opd_stream.OPDStream` scores every call, each one
+    :meth:`OPDStream.teacher_rows` (so each shows in the stream's ``stats()``): one
+    connection pool, the per-endpoint bounds (``max_inflight_per_endpoint``), at most
+    ``max_inflight`` calls at once, retries, hedging and deadlines (``request_deadline_s``),
+    replica balancing. Concurrent calls (verl awaits one per sample, many at once) share
+    it. The stream starts on the first call, on that call's asyncio loop, and ends with
+    :meth:`aclose`. A cancelled call cancels its requests.
 
     Args:
         stream_config: teachers (names as verl routes them), transport settings and tuning.
@@ -126,18 +124,8 @@ class TeacherManager:
         )
         self.top_k = k
         self.teacher_key = teacher_key
-        self._transport = transport
         self._names = sorted(stream_config.teachers)
-        self._scorer: SampleScorer | None = None
-        self._stream: OPDStream | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready: asyncio.Future[None] | None = None
-        self._stop: asyncio.Event | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
-        self._in_flight = 0
-        self._idle: asyncio.Event | None = None
-        self._closed = False
+        self._shared = SharedStream(self.config, transport=transport, owner="TeacherManager")
 
     @classmethod
     def from_verl_config(
@@ -190,7 +178,7 @@ class TeacherManager:
     @property
     def stream(self) -> OPDStream | None:
         """The shared stream while it runs (for ``stream.stats()``), else None."""
-        return self._stream
+        return self._shared.stream
 
     def _resolve(self, routing_key: Any) -> str:
         """verl's routing: one teacher takes every sample; with several, the key must name
@@ -209,41 +197,6 @@ class TeacherManager:
                 f"Configured teachers: {self._names}."
             )
         return name
-
-    async def _start(self) -> SampleScorer:
-        if self._closed:
-            raise RuntimeError("TeacherManager is closed")
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and loop is not self._loop:
-            raise RuntimeError("TeacherManager used from a different event loop")
-        if self._ready is None:
-            self._loop = loop
-            self._ready = loop.create_future()
-            self._stop = asyncio.Event()
-            self._idle = asyncio.Event()
-            self._limiter = anyio.CapacityLimiter(self.config.max_inflight)
-            self._task = loop.create_task(self._serve(), name="opd_stream.verl_teacher")
-        await asyncio.shield(self._ready)
-        if self._scorer is None:
-            raise RuntimeError("the shared OPD stream is not running")
-        return self._scorer
-
-    async def _serve(self) -> None:
-        assert self._ready is not None
-        assert self._stop is not None
-        try:
-            async with OPDStream(self.config, transport=self._transport) as stream:
-                self._stream = stream
-                self._scorer = stream._scorer  # the stream's pool, limits and retries
-                self._ready.set_result(None)
-                await self._stop.wait()
-        except BaseException as exc:
-            if not self._ready.done():
-                self._ready.set_exception(exc)
-            raise
-        finally:
-            self._scorer = None
-            self._stream = None
 
     async def compute_teacher_logprobs_single(
         self,
@@ -283,13 +236,16 @@ class TeacherManager:
         if seq < 1:
             raise ConfigError("sequence_ids is empty")
         width = max(self.top_k, 1)
-        prepared = prepare_sample(Sample(sequence_ids, seq - 1), 0, teacher=teacher, top_k=0)
         ids = np.zeros((seq, width), dtype=np.int32)
         lps = np.zeros((seq, width), dtype=np.float32)
-        if seq > 1:
-            rows = await self._fetch(prepared, teacher)
+        if seq == 1:  # nothing to ask: the ids checked, the pad row alone
+            prepare_sample(Sample(sequence_ids, 0), 0, teacher=teacher, top_k=0)
+        else:
+            # position 0 is the prompt; every later token is scored (validated in the stream)
+            sample = Sample(sequence_ids, seq - 1, metadata={self.config.teacher_key: teacher})
+            rows = await self._shared.teacher_rows(sample)
             if self.top_k == 0:
-                ids[:-1, 0] = prepared.tokens[1:]
+                ids[:-1, 0] = rows.token_ids
                 lps[:-1, 0] = rows.token_logprobs
             else:
                 assert rows.top_ids is not None
@@ -300,40 +256,6 @@ class TeacherManager:
 
         return torch.from_numpy(ids), torch.from_numpy(lps)
 
-    async def _fetch(self, prepared: Any, teacher: str) -> Any:
-        scorer = await self._start()
-        assert self._limiter is not None
-        assert self._idle is not None
-        if self.top_k > 0:  # an empty student top-k: the teacher's top-k is all it asks for
-            empty = np.empty((prepared.response_length, 0), dtype=np.int64)
-            prepared = msgspec.structs.replace(
-                prepared,
-                student_top_ids=empty,
-                student_top_logprobs=empty.astype(np.float32),
-            )
-        urls = self.config.teachers[teacher]
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            async with self._limiter:
-                fetched = await scorer.fetch(prepared, urls, anyio.current_time())
-        except ScoreAttemptError as exc:
-            raise exc.error from None
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
-        return fetched.teacher_rows
-
     async def aclose(self) -> None:
         """Wait for the calls in flight, then end the shared stream. Idempotent."""
-        self._closed = True
-        task, self._task = self._task, None
-        if task is None:
-            return
-        if self._idle is not None and self._in_flight:
-            await self._idle.wait()
-        if self._stop is not None:
-            self._stop.set()
-        with contextlib.suppress(Exception):  # already raised to the calls that needed it
-            await task
+        await self._shared.aclose()

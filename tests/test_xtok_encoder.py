@@ -24,20 +24,67 @@ pytest.importorskip("tiktoken", reason="tiktoken (the optional fast encoder) is 
 # and their modifiers, digits of other scripts, marks, controls, private use, and the
 # whole code space (characters new to one Unicode version or another)
 POOLS = [
-    range(0x20, 0x7F), range(0x80, 0x250), range(0x300, 0x370), range(0x370, 0x500),
-    range(0x590, 0x700), range(0x660, 0x66A), range(0x900, 0x980), range(0xE00, 0xE80),
-    range(0x1800, 0x1810), range(0x2000, 0x2070), range(0x2460, 0x2500), range(0x3000, 0x3100),
-    range(0x4E00, 0x9FFF), range(0xAC00, 0xD7A3), range(0xE000, 0xE010), range(0xF900, 0xFB00),
-    range(0xFE00, 0xFE10), range(0xFF00, 0xFFEF), range(0x1D400, 0x1D800),
-    range(0x1F300, 0x1FB00), range(0x20000, 0x20100), range(0x0, 0x20), range(0x0, 0xD800),
+    range(0x20, 0x7F),
+    range(0x80, 0x250),
+    range(0x300, 0x370),
+    range(0x370, 0x500),
+    range(0x590, 0x700),
+    range(0x660, 0x66A),
+    range(0x900, 0x980),
+    range(0xE00, 0xE80),
+    range(0x1800, 0x1810),
+    range(0x2000, 0x2070),
+    range(0x2460, 0x2500),
+    range(0x3000, 0x3100),
+    range(0x4E00, 0x9FFF),
+    range(0xAC00, 0xD7A3),
+    range(0xE000, 0xE010),
+    range(0xF900, 0xFB00),
+    range(0xFE00, 0xFE10),
+    range(0xFF00, 0xFFEF),
+    range(0x1D400, 0x1D800),
+    range(0x1F300, 0x1FB00),
+    range(0x20000, 0x20100),
+    range(0x20),
+    range(0xD800),
     range(0xE000, 0x110000),
 ]
 SPACES = [" ", "  ", "   ", "\n", "\r\n", "\t", " \n ", "\n\n", "\u00a0", "\u3000", "\u2028"]
 PIECES = [
-    "hello", " world", "123", "4567890", "'s", "'LL", "def", "(x)", "==", "你好",
-    "テキスト・データ", "ゞ", "\u200d", "👨\u200d👩\u200d👧", "❤️", "🇫🇷", "👍🏽", "<think>",
-    "</think>", "<｜User｜>", "<|im_end|>", "<｜end▁of▁sentence｜>", "٣٤٥", "²³", "Ⅻ", "\u3007",
-    "e\u0301", "\u3099か", "!a", ".Net", "...", "\x00", "\x7f", "\x85",
+    "hello",
+    " world",
+    "123",
+    "4567890",
+    "'s",
+    "'LL",
+    "def",
+    "(x)",
+    "==",
+    "你好",
+    "テキスト・データ",
+    "ゞ",
+    "\u200d",
+    "👨\u200d👩\u200d👧",
+    "❤️",
+    "🇫🇷",
+    "👍🏽",
+    "<think>",
+    "</think>",
+    "<\uff5cUser\uff5c>",
+    "<|im_end|>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "٣٤٥",
+    "²³",
+    "Ⅻ",
+    "\u3007",
+    "e\u0301",
+    "\u3099か",
+    "!a",
+    ".Net",
+    "...",
+    "\x00",
+    "\x7f",
+    "\x85",
 ]
 
 
@@ -113,14 +160,14 @@ def test_a_gpt2_byte_level_tokenizer_converts_exactly() -> None:
     for which in ("a", "b"):
         vocab = small_vocab(which)
         assert vocab.encoder == "tiktoken"
-        texts = random_texts(500, seed=11) + ["<think>x</think> <|end|><think>", "<s>"]
+        texts = [*random_texts(500, seed=11), "<think>x</think> <|end|><think>", "<s>"]
         assert assert_same_ids(vocab, texts) == len(texts)
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "glm-4.7-flash", "qwen-3.5"])
 def test_alignment_is_the_same_with_either_encoder(family: str) -> None:
     student = family_vocab("qwen-3.5")
-    fast = family_vocab(family, "teacher_tokenizers[t]")
+    fast = family_vocab(family)
     slow = copy.copy(fast)
     slow.fast = None
     assert slow.encoder == "tokenizers"
@@ -139,8 +186,7 @@ def test_alignment_is_the_same_with_either_encoder(family: str) -> None:
 
 def _json(**changes: Any) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(small_json("a"))
-    for key, value in changes.items():
-        data[key] = value
+    data.update(changes)
     return data
 
 
@@ -157,16 +203,28 @@ def _load(data: dict[str, Any]) -> Vocab:
             "pre_tokenizer": {
                 "type": "Sequence",
                 "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "Removed",
-                     "invert": False},
-                    {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                     "use_regex": False},
+                    {
+                        "type": "Split",
+                        "pattern": {"Regex": r"\s+"},
+                        "behavior": "Removed",
+                        "invert": False,
+                    },
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": True,
+                        "use_regex": False,
+                    },
                 ],
             }
         },
         {
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
-                              "use_regex": True}
+            "pre_tokenizer": {
+                "type": "ByteLevel",
+                "add_prefix_space": True,
+                "trim_offsets": True,
+                "use_regex": True,
+            }
         },
     ],
     ids=["lowercase", "nfkc", "split-removed", "prefix-space"],
@@ -193,9 +251,15 @@ def _tiny(merges: list[tuple[str, str]], *, ignore_merges: bool = False) -> dict
     data = _json()
     data["added_tokens"] = []
     data["model"] = {
-        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-        "ignore_merges": ignore_merges, "vocab": vocab,
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": ignore_merges,
+        "vocab": vocab,
         "merges": [f"{left} {right}" for left, right in merges],
     }
     return data
@@ -221,17 +285,31 @@ def test_an_entry_made_again_after_others_keeps_tokenizers() -> None:
     data = _tiny([("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc"), ("x", "y")])
     vocab = _load(data)
     assert vocab.encoder == "tiktoken"
-    assert_same_ids(vocab, ["abc abcabc xabcy bcab"] + random_texts(100, seed=2))
+    assert_same_ids(vocab, ["abc abcabc xabcy bcab", *random_texts(100, seed=2)])
 
 
 def test_a_non_special_added_token_inside_another_keeps_tokenizers() -> None:
     data = _json()
     top = max(int(a["id"]) for a in data["added_tokens"])
     data["added_tokens"] += [
-        {"id": top + 1, "content": "<x>", "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": False},
-        {"id": top + 2, "content": "<<x>>", "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True},
+        {
+            "id": top + 1,
+            "content": "<x>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": False,
+        },
+        {
+            "id": top + 2,
+            "content": "<<x>>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        },
     ]
     assert _load(data).encoder == "tokenizers"
 

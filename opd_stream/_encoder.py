@@ -81,7 +81,9 @@ class FastEncoder:
     """``tiktoken`` set up as one ``tokenizer.json``'s exact equivalent.
 
     Attributes:
-        rank_to_id: int64, the tokenizer's id of each ``tiktoken`` rank.
+        encoding: the ``tiktoken.Encoding`` (its ids are ranks).
+        rank_to_id: int64, the tokenizer's id of each rank.
+        allowed: the added tokens it cuts out of text (``allowed_special``).
     """
 
     def __init__(
@@ -91,9 +93,9 @@ class FastEncoder:
         allowed: frozenset[str],
         nfc: bool,
     ) -> None:
-        self._encoding = encoding
+        self.encoding = encoding
         self.rank_to_id = rank_to_id
-        self._allowed = allowed
+        self.allowed = allowed
         self._nfc = nfc
 
     def encode(self, text: str) -> IntArray | None:
@@ -101,8 +103,8 @@ class FastEncoder:
         normaliser would change)."""
         if self._nfc and not unicodedata.is_normalized("NFC", text):
             return None
-        ranks = self._encoding.encode_to_numpy(
-            text, allowed_special=self._allowed, disallowed_special=()
+        ranks = self.encoding.encode_to_numpy(
+            text, allowed_special=self.allowed, disallowed_special=()
         )
         ids: IntArray = self.rank_to_id[ranks]
         return ids

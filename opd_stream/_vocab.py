@@ -197,9 +197,7 @@ class Vocab:
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int64)
 
-    def join(
-        self, ids: npt.NDArray[np.int64], ends: npt.NDArray[np.int64] | None = None
-    ) -> bytes:
+    def join(self, ids: npt.NDArray[np.int64], ends: npt.NDArray[np.int64] | None = None) -> bytes:
         """The bytes of ``ids`` (all below :attr:`size`), concatenated.
 
         ``ends``: ``cumsum(lengths[ids])`` when the caller has it. One gather from the
@@ -212,7 +210,8 @@ class Vocab:
             return b""
         at = np.repeat(self._starts[ids] - (ends - lengths), lengths)
         at += np.arange(at.shape[0])
-        return self._flat[at].tobytes()
+        joined: bytes = self._flat[at].tobytes()
+        return joined
 
 
 def _decoder_is_byte_level(decoder: Any) -> bool:

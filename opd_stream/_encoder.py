@@ -319,6 +319,8 @@ def fast_encoder(
         )
     except Exception:  # a regex its engine does not take
         return None
+    if not hasattr(encoding, "encode_to_numpy"):  # tiktoken < 0.7
+        return None
     encoder = FastEncoder(encoding, table, frozenset(special), nfc)
     texts = [*CHECK_TEXTS, "".join(added), *(f"x {t}y\n{t}" for t in added)]
     for text in texts:

@@ -16,9 +16,10 @@ from the file, never downloaded, and only for the shapes whose ids are provably 
   ``ignore_merges``, every entry's own symbols must merge into that entry (``tiktoken``
   takes a piece that is an entry as that entry): checked at load, 0.3-0.7 s.
 * **Pre-tokenisation**: ``ByteLevel`` with its own (GPT-2) regex, or one ``Split`` regex
-  (``Isolated``) before a regex-less ``ByteLevel``, or DeepSeek V2/V3's cascade of three
-  ``Split`` (numbers, then CJK runs, then the word regex) rewritten as one regex with the
-  same pieces (:func:`_deepseek_cascade`). Characters no alternative matches are a piece
+  (``Isolated``, or ``Removed`` with ``invert``: MiniMax) before a regex-less
+  ``ByteLevel``, or DeepSeek V3's cascade of three ``Split`` (numbers, then CJK runs, then
+  the word regex; also R1, V3.x, V4) rewritten as one regex with the same pieces
+  (:func:`_deepseek_cascade`). Characters an ``Isolated`` regex does not match are a piece
   of their own in ``tokenizers`` and dropped by ``tiktoken``: a last alternative takes
   each such run.
 * **Normaliser**: none, or NFC, for text that is already NFC (checked per call with
@@ -50,7 +51,7 @@ IntArray = npt.NDArray[np.int64]
 # tokenizers' ByteLevel pre-tokeniser regex (use_regex=True): GPT-2's
 _GPT2: Final = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-# DeepSeek V2/V3's three Split regexes, applied in turn to the pieces of the one before
+# DeepSeek V3's three Split regexes, applied in turn to the pieces of the one before
 _DS_NUM: Final = r"\p{N}{1,3}"
 _DS_CJK_RANGES: Final = "\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff"
 _DS_CJK: Final = f"[{_DS_CJK_RANGES}]+"
@@ -142,14 +143,20 @@ def _with_gaps(pattern: str) -> str:
 
 
 def _split_regex(step: Any) -> str | None:
+    """A ``Split`` step's pieces as one regex: ``Isolated`` keeps the matches and the runs
+    between them (a last alternative takes those); ``Removed`` with ``invert`` keeps the
+    matches only (MiniMax), as ``tiktoken`` does."""
     if not isinstance(step, Mapping) or step.get("type") != "Split":
         return None
     pattern = step.get("pattern")
     if not isinstance(pattern, Mapping) or not isinstance(pattern.get("Regex"), str):
         return None
-    if step.get("behavior") != "Isolated" or step.get("invert"):
-        return None
-    return str(pattern["Regex"])
+    regex = str(pattern["Regex"])
+    if step.get("behavior") == "Isolated" and not step.get("invert"):
+        return _with_gaps(regex)
+    if step.get("behavior") == "Removed" and step.get("invert"):
+        return regex
+    return None
 
 
 def _plain_byte_level(step: Any, *, regex: bool) -> bool:
@@ -171,10 +178,10 @@ def pre_tokenizer_regex(pre: Any) -> str | None:
     steps = list(pre.get("pretokenizers") or ())
     if not steps or not _plain_byte_level(steps[-1], regex=False):
         return None
-    splits = [_split_regex(s) for s in steps[:-1]]
-    if len(splits) == 1 and splits[0] is not None:
-        return _with_gaps(splits[0])
-    if splits == [_DS_NUM, _DS_CJK, _DS_WORDS]:
+    if len(steps) == 2:
+        return _split_regex(steps[0])
+    cascade = [_split_regex(s) for s in steps[:-1]]
+    if cascade == [_with_gaps(_DS_NUM), _with_gaps(_DS_CJK), _with_gaps(_DS_WORDS)]:
         return _deepseek_cascade()
     return None
 

@@ -333,3 +333,16 @@ def test_without_tiktoken_tokenizers_encodes(monkeypatch: pytest.MonkeyPatch) ->
     assert vocab.encode("hello <think> world").tolist() == (
         vocab.encode_reference("hello <think> world").tolist()
     )
+
+
+@pytest.mark.parametrize("regex", [r"\p{L}+| ?\p{N}{1,3}", _encoder._GPT2])
+def test_a_split_keeping_only_its_matches_converts_exactly(regex: str) -> None:
+    # MiniMax's shape: Split(behavior Removed, invert): the matches are the pieces, the
+    # rest is dropped, as tiktoken drops it
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Removed", "invert": True}
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": False}  # fmt: skip
+    vocab = _load(_json(pre_tokenizer={"type": "Sequence", "pretokenizers": [split, level]}))
+    assert vocab.encoder == "tiktoken"
+    texts = [*random_texts(300, seed=13), "abc 123 !!! def", "  \n\t"]
+    assert assert_same_ids(vocab, texts) == len(texts)

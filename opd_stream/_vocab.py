@@ -299,7 +299,8 @@ def vocab_from_json(setting: str, path: str, text: str) -> Vocab:
 
 def load_vocab(setting: str, path: str) -> Vocab:
     """Load the tokenizer that setting ``setting`` names (a ``tokenizer.json`` file or a
-    directory holding one). Blocking (0.5-2 s for a 150k-250k vocabulary).
+    directory holding one). Blocking (0.5-3 s for a 150k-250k vocabulary, the fast
+    encoder's build and check included).
 
     Raises:
         ConfigError: a missing, unreadable or unsupported file; the message names the

@@ -101,7 +101,7 @@ def align_response(student: Vocab, teacher: Vocab, ids: IntArray, teacher_name: 
         )
     lengths = student.lengths[ids]
     ends = np.cumsum(lengths)
-    data = student.join(ids)
+    data = student.join(ids, ends)
     total = len(data)
     cut = total
     try:
@@ -117,7 +117,9 @@ def align_response(student: Vocab, teacher: Vocab, ids: IntArray, teacher_name: 
         cut = exc.start
         text = data[:cut].decode("utf-8")
     t_ids = teacher.encode(text)
-    t_bytes = teacher.join(t_ids)
+    t_lengths = teacher.lengths[t_ids]
+    t_ends = np.cumsum(t_lengths)
+    t_bytes = teacher.join(t_ids, t_ends)
     if t_bytes != data[:cut]:
         off = _first_difference(t_bytes, data[:cut])
         raise InvalidSampleError(
@@ -126,24 +128,39 @@ def align_response(student: Vocab, teacher: Vocab, ids: IntArray, teacher_name: 
             f"response text: its tokens spell other bytes from byte {off} on (of {cut}; a "
             "normaliser changed the text)",
         )
-    t_ends = np.cumsum(teacher.lengths[t_ids])
-    # both sides' ends are sorted: the student ends found among the teacher's
-    s_ends = ends[lengths > 0]
-    at = np.minimum(np.searchsorted(t_ends, s_ends), max(t_ends.shape[0] - 1, 0))
-    common = s_ends[t_ends[at] == s_ends] if t_ends.shape[0] else s_ends[:0]
+    # The common boundaries: the student tokens' ends that are teacher tokens' ends (both
+    # strictly increasing over tokens with bytes; the teacher's tokens of text all have
+    # bytes, but a tokenizer that gave one without is still aligned exactly).
+    zero = lengths == 0
+    any_zero = bool(zero.any())
+    t_unique = bool((t_lengths > 0).all())
+    s_ends = ends[~zero] if any_zero else ends
+    s_common = np.isin(s_ends, t_ends, assume_unique=t_unique)
+    common = s_ends[s_common]
     if cut < total:
         common = np.append(common, total)
     # A key per token, non-decreasing along each side: a token with bytes in byte span k
     # (bytes common[k-1] .. common[k]) has 2k + 1; textless tokens at a common boundary
-    # before span k have 2k, inside span k 2k + 1.
-    k = np.searchsorted(common, ends, side="left")
+    # before span k have 2k, inside span k 2k + 1. k, the number of common boundaries
+    # before the token's end, counts the earlier tokens whose end is one (the appended
+    # ``total`` is before none).
+    if any_zero:
+        on = np.zeros(r, dtype=np.int64)
+        on[~zero] = s_common
+    else:
+        on = s_common.astype(np.int64)
+    k = np.cumsum(on) - on
     keys = 2 * k + 1
-    zero = lengths == 0
-    if zero.any():
-        at, pos = k[zero], ends[zero]
+    if any_zero:
+        pos = ends[zero]
+        at = np.searchsorted(common, pos, side="left")
         on_boundary = np.append(common, -1)[at] == pos
         keys[zero] = np.where(pos == 0, 0, np.where(on_boundary, 2 * (at + 1), 2 * at + 1))
-    t_keys = 2 * np.searchsorted(common, t_ends, side="left") + 1
+    if t_unique:
+        t_on = np.isin(t_ends, s_ends, assume_unique=True).astype(np.int64)
+        t_keys = 2 * (np.cumsum(t_on) - t_on) + 1
+    else:
+        t_keys = 2 * np.searchsorted(common, t_ends, side="left") + 1
     starts = np.flatnonzero(np.diff(keys)) + 1
     span_keys = keys[np.concatenate([[0], starts])] if r else keys[:0]
     student_spans = np.concatenate([[0], starts, [r]] if r else [[0]]).astype(np.int64)

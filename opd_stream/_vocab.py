@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from ._encoder import FastEncoder, fast_encoder
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
@@ -154,20 +155,40 @@ class Vocab:
         token_bytes: list[bytes],
         textless: npt.NDArray[np.bool_],
         tokenizer: Tokenizer,
+        fast: FastEncoder | None = None,
     ) -> None:
         self.setting = setting
         self.path = path
         self.size = len(token_bytes)
         self.token_bytes = token_bytes
         self.lengths = np.fromiter(map(len, token_bytes), dtype=np.int64, count=self.size)
+        # every token's bytes in one buffer, token i's at _starts[i] (for join)
+        self._flat = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+        self._starts = np.cumsum(self.lengths) - self.lengths
         self.textless = textless
         self.tokenizer = tokenizer
+        self.fast = fast
+
+    @property
+    def encoder(self) -> str:
+        """What encodes text: ``"tiktoken"`` (the exact fast encoder of
+        :mod:`opd_stream._encoder`) or ``"tokenizers"``."""
+        return "tokenizers" if self.fast is None else "tiktoken"
 
     def __repr__(self) -> str:
         return f"Vocab({self.setting}={self.path!r}, size={self.size})"
 
     def encode(self, text: str) -> npt.NDArray[np.int64]:
-        """The ids of ``text`` (no special tokens added; special-token strings are text)."""
+        """The ids of ``text`` (no special tokens added; special-token strings are text):
+        :attr:`fast`'s when it can say, else ``tokenizers``' (the same ids)."""
+        if self.fast is not None:
+            ids = self.fast.encode(text)
+            if ids is not None:
+                return ids
+        return self.encode_reference(text)
+
+    def encode_reference(self, text: str) -> npt.NDArray[np.int64]:
+        """The ids of ``text`` from ``tokenizers`` itself."""
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets: half the CPU
         fast = getattr(self.tokenizer, "encode_batch_fast", None)
         if fast is not None:
@@ -176,9 +197,21 @@ class Vocab:
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int64)
 
-    def join(self, ids: npt.NDArray[np.int64]) -> bytes:
-        """The bytes of ``ids`` (all below :attr:`size`), concatenated."""
-        return b"".join(map(self.token_bytes.__getitem__, ids.tolist()))
+    def join(self, ids: npt.NDArray[np.int64], ends: npt.NDArray[np.int64] | None = None) -> bytes:
+        """The bytes of ``ids`` (all below :attr:`size`), concatenated.
+
+        ``ends``: ``cumsum(lengths[ids])`` when the caller has it. One gather from the
+        buffer of all tokens' bytes (3-4x less CPU than joining the tokens' bytes objects).
+        """
+        lengths = self.lengths[ids]
+        if ends is None:
+            ends = np.cumsum(lengths)
+        if ends.shape[0] == 0 or ends[-1] == 0:
+            return b""
+        at = np.repeat(self._starts[ids] - (ends - lengths), lengths)
+        at += np.arange(at.shape[0])
+        joined: bytes = self._flat[at].tobytes()
+        return joined
 
 
 def _decoder_is_byte_level(decoder: Any) -> bool:
@@ -245,12 +278,29 @@ def vocab_from_json(setting: str, path: str, text: str) -> Vocab:
     if holes:
         raise ConfigError(f"{where}: no vocabulary entry for id {holes[0]} ({len(holes)} ids)")
     tokenizer.encode_special_tokens = True
-    return Vocab(setting, path, [b for b in table if b is not None], textless, tokenizer)
+    vocab = Vocab(setting, path, [b for b in table if b is not None], textless, tokenizer)
+
+    def to_bytes(token: str) -> bytes | None:
+        try:
+            return bytes(map(symbols.__getitem__, token))
+        except KeyError:
+            return None
+
+    def reference(text: str) -> list[int]:
+        ids: list[int] = vocab.encode_reference(text).tolist()
+        return ids
+
+    def bpe(token: str) -> list[int]:
+        return [t.id for t in tokenizer.model.tokenize(token)]
+
+    vocab.fast = fast_encoder(data, to_bytes, reference, bpe)
+    return vocab
 
 
 def load_vocab(setting: str, path: str) -> Vocab:
     """Load the tokenizer that setting ``setting`` names (a ``tokenizer.json`` file or a
-    directory holding one). Blocking (0.5-2 s for a 150k-250k vocabulary).
+    directory holding one). Blocking (0.5-3 s for a 150k-250k vocabulary, the fast
+    encoder's build and check included).
 
     Raises:
         ConfigError: a missing, unreadable or unsupported file; the message names the

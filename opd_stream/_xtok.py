@@ -6,7 +6,8 @@
   (:func:`~opd_stream._align.align_response`) and the teacher's request input,
   ``teacher_prompt_ids + teacher ids of the response text``. The fetch stage runs it, in a
   decode thread for a response of :data:`THREAD_TOKENS` tokens or more (re-tokenisation
-  costs ~1-3 us of CPU per token; the loop keeps the short ones).
+  costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3 with tokenizers;
+  the loop keeps the short ones).
 * :func:`score_cross`: the KL stage's result for such a sample in sampled-token mode (one
   value per student token, :func:`~opd_stream._align.span_signal`, and the alignment when
   asked for); in top-k mode (only-student) :func:`topk_candidates` picks what the teacher
@@ -102,7 +103,7 @@ class CrossTokenizers:
 
     @classmethod
     def load(cls, config: StreamConfig) -> CrossTokenizers | None:
-        """Load the configured tokenizers (blocking: ~0.5-2 s each; one load per file), or
+        """Load the configured tokenizers (blocking: ~0.5-3 s each; one load per file), or
         None when no teacher has its own.
 
         Raises:

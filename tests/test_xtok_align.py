@@ -218,8 +218,11 @@ def test_only_textless_tokens_give_one_unscored_span() -> None:
 def test_a_response_id_outside_the_student_vocabulary_fails_naming_the_position() -> None:
     a_vocab, b_vocab = small_vocab("a"), small_vocab("b")
     ids = np.array([5, 6, a_vocab.size + 3])
-    with pytest.raises(InvalidSampleError, match=r"tokens: response token id \d+ at response "
-                       r"position 2 is outside the student tokenizer's vocabulary"):
+    with pytest.raises(
+        InvalidSampleError,
+        match=r"tokens: response token id \d+ at response "
+        r"position 2 is outside the student tokenizer's vocabulary",
+    ):
         align_response(a_vocab, b_vocab, ids, "b")
 
 
@@ -227,8 +230,11 @@ def test_bytes_that_are_not_utf8_fail_naming_the_byte() -> None:
     a_vocab, b_vocab = small_vocab("a"), small_vocab("b")
     byte_id = {b: i for i, b in enumerate(a_vocab.token_bytes) if len(b) == 1}
     ids = np.array([byte_id[b"a"], byte_id[b"\xff"], byte_id[b"b"]])
-    with pytest.raises(InvalidSampleError, match=r"not UTF-8 text at byte 1 \(student token at "
-                       r"response position 1\)"):
+    with pytest.raises(
+        InvalidSampleError,
+        match=r"not UTF-8 text at byte 1 \(student token at "
+        r"response position 1\)",
+    ):
         align_response(a_vocab, b_vocab, ids, "b")
 
 
@@ -239,8 +245,11 @@ def test_text_the_teacher_tokenizer_does_not_round_trip_fails(tmp_path: Path) ->
     teacher = load_vocab("teacher_tokenizers[nfc]", str(tmp_path))
     a_vocab = small_vocab("a")
     text = unicodedata.normalize("NFD", "café")
-    with pytest.raises(InvalidSampleError, match=r"teacher 'nfc'.*does not round-trip the response"
-                       r" text: its tokens spell other bytes from byte 3 on"):
+    with pytest.raises(
+        InvalidSampleError,
+        match=r"teacher 'nfc'.*does not round-trip the response"
+        r" text: its tokens spell other bytes from byte 3 on",
+    ):
         align_response(a_vocab, teacher, a_vocab.encode(text), "nfc")
 
 
@@ -454,3 +463,97 @@ def test_two_candidates_of_the_same_bytes_keep_the_better_ranked() -> None:
     twins[[5, 6, 7]] = [40, 41, 40]  # ids 5 and 7 spell the same bytes
     kept, asked = teacher_candidates(al, np.array([[7, 6, 5]]), twins)
     assert kept.tolist() == [[7, 6, -1]] and asked.tolist() == [[40, 41, -1]]
+
+
+def searchsorted_alignment(
+    student: Vocab, teacher: Vocab, ids: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """The alignment's spans as the first implementation found them (every boundary by
+    binary search over both sides' byte ends): the reference of the cumulative-count one."""
+    lengths = student.lengths[ids]
+    ends = np.cumsum(lengths)
+    data = b"".join(student.token_bytes[i] for i in ids.tolist())
+    total = cut = len(data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        cut = exc.start
+        text = data[:cut].decode("utf-8")
+    t_ids = teacher.encode_reference(text)
+    t_ends = np.cumsum(teacher.lengths[t_ids])
+    s_ends = ends[lengths > 0]
+    at = np.minimum(np.searchsorted(t_ends, s_ends), max(t_ends.shape[0] - 1, 0))
+    common = s_ends[t_ends[at] == s_ends] if t_ends.shape[0] else s_ends[:0]
+    if cut < total:
+        common = np.append(common, total)
+    k = np.searchsorted(common, ends, side="left")
+    keys = 2 * k + 1
+    zero = lengths == 0
+    if zero.any():
+        at, pos = k[zero], ends[zero]
+        on_boundary = np.append(common, -1)[at] == pos
+        keys[zero] = np.where(pos == 0, 0, np.where(on_boundary, 2 * (at + 1), 2 * at + 1))
+    t_keys = 2 * np.searchsorted(common, t_ends, side="left") + 1
+    r = ids.shape[0]
+    starts = np.flatnonzero(np.diff(keys)) + 1
+    span_keys = keys[np.concatenate([[0], starts])] if r else keys[:0]
+    student_spans = np.concatenate([[0], starts, [r]] if r else [[0]])
+    t_starts = np.searchsorted(t_keys, span_keys, side="left")
+    teacher_spans = np.concatenate([t_starts, [t_ids.shape[0]]])
+    scored = (span_keys % 2 == 1) & (teacher_spans[1:] > teacher_spans[:-1])
+    if cut < total:
+        scored &= span_keys != 2 * (common.shape[0] - 1) + 1
+    return t_ids, student_spans, teacher_spans, scored
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_spans_with_textless_tokens_and_cut_characters_match_the_binary_search_reference(
+    seed: int,
+) -> None:
+    # random text, tokens randomly split into bytes, textless tokens anywhere (runs too),
+    # sometimes cut inside the last character
+    rng = np.random.default_rng(1000 + seed)
+    a_vocab, b_vocab = small_vocab("a"), small_vocab("b")
+    pieces = [*" ".join(TEXTS).split(" "), "🎉", "👍🏽", "平方", "\n", "  ", "é"]
+    text = " ".join(rng.choice(pieces, int(rng.integers(1, 40))).tolist())
+    byte_id = {v: i for i, v in enumerate(a_vocab.token_bytes) if len(v) == 1}
+    textless = np.flatnonzero(a_vocab.textless).tolist()
+    ids: list[int] = []
+    for tok in a_vocab.encode(text).tolist():
+        while rng.random() < 0.15:
+            ids.append(int(rng.choice(textless)))
+        if rng.random() < 0.3:
+            ids.extend(byte_id[bytes([c])] for c in a_vocab.token_bytes[tok])
+        else:
+            ids.append(tok)
+    while rng.random() < 0.3:
+        ids.append(int(rng.choice(textless)))
+    student = np.array(ids, dtype=np.int64)
+    if rng.random() < 0.3:  # cut inside the last multi-byte character, if any
+        data = b"".join(a_vocab.token_bytes[i] for i in ids)
+        for n in range(len(ids) - 1, 0, -1):
+            try:
+                a_vocab.join(student[:n]).decode("utf-8")
+            except UnicodeDecodeError:
+                student = student[:n]
+                break
+        assert data.startswith(a_vocab.join(student))
+    al = align_response(a_vocab, b_vocab, student, "b")
+    check_alignment(a_vocab, b_vocab, student, al)
+    t_ids, s_spans, t_spans, scored = searchsorted_alignment(a_vocab, b_vocab, student)
+    assert al.teacher_ids.tolist() == t_ids.tolist()
+    assert al.student_spans.tolist() == s_spans.tolist()
+    assert al.teacher_spans.tolist() == t_spans.tolist()
+    assert al.scored.tolist() == scored.tolist()
+
+
+def test_join_is_the_concatenation_of_the_tokens_bytes() -> None:
+    vocab = small_vocab("a")
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 7, 300):
+        ids = rng.integers(0, vocab.size, n)
+        expected = b"".join(vocab.token_bytes[i] for i in ids.tolist())
+        assert vocab.join(ids) == expected
+        assert vocab.join(ids, np.cumsum(vocab.lengths[ids])) == expected
+    textless = np.flatnonzero(vocab.textless)
+    assert vocab.join(textless) == b""

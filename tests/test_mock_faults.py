@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import anyio
 import msgspec
 import pytest
 from mock_helpers import post_json
@@ -37,6 +38,13 @@ BODY: dict[str, Any] = {
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
+
+
+async def _until(predicate: Any, limit_s: float = 30.0) -> None:
+    """Poll ``predicate`` (the mock's counters have no events to wait on)."""
+    with anyio.fail_after(limit_s):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -209,14 +217,16 @@ async def test_fixed_latency_delays_answers(session: aiohttp.ClientSession) -> N
 
 
 async def test_capacity_serialises_requests(session: aiohttp.ClientSession) -> None:
+    # long enough that all three requests are in the server before the first one is answered,
+    # even on a busy machine
     async with serve_mock(
-        "teacher", 1, options=MockOptions(latency_fixed_s=0.15, max_running=1)
+        "teacher", 1, options=MockOptions(latency_fixed_s=0.5, max_running=1)
     ) as srv:
         t0 = time.monotonic()
         results = await asyncio.gather(*(post_json(session, srv.url, BODY) for _ in range(3)))
         elapsed = time.monotonic() - t0
     assert [s for s, _ in results] == [200] * 3
-    assert elapsed >= 0.45
+    assert elapsed >= 1.5
     assert srv.stats[0].max_in_flight == 3
 
 
@@ -238,9 +248,11 @@ async def test_stopped_replica_refuses_and_restarts_on_the_same_port(
 async def test_abort_request_endpoint_aborts_an_in_flight_rid(
     session: aiohttp.ClientSession,
 ) -> None:
-    async with serve_mock("teacher", 1, options=MockOptions(latency_fixed_s=0.4)) as srv:
+    # the abort must land while the request is being served: wait until it runs, and serve it
+    # slowly enough that a busy machine still gets the abort in
+    async with serve_mock("teacher", 1, options=MockOptions(latency_fixed_s=2.0)) as srv:
         task = asyncio.ensure_future(post_json(session, srv.url, {**BODY, "rid": "abc"}))
-        await asyncio.sleep(0.15)
+        await _until(lambda: srv.stats[0].running == 1)
         async with session.post(srv.url + "/abort_request", json={"rid": "abc"}) as r:
             assert r.status == 200
         status, body = await task

@@ -127,7 +127,9 @@ async def test_hangs_fail_at_the_deadline_and_the_server_sees_the_disconnect() -
     assert row.injected > 0
     assert row.failures == {"deadline_exceeded": row.injected}
     failed = [r for r in run.topk_results + run.sampled_results if isinstance(r, SampleFailure)]
-    assert all(f"{HANG_DEADLINE_S:g} s" in r.message and r.attempts == 1 for r in failed)
+    # each at its own request's deadline, after its one attempt
+    within = f"within {HANG_DEADLINE_S} s after 1 attempt(s)"
+    assert all(within in r.message for r in failed), [r.message for r in failed]
     assert row.retries == 0
     assert row.disconnects >= row.injected
 

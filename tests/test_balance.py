@@ -377,7 +377,7 @@ async def test_least_outstanding_sends_less_work_to_a_slow_replica_than_round_ro
         fleet = _Fleet(urls)
         for u in urls:
             fleet.latency[u] = 0.01
-        fleet.latency[D] = 0.25
+        fleet.latency[D] = 1.0  # 100 times slower: free on the virtual clock
         cfg = _cfg(urls, balance=balance, max_inflight=12)
         async with OPDStream(cfg, transport=fleet.transport) as stream:
             out = await _run(stream, _samples(n))
@@ -386,7 +386,9 @@ async def test_least_outstanding_sends_less_work_to_a_slow_replica_than_round_ro
         counts[balance] = fleet.generate[D]
         assert st[D].requests == counts[balance]
     assert counts["round-robin"] == n // 4
-    assert counts["least-outstanding"] < 0.75 * counts["round-robin"]
+    # 4 to 6 of 64 (first picks among idle replicas included), busy machine or not; a
+    # choice blind to load gives it about 16, a quarter
+    assert counts["least-outstanding"] < 0.6 * counts["round-robin"]
 
 
 # --- pipeline over real HTTP: aiohttp mock replicas ---------------------------------------

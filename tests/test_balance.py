@@ -447,6 +447,7 @@ async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_e
         _check_scored(out, fleet.model)
         assert st[urls[2]].ejected and st[urls[2]].ejections == 1
         assert st[urls[1]].cancelled > warm[urls[1]].cancelled
+
         # every request the slow server got went away unanswered (the hedge won, the loser
         # was cancelled): the server sees each one disconnect, and none is left in it
         def slow_replica_let_go() -> bool:

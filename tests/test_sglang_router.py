@@ -35,6 +35,17 @@ STUDENT = MockModel("student", 1)
 K = 3
 
 
+@pytest.fixture(autouse=True)
+def _patient_health_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker counts as reachable when its ``/health`` answers within 2 s; a busy machine
+    can keep a live worker subprocess from answering that fast, and the fleet would then
+    list only the others (seen: the one a test then kills, so a sample's every attempt went
+    to it). A dead worker refuses at once, so a long limit costs nothing here."""
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "_PROBE_TIMEOUT_S", 30.0)
+
+
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})

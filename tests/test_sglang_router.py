@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -305,6 +306,16 @@ async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
             p.kill()
 
 
+def _take_away(how: str, proc: MockProcess, url: str) -> None:
+    """Kill the worker, or remove it from the router at ``url``."""
+    if how == "killed":
+        proc.kill()
+        return
+    listing = _router_api(url, "GET", "/workers")["workers"]
+    wid = next(w["id"] for w in listing if w["url"] == proc.url)
+    _router_api(url, "DELETE", f"/workers/{wid}")
+
+
 @pytest.mark.parametrize("how", ["removed", "killed"])
 async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     monkeypatch: pytest.MonkeyPatch, how: str
@@ -325,13 +336,8 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
                     out = []
                     async for item in results:
                         out.append(item)
-                        if len(out) == 5:
-                            if how == "killed":
-                                procs[1].kill()
-                            else:
-                                listing = _router_api(url, "GET", "/workers")["workers"]
-                                wid = next(w["id"] for w in listing if w["url"] == urls[1])
-                                _router_api(url, "DELETE", f"/workers/{wid}")
+                        if len(out) == 5:  # off the loop: killing reaps, the API blocks
+                            await anyio.to_thread.run_sync(_take_away, how, procs[1], url)
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
             assert [r.index for r in out] == list(range(len(samples)))

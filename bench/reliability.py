@@ -65,9 +65,21 @@ Expect = Literal["recover", "fail", "deadline", "clean", "capability", "restart"
 TOP_K = 4
 SEEDS = {"math": 11, "default": 12, "student": 13}
 TEACHER_KEY = "opd_teacher"
-#: Every logical request gets this budget (retries and backoff included).
-DEADLINE_S = 1.5
+#: Every logical request gets this budget (retries and backoff included): far beyond what a
+#: healthy request takes even on a busy machine, so that only a hang reaches it.
+DEADLINE_S = 30.0
+#: The budget of the *hang* row, where every hung request runs to it: short, to keep the row
+#: quick, yet still many times what a request that is not hung takes on a busy machine.
+HANG_DEADLINE_S = 8.0
+#: The attempt watchdog of the *hang_watchdog* row: a hung attempt is abandoned after it; a
+#: healthy attempt stays far below it even on a busy machine.
+WATCHDOG_S = 4.0
 MAX_INFLIGHT = 64
+#: The CPU part of a run's wall-time budget (see :func:`deadline_budget`): a 240-sample run
+#: takes about 1 s of CPU on a quiet machine, and several times that on a busy one.
+BUDGET_ALLOWANCE_S = 30.0
+#: Connection set-up on 127.0.0.1: instant, but the loop must get to it on a busy machine.
+CONNECT_TIMEOUT_S = 10.0
 #: The logical requests of one sample, at most (stream A: student top-k, teacher, student ids).
 REQUESTS_PER_SAMPLE = 3
 MAX_RESPONSE_BYTES = 256 * 1024
@@ -89,7 +101,8 @@ class FaultMode:
         reasons: the failure reasons this fault may produce (when attempts run out, or
             at once for a non-retryable fault).
         fault_kind: the mock's counter in ``MockStats.faults`` (None: not counted there).
-        client: StreamConfig changes for this row (e.g. ``attempt_timeout_s``).
+        client: StreamConfig changes for this row (e.g. ``attempt_timeout_s``, or a
+            ``request_deadline_s`` other than :data:`DEADLINE_S`).
     """
 
     key: str
@@ -138,16 +151,17 @@ MODES: tuple[FaultMode, ...] = (
         "deadline",
         frozenset({"deadline_exceeded"}),
         "hang",
+        client={"request_deadline_s": HANG_DEADLINE_S},
     ),
     FaultMode(
         "hang_watchdog",
-        "hang, with attempt_timeout_s=0.3 (the watchdog)",
+        f"hang, with attempt_timeout_s={WATCHDOG_S:g} (the watchdog)",
         0.1,
         _rate("hang"),
         "recover",
         frozenset({"connection_error", "deadline_exceeded"}),
         "hang",
-        client={"attempt_timeout_s": 0.3},
+        client={"attempt_timeout_s": WATCHDOG_S},
     ),
     FaultMode(
         "reset",
@@ -330,22 +344,23 @@ def _config(teachers: dict[str, Any], student: str, *, top_k: int, **client: Any
     extra: dict[str, Any] = (
         {"top_k": top_k, "strategy": "union", "student_url": student} if top_k else {}
     )
-    return StreamConfig.from_env(
-        {},
-        teachers=teachers,
-        teacher_key=TEACHER_KEY,
-        request_deadline_s=DEADLINE_S,
-        max_attempts=4,
-        max_inflight=MAX_INFLIGHT,
-        channel_capacity=16,
-        max_response_bytes=MAX_RESPONSE_BYTES,
-        backoff_initial_s=0.01,
-        backoff_max_s=0.05,
-        connect_timeout_s=1.0,
-        kl_device="cpu",
+    settings: dict[str, Any] = {
+        "teachers": teachers,
+        "teacher_key": TEACHER_KEY,
+        "request_deadline_s": DEADLINE_S,
+        "max_attempts": 4,
+        "max_inflight": MAX_INFLIGHT,
+        "channel_capacity": 16,
+        "max_response_bytes": MAX_RESPONSE_BYTES,
+        "backoff_initial_s": 0.01,
+        "backoff_max_s": 0.05,
+        "connect_timeout_s": CONNECT_TIMEOUT_S,
+        "kl_device": "cpu",
         **extra,
-        **{**_balance_options(), **client},
-    )
+        **_balance_options(),
+        **client,  # the row's own settings win
+    }
+    return StreamConfig.from_env({}, **settings)
 
 
 def _balance_options() -> dict[str, Any]:
@@ -355,14 +370,14 @@ def _balance_options() -> dict[str, Any]:
     return {}
 
 
-def deadline_budget(n: int) -> float:
+def deadline_budget(n: int, deadline_s: float = DEADLINE_S) -> float:
     """Worst case wall time of ``n`` samples per stream if every request ran to its deadline.
 
     Each sample holds one of ``MAX_INFLIGHT`` slots for at most ``REQUESTS_PER_SAMPLE``
     deadlines, so the run takes at most ``ceil(n / MAX_INFLIGHT)`` such waves; plus a fixed
-    allowance of 3 s for start-up, decode and KL on a slow machine.
+    allowance of :data:`BUDGET_ALLOWANCE_S` for start-up, decode and KL on a busy machine.
     """
-    return math.ceil(n / MAX_INFLIGHT) * REQUESTS_PER_SAMPLE * DEADLINE_S + 3.0
+    return math.ceil(n / MAX_INFLIGHT) * REQUESTS_PER_SAMPLE * deadline_s + BUDGET_ALLOWANCE_S
 
 
 async def _drain(
@@ -497,7 +512,10 @@ async def _run_streams(
     teachers = {"math": math_urls, "default": default_url}
     cfg_a = _config(teachers, student_url, top_k=TOP_K, **mode.client)
     cfg_b = _config(teachers, student_url, top_k=0, **mode.client)
-    tr_a, tr_b = AiohttpTransport(connect_timeout_s=1.0), AiohttpTransport(connect_timeout_s=1.0)
+    tr_a, tr_b = (
+        AiohttpTransport(connect_timeout_s=CONNECT_TIMEOUT_S),
+        AiohttpTransport(connect_timeout_s=CONNECT_TIMEOUT_S),
+    )
     out_a: list[ScoredSample | SampleFailure] = []
     out_b: list[ScoredSample | SampleFailure] = []
     before = _own_tasks()
@@ -550,7 +568,7 @@ async def _run_streams(
         injected=0,
         failures=dict(sorted(failures.items())),
         wall_s=round(wall, 2),
-        budget_s=deadline_budget(len(workload.topk_samples)),
+        budget_s=deadline_budget(len(workload.topk_samples), cfg_a.request_deadline_s),
         max_latency_s=round(max_lat, 3),
         disconnects=0,
         pending_tasks=pending,
@@ -605,11 +623,13 @@ def render_markdown(rows: Sequence[MatrixRow], n: int) -> str:
         f"(`top_k={TOP_K}`, `strategy=union`: student top-k fetch, teacher top-k + ids, student",
         "scoring of the teacher ids) and a sampled-token stream, routed alternately to teacher",
         "`math` (two replicas) and teacher `default` (one replica), plus one student server.",
-        f"Every logical request has `request_deadline_s={DEADLINE_S}` and `max_attempts=4`;",
+        f"Every logical request has `request_deadline_s={DEADLINE_S:g}` (the *hang* row:",
+        f"{HANG_DEADLINE_S:g}, so that its hung requests end sooner) and `max_attempts=4`;",
         f"`max_inflight={MAX_INFLIGHT}` per stream; `max_response_bytes={MAX_RESPONSE_BYTES}`.",
         "Faults are injected by every mock server at the given rate per `/generate` request",
         "(seeded), except *restart*, where one `math` replica is a subprocess that is killed",
-        "with SIGKILL a quarter into the run, while requests are in flight on it, and",
+        "with SIGKILL early in the run, while it certainly holds a request of the run (it is",
+        "first told to hang every request it gets, and killed as soon as it holds one), and",
         "started again on its port.",
         "",
         "Columns: *in/out* samples in and results out (each index exactly once); *scored*",

@@ -26,7 +26,8 @@ from opd_stream import (
 )
 from opd_stream.testing.mock_sglang import MockCluster, MockOptions, serve_mock
 
-DEADLINE_S = 30.0  # far away: everything below must end long before it
+DEADLINE_S = 60.0  # far away: everything below must end long before it
+PROMPTLY_S = 20.0  # "at once", on a busy machine: still far below the deadline
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def _cfg(url: str, **kw: Any) -> StreamConfig:
     return StreamConfig.from_env({}, **base)
 
 
-async def _until(predicate: Any, limit_s: float = 5.0) -> None:
+async def _until(predicate: Any, limit_s: float = PROMPTLY_S) -> None:
     """Poll ``predicate`` (the mock's counters have no events to wait on)."""
     with anyio.fail_after(limit_s):
         while not predicate():  # noqa: ASYNC110
@@ -61,7 +62,7 @@ async def _assert_clean(teacher: MockCluster, before: set[asyncio.Task[Any]], ha
     await _until(lambda: teacher.stats[0].disconnects >= hanging)
     assert teacher.stats[0].disconnects == hanging
     await _until(lambda: teacher.stats[0].in_flight == 0)
-    await _until(lambda: not (_own_tasks() - before), limit_s=1.0)
+    await _until(lambda: not (_own_tasks() - before))
 
 
 async def test_breaking_out_of_results_cancels_the_hanging_requests() -> None:
@@ -77,7 +78,7 @@ async def test_breaking_out_of_results_cancels_the_hanging_requests() -> None:
                     break
             assert transport.idle
             assert stream.stats().in_flight == 0
-        assert anyio.current_time() - start < 5.0
+        assert anyio.current_time() - start < PROMPTLY_S
         await _assert_clean(t, before, t.stats[0].faults["hang"])
         assert hanging > 0
 
@@ -110,7 +111,7 @@ async def test_closing_the_stream_while_requests_hang_ends_them() -> None:
             await results.aclose()
             # a second close, and the stream's own exit, are harmless
             await results.aclose()
-        assert anyio.current_time() - start < 5.0
+        assert anyio.current_time() - start < PROMPTLY_S
         await _assert_clean(t, before, 6)
 
 
@@ -140,7 +141,7 @@ async def test_cancelling_the_caller_ends_in_process_requests_on_any_backend() -
 
     cfg = _cfg("http://teacher:1")
     async with OPDStream(cfg, transport=MockTransport(hang)) as stream:
-        with anyio.move_on_after(5) as outer:
+        with anyio.move_on_after(PROMPTLY_S) as outer:
             with anyio.CancelScope() as scope:
                 async with stream.run(_samples(10)) as results:
                     await started.wait()

@@ -562,7 +562,8 @@ def _ordering_input(path: Path) -> None:
     _write_lines(path, [slow, fast, "not json", fast, {"prompt_ids": []}, fast])
 
 
-_SLOW_PER_TOKEN = MockOptions(latency_per_token_s=0.001)
+# line 1 takes 2 s at the server, the others 15 ms: a busy machine cannot reverse that
+_SLOW_PER_TOKEN = MockOptions(latency_per_token_s=0.005)
 
 
 async def test_ordered_writes_results_in_input_order(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ async def test_cancelling_reward_func_calls_cancels_their_requests(
             self.metadata: dict[str, Any] = {}
 
     async def until(predicate: Any) -> None:
-        with anyio.fail_after(5):  # generous: cancellation is immediate
+        with anyio.fail_after(30):  # generous (a busy machine): cancellation is immediate
             while not predicate():  # noqa: ASYNC110
                 await anyio.sleep(0.005)
 
@@ -230,7 +230,7 @@ async def test_cancelling_reward_func_calls_cancels_their_requests(
             for task in tasks:
                 assert task.cancelled()
         finally:
-            with anyio.fail_after(10):
+            with anyio.fail_after(30):
                 await miles.close()
 
 

@@ -6,6 +6,11 @@ recover and the retries are counted; non-retryable faults fail their sample alon
 right reason; every scored result equals the independent closed-form reference (so none was
 computed from a bad answer); the run stays within its deadline budget; afterwards no task
 is pending and the connection pools are idle.
+
+Real sockets, real clock (aiohttp needs asyncio), so every time limit here is one a busy
+machine cannot reach by itself: a healthy request has 30 s (``DEADLINE_S``), a hung one ends
+at the hang row's 8 s deadline, the watchdog row abandons an attempt after 4 s; healthy
+requests take well under 2 s on a 2-core box with both cores busy.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pipeline_reference import assert_matches, expected_result
 
 from bench.reliability import (
     DEFAULT_N,
+    HANG_DEADLINE_S,
     MODES,
     TOP_K,
     FaultMode,
@@ -24,7 +30,7 @@ from bench.reliability import (
     run_fault_mode,
     teacher_model,
 )
-from opd_stream import ScoredSample
+from opd_stream import SampleFailure, ScoredSample
 from opd_stream.testing.mock_sglang import FAULT_KINDS
 
 N = DEFAULT_N  # samples per stream: 240 per mode, as in docs/reliability.md
@@ -120,6 +126,10 @@ async def test_hangs_fail_at_the_deadline_and_the_server_sees_the_disconnect() -
     row = run.row
     assert row.injected > 0
     assert row.failures == {"deadline_exceeded": row.injected}
+    failed = [r for r in run.topk_results + run.sampled_results if isinstance(r, SampleFailure)]
+    # each at its own request's deadline, after its one attempt
+    within = f"within {HANG_DEADLINE_S} s after 1 attempt(s)"
+    assert all(within in r.message for r in failed), [r.message for r in failed]
     assert row.retries == 0
     assert row.disconnects >= row.injected
 

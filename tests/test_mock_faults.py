@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import anyio
 import msgspec
 import pytest
 from mock_helpers import post_json
@@ -37,6 +38,13 @@ BODY: dict[str, Any] = {
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
+
+
+async def _until(predicate: Any, limit_s: float = 30.0) -> None:
+    """Poll ``predicate`` (the mock's counters have no events to wait on)."""
+    with anyio.fail_after(limit_s):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -77,20 +85,17 @@ async def test_hang_never_answers_and_the_disconnect_is_counted(
     server: MockCluster, session: aiohttp.ClientSession
 ) -> None:
     server.set_options(fault_hang=1.0)
-    with pytest.raises(asyncio.TimeoutError):
-        await post_json_with_timeout(session, server.url, 0.3)
-    for _ in range(50):
-        if server.stats[0].disconnects:
-            break
-        await asyncio.sleep(0.02)
-    assert server.stats[0].disconnects == 1
-    assert server.stats[0].in_flight == 0
-
-
-async def post_json_with_timeout(session: aiohttp.ClientSession, url: str, total: float) -> Any:
-    timeout = aiohttp.ClientTimeout(total=total)
-    async with session.post(url + "/generate", json=BODY, timeout=timeout) as resp:
-        return await resp.read()
+    # the client gives up only once the server holds the request (a fixed client timeout
+    # could expire before a busy machine delivered it, and then nothing would hang)
+    task = asyncio.ensure_future(post_json(session, server.url, BODY))
+    await _until(lambda: server.stats[0].in_flight == 1)
+    await asyncio.sleep(0.3)
+    assert not task.done()  # no answer
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: server.stats[0].disconnects == 1 and server.stats[0].in_flight == 0)
+    assert server.stats[0].faults["hang"] == 1
 
 
 @pytest.mark.parametrize("fault", ["reset", "truncated"])
@@ -209,14 +214,16 @@ async def test_fixed_latency_delays_answers(session: aiohttp.ClientSession) -> N
 
 
 async def test_capacity_serialises_requests(session: aiohttp.ClientSession) -> None:
+    # long enough that all three requests are in the server before the first one is answered,
+    # even on a busy machine
     async with serve_mock(
-        "teacher", 1, options=MockOptions(latency_fixed_s=0.15, max_running=1)
+        "teacher", 1, options=MockOptions(latency_fixed_s=0.5, max_running=1)
     ) as srv:
         t0 = time.monotonic()
         results = await asyncio.gather(*(post_json(session, srv.url, BODY) for _ in range(3)))
         elapsed = time.monotonic() - t0
     assert [s for s, _ in results] == [200] * 3
-    assert elapsed >= 0.45
+    assert elapsed >= 1.5
     assert srv.stats[0].max_in_flight == 3
 
 
@@ -238,9 +245,11 @@ async def test_stopped_replica_refuses_and_restarts_on_the_same_port(
 async def test_abort_request_endpoint_aborts_an_in_flight_rid(
     session: aiohttp.ClientSession,
 ) -> None:
-    async with serve_mock("teacher", 1, options=MockOptions(latency_fixed_s=0.4)) as srv:
+    # the abort must land while the request is being served: wait until it runs, and serve it
+    # slowly enough that a busy machine still gets the abort in
+    async with serve_mock("teacher", 1, options=MockOptions(latency_fixed_s=2.0)) as srv:
         task = asyncio.ensure_future(post_json(session, srv.url, {**BODY, "rid": "abc"}))
-        await asyncio.sleep(0.15)
+        await _until(lambda: srv.stats[0].running == 1)
         async with session.post(srv.url + "/abort_request", json={"rid": "abc"}) as r:
             assert r.status == 200
         status, body = await task

@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
+import anyio
 import numpy as np
 import pytest
 from mock_helpers import load_sglang_api_types, post_json
@@ -314,12 +315,15 @@ async def test_value_errors_use_the_nested_error_message_shape(
 
 
 async def test_queue_full_is_a_503_error_response(session: aiohttp.ClientSession) -> None:
-    opts = MockOptions(max_running=1, max_queued=0, latency_fixed_s=0.3)
+    # the first request holds the one slot long enough for a busy machine to send the second
+    opts = MockOptions(max_running=1, max_queued=0, latency_fixed_s=2.0)
     async with serve_mock("teacher", SEED, options=opts) as srv:
         import asyncio
 
         first = asyncio.ensure_future(post_json(session, srv.url, score_body()))
-        await asyncio.sleep(0.1)
+        with anyio.fail_after(30):
+            while srv.stats[0].running < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
         status, body = await post_json(session, srv.url, score_body())
         assert (await first)[0] == 200
     assert status == 503

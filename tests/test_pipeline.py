@@ -119,15 +119,23 @@ async def test_input_order_is_restored_when_requested() -> None:
 
 async def test_completed_order_does_not_wait_for_slow_samples() -> None:
     servers = _servers()
+    others_out = anyio.Event()
 
     async def handler(method: str, url: str, body: bytes) -> Response:
         if servers[T1].requests == 0:
             servers[T1].requests += 1
-            await anyio.sleep(0.3)
+            await others_out.wait()  # answered only once every other sample is out
         return servers[T1].handle(method, "/generate", body)
 
+    out: list[Any] = []
     async with OPDStream(_cfg(max_inflight=4), transport=MockTransport(handler)) as stream:
-        out = await _collect(stream, _samples(6))
+        with anyio.fail_after(60):  # a stream that waited for the slow sample never ends
+            async with stream.run(_samples(6)) as results:
+                async for item in results:
+                    out.append(item)
+                    if len(out) == 5:
+                        others_out.set()
+    assert sorted(r.index for r in out) == list(range(6))
     assert out[-1].index == 0
 
 

@@ -261,7 +261,7 @@ async def test_the_byte_cap_holds_for_an_endless_chunked_body() -> None:
     async with _raw_server(head, b"x" * 4096, chunked=True) as (url, sent):
         async with AiohttpTransport() as transport:
             with pytest.raises(ResponseTooLarge):
-                await asyncio.wait_for(transport.post(url + "/generate", b"{}", max_bytes=CAP), 5)
+                await asyncio.wait_for(transport.post(url + "/generate", b"{}", max_bytes=CAP), 30)
             assert transport.idle
         for _ in range(500):  # the client went away: the server's writes fail, it stops
             if sent[1]:
@@ -279,7 +279,7 @@ async def test_the_byte_cap_holds_when_content_length_understates_the_body() -> 
         async with AiohttpTransport() as transport:
             try:
                 resp = await asyncio.wait_for(
-                    transport.post(url + "/generate", b"{}", max_bytes=CAP), 5
+                    transport.post(url + "/generate", b"{}", max_bytes=CAP), 30
                 )
             except ConnectionFailed:
                 return  # aiohttp's parser saw bytes beyond the declared length: refused
@@ -291,7 +291,7 @@ async def test_a_content_length_above_the_cap_is_refused_before_reading() -> Non
     async with _raw_server(head, b"x" * 4096, chunked=False) as (url, _):
         async with AiohttpTransport() as transport:
             with pytest.raises(ResponseTooLarge, match=f"{CAP}-byte cap"):
-                await asyncio.wait_for(transport.post(url + "/generate", b"{}", max_bytes=CAP), 5)
+                await asyncio.wait_for(transport.post(url + "/generate", b"{}", max_bytes=CAP), 30)
 
 
 async def test_an_endless_chunked_answer_fails_its_sample_with_response_too_large() -> None:

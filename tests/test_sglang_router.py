@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -33,6 +34,17 @@ from opd_stream.testing.router import RouterUnavailable, SGLangRouter
 TEACHER = MockModel("teacher", 1)
 STUDENT = MockModel("student", 1)
 K = 3
+
+
+@pytest.fixture(autouse=True)
+def _patient_health_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker counts as reachable when its ``/health`` answers within 2 s; a busy machine
+    can keep a live worker subprocess from answering that fast, and the fleet would then
+    list only the others (seen: the one a test then kills, so a sample's every attempt went
+    to it). A dead worker refuses at once, so a long limit costs nothing here."""
+    from opd_stream import _discovery
+
+    monkeypatch.setattr(_discovery, "_PROBE_TIMEOUT_S", 30.0)
 
 
 @pytest.fixture
@@ -294,6 +306,16 @@ async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
             p.kill()
 
 
+def _take_away(how: str, proc: MockProcess, url: str) -> None:
+    """Kill the worker, or remove it from the router at ``url``."""
+    if how == "killed":
+        proc.kill()
+        return
+    listing = _router_api(url, "GET", "/workers")["workers"]
+    wid = next(w["id"] for w in listing if w["url"] == proc.url)
+    _router_api(url, "DELETE", f"/workers/{wid}")
+
+
 @pytest.mark.parametrize("how", ["removed", "killed"])
 async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     monkeypatch: pytest.MonkeyPatch, how: str
@@ -314,13 +336,8 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
                     out = []
                     async for item in results:
                         out.append(item)
-                        if len(out) == 5:
-                            if how == "killed":
-                                procs[1].kill()
-                            else:
-                                listing = _router_api(url, "GET", "/workers")["workers"]
-                                wid = next(w["id"] for w in listing if w["url"] == urls[1])
-                                _router_api(url, "DELETE", f"/workers/{wid}")
+                        if len(out) == 5:  # off the loop: killing reaps, the API blocks
+                            await anyio.to_thread.run_sync(_take_away, how, procs[1], url)
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
             assert [r.index for r in out] == list(range(len(samples)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 # Nothing of the package is imported before main() runs: a Ctrl-C at any moment of the
 # start-up is then one line and exit 130 (main catches it), never a traceback.
@@ -97,7 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    import anyio
 
     from ._config import render_config_table
     from ._errors import ConfigError
@@ -133,33 +132,34 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "probe":
         from ._probe_cli import run_probe_command
 
-        try:
-            probe_code: int = anyio.run(run_probe_command, args)
-        except KeyboardInterrupt:
-            print("opd-stream probe: interrupted", file=sys.stderr)
-            return 130
-        return probe_code
+        return _run(args.command, run_probe_command, args)
     _announce_compile(args.command)
     if args.command == "score":
         from ._scorefile import run_score
 
-        try:
-            score_code: int = anyio.run(run_score, args)
-        except KeyboardInterrupt:
-            print("opd-stream score: interrupted", file=sys.stderr)
-            return 130
-        return score_code
+        return _run(args.command, run_score, args)
     from ._demo import run_demo
 
     try:
-        result: int = anyio.run(run_demo, args)
+        return _run(args.command, run_demo, args)
     except ConfigError as exc:
         print(f"opd-stream demo: error: configuration: {exc}", file=sys.stderr)
         return 2
+
+
+def _run(
+    command: str,
+    func: Callable[[argparse.Namespace], Awaitable[int]],
+    args: argparse.Namespace,
+) -> int:
+    """A command's coroutine on a new event loop; its exit code, 130 after Ctrl-C."""
+    import anyio
+
+    try:
+        return anyio.run(func, args)
     except KeyboardInterrupt:
-        print("opd-stream demo: interrupted", file=sys.stderr)
+        print(f"opd-stream {command}: interrupted", file=sys.stderr)
         return 130
-    return result
 
 
 def _announce_compile(command: str) -> None:

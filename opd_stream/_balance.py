@@ -30,10 +30,15 @@ Rules, per replica URL:
   order, and takes the first replica holding fewer than
   ``ceil(load_factor * (prompts_in_flight + 1) / replicas)`` prompts in flight:
   consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so
-  no replica holds more than ``load_factor`` times the mean number of prompts. Both
-  rules skip a replica holding ``limit`` requests in flight (the per-endpoint concurrency
-  limit): one prompt with very many samples in flight at once spills to the next replica
-  of its order rather than queue. A retry (the failed replica excluded) and a hedge (the
+  no replica holds more than ``load_factor`` times the mean number of prompts. A new
+  placement skips a replica holding ``limit`` requests in flight (the per-endpoint
+  concurrency limit). A join skips it only while the prompt's own requests there fill at
+  least half of ``limit``: one prompt with very many samples in flight at once spills to
+  the next replica of its order rather than queue, but a group of a few samples waits for
+  the replica that holds its prefix (its wait is the replica's queue, which is busy
+  anyway; a spill would compute the whole prompt again elsewhere: with every replica at
+  its limit, as when ``max_inflight`` equals replicas x limit, spilling at the limit sent
+  a third of the groups of scenario 9's privileged variant to a second replica). A retry (the failed replica excluded) and a hedge (the
   racing replicas excluded) go to the next replica of the same order that takes them,
   which the pool then remembers for the key, so the prompt's later requests meet there.
   A replica added or re-admitted takes new prompts; the remembered ones stay where their
@@ -213,7 +218,8 @@ class EndpointPool:
         eps, limit = self._endpoints, self._limit
         order = self.preference(pool, key)
         for joined in order:  # the prompt is in flight there: join it
-            if eps.holds(joined, key) and eps.load(joined) < limit:
+            held = eps.held(joined, key)
+            if held and (eps.load(joined) < limit or 2 * held < limit):
                 return joined
         prompts = {url: eps.prompts(url) for url in pool}
         cap = math.ceil(self._load_factor * (sum(prompts.values()) + 1) / len(pool))

@@ -36,11 +36,12 @@ Rules, per replica URL:
   least half of ``limit``: one prompt with very many samples in flight at once spills to
   the next replica of its order rather than queue, but a group of a few samples waits for
   the replica that holds its prefix (its wait is the replica's queue, which is busy
-  anyway; a spill would compute the whole prompt again elsewhere: with every replica at
-  its limit, as when ``max_inflight`` equals replicas x limit, spilling at the limit sent
-  a third of the groups of scenario 9's privileged variant to a second replica). A retry (the failed replica excluded) and a hedge (the
-  racing replicas excluded) go to the next replica of the same order that takes them,
-  which the pool then remembers for the key, so the prompt's later requests meet there.
+  anyway; a spill computes the whole prompt again elsewhere: with every replica at its
+  limit, as when ``max_inflight`` is replicas x limit, spilling at the limit made scenario
+  9's privileged variant compute 1.48x the unique tokens, 1.007x with this rule). A retry
+  (the failed replica excluded) and a hedge (the racing replicas excluded) go to the next
+  replica of the same order that takes them, which the pool then remembers for the key,
+  so the prompt's later requests meet there.
   A replica added or re-admitted takes new prompts; the remembered ones stay where their
   prefixes are. A request without a key is placed as ``least-outstanding`` places it.
 * **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a

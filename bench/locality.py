@@ -21,7 +21,10 @@ Runs, on the same replicas and samples (caches flushed between runs):
 
 Measured per run: the tokens the replicas computed over the unique tokens (prompt once per
 group plus every response), the max / mean of what each replica computed, wall time and
-samples per second; from ``stats()``, the prompt and cached tokens the client saw.
+samples per second; from ``stats()``, the prompt and cached tokens the client saw. How
+GPU-bound a run was is ``gpu_bound_share``: the busiest replica's simulated compute over the
+wall time (1.0: the wall is that replica's GPU time; well below it, the client's and the
+mocks' CPU set the pace and throughput says little about placement).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ async def _one_run(
     per_replica = [
         a["computed_tokens"] - b["computed_tokens"] for a, b in zip(after, before, strict=True)
     ]
+    busy = [a["compute_s"] - b["compute_s"] for a, b in zip(after, before, strict=True)]
     total = sum(per_replica)
     eps = opd.stats.endpoints.values()
     prompt_tokens = sum(e.prompt_tokens for e in eps)
@@ -123,6 +127,8 @@ async def _one_run(
         "computed_over_unique": total / unique,
         "replica_computed": per_replica,
         "max_over_mean_load": max(per_replica) / (total / len(per_replica)) if total else None,
+        "replica_compute_s": busy,
+        "gpu_bound_share": max(busy) / wall,
         "client_prompt_tokens": prompt_tokens,
         "client_cached_tokens": cached,
         "client_cached_share": cached / prompt_tokens if prompt_tokens else None,

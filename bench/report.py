@@ -504,14 +504,15 @@ def render_markdown(
                 f"### {variant} (unique teacher tokens {v['unique_tokens']})",
                 "",
                 "| run | computed / unique | max / mean replica load | samples/s | "
-                "vs least-outstanding | cached share (client) | failures |",
-                "|---|---|---|---|---|---|---|",
+                "vs least-outstanding | busiest GPU / wall | cached share (client) | failures |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for name, d in v["runs"].items():
                 lines.append(
                     f"| {name} | {d['computed_over_unique']:.3f} | "
                     f"{_fmt(d['max_over_mean_load'], digits=3)} | {d['samples_per_s']:.1f} | "
                     f"{d['throughput_over_least_outstanding']:.2f}x | "
+                    f"{_fmt(d.get('gpu_bound_share'), digits=2)} | "
                     f"{_fmt(d['client_cached_share'], digits=3)} | {d['failures']} |"
                 )
             lines.append("")

@@ -117,6 +117,11 @@ class Endpoints:
         ep = self._by_url.get(url)
         return ep is not None and key in ep.keys
 
+    def held(self, url: str, key: int) -> int:
+        """Requests with routing ``key`` in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else ep.keys.get(key, 0)
+
     def begin(self, url: str, key: int | None) -> Endpoint:
         """A request (with routing ``key``, if any) to ``url`` is in flight from now."""
         ep = self(url)

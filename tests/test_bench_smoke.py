@@ -77,4 +77,5 @@ def test_prefix_locality_scenario_runs_end_to_end(tmp_path: Path) -> None:
         for run in v["runs"].values():
             assert run["failures"] == 0
             assert run["computed_tokens"] > 0
+            assert run["gpu_bound_share"] > 0  # the replicas' simulated compute was read
     assert "## 9. Prefix locality" in (tmp_path / "results.md").read_text()

@@ -148,6 +148,28 @@ def test_one_prompt_with_many_requests_spills_at_the_endpoint_limit() -> None:
     assert placed == [order[0]] * 8 + [order[1]] * 8 + [order[2]] * 4
 
 
+def test_a_group_waits_for_its_replica_at_the_endpoint_limit_rather_than_recompute() -> None:
+    """Every replica at its limit, each holding many prompts of a few requests (a batch of
+    GRPO groups, ``max_inflight`` = replicas x limit): a group's next sample joins its
+    prompt where it is, over the limit, instead of computing the prompt again elsewhere."""
+    eps = Endpoints()
+    pool = _pool(eps, limit=8)
+    key = _keys(1, seed=5)[0]
+    order = pool.preference(URLS, key)
+    for url in URLS:
+        for other in _keys(8, seed=len(url) + URLS.index(url)):
+            if url != order[2]:
+                eps.begin(url, other)
+    eps.begin(order[1], key)  # its group: 1 of the 8 requests there (< half the limit)
+    assert eps.load(order[1]) == 9 and eps.load(order[2]) == 0
+    for _ in range(3):
+        url = pool.pick(URLS, key=key)
+        assert url == order[1]
+        eps.begin(url, key)
+    assert eps.held(order[1], key) == 4  # half the limit: the next one spills
+    assert pool.pick(URLS, key=key) == order[2]
+
+
 def test_adding_a_replica_moves_only_the_keys_it_now_wins() -> None:
     """Placement by rendezvous order alone (a stream that has not placed them yet)."""
     keys = _keys(2000)

@@ -135,7 +135,10 @@ def test_ctrl_c_while_the_kernels_compile_is_clean(tmp_path: Path) -> None:
 
 
 def test_the_cli_says_once_that_it_compiles(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "opd_stream", "demo", "--samples", "4", "--no-progress"]
+    # a demo long enough that the kernels' thread has looked at the cache before it ends
+    # (a run that ends first has compiled nothing, and says nothing)
+    demo = ["demo", "--samples", "64", "--response-len", "512", "--no-progress"]
+    cmd = [sys.executable, "-m", "opd_stream", *demo]
     with _cold_session(tmp_path, cmd) as proc:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]

@@ -1,5 +1,5 @@
 """The compiled kernels' start-up: cold compile and warm load, CPU and memory, and how
-long a process takes to exit while they compile (``opd_stream._jit``).
+long a process takes to exit while they compile (``opd_stream.scanner._loader``).
 
 Every number comes from a fresh process with numba's cache pointed at a folder of its own
 (``NUMBA_CACHE_DIR``): empty for a cold start, then the same folder for a warm one. Beside
@@ -33,9 +33,9 @@ def rss(): return psutil.Process().memory_info().rss / 2**20
 what = sys.argv[1]
 r0, c0 = rss(), time.process_time()
 if what == "kernels":
-    from opd_stream import _jit
+    from opd_stream.scanner import _loader as _jit
     assert _jit.prepare()
-    from opd_stream._jit_calls import KERNELS
+    from opd_stream.scanner._calls import KERNELS
     hits = sum(sum(k.stats.cache_hits.values()) for k in KERNELS)
 else:
     import numba
@@ -55,7 +55,7 @@ print(json.dumps({"cpu_s": time.process_time() - c0, "rss_mb": rss() - r0,
 #: only imports numba, the floor of that exit (numba's own teardown).
 _HOST = """
 import sys, time
-from opd_stream import _jit
+from opd_stream.scanner import _loader as _jit
 if sys.argv[1] == "numba":
     import numba
 else:
@@ -86,7 +86,7 @@ def _run(code: str, cache: Path, *args: str) -> tuple[str, float]:
 
 def _child_cpu(cache: Path) -> float:
     """CPU seconds of the compiling process alone (what a cold start costs the machine)."""
-    from opd_stream import _jit
+    from opd_stream.scanner import _loader as _jit
 
     before = os.times()
     _run(_jit._CHILD, cache, str(ROOT))

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the KL stage (``opd_stream._klstage.score_batch``) on the CPU.
+"""Micro-benchmark of the KL stage (``opd_stream._scoring.score_batch``) on the CPU.
 
 Builds realistic ``Fetched`` batches (what the fetch workers hand the KL stage: the request
 plan of each strategy decides which arrays are present, exactly as ``_scorer`` fills them),
@@ -11,7 +11,7 @@ with the independent float64 reference ``tests/kl_reference.py`` (all arrays of 
 positions, with the tolerances of ``tests/test_kl.py``), and dtypes and shapes are checked.
 
 Before/after in one run: ``--baseline REV`` (default: the commit before the KL fast path)
-also loads ``opd_stream/_kl.py`` and ``opd_stream/_klstage.py`` as they were at git
+also loads ``opd_stream/kl/_math.py`` and ``opd_stream/_scoring.py`` as they were at git
 revision ``REV`` (read with ``git show``, nothing in the working tree is touched), times
 them on the same batches and checks that both give the same results.  ``--baseline none``
 skips it.
@@ -41,10 +41,10 @@ import torch
 
 from opd_stream import Sample
 from opd_stream._answers import ScoreRows
-from opd_stream._kl import STRATEGIES, Strategy, WeightMode
-from opd_stream._klstage import score_batch
-from opd_stream._plan import candidate_width, plan_requests
 from opd_stream._sample import Fetched, PreparedSample, ScoredSample
+from opd_stream._scoring import score_batch
+from opd_stream.kl._math import STRATEGIES, Strategy, WeightMode
+from opd_stream.kl._plan import candidate_width, plan_requests
 
 __all__ = ("main", "make_batch")
 
@@ -337,12 +337,12 @@ def _load_baseline(rev: str) -> ScoreFn | None:
         ).stdout
 
     try:
-        kl_src = show("opd_stream/_kl.py")
-        stage_src = show("opd_stream/_klstage.py")
+        kl_src = show("opd_stream/kl/_math.py")
+        stage_src = show("opd_stream/_scoring.py")
     except (OSError, subprocess.CalledProcessError):
         return None
     try:  # since the split, selection lives in _klselect.py: take that revision's too
-        select_src: str | None = show("opd_stream/_klselect.py")
+        select_src: str | None = show("opd_stream/kl/_select.py")
     except subprocess.CalledProcessError:
         select_src = None
     kl_src = kl_src.replace("from ._klselect import", "from ._klselect_baseline import")

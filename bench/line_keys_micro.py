@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from opd_stream import _scorefile_schema
+from opd_stream.cli import _score_schema as _scorefile_schema
 
 __all__ = ("main",)
 

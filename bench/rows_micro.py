@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from opd_stream import _jit
-from opd_stream._student_topk import parse_student_topk
+from opd_stream.scanner import _loader as _jit
+from opd_stream.wire._student_topk import parse_student_topk
 
 __all__ = ("main",)
 

@@ -1,7 +1,7 @@
-"""``opd-stream bench [--quick] [--scenario N ...] [--out DIR]``: run the scenarios, write
-results.json, results.md and PNG plots to the output folder, and print MET / MISSED per
-target. Timing never makes this command fail: it exits 1 only when a scenario crashes or
-the baseline and opd_stream disagree."""
+"""``scripts/dev.sh bench [--quick] [--scenario N ...] [--out DIR]`` (``python -m bench.run``):
+run the scenarios, write results.json, results.md and PNG plots to the output folder, and
+print MET / MISSED per target. Timing never makes this command fail: it exits 1 only when a
+scenario crashes or the baseline and opd_stream disagree."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ("main",)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="opd-stream bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     p.add_argument("--quick", action="store_true", help="sizes for a 2-core machine (minutes)")
     p.add_argument(
         "--scenario",
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = sorted(set(args.scenario or SCENARIOS))
     # The compiled kernels once, before anything is measured (a stream starts compiling
     # them in a thread otherwise, 10-15 s of CPU the first time, into the measured runs).
-    from opd_stream._jit import prepare
+    from opd_stream.scanner._loader import prepare
 
     prepare()
     results: dict[str, Any] = {}

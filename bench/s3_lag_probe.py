@@ -22,8 +22,8 @@ import gc
 import time
 from typing import Any
 
-from opd_stream import _jit
-from opd_stream._codec import PARSERS
+from opd_stream.scanner import _loader as _jit
+from opd_stream.wire._codec import PARSERS
 
 from .harness import LagTicker, mocks, run_opd
 from .scenarios import REPLAY, STUDENT_SEED, TEACHER_SEED, _config

@@ -4,7 +4,7 @@ The answers are the mock SGLang server's (``opd_stream.testing``: float32 logpro
 as their shortest double, the form SGLang writes), built once; then, on the very same
 bytes, each the least of ``--reps`` runs (CPU time, GC off):
 
-- ``scan``: the kernel alone (:func:`opd_stream._jit_calls.run_scan`, buffers included);
+- ``scan``: the kernel alone (:func:`opd_stream.scanner._calls.run_scan`, buffers included);
 - ``scanner decode``: the compiled reader with every check
   (``decode_score_response(parser="jit")``);
 - ``msgspec decode``: opd_stream's msgspec decoder, every check (the fallback);
@@ -28,11 +28,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from opd_stream import _jit
-from opd_stream._codec import decode_score_response
-from opd_stream._payloads import build_score_payload
-from opd_stream._wire import ScoreRequest
+from opd_stream.scanner import _loader as _jit
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._codec import decode_score_response
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest
+from opd_stream.wire._scan_reader import _SCHEMA
 
 __all__ = ("main", "shapes")
 
@@ -79,14 +80,14 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
 
 def measure(response: int, k: int, reps: int) -> dict[str, dict[str, float]]:
     """ns per byte, by answer shape then by way."""
-    from opd_stream import _jit_calls
+    from opd_stream.scanner import _calls as _jit_calls
 
     out: dict[str, dict[str, float]] = {}
     for name, (body, req) in shapes(response, k).items():
         assert decode_score_response(body, req, parser="jit") is not None
-        assert _jit_calls.run_scan(body, False).status == _jit_calls.OK, name
+        assert _jit_calls.run_scan(body, False, _SCHEMA).status == _jit_calls.OK, name
         ways: dict[str, Callable[[], Any]] = {
-            "scan": lambda body=body: _jit_calls.run_scan(body, False),
+            "scan": lambda body=body: _jit_calls.run_scan(body, False, _SCHEMA),
             "scanner decode": lambda body=body, req=req: decode_score_response(
                 body, req, parser="jit"
             ),

@@ -21,14 +21,14 @@ import msgspec
 import numpy as np
 
 from opd_stream import Sample, StreamConfig
-from opd_stream._codec import decode_score_response, parser_for
-from opd_stream._jit import prepare
-from opd_stream._kltypes import Strategy
-from opd_stream._payloads import build_score_payload
-from opd_stream._plan import STRATEGY_NEEDS
-from opd_stream._student_topk import parse_student_topk
-from opd_stream._wire import ScoreRequest, auto_block_size
+from opd_stream.kl._names import Strategy
+from opd_stream.kl._plan import STRATEGY_NEEDS
+from opd_stream.scanner._loader import prepare
 from opd_stream.testing.mock_sglang import MockOptions
+from opd_stream.wire._codec import decode_score_response, parser_for
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest, auto_block_size
+from opd_stream.wire._student_topk import parse_student_topk
 
 from .baseline import baseline_score
 from .harness import (

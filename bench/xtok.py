@@ -19,7 +19,7 @@ Each client's CPU (``ClientMeter``: this process, all threads, the decode thread
 included) is measured over the run only, the stream (and its tokenizers) already
 started. ``stats().cpu_s["align"]`` is the part spent re-tokenising (``encoder``: the
 teacher's encoder, ``tiktoken`` when its ``tokenizer.json`` converts exactly, see
-:mod:`opd_stream._encoder`, else ``tokenizers``). The floors, outside this project, on
+:mod:`opd_stream.xtok._encoder`, else ``tokenizers``). The floors, outside this project, on
 the same response texts, alone, best of 3: ``encode_floor`` the fastest encoder's own
 encoding (``tiktoken``'s ``encode_to_numpy``, or ``tokenizers`` when it is the encoder),
 ``tokenizers_encode`` that of ``tokenizers`` (``encode_batch_fast``, no offsets);
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._align import align_response
-from opd_stream._vocab import Vocab, load_vocab
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, MockProcess
+from opd_stream.xtok._align import align_response
+from opd_stream.xtok._vocab import Vocab, load_vocab
 
 from .harness import ClientMeter, pid_list
 
@@ -165,7 +165,7 @@ async def run(n: int, prompt: int, response: int) -> dict[str, Any]:
         for x in cross
     ]
     # the encoders alone, outside this project: the fastest one (tiktoken, when the
-    # teacher's tokenizer converts exactly: opd_stream._encoder) and tokenizers itself
+    # teacher's tokenizer converts exactly: opd_stream.xtok._encoder) and tokenizers itself
     fast = teacher.fast
     if fast is not None:
         enc, allowed = fast.encoding, fast.allowed
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     n = args.n if args.n is not None else (16 if args.quick else 256)
     # The compiled kernels once, before anything is measured (as bench.run does).
-    from opd_stream._jit import prepare
+    from opd_stream.scanner._loader import prepare
 
     prepare()
     result = asyncio.run(run(n, args.prompt, args.response))

@@ -23,8 +23,6 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded lazily (__getattr__)
     __version__: str
-    from ._config import Secret, StreamConfig
-    from ._ensemble import Ensemble
     from ._errors import (
         CapabilityError,
         ConfigError,
@@ -44,15 +42,17 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
         WeightVersionChanged,
     )
     from ._logging import configure_logging
-    from ._probe import ProbeReport, ReplicaProbe
     from ._sample import Candidates, Sample, SampleFailure, ScoredSample, TokenAlignment
     from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
     from ._stream import OPDStream, Results
-    from ._transport import AiohttpTransport, MockTransport, Response, Transport
+    from .config._settings import Secret, StreamConfig
+    from .fleet._ensemble import Ensemble
+    from .fleet._probe import ProbeReport, ReplicaProbe
+    from .transport._transports import AiohttpTransport, MockTransport, Response, Transport
 
 _MODULES: dict[str, tuple[str, ...]] = {
-    "._config": ("Secret", "StreamConfig"),
-    "._ensemble": ("Ensemble",),
+    ".config._settings": ("Secret", "StreamConfig"),
+    ".fleet._ensemble": ("Ensemble",),
     "._errors": (
         "CapabilityError",
         "ConfigError",
@@ -72,11 +72,11 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "WeightVersionChanged",
     ),
     "._logging": ("configure_logging",),
-    "._probe": ("ProbeReport", "ReplicaProbe"),
+    ".fleet._probe": ("ProbeReport", "ReplicaProbe"),
     "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample", "TokenAlignment"),
     "._stats": ("ChannelStats", "EndpointStats", "FleetState", "KLStageStats", "StreamStats"),
     "._stream": ("OPDStream", "Results"),
-    "._transport": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
+    ".transport._transports": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
 }
 _SOURCE = {name: module for module, names in _MODULES.items() for name in names}
 

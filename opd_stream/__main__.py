@@ -1,5 +1,5 @@
 """``python -m opd_stream`` is the ``opd-stream`` command."""
 
-from ._cli import main
+from .cli._main import main
 
 raise SystemExit(main())

@@ -1,9 +1,10 @@
 """What a decoded answer is: :class:`ScoreRows` (scoring), :class:`Generation` (sampling),
 and :class:`Segment`, one HTTP item of a scoring request as the decoders see it.
 
-Shared by the msgspec decoders (:mod:`opd_stream._decode_score`,
-:mod:`opd_stream._decode_generate`), the scanner's column decoder
-(:mod:`opd_stream._decode_columns`) and the request layout (:mod:`opd_stream._wire`, which
+Shared by the msgspec decoders (:mod:`opd_stream.wire._decode_score`,
+:mod:`opd_stream.wire._decode_generate`), the scanner's column decoder
+(:mod:`opd_stream.wire._decode_columns`) and the request layout (:mod:`opd_stream.wire._request`,
+which
 turns a request into segments).
 """
 

@@ -228,7 +228,7 @@ class WeightVersionChanged(ProtocolError):
     ``meta_info.weight_version`` values: the weights changed between (or within) the
     requests, so their logprobs must not be combined.
 
-    Not retried as an attempt: the scorer asks the side's requests once more as a whole,
+    Not retried as an attempt: the fetcher asks the side's requests once more as a whole,
     and fails the sample with this error (reason ``weight_version_changed``) when the
     versions differ again. ``versions`` lists the distinct versions seen, in answer order
     (``None`` where an answer carried none).

@@ -30,16 +30,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._answers import ScoreRows
-from ._config import StreamConfig
 from ._errors import InvalidSampleError, RoutingError
 from ._failures import internal_failure, sample_failure
 from ._logging import get_logger
 from ._memory import maybe_release_freed_memory, release_freed_memory
-from ._router import TeacherRouter
 from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepare_sample
-from ._scorer import SampleScorer, ScoreAttemptError
 from ._stats import StatsRecorder
-from ._student_topk import rows_convert_in_thread
+from .config._settings import StreamConfig
+from .fetch._fetcher import SampleFetcher, ScoreAttemptError
+from .fleet._router import TeacherRouter
+from .wire._student_topk import rows_convert_in_thread
 
 if TYPE_CHECKING:
     import torch
@@ -53,11 +53,11 @@ Result = ScoredSample | SampleFailure
 
 class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     """What every run of a stream shares, owned by the :class:`~opd_stream.OPDStream`: its
-    configuration, its scorer (replica pool, limits, capability state, byte budget), its
+    configuration, its fetcher (replica pool, limits, capability state, byte budget), its
     router, its stats, the KL device and the KL stage's thread limiter."""
 
     config: StreamConfig
-    scorer: SampleScorer
+    fetcher: SampleFetcher
     router: TeacherRouter
     stats: StatsRecorder
     kl_device: torch.device
@@ -193,7 +193,7 @@ class _Pipeline:
     def __init__(self, parts: StreamParts, order: Literal["completed", "input"]) -> None:
         config = parts.config
         self.cfg = config
-        self.scorer = parts.scorer
+        self.fetcher = parts.fetcher
         self.router = parts.router
         self.stats = parts.stats
         self.kl_device = parts.kl_device
@@ -227,7 +227,7 @@ class _Pipeline:
             not teacher_only
             and self.cfg.student_url is None
             and prepared.response_length > 0
-            and self.scorer.plan(prepared).needs_student_server
+            and self.fetcher.plan(prepared).needs_student_server
         ):
             raise InvalidSampleError(
                 "student_top_logprobs",
@@ -236,7 +236,7 @@ class _Pipeline:
             )
         teacher = self.router.resolve(prepared.sample.metadata)
         prepared = msgspec.structs.replace(prepared, teacher=teacher)
-        xtok = self.scorer.xtok
+        xtok = self.fetcher.xtok
         if xtok is not None and teacher_only and xtok.teacher(teacher) is not None:
             raise InvalidSampleError(
                 "metadata",
@@ -342,9 +342,9 @@ class _Pipeline:
             )
             return TeacherRows(index=prepared.index, rows=rows, attempts=0, latency_s=0.0)
 
-        from ._klstage import empty_result  # torch: loaded by OPDStream already
+        from ._scoring import empty_scored_sample  # torch: loaded by OPDStream already
 
-        return empty_result(
+        return empty_scored_sample(
             prepared, job.admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
         )
 
@@ -401,7 +401,7 @@ class _Pipeline:
         self, prepared: PreparedSample, admitted_at: float, teacher_only: bool
     ) -> Fetched:
         teacher = self.router.teacher(prepared.teacher)
-        return await self.scorer.fetch(prepared, teacher, admitted_at, teacher_only=teacher_only)
+        return await self.fetcher.fetch(prepared, teacher, admitted_at, teacher_only=teacher_only)
 
     # stage 3: KL -------------------------------------------------------------------
     async def _next_batch(self, kl: MemoryObjectReceiveStream[Fetched]) -> list[Fetched]:
@@ -436,11 +436,9 @@ class _Pipeline:
                 await self._score_batch(batch, emit)
                 del batch  # not held while waiting for the next batch
 
-    async def _score_batch(
-        self, batch: list[Fetched], emit: MemoryObjectSendStream[_Item]
-    ) -> None:
+    async def _score_batch(self, batch: list[Fetched], emit: MemoryObjectSendStream[_Item]) -> None:
         self.stats.stage_active["kl"] += 1
-        from ._klstage import timed_score_batch  # torch: loaded by OPDStream already
+        from ._scoring import timed_score_batch  # torch: loaded by OPDStream already
 
         results: list[Any]
         try:

@@ -2,7 +2,7 @@
 :class:`SampleFailure`), what the pipeline carries between (:class:`PreparedSample` after
 intake, :class:`Fetched` after the fetch), and the one-time validation that turns a
 ``Sample`` into a ``PreparedSample`` (:func:`prepare_sample`; the student top-k field's
-two forms are parsed by :mod:`opd_stream._student_topk`).
+two forms are parsed by :mod:`opd_stream.wire._student_topk`).
 
 Validation is strict and happens once, at intake: a bad sample becomes a
 ``SampleFailure(reason="invalid_sample")`` whose message names the field, and the rest of
@@ -19,11 +19,11 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._align import Alignment
 from ._answers import ScoreRows
-from ._decode_checks import LOGPROB_TOLERANCE
 from ._errors import InvalidSampleError
-from ._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
+from .wire._checks import LOGPROB_TOLERANCE
+from .wire._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
+from .xtok._align import Alignment
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ from typing import Final, Literal, Protocol
 import msgspec
 import numpy as np
 
-from ._codec import PARSERS, Parser
+from .wire._codec import PARSERS, Parser
 
 __all__ = (
     "CPU_STEPS",
@@ -44,7 +44,7 @@ class ChannelStats(msgspec.Struct, frozen=True, kw_only=True):
 
 class EndpointTraffic(msgspec.Struct, kw_only=True):
     """The traffic counters of one server URL, declared once: an
-    :class:`~opd_stream._endpoints.Endpoint` counts in one, and :class:`EndpointStats`
+    :class:`~opd_stream.fleet._endpoints.Endpoint` counts in one, and :class:`EndpointStats`
     (which has the same fields) carries a copy.
 
     Attributes:

@@ -29,19 +29,19 @@ import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._answers import ScoreRows
-from ._config import StreamConfig, resolve_decode_threads, resolve_kl_device
+from ._cross import CrossTokenizers
 from ._errors import ConfigError, OPDStreamError
-from ._jit import start as start_kernels
 from ._logging import get_logger
 from ._pipeline import Call, Result, RunState, StreamParts, TeacherRows, run_pipeline
-from ._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
-from ._probe_requests import run_probe
-from ._router import TeacherRouter, replica_groups
 from ._sample import Sample, SampleFailure, ScoredSample, prepare_sample
-from ._scorer import SampleScorer
 from ._stats import StatsRecorder, StreamStats
-from ._transport import AiohttpTransport, Transport
-from ._xtok import CrossTokenizers
+from .config._settings import StreamConfig, resolve_decode_threads, resolve_kl_device
+from .fetch._fetcher import SampleFetcher
+from .fleet._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
+from .fleet._probe_requests import run_probe
+from .fleet._router import TeacherRouter, replica_groups
+from .scanner._loader import start as start_kernels
+from .transport._transports import AiohttpTransport, Transport
 
 __all__ = ("OPDStream", "Results", "default_transport")
 
@@ -72,7 +72,7 @@ def default_transport(config: StreamConfig) -> Transport:
     if _on_asyncio():
         return AiohttpTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
     try:
-        from ._transport_httpx import HttpxTransport
+        from .transport._httpx import HttpxTransport
     except ImportError:
         raise ConfigError(
             "under trio the default transport needs httpx: pip install 'opd-stream[httpx]' "
@@ -167,7 +167,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         # "cuda" become the caller's current CUDA device, cuda:N (see resolve_kl_device).
         import torch
 
-        from . import _klstage  # noqa: F401  (the KL code, loaded now, not in the first batch)
+        from . import _scoring  # noqa: F401  (the KL code, loaded now, not in the first batch)
 
         self._device = torch.device(resolve_kl_device(config))
         self._transport = transport
@@ -195,7 +195,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
         transport = self._transport or default_transport(self.config)
         async with transport, anyio.create_task_group() as tg:
-            scorer = SampleScorer(
+            fetcher = SampleFetcher(
                 self.config,
                 transport,
                 self._stats,
@@ -204,7 +204,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             )
             self._parts = StreamParts(
                 config=self.config,
-                scorer=scorer,
+                fetcher=fetcher,
                 router=self._router,
                 stats=self._stats,
                 kl_device=self._device,
@@ -296,7 +296,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         cfg = self.config
         report = await run_probe(
             transport,
-            parts.scorer.fleets,
+            parts.fetcher.fleets,
             replica_groups(cfg.teachers),
             tokens,
             r,
@@ -317,7 +317,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             return report
         out = set(ejectable(report))
         for url in out:
-            parts.scorer.eject_for_good(url)
+            parts.fetcher.eject_for_good(url)
             log.warning("replica_ejected_by_probe", url=url, tolerance=report.tolerance)
         return msgspec.structs.replace(
             report,
@@ -336,8 +336,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             return snap
         return msgspec.structs.replace(
             snap,
-            endpoints=self._parts.scorer.endpoints.snapshot(),
-            fleets=self._parts.scorer.fleets.snapshot(),
+            endpoints=self._parts.fetcher.endpoints.snapshot(),
+            fleets=self._parts.fetcher.fleets.snapshot(),
         )
 
     # one sample at a time ------------------------------------------------------------

@@ -83,7 +83,7 @@ fresh() {
 }
 
 # A first run leaves the process that compiles the scanner into numba's cache to finish on its
-# own (opd_stream._jit): wait for any process of the venv in $1 (at most 5 minutes) before it goes.
+# own (opd_stream.scanner._loader): wait for any process of the venv in $1 (at most 5 minutes) before it goes.
 wait_for_compile() {
   local waited=0
   while pgrep -f "$1" >/dev/null && [ "$waited" -lt 300 ]; do
@@ -117,7 +117,7 @@ case "$cmd" in
   fresh) fresh ;;
   lowest) lowest ;;
   demo)  setup; exec "$VENV/bin/opd-stream" demo "$@" ;;
-  bench) setup; exec "$VENV/bin/opd-stream" bench "$@" ;;
+  bench) setup; exec "$VENV/bin/python" -m bench.run "$@" ;;
   test)
     setup
     "$VENV/bin/ruff" check opd_stream tests bench scripts

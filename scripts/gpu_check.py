@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._kl import STRATEGIES, WEIGHT_MODES
+from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 TEACHER, STUDENT = "http://teacher", "http://student"
@@ -79,9 +79,7 @@ def _compare(a: dict[int, ScoredSample], b: dict[int, ScoredSample]) -> float:
 
 
 def _cfg(device: str, **kw: Any) -> StreamConfig:
-    return StreamConfig.from_env(
-        {}, teachers=TEACHER, student_url=STUDENT, kl_device=device, **kw
-    )
+    return StreamConfig.from_env({}, teachers=TEACHER, student_url=STUDENT, kl_device=device, **kw)
 
 
 async def main(device: str) -> int:

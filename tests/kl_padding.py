@@ -1,4 +1,4 @@
-"""Test helper: per-sample arrays padded into one :class:`~opd_stream._kl.TopKBatch`.
+"""Test helper: per-sample arrays padded into one :class:`~opd_stream.kl._math.TopKBatch`.
 
 The library scores batches joined without padding (``_klstage``); the KL tests build padded
 batches with these, to check that padding positions are ignored.
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opd_stream._klbatch import TopKBatch
+from opd_stream.kl._tensors import TopKBatch
 
 
 def pad_batch(

@@ -1,7 +1,7 @@
 """Independent float64 reference for the KL math (spec opd-semantics §1-§3).
 
 Plain Python over dicts, one position at a time, written from the spec text only (it imports
-nothing from ``opd_stream._kl``).  The floor ``-1e4`` and the smallest tail mass ``1e-6`` are
+nothing from ``opd_stream.kl._math``).  The floor ``-1e4`` and the smallest tail mass ``1e-6`` are
 the documented constants.
 
 The tail bucket (``tail=True``, issue 18) is written from its formula, straight:

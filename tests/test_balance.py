@@ -25,8 +25,8 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._balance import HEDGE_MIN_SAMPLES, EndpointPool
-from opd_stream._endpoints import Endpoints
+from opd_stream.fleet._balance import HEDGE_MIN_SAMPLES, EndpointPool
+from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 

@@ -10,10 +10,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from opd_stream._codec import decode_score_response
-from opd_stream._payloads import build_score_payload
-from opd_stream._wire import AUTO_BLOCK_SIZES, ScoreRequest, auto_block_size, resolved_block_size
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._codec import decode_score_response
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import (
+    AUTO_BLOCK_SIZES,
+    ScoreRequest,
+    auto_block_size,
+    resolved_block_size,
+)
 
 VOCAB = 50_000
 

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._payloads import build_block_payloads, build_score_payload
-from opd_stream._scorefile_options import add_score_arguments, score_config
-from opd_stream._wire import ScoreRequest
+from opd_stream.cli._score_options import add_score_arguments, score_config
 from opd_stream.integrations.miles import config_from_miles_args
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import MockServer
 from opd_stream.testing.mock_sglang._request import parse_generate_request
+from opd_stream.wire._payloads import build_block_payloads, build_score_payload
+from opd_stream.wire._request import ScoreRequest
 
 T = "http://teacher:1"
 ST = "http://student:2"
@@ -218,7 +218,7 @@ def test_the_miles_flag_sets_it() -> None:
 
 
 def test_the_config_table_documents_the_cost() -> None:
-    from opd_stream._config import CONFIG_FIELDS
+    from opd_stream.config._settings import CONFIG_FIELDS
 
     (row,) = [r for r in CONFIG_FIELDS if r.field == "cache_salt"]
     assert "no prefix reuse" in row.meaning

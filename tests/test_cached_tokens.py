@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import PARSERS, Parser, decode_score_response
-from opd_stream._decode_columns import decode_segments_columns
-from opd_stream._jit import prepare
-from opd_stream._jit_reader import read_answers_jit
-from opd_stream._payloads import build_score_payload
-from opd_stream._wire import ScoreRequest, layout
+from opd_stream.scanner._loader import prepare
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._codec import PARSERS, Parser, decode_score_response
+from opd_stream.wire._decode_columns import decode_segments_columns
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest, layout
+from opd_stream.wire._scan_reader import read_answers_jit
 
 _RNG = np.random.default_rng(11)
 _TOKENS = _RNG.integers(0, 30000, 30 + 20, dtype=np.int64)
@@ -54,7 +54,7 @@ def _answer(req: ScoreRequest) -> bytes:
 def _compiled() -> None:
     # prepare() answers False at once while another thread (a stream of an earlier test)
     # compiles: wait for that compile, and fail only when it failed
-    from opd_stream import _jit
+    from opd_stream.scanner import _loader as _jit
 
     while not prepare():
         assert not _jit._failed, "numba could not compile the scanner"

@@ -24,10 +24,10 @@ import structlog
 import torch
 
 from opd_stream import Candidates, Sample, SampleFailure, ScoredSample
-from opd_stream._cli import _parser, main
-from opd_stream._demo import _summary
-from opd_stream._scorefile_files import LineReader, open_input
-from opd_stream._scorefile_schema import LineRef, decode_line, render_result
+from opd_stream.cli._demo import _summary
+from opd_stream.cli._main import _parser, main
+from opd_stream.cli._score_files import LineReader, open_input
+from opd_stream.cli._score_schema import LineRef, decode_line, render_result
 from opd_stream.testing.mock_sglang import serve_mock
 from opd_stream.testing.mock_sglang.__main__ import main as mock_main
 
@@ -399,7 +399,7 @@ def test_help_lists_only_real_subcommands_and_there_is_a_version(
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "{demo,score,probe,bench,config}" in text  # the sub-commands there are
+    assert "{demo,score,probe,config}" in text  # the sub-commands there are
     assert "``" not in text and "mock``" not in text and "mock," not in text
     with pytest.raises(SystemExit):
         main(["--version"])

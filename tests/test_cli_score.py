@@ -27,10 +27,10 @@ import structlog
 from pipeline_reference import Expected, expected_result, rollout_topk_rows
 
 from opd_stream import InvalidSampleError, Sample
-from opd_stream._cli import main
-from opd_stream._progress import Progress
-from opd_stream._scorefile_files import LineReader
-from opd_stream._scorefile_schema import LineRef, decode_line
+from opd_stream.cli._main import main
+from opd_stream.cli._progress import Progress
+from opd_stream.cli._score_files import LineReader
+from opd_stream.cli._score_schema import LineRef, decode_line
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 
 K = 4
@@ -175,7 +175,7 @@ def test_decode_line_error_messages_never_repeat_values() -> None:
 def test_line_reader_splits_chunks_counts_blank_lines_and_reads_a_last_line_without_newline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import opd_stream._scorefile_files as scorefile_files
+    import opd_stream.cli._score_files as scorefile_files
 
     monkeypatch.setattr(scorefile_files, "READ_CHUNK", 7)  # lines span several chunks
     ok = b'{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}'

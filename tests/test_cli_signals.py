@@ -22,7 +22,7 @@ import structlog
 from pipeline_reference import MixtureTeacher, expected_result
 
 from opd_stream import ConfigError
-from opd_stream._cli import main
+from opd_stream.cli._main import main
 from opd_stream.integrations.miles import config_from_miles_args
 from opd_stream.testing.mock_sglang import serve_mock
 

@@ -23,12 +23,12 @@ import structlog
 from aiohttp import web
 
 from opd_stream import InvalidSampleError
-from opd_stream._cli import main
-from opd_stream._error_body import parse_error_message
 from opd_stream._errors import ServerHTTPError
-from opd_stream._scorefile_files import LineReader
-from opd_stream._scorefile_schema import decode_line
+from opd_stream.cli._main import main
+from opd_stream.cli._score_files import LineReader
+from opd_stream.cli._score_schema import decode_line
 from opd_stream.testing.mock_sglang import serve_mock
+from opd_stream.wire._error_body import parse_error_message
 
 ROOT = Path(__file__).parent.parent
 LINE = {"prompt_ids": [1, 2], "response_ids": [3, 4]}
@@ -130,7 +130,7 @@ async def test_some_scored_and_some_failed_exits_0(
 # --- usage and file errors come before torch ------------------------------------------------
 _BEFORE_TORCH = """
 import sys
-from opd_stream._cli import main
+from opd_stream.cli._main import main
 code = main(sys.argv[1:])
 print("torch loaded:", "torch" in sys.modules, file=sys.stderr)
 raise SystemExit(code)
@@ -457,7 +457,7 @@ def test_config_names_the_answer_parser(disabled: bool) -> None:
 async def test_score_says_in_one_line_when_the_scanner_is_unavailable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from opd_stream import _parser_notice
+    from opd_stream.cli import _parser_notice
 
     _write(tmp_path / "in.jsonl", [LINE])
     files = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]

@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from opd_stream._config import (
+from opd_stream._errors import ConfigError
+from opd_stream.config._settings import (
     CONFIG_FIELDS,
     ENV_PREFIX,
     Secret,
@@ -18,7 +19,6 @@ from opd_stream._config import (
     render_config_table,
     resolve_kl_device,
 )
-from opd_stream._errors import ConfigError
 
 T = "http://t:30000"
 FIELDS = StreamConfig.__struct_fields__
@@ -711,7 +711,7 @@ def test_advanced_fields_are_marked_in_the_table() -> None:
 
 
 def test_settings_checked_alone_use_the_config_messages() -> None:
-    from opd_stream._config import check_settings
+    from opd_stream.config._settings import check_settings
 
     assert check_settings(max_attempts=np.int64(3)) == {"max_attempts": 3}
     for kwargs in ({"top_k": 5000}, {"backoff_initial_s": 0.5, "backoff_max_s": 0.1}):

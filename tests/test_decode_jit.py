@@ -1,4 +1,4 @@
-"""The compiled scanner (``opd_stream._jit_reader``) against the msgspec decoder, on the
+"""The compiled scanner (``opd_stream.wire._scan_reader``) against the msgspec decoder, on the
 same bytes.
 
 The rule: the scanner accepts an answer only when the msgspec decoder accepts it, and then
@@ -23,14 +23,14 @@ from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_value
 
 from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import PARSERS, decode_score_response, parser_for
-from opd_stream._decode_columns import decode_segments_columns
-from opd_stream._decode_generate import decode_generate_response
-from opd_stream._jit import available, prepare
-from opd_stream._jit_reader import read_answers_jit
-from opd_stream._payloads import build_score_payload
-from opd_stream._wire import ScoreRequest, layout
+from opd_stream.scanner._loader import available, prepare
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._codec import PARSERS, decode_score_response, parser_for
+from opd_stream.wire._decode_columns import decode_segments_columns
+from opd_stream.wire._decode_generate import decode_generate_response
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest, layout
+from opd_stream.wire._scan_reader import read_answers_jit
 
 
 def _mock_requests() -> list[tuple[str, ScoreRequest]]:
@@ -322,10 +322,10 @@ def test_any_logprob_text_is_read_as_msgspec_reads_it(value: float, style: str) 
 
 
 def test_the_scanner_takes_its_fields_from_the_msgspec_schema() -> None:
-    from opd_stream import _jit_calls
-    from opd_stream._decode_score import B64, ENTRIES, ROWS
+    from opd_stream.wire._decode_score import B64, ENTRIES, ROWS
+    from opd_stream.wire._scan_reader import _SCHEMA
 
-    assert dict(zip(_jit_calls.KEYS, _jit_calls.KINDS, strict=True)) == {
+    assert dict(zip(_SCHEMA.keys, _SCHEMA.kinds, strict=True)) == {
         "input_token_logprobs": ENTRIES,
         "input_top_logprobs": ROWS,
         "input_token_ids_logprobs": ROWS,
@@ -386,7 +386,7 @@ def test_full_double_logprobs_are_scanned_not_handed_back() -> None:
 
 
 def test_eight_digits_at_once_only_when_all_eight_are_digits() -> None:
-    from opd_stream._jit_kernel import _eight_digits
+    from opd_stream.scanner._scan import _eight_digits
 
     for pos in range(8):
         for byte in range(256):
@@ -409,7 +409,7 @@ def test_long_digit_runs_are_read_as_msgspec_reads_them(digits: str, point: int)
 
 
 def test_without_numba_msgspec_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    import opd_stream._jit as jr
+    import opd_stream.scanner._loader as jr
 
     monkeypatch.setattr(jr, "_kernel", None)
     monkeypatch.setattr(jr, "_failed", True)
@@ -438,10 +438,11 @@ _ALPHABET = b'[]{},:"\\0123456789.-eE nul'
     batch=st.booleans(),
 )
 def test_the_scan_survives_any_bytes_and_stays_in_its_buffers(data: bytes, batch: bool) -> None:
-    from opd_stream import _jit_calls as kernel
+    from opd_stream.scanner import _calls as kernel
+    from opd_stream.wire._scan_reader import _SCHEMA
 
     (status, n_rec, _, n_ent, n_rows), lps, _, widths, _, _, records = kernel.scan_buffers(
-        data, batch
+        data, batch, _SCHEMA
     )
     assert status in (kernel.OK, kernel.UNUSUAL)  # never out of buffer space
     assert 0 <= n_ent <= lps.shape[0] and 0 <= n_rows <= widths.shape[0]
@@ -559,7 +560,7 @@ def test_a_long_compact_answer_is_scanned() -> None:
 
 
 def test_leading_digits_of_a_word_for_every_byte_at_every_position() -> None:
-    from opd_stream._jit_kernel import _digits_value, _lead_digits
+    from opd_stream.scanner._scan import _digits_value, _lead_digits
 
     for pos in range(8):
         for byte in range(256):
@@ -592,7 +593,7 @@ def test_leading_digits_of_a_word_for_every_byte_at_every_position() -> None:
     ],
 )
 def test_the_eight_byte_path_takes_only_the_compact_form(entry: str, taken: bool) -> None:
-    from opd_stream._jit_kernel import _P10, _fast_entry, _number
+    from opd_stream.scanner._scan import _P10, _fast_entry, _number
 
     b = np.frombuffer(entry.encode() + b" " * 64, dtype=np.uint8)
     end, lp, token, ok = _fast_entry(b, 0, len(b), _P10)
@@ -614,7 +615,7 @@ def test_b64_strings_of_every_length_with_any_stray_byte_are_read_as_b64decode_r
     import base64
     import re
 
-    from opd_stream._jit_kernel import OK, _b64
+    from opd_stream.scanner._scan import OK, _b64
 
     rng = np.random.default_rng(3)
     canonical = re.compile(rb"[A-Za-z0-9+/]*={0,2}")

@@ -10,7 +10,7 @@ import pytest
 from trio.testing import MockClock
 
 from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample, StreamConfig
-from opd_stream._discovery import FleetDirectory, parse_rl_workers, parse_router_workers
+from opd_stream.fleet._discovery import FleetDirectory, parse_rl_workers, parse_router_workers
 from opd_stream.testing.inprocess import InProcessSGLang
 
 R = "http://router:1"
@@ -96,7 +96,7 @@ async def test_unreachable_workers_mean_through_the_router() -> None:
 async def test_the_list_is_read_again_after_the_refresh_period() -> None:
     import anyio
 
-    from opd_stream._discovery import REFRESH_S
+    from opd_stream.fleet._discovery import REFRESH_S
 
     net = _Net()
     fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)

@@ -121,7 +121,7 @@ def test_importing_the_package_and_the_cli_does_not_import_torch() -> None:
     proc = _python(
         "import sys\n"
         "import opd_stream, opd_stream.integrations.miles, opd_stream.integrations.verl\n"
-        "from opd_stream._cli import main\n"
+        "from opd_stream.cli._main import main\n"
         "assert main(['config']) == 0\n"
         "assert opd_stream.StreamConfig.from_env({}, teachers='http://t:1').top_k == 0\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

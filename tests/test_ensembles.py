@@ -31,12 +31,12 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._ensemble import Ensemble, mix_logprobs, mixture_topk, union_ids
-from opd_stream._kl import STRATEGIES
-from opd_stream._router import TeacherRouter, normalize_teachers, parse_teacher_urls
-from opd_stream._transport import Response
+from opd_stream.fleet._ensemble import Ensemble, mix_logprobs, mixture_topk, union_ids
+from opd_stream.fleet._router import TeacherRouter, normalize_teachers, parse_teacher_urls
 from opd_stream.integrations.miles import config_from_miles_args
+from opd_stream.kl._math import STRATEGIES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.transport._transports import Response
 
 S = "http://student:9"
 K = 3
@@ -464,7 +464,7 @@ async def test_members_are_asked_at_once_and_a_failure_cancels_the_others() -> N
         path = url[len(base) :].split("?")[0]
         return servers[base].handle(method, path, body)
 
-    from opd_stream._transport import MockTransport
+    from opd_stream.transport._transports import MockTransport
 
     cfg = StreamConfig.from_env(
         {},
@@ -527,7 +527,7 @@ def test_a_member_is_named_without_its_query_string() -> None:
 
 
 def test_replica_groups_split_an_ensemble_into_its_members() -> None:
-    from opd_stream._router import replica_groups
+    from opd_stream.fleet._router import replica_groups
 
     teachers = normalize_teachers("mix=0.5*http://a:1|http://a:2;0.5*http://b:1,t=http://c:1")
     assert replica_groups(teachers) == {

@@ -54,7 +54,7 @@ def test_readme_configuration_table_is_the_generated_one() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    from opd_stream._config import render_config_table
+    from opd_stream.config._settings import render_config_table
 
     assert render_config_table() in readme
 

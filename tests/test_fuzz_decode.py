@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from opd_stream import InvalidSampleError, OPDStreamError
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import decode_score_response
-from opd_stream._decode_generate import decode_generate_response
-from opd_stream._payloads import build_score_payload
-from opd_stream._student_topk import parse_student_topk
-from opd_stream._wire import ScoreRequest
+from opd_stream.wire._codec import decode_score_response
+from opd_stream.wire._decode_generate import decode_generate_response
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest
+from opd_stream.wire._student_topk import parse_student_topk
 
 TOKENS = np.array([3, 17, 5, 29, 11, 2, 8], dtype=np.int64)
 R = 4

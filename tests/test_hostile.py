@@ -29,12 +29,12 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._budget import ByteBudget
-from opd_stream._cli import main
-from opd_stream._codec import PARSERS
-from opd_stream._error_body import parse_error_message
 from opd_stream._redact import redact
+from opd_stream.cli._main import main
 from opd_stream.testing import capture_events
+from opd_stream.transport._budget import ByteBudget
+from opd_stream.wire._codec import PARSERS
+from opd_stream.wire._error_body import parse_error_message
 
 KEY = "sk-Zq81-7f3aQv9c1e5b2d4XwY"  # 26 characters, none of them in the padding
 ODD_KEY = "k\"ey\\Zq81-sec/ret'Wq7"  # quote, backslash, slash, apostrophe
@@ -483,7 +483,7 @@ def _valid_answer(tokens: list[int], lp: float) -> dict[str, Any]:
 async def test_a_deeply_nested_unknown_field_is_malformed_never_internal(
     parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import opd_stream._jit as jr
+    import opd_stream.scanner._loader as jr
 
     nest = 100_000
     tokens = [1, 2, 3, 4]

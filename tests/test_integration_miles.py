@@ -285,7 +285,7 @@ def test_post_process_rejects_a_reward_that_is_not_ours() -> None:
 # --- issue 14: Miles rollouts as they really are -----------------------------------------
 def _short_rows_supported() -> bool:
     """Whether the row parser takes short and empty rows (``_student_topk.parse_student_topk``)."""
-    from opd_stream._student_topk import parse_student_topk
+    from opd_stream.wire._student_topk import parse_student_topk
 
     try:
         parse_student_topk([[], [[-0.1, 3], None]], 2, 2)

@@ -3,9 +3,9 @@ own source, so an edit anywhere reaches every cached kernel it changes.
 
 numba keys a cached function on its own file only (modification time and size). So a
 kernel file calls no function of another file, and what it takes from
-``opd_stream._jit_shared`` (intrinsics inlined, constants frozen, decorator options) is
+``opd_stream.scanner._shared`` (intrinsics inlined, constants frozen, decorator options) is
 tied to it by the digest of that file, which it carries as ``SHARED_DIGEST``: an edit of
-``_jit_shared.py`` fails here until each kernel file holds the new digest, and that edit
+``scanner/_shared.py`` fails here until each kernel file holds the new digest, and that edit
 makes numba compile them again.
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from opd_stream._jit_shared import digest
+from opd_stream.scanner._shared import digest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "opd_stream"
-SHARED = "_jit_shared"
+PACKAGE = Path(__file__).resolve().parent.parent / "opd_stream" / "scanner"
+SHARED = "_shared"
 DECORATORS = {"njit_cached", "njit_leaf", "njit_once"}
 
 
@@ -70,7 +70,7 @@ KERNEL_FILES = _kernel_files()
 
 def test_the_kernel_files_are_found() -> None:
     names = {p.stem for p in KERNEL_FILES}
-    assert {"_jit_kernel", "_jit_ids", "_jit_rows", "_jit_checks"} <= names
+    assert {"_scan", "_ids", "_rows", "_checks"} <= names
     assert SHARED not in names  # it compiles nothing itself
 
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import opd_stream._jit as jit
-from opd_stream._payloads import build_score_payload
-from opd_stream._wire import ScoreRequest
+import opd_stream.scanner._loader as jit
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -93,7 +93,7 @@ def test_per_position_payloads_are_the_same_bytes_with_and_without_the_kernel(
     ),
 )
 def test_a_request_id_fault_is_found_alike_with_and_without_the_kernel(ids: np.ndarray) -> None:
-    from opd_stream._wire import _id_fault
+    from opd_stream.wire._request import _id_fault
 
     fast = _id_fault(ids)
     with pytest.MonkeyPatch.context() as m:

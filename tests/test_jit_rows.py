@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import opd_stream._jit as jit
+import opd_stream.scanner._loader as jit
 from opd_stream import InvalidSampleError
-from opd_stream._student_topk import parse_student_topk, student_topk_arrays
+from opd_stream.wire._student_topk import parse_student_topk, student_topk_arrays
 
 
 @pytest.fixture(autouse=True, scope="module")

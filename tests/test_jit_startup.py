@@ -1,5 +1,5 @@
 """The compiled kernels start in the background and never hold the process
-(``opd_stream._jit``): a script whose work is done exits while they still compile, a
+(``opd_stream.scanner._loader``): a script whose work is done exits while they still compile, a
 Ctrl-C during their compile is clean, the CLI says once that it compiles, a library says
 nothing.
 
@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     import sys, time
     import anyio, psutil
     from opd_stream import OPDStream, StreamConfig
-    from opd_stream import _jit
+    from opd_stream.scanner import _loader as _jit
 
     async def main(hold):
         async with OPDStream(StreamConfig(teachers={"t": "http://127.0.0.1:9"})):
@@ -148,8 +148,8 @@ def test_the_cli_says_once_that_it_compiles(tmp_path: Path) -> None:
 def test_with_numba_disabled_msgspec_parses_and_nothing_compiles(tmp_path: Path) -> None:
     # NUMBA_DISABLE_JIT would run the kernels as Python, byte by byte: they are refused
     script = (
-        "from opd_stream import _jit\n"
-        "from opd_stream._codec import parser_for\n"
+        "from opd_stream.scanner import _loader as _jit\n"
+        "from opd_stream.wire._codec import parser_for\n"
         "_jit.start()\n"
         "assert _jit._thread is not None\n"
         "_jit._thread.join(120)\n"

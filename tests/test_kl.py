@@ -1,4 +1,4 @@
-"""Tests for opd_stream._kl against the spec (opd-semantics §1-§3) and a float64 reference."""
+"""Tests for opd_stream.kl._math against the spec (opd-semantics §1-§3) and a float64 reference."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from kl_padding import pad_batch, pad_topk_batch
 from kl_reference import Missing, reference_position, reference_sampled
 
-from opd_stream import _klselect
 from opd_stream._errors import MissingLogprobError
-from opd_stream._kl import (
+from opd_stream.kl import _select as _klselect
+from opd_stream.kl._math import (
     LOGPROB_FLOOR,
     STRATEGIES,
     WEIGHT_MODES,

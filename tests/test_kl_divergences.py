@@ -21,7 +21,7 @@ from kl_reference import reference_divergence_position, reference_full_divergenc
 from test_kl_tail import FIELDS, Rows, batch_of, distribution_rows, model_rows
 
 from opd_stream._errors import MissingLogprobError
-from opd_stream._kl import STRATEGIES, Strategy, TopKBatch, topk_divergence
+from opd_stream.kl._math import STRATEGIES, Strategy, TopKBatch, topk_divergence
 from opd_stream.testing.mock_sglang import MockModel
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -239,7 +239,7 @@ def test_jsd_beta_outside_the_open_interval_is_refused(beta: float) -> None:
 
 
 def test_reverse_kl_through_topk_divergence_is_topk_reverse_kl() -> None:
-    from opd_stream._kl import topk_reverse_kl
+    from opd_stream.kl._math import topk_reverse_kl
 
     rng = np.random.default_rng(5)
     batch = batch_of([distribution_rows(rng, 6, 4, overlap=0.5, mass_s=0.7, mass_t=0.8)])

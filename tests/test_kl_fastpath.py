@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kl_reference import reference_position
 
-import opd_stream._kl as kl
-import opd_stream._klselect as klselect
+import opd_stream.kl._math as kl
+import opd_stream.kl._select as klselect
 from opd_stream import Sample
 from opd_stream._answers import ScoreRows
 from opd_stream._errors import MissingLogprobError
-from opd_stream._kl import STRATEGIES, WEIGHT_MODES, Strategy, TopKBatch, WeightMode
-from opd_stream._klstage import score_batch
 from opd_stream._sample import Fetched, PreparedSample, ScoredSample
+from opd_stream._scoring import score_batch
+from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES, Strategy, TopKBatch, WeightMode
 
 # (device, index backend): the CPU default, the other devices' code run on CPU, CUDA.
 PATHS = [

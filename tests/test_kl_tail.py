@@ -20,13 +20,13 @@ from kl_padding import pad_batch
 from kl_reference import TAIL_MIN, reference_full_reverse_kl, reference_position
 
 from opd_stream._errors import MissingLogprobError
-from opd_stream._kl import (
+from opd_stream.kl._math import (
     STRATEGIES,
     Strategy,
     TopKBatch,
     topk_reverse_kl,
 )
-from opd_stream._kl import TAIL_MIN as LIB_TAIL_MIN
+from opd_stream.kl._math import TAIL_MIN as LIB_TAIL_MIN
 from opd_stream.testing.mock_sglang import MockModel
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -363,7 +363,7 @@ def test_tail_is_at_least_zero_and_at_most_the_full_reverse_kl_of_the_mock_model
 def test_the_torch_index_backend_gives_the_same_tails(
     strategy: Strategy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from opd_stream import _klselect
+    from opd_stream.kl import _select as _klselect
 
     rng = np.random.default_rng(7)
     samples = [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import opd_stream._klstage as klstage
+import opd_stream._scoring as klstage
 from opd_stream import Sample
 from opd_stream._answers import ScoreRows
 from opd_stream._sample import Fetched, PreparedSample

@@ -463,7 +463,7 @@ async def test_a_failing_independent_request_fails_the_sample_and_cancels_the_ot
 async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from opd_stream import _codec
+    from opd_stream.wire import _codec
 
     servers = _servers()
     real = _codec._decode_one
@@ -494,7 +494,7 @@ async def test_the_kernels_are_compiled_as_a_stream_starts_so_loop_decodes_use_t
 ) -> None:
     # small answers are decoded on the loop, where nothing would otherwise compile the
     # kernels (only a decode thread did): the stream compiles them as it starts
-    import opd_stream._jit as jit
+    import opd_stream.scanner._loader as jit
 
     assert jit.prepare()
     monkeypatch.setattr(jit, "_kernel", None)

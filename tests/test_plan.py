@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._plan import RequestPlan, plan_requests
+from opd_stream.kl._plan import RequestPlan, plan_requests
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T = "http://teacher:1"
@@ -154,8 +154,8 @@ async def test_golden_payloads_for_every_strategy_and_id_form(strategy: str, for
 
 
 def test_the_strategy_table_covers_every_strategy_once() -> None:
-    from opd_stream._kltypes import STRATEGIES
-    from opd_stream._plan import STRATEGY_NEEDS
+    from opd_stream.kl._names import STRATEGIES
+    from opd_stream.kl._plan import STRATEGY_NEEDS
 
     assert tuple(STRATEGY_NEEDS) == STRATEGIES
     for strategy, needs in STRATEGY_NEEDS.items():
@@ -170,9 +170,9 @@ def test_the_strategy_table_covers_every_strategy_once() -> None:
 def test_the_kl_reads_and_returns_what_the_strategy_table_says(strategy: Any) -> None:
     import torch
 
-    from opd_stream._kl import topk_reverse_kl
-    from opd_stream._klbatch import TopKBatch, needed_inputs
-    from opd_stream._plan import STRATEGY_NEEDS, candidate_width
+    from opd_stream.kl._math import topk_reverse_kl
+    from opd_stream.kl._plan import STRATEGY_NEEDS, candidate_width
+    from opd_stream.kl._tensors import TopKBatch, needed_inputs
 
     needs = STRATEGY_NEEDS[strategy]
     want = {
@@ -207,8 +207,8 @@ def test_the_kl_reads_and_returns_what_the_strategy_table_says(strategy: Any) ->
 
 def test_the_miles_flag_choices_are_the_strategies_and_weight_modes_of_the_table() -> None:
     # Miles' reference flags are listed as the reference spells them; they are ours exactly.
-    from opd_stream._kltypes import STRATEGIES, WEIGHT_MODES
     from opd_stream.integrations.miles import _flags
+    from opd_stream.kl._names import STRATEGIES, WEIGHT_MODES
 
     assert set(_flags.STRATEGIES) == set(STRATEGIES)
     assert set(_flags.WEIGHT_MODES) == set(WEIGHT_MODES)

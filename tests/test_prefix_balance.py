@@ -17,8 +17,8 @@ import pytest
 from pipeline_reference import assert_matches, expected_result
 
 from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample, StreamConfig
-from opd_stream._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
-from opd_stream._endpoints import Endpoints
+from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
+from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
 
 URLS = tuple(f"http://replica-{i}:1" for i in range(4))
@@ -195,7 +195,7 @@ def test_a_placed_prompt_stays_where_its_prefix_is_when_a_replica_is_added() -> 
 
 
 def test_the_remembered_placements_are_bounded() -> None:
-    from opd_stream._balance import _HOMES
+    from opd_stream.fleet._balance import _HOMES
 
     pool = _pool()
     for k in _keys(_HOMES + 100):

@@ -27,8 +27,8 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._cli import main
-from opd_stream._probe import Answer, compare, default_probe_tokens, ejectable
+from opd_stream.cli._main import main
+from opd_stream.fleet._probe import Answer, compare, default_probe_tokens, ejectable
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import MockOptions
 from opd_stream.testing.mock_sglang._request import parse_generate_request

@@ -24,7 +24,7 @@ from opd_stream._errors import (
     ServerAbortError,
     ServerHTTPError,
 )
-from opd_stream._retry import RetryPolicy
+from opd_stream.fetch._retry import RetryPolicy
 
 FAR = 1e9  # a deadline that never binds
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd_stream._errors import ConfigError, RoutingError
-from opd_stream._router import (
+from opd_stream.fleet._router import (
     DEFAULT_TEACHER,
     TeacherRouter,
     endpoint_url,

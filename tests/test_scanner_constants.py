@@ -7,17 +7,14 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from opd_stream import (
-    _decode_checks,
-    _decode_score,
-    _jit_calls,
-    _jit_checks,
-    _jit_ids,
-    _jit_kernel,
-    _jit_rows,
-    _student_topk,
-)
-from opd_stream._student_topk import MAX_TOKEN_ID, PAD_ID
+from opd_stream.scanner import _calls as _jit_calls
+from opd_stream.scanner import _checks as _jit_checks
+from opd_stream.scanner import _ids as _jit_ids
+from opd_stream.scanner import _rows as _jit_rows
+from opd_stream.scanner import _scan as _jit_kernel
+from opd_stream.wire import _checks as _decode_checks
+from opd_stream.wire import _decode_score, _scan_reader, _student_topk
+from opd_stream.wire._student_topk import MAX_TOKEN_ID, PAD_ID
 
 
 def test_the_scanner_falls_back_at_the_decoders_logprob_tolerance() -> None:
@@ -25,16 +22,18 @@ def test_the_scanner_falls_back_at_the_decoders_logprob_tolerance() -> None:
 
 
 def test_the_scanner_numbers_the_kinds_of_value_as_the_schema_does() -> None:
-    kernel = (_jit_kernel._ENTRIES, _jit_kernel._ROWS, _jit_kernel._B64)
+    kernel = (_jit_kernel.ENTRIES, _jit_kernel.ROWS, _jit_kernel.B64)
     assert kernel == (_decode_score.ENTRIES, _decode_score.ROWS, _decode_score.B64)
-    assert set(_jit_calls.KINDS) <= set(kernel)
+    assert {kind for _, kind in _decode_score.SCANNED} <= set(kernel)
 
 
 def test_the_scanner_looks_for_the_schemas_field_names() -> None:
     fields = {f.name for f in msgspec.structs.fields(_decode_score._Response)}
-    assert _jit_calls._META.tobytes().decode() in fields
+    schema = _scan_reader._SCHEMA
+    assert schema.envelope_bytes.tobytes().decode() == schema.envelope in fields
     meta = {f.name for f in msgspec.structs.fields(_decode_score._Meta)}
-    assert set(_jit_calls.KEYS) <= meta
+    assert set(schema.keys) <= meta
+    assert b"".join(k.encode() for k in schema.keys) == schema.key_bytes.tobytes()
 
 
 def test_the_number_limits_of_the_kernels_are_those_of_the_types() -> None:
@@ -46,8 +45,10 @@ def test_the_number_limits_of_the_kernels_are_those_of_the_types() -> None:
     # the id writer: every id below its limit has at most as many digits as it has powers
     assert len(str(_jit_ids._LIMIT - 1)) <= len(_jit_ids._POWERS)
     assert MAX_TOKEN_ID < _jit_ids._LIMIT
-    assert _jit_ids._ASCII_ZEROS == _jit_kernel._ASCII_ZEROS == np.uint64(
-        int.from_bytes(b"0" * 8, "little")
+    assert (
+        _jit_ids._ASCII_ZEROS
+        == _jit_kernel._ASCII_ZEROS
+        == np.uint64(int.from_bytes(b"0" * 8, "little"))
     )
 
 

@@ -42,7 +42,7 @@ def _patient_health_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     can keep a live worker subprocess from answering that fast, and the fleet would then
     list only the others (seen: the one a test then kills, so a sample's every attempt went
     to it). A dead worker refuses at once, so a long limit costs nothing here."""
-    from opd_stream import _discovery
+    from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "_PROBE_TIMEOUT_S", 30.0)
 
@@ -66,9 +66,7 @@ def _launch_router(urls: list[str]) -> Iterator[str]:
 
 
 def _workers(n: int) -> list[MockProcess]:
-    return [
-        MockProcess("teacher", 1, options=MockOptions(info_endpoints=False)) for _ in range(n)
-    ]
+    return [MockProcess("teacher", 1, options=MockOptions(info_endpoints=False)) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +265,7 @@ async def test_discovery_off_sends_blocks_through_the_router_with_the_same_value
 async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from opd_stream import _discovery
+    from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
     procs = _workers(3)
@@ -320,7 +318,7 @@ def _take_away(how: str, proc: MockProcess, url: str) -> None:
 async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    from opd_stream import _discovery
+    from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
     procs = _workers(2)

@@ -21,10 +21,10 @@ import torch
 from kl_reference import reference_position
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
-from opd_stream._kl import STRATEGIES, WEIGHT_MODES
 from opd_stream._sample import request_ids
-from opd_stream._student_topk import PAD_ID
+from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.wire._student_topk import PAD_ID
 
 T, S = "http://teacher:1", "http://student:2"
 K = 4

@@ -15,7 +15,7 @@ import pytest
 from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._kl import STRATEGIES
+from opd_stream.kl._math import STRATEGIES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T = "http://teacher:1"

@@ -29,7 +29,7 @@ import pytest
 from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
-from opd_stream._discovery import parse_rl_workers, parse_router_workers
+from opd_stream.fleet._discovery import parse_rl_workers, parse_router_workers
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
 from opd_stream.testing.router import RouterUnavailable, SMGGateway
 
@@ -289,7 +289,7 @@ async def test_a_worker_added_through_smg_gets_requests_during_a_run(
 ) -> None:
     import anyio
 
-    from opd_stream import _discovery
+    from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
     procs = _workers(3)
@@ -328,7 +328,7 @@ async def test_a_worker_added_through_smg_gets_requests_during_a_run(
 async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    from opd_stream import _discovery
+    from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
     procs = _workers(2)

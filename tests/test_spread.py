@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opd_stream._decode_checks import spread
+from opd_stream.wire._checks import spread
 
 
 @settings(max_examples=50, deadline=None)

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from opd_stream import EndpointStats
-from opd_stream._codec import PARSERS, Parser
-from opd_stream._endpoints import Endpoint
 from opd_stream._stats import CPU_STEPS, CpuSeconds, EndpointTraffic, StatsRecorder
+from opd_stream.fleet._endpoints import Endpoint
+from opd_stream.wire._codec import PARSERS, Parser
 
 
 def test_the_cpu_steps_are_the_fields_of_one_struct() -> None:

@@ -100,7 +100,7 @@ async def test_answers_parsed_in_decode_threads_give_identical_results() -> None
 async def test_every_parser_gives_identical_results_and_stats_say_which_ran(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import opd_stream._jit as jr
+    import opd_stream.scanner._loader as jr
 
     samples = _samples(6, seed=4)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
@@ -209,8 +209,8 @@ async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -
 
 async def test_big_python_topk_rows_are_converted_off_the_loop_with_the_same_results() -> None:
     # 2048 x 16 entries: converted in a worker thread (rows_convert_in_thread)
-    from opd_stream._student_topk import rows_convert_in_thread
     from opd_stream.testing.mock_sglang import MockModel
+    from opd_stream.wire._student_topk import rows_convert_in_thread
 
     model = MockModel("student", 1)
     rng = np.random.default_rng(3)

@@ -23,9 +23,9 @@ from opd_stream import (
     ResponseTooLarge,
     StreamConfig,
 )
-from opd_stream._budget import ByteBudget
 from opd_stream._stream import default_transport
-from opd_stream._transport_httpx import HttpxTransport
+from opd_stream.transport._budget import ByteBudget
+from opd_stream.transport._httpx import HttpxTransport
 
 Reply = Callable[[bytes, bytes], tuple[bytes, bool]]  # (head, body) -> (bytes to send, close)
 
@@ -204,7 +204,7 @@ async def test_a_stream_picks_aiohttp_under_asyncio_and_httpx_under_trio(
 async def test_a_body_is_read_whole_whatever_its_declared_length(
     declared: int | None, pieces: list[bytes]
 ) -> None:
-    from opd_stream._transport import PooledTransport
+    from opd_stream.transport._transports import PooledTransport
 
     async def chunks() -> AsyncIterator[bytes]:
         for piece in pieces:

@@ -30,10 +30,10 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream._balance import EndpointPool
-from opd_stream._endpoints import Endpoints
-from opd_stream._transport_httpx import HttpxTransport
+from opd_stream.fleet._balance import EndpointPool
+from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.transport._httpx import HttpxTransport
 
 A, B = "http://replica-a:1", "http://replica-b:1"
 

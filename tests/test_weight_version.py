@@ -24,11 +24,11 @@ from opd_stream import (
     StreamConfig,
     WeightVersionChanged,
 )
-from opd_stream._codec import PARSERS, decode_block_answers, decode_score_response
-from opd_stream._payloads import build_block_payloads, build_score_payload
-from opd_stream._scorer import same_weights
-from opd_stream._wire import ScoreRequest
+from opd_stream.fetch._fetcher import same_weights
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.wire._codec import PARSERS, decode_block_answers, decode_score_response
+from opd_stream.wire._payloads import build_block_payloads, build_score_payload
+from opd_stream.wire._request import ScoreRequest
 
 T = "http://teacher:1"
 ST = "http://student:2"

@@ -1,4 +1,4 @@
-"""Decoding and validation of SGLang answers by ``opd_stream._wire``.
+"""Decoding and validation of SGLang answers by ``opd_stream.wire._request``.
 
 Well-formed answers come from the independent fake scorer in ``wire_fakes``; malformed ones
 are that fake's answer with one thing broken, or hand-written JSON.
@@ -21,9 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd_stream._answers import ScoreRows
-from opd_stream._codec import decode_score_response
-from opd_stream._decode_generate import decode_generate_response
-from opd_stream._error_body import parse_error_message
 from opd_stream._errors import (
     CapabilityError,
     InvalidSampleError,
@@ -31,9 +28,12 @@ from opd_stream._errors import (
     MisalignedResponseError,
     ServerAbortError,
 )
-from opd_stream._payloads import build_score_payload
-from opd_stream._student_topk import parse_student_topk
-from opd_stream._wire import ScoreRequest
+from opd_stream.wire._codec import decode_score_response
+from opd_stream.wire._decode_generate import decode_generate_response
+from opd_stream.wire._error_body import parse_error_message
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest
+from opd_stream.wire._student_topk import parse_student_topk
 
 # P = 3, R = 5, L = 8; with start="prompt" s = 2 and every input_* list has 6 entries.
 TOK = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int64)
@@ -893,7 +893,7 @@ def test_student_topk_pads_short_and_empty_rows_at_their_end() -> None:
 
 
 def test_student_topk_padding_id_is_minus_one() -> None:
-    from opd_stream._student_topk import PAD_ID
+    from opd_stream.wire._student_topk import PAD_ID
 
     assert PAD_ID == -1
 

@@ -1,4 +1,4 @@
-"""Golden tests for the SGLang request bodies built by ``opd_stream._wire``."""
+"""Golden tests for the SGLang request bodies built by ``opd_stream.wire._request``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from wire_fakes import SAMPLING_KEYS
 
 from opd_stream._errors import InvalidSampleError
-from opd_stream._payloads import build_generate_payload, build_score_payload
-from opd_stream._wire import ScoreRequest
+from opd_stream.wire._payloads import build_generate_payload, build_score_payload
+from opd_stream.wire._request import ScoreRequest
 
 # P = 3 prompt tokens, R = 5 response tokens.
 TOKENS = np.array([101, 102, 103, 7, 8, 9, 10, 11], dtype=np.int64)

@@ -13,8 +13,8 @@ import pytest
 from xtok_helpers import SPECIAL, family_vocab, small_json, small_vocab, write_small
 
 from opd_stream import ConfigError, InvalidSampleError
-from opd_stream._align import Alignment, align_response, span_signal
-from opd_stream._vocab import Vocab, byte_symbols, load_vocab
+from opd_stream.xtok._align import Alignment, align_response, span_signal
+from opd_stream.xtok._vocab import Vocab, byte_symbols, load_vocab
 
 TEXTS = [
     "Hello, world! The quick brown fox.",
@@ -412,7 +412,7 @@ def test_a_cut_character_inside_a_token_leaves_its_whole_span_unscored() -> None
 
 
 def test_top_k_candidates_are_kept_at_one_to_one_spans_by_their_bytes() -> None:
-    from opd_stream._align import byte_twins, candidate_rows, one_to_one, teacher_candidates
+    from opd_stream.xtok._align import byte_twins, candidate_rows, one_to_one, teacher_candidates
 
     student, teacher = small_vocab("b"), small_vocab("a")
     ids = student.encode("x🎉y")  # spans: x | 3 tokens of the emoji vs 1 | y
@@ -454,7 +454,7 @@ def test_top_k_candidates_are_kept_at_one_to_one_spans_by_their_bytes() -> None:
 
 
 def test_two_candidates_of_the_same_bytes_keep_the_better_ranked() -> None:
-    from opd_stream._align import teacher_candidates
+    from opd_stream.xtok._align import teacher_candidates
 
     student, teacher = small_vocab("b"), small_vocab("a")
     ids = student.encode("x")

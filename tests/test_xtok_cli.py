@@ -17,9 +17,9 @@ import pytest
 import structlog
 from xtok_helpers import family_dir, family_vocab
 
-from opd_stream._chat import ChatTemplate
-from opd_stream._cli import main
+from opd_stream.cli._main import main
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
+from opd_stream.xtok._chat import ChatTemplate
 
 MESSAGES = [
     {"role": "system", "content": "Answer briefly."},

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from xtok_helpers import FAMILIES, family_vocab, small_json, small_vocab
 
-from opd_stream import _encoder
-from opd_stream._align import align_response
-from opd_stream._vocab import Vocab, byte_symbols, vocab_from_json
+from opd_stream.xtok import _encoder
+from opd_stream.xtok._align import align_response
+from opd_stream.xtok._vocab import Vocab, byte_symbols, vocab_from_json
 
 pytest.importorskip("tiktoken", reason="tiktoken (the optional fast encoder) is not installed")
 

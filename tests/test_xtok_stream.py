@@ -17,9 +17,9 @@ import torch
 from xtok_helpers import SPECIAL, family_dir, family_vocab, small_vocab, write_small
 
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
-from opd_stream._vocab import Vocab
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
+from opd_stream.xtok._vocab import Vocab
 
 T = "http://teacher:1"
 Q_STUDENT, Q_TEACHER = 0.5, 0.6
@@ -226,7 +226,7 @@ async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values() -> 
     t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
     text = " ".join(RESPONSES) * 8
     ids = student.encode(text)
-    assert ids.shape[0] >= 256  # opd_stream._xtok.THREAD_TOKENS
+    assert ids.shape[0] >= 256  # opd_stream._cross.THREAD_TOKENS
     sample = make_sample(student, teacher, s_model, ids, 0)
     server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=t_model)
     cfg = config(family_dir("qwen-3.5"), family_dir("glm-4.7-flash"))
@@ -344,8 +344,11 @@ async def test_a_teacher_answer_in_other_ids_than_sent_fails_as_misaligned() -> 
 
 
 def test_teacher_tokenizers_need_the_student_tokenizer(small_paths: tuple[str, str]) -> None:
-    with pytest.raises(ConfigError, match=r"teacher_tokenizers, student_tokenizer: .*set "
-                       r"student_tokenizer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher_tokenizers, student_tokenizer: .*set "
+        r"student_tokenizer",
+    ):
         config(*small_paths, student_tokenizer=None)
 
 
@@ -362,8 +365,11 @@ def test_an_ensemble_teacher_takes_no_tokenizer_of_its_own(small_paths: tuple[st
 
 def test_a_missing_tokenizer_file_from_the_environment_names_variable_and_path() -> None:
     env = {"OPD_STREAM_TEACHERS": T, "OPD_STREAM_STUDENT_TOKENIZER": "/nonexistent/qwen"}
-    with pytest.raises(ConfigError, match=r"student_tokenizer \(from OPD_STREAM_STUDENT_TOKENIZER"
-                       r"\): tokenizer file not found: /nonexistent/qwen"):
+    with pytest.raises(
+        ConfigError,
+        match=r"student_tokenizer \(from OPD_STREAM_STUDENT_TOKENIZER"
+        r"\): tokenizer file not found: /nonexistent/qwen",
+    ):
         StreamConfig.from_env(env)
 
 
@@ -387,7 +393,6 @@ async def test_an_unreadable_tokenizer_file_fails_the_stream_start(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"teacher_tokenizers\[default\]: .*bad.*not a readable"):
         async with OPDStream(cfg, transport=mock_transport({})):
             pass
-
 
 
 async def test_a_teacher_without_a_tokenizer_of_its_own_is_scored_as_before(
@@ -546,7 +551,7 @@ async def test_only_student_top_k_asks_the_candidates_by_their_bytes(
 
 
 def span_signal_of(al: Any) -> tuple[torch.Tensor, Any]:
-    from opd_stream._align import Alignment, span_signal
+    from opd_stream.xtok._align import Alignment, span_signal
 
     a = Alignment(
         teacher_ids=al.teacher_ids.numpy(),
@@ -563,8 +568,11 @@ def span_signal_of(al: Any) -> tuple[torch.Tensor, Any]:
 def test_strategies_reading_the_teachers_top_k_are_refused(
     small_paths: tuple[str, str],
 ) -> None:
-    with pytest.raises(ConfigError, match=r"teacher_tokenizers, top_k, strategy: strategy union "
-                       r"reads the teacher's top-k"):
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher_tokenizers, top_k, strategy: strategy union "
+        r"reads the teacher's top-k",
+    ):
         config(*small_paths, top_k=4, strategy="union", student_url="http://s:1")
 
 

@@ -1,6 +1,6 @@
 """A tiny deterministic fake SGLang ``/generate`` scorer for wire tests.
 
-Written from ``sglang-protocol.md`` §1-§4 independently of ``opd_stream._wire``: it
+Written from ``sglang-protocol.md`` §1-§4 independently of ``opd_stream.wire._request``: it
 parses a request body with the stdlib ``json`` module and builds the answer with plain
 Python loops.
 

@@ -12,7 +12,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers", reason="the [xtok] extra is not installed")
 
-from opd_stream._vocab import Vocab, load_vocab, vocab_from_json  # noqa: E402
+from opd_stream.xtok._vocab import Vocab, load_vocab, vocab_from_json  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "xtok"
 FAMILIES = ("qwen-3.5", "deepseek-v3", "glm-4.7-flash")

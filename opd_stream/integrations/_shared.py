@@ -16,11 +16,11 @@ import contextlib
 from collections.abc import Iterator
 
 from .._answers import ScoreRows
-from .._config import StreamConfig
 from .._errors import OPDStreamError
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
-from .._transport import Transport
+from ..config._settings import StreamConfig
+from ..transport._transports import Transport
 
 __all__ = ("SharedStream",)
 

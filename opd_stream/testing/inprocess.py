@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from .._transport import MockTransport, Response
+from ..transport._transports import MockTransport, Response
 from .mock_sglang._answer import build_item_response
 from .mock_sglang._bytemodel import ByteModel
 from .mock_sglang._errors import RequestError

@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from ..._config import StreamConfig
 from ..._sample import SampleFailure
-from ..._transport import Transport
+from ...config._settings import StreamConfig
+from ...transport._transports import Transport
 from ._engine import (
     TEACHER_PROMPT_KEY,
     MilesEngine,

@@ -13,13 +13,13 @@ from typing import Any, Final
 import anyio
 import msgspec
 
-from ..._chat import TeacherPrompts
-from ..._config import StreamConfig
 from ..._errors import InvalidSampleError, OPDStreamError
-from ..._router import DEFAULT_TEACHER, show_value
 from ..._sample import Sample, SampleFailure, ScoredSample
 from ..._stream import OPDStream
-from ..._transport import Transport
+from ...config._settings import StreamConfig
+from ...fleet._router import DEFAULT_TEACHER, show_value
+from ...transport._transports import Transport
+from ...xtok._chat import TeacherPrompts
 from .._shared import SharedStream
 
 __all__ = (

@@ -7,9 +7,9 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from ..._config import StreamConfig
 from ..._errors import ConfigError
-from ..._router import parse_teacher_urls
+from ...config._settings import StreamConfig
+from ...fleet._router import parse_teacher_urls
 
 __all__ = ("STRATEGIES", "WEIGHT_MODES", "config_from_miles_args")
 

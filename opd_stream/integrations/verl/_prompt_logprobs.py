@@ -140,7 +140,7 @@ def _flat_shape(meta: Mapping[str, Any], k: int, n_rows: int) -> int:
     return rows
 
 
-def _b64_topk(meta: Mapping[str, Any], k: int, n_rows: int) -> _Lists:
+def _b64_topk_as_lists(meta: Mapping[str, Any], k: int, n_rows: int) -> _Lists:
     rows = _flat_shape(meta, k, n_rows)
     vals = _b64(meta, "input_top_logprobs_val_flat_b64", "<f4", rows * k).reshape(rows, k)
     idx = _b64(meta, "input_top_logprobs_idx_flat_b64", "<i4", rows * k).reshape(rows, k)
@@ -252,7 +252,7 @@ def extract_prompt_logprobs(
         ids = [[token] for token, _ in token_rows]
         lps = [[lp] for _, lp in token_rows]
     elif meta_info.get("input_top_logprobs_val_flat_b64") is not None:
-        ids, lps = _b64_topk(meta_info, k, n_rows)
+        ids, lps = _b64_topk_as_lists(meta_info, k, n_rows)
     elif meta_info.get("input_top_logprobs_val_flat") is not None:
         ids, lps = _plain_flat_topk(meta_info, k, n_rows)
     else:

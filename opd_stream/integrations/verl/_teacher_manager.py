@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..._config import StreamConfig
 from ..._errors import ConfigError
 from ..._sample import Sample, prepare_sample
 from ..._stream import OPDStream
-from ..._transport import Transport
+from ...config._settings import StreamConfig
+from ...transport._transports import Transport
 from .._shared import SharedStream
 from ._prompt_logprobs import check_k
 

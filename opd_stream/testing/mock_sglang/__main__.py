@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace, options: MockOptions) -> None:
     byte_model = None
     if args.byte_model_tokenizer:
-        from ..._vocab import load_vocab
+        from ...xtok._vocab import load_vocab
 
         vocab = load_vocab("--byte-model-tokenizer", args.byte_model_tokenizer)
         byte_model = ByteModel(vocab.token_bytes, q=args.byte_model_q, salt=args.byte_model_salt)

@@ -34,7 +34,7 @@ class ByteModel:
 
     Args:
         token_bytes: ``token_bytes[id]``, the bytes of each token id of the server's
-            tokenizer (``opd_stream._vocab.Vocab.token_bytes``); ``b""`` for textless ids.
+            tokenizer (``opd_stream.xtok._vocab.Vocab.token_bytes``); ``b""`` for textless ids.
         q: the geometric ratio in ``(0, 1)`` (the larger, the flatter).
         salt: shifts the context byte.
         textless_logprob: the logprob of a token with no bytes (<= 0).

@@ -1,0 +1,243 @@
+"""Teachers with another tokenizer: what the pipeline does for them, as plain functions.
+
+* :class:`CrossTokenizers`: a stream's loaded tokenizers (the student's, and each listed
+  teacher's own), loaded once as the stream starts (:meth:`CrossTokenizers.load`).
+* :meth:`CrossTokenizers.prepare`: per sample, the alignment of the response
+  (:func:`~opd_stream.xtok._align.align_response`) and the teacher's request input,
+  ``teacher_prompt_ids + teacher ids of the response text``. The fetch stage runs it, in a
+  decode thread for a response of :data:`THREAD_TOKENS` tokens or more (re-tokenisation
+  costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3 with tokenizers;
+  the loop keeps the short ones).
+* :func:`score_cross`: the KL stage's result for such a sample in sampled-token mode (one
+  value per student token, :func:`~opd_stream.xtok._align.span_signal`, and the alignment when
+  asked for); in top-k mode (only-student) :func:`topk_candidates` picks what the teacher
+  is asked and :func:`topk_rows` turns its answer into the student-row arrays the usual
+  top-k KL reads.
+
+The teacher answers in its own ids: the decoder checks them against the ids sent, row
+count included, as for any teacher (a mismatch fails the sample as
+``misaligned_response``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from ._answers import ScoreRows
+from ._errors import InvalidSampleError
+from ._sample import Fetched, PreparedSample, ScoredSample, TokenAlignment
+from .config._settings import StreamConfig
+from .xtok._align import (
+    Alignment,
+    align_response,
+    byte_twins,
+    candidate_rows,
+    span_signal,
+    teacher_candidates,
+)
+from .xtok._vocab import Vocab, load_vocab
+
+__all__ = (
+    "THREAD_TOKENS",
+    "CrossSample",
+    "CrossTokenizers",
+    "empty_rows",
+    "score_cross",
+    "token_alignment",
+    "topk_candidates",
+    "topk_rows",
+)
+
+THREAD_TOKENS: Final = 256
+"""Responses at least this long are aligned in a decode thread, not on the event loop."""
+
+
+class CrossSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample's teacher side: what the teacher is asked, and the alignment."""
+
+    teacher_prepared: PreparedSample
+    """The sample as the teacher request sends it: ``tokens`` is the teacher prompt + the
+    teacher's ids of the response, ``response_length`` their count."""
+    alignment: Alignment
+
+
+def empty_rows() -> ScoreRows:
+    """The teacher's answer when the response has no text (only textless tokens): nothing
+    to ask."""
+    return ScoreRows(
+        token_ids=np.zeros(0, np.int64),
+        token_logprobs=np.zeros(0, np.float32),
+        top_ids=None,
+        top_logprobs=None,
+        id_logprobs=None,
+        used_b64=False,
+        weight_version=None,
+    )
+
+
+class CrossTokenizers:
+    """The tokenizers of one stream whose configuration lists ``teacher_tokenizers``."""
+
+    def __init__(
+        self,
+        student: Vocab,
+        teachers: dict[str, Vocab],
+        *,
+        return_alignment: bool = False,
+        top_k: bool = False,
+    ) -> None:
+        self.student = student
+        self.teachers = teachers
+        self.return_alignment = return_alignment
+        # top-k: each teacher's token of the same bytes as each student id
+        self.twins = (
+            {name: byte_twins(student, vocab) for name, vocab in teachers.items()} if top_k else {}
+        )
+
+    @classmethod
+    def load(cls, config: StreamConfig) -> CrossTokenizers | None:
+        """Load the configured tokenizers (blocking: ~0.5-3 s each; one load per file), or
+        None when no teacher has its own.
+
+        Raises:
+            ConfigError: a missing, unreadable or unsupported file, naming the setting and
+                the path.
+        """
+        if not config.teacher_tokenizers or config.student_tokenizer is None:
+            return None
+        loaded: dict[str, Vocab] = {}
+
+        def load(setting: str, path: str) -> Vocab:
+            if path not in loaded:
+                loaded[path] = load_vocab(setting, path)
+            return loaded[path]
+
+        student = load("student_tokenizer", config.student_tokenizer)
+        teachers = {
+            name: load(f"teacher_tokenizers[{name}]", path)
+            for name, path in config.teacher_tokenizers.items()
+        }
+        return cls(
+            student,
+            teachers,
+            return_alignment=config.return_alignment,
+            top_k=config.top_k > 0,
+        )
+
+    def teacher(self, name: str) -> Vocab | None:
+        """The teacher's own tokenizer, or None (it shares the student's vocabulary)."""
+        return self.teachers.get(name)
+
+    def check_prompt(self, prepared: PreparedSample) -> None:
+        """A sample routed to a teacher with its own tokenizer carries the teacher prompt.
+
+        Raises:
+            InvalidSampleError: ``teacher_prompt_ids`` is missing.
+        """
+        if prepared.teacher_tokens is None and prepared.teacher in self.teachers:
+            raise InvalidSampleError(
+                "teacher_prompt_ids",
+                f"required: teacher {prepared.teacher!r} has its own tokenizer, so its prompt "
+                "must be given in its ids (render it with its chat template, e.g. "
+                "opd_stream.integrations' teacher prompt rendering)",
+            )
+
+    def prepare(self, prepared: PreparedSample) -> CrossSample:
+        """Align the response and build the teacher's request input (blocking: CPU).
+
+        Raises:
+            InvalidSampleError: see :func:`~opd_stream.xtok._align.align_response`, and a
+                missing ``teacher_prompt_ids``.
+        """
+        teacher = self.teachers[prepared.teacher]
+        self.check_prompt(prepared)
+        assert prepared.teacher_tokens is not None  # checked above
+        r = prepared.response_length
+        response = prepared.tokens[prepared.tokens.shape[0] - r :]
+        alignment = align_response(self.student, teacher, response, prepared.teacher)
+        prompt = prepared.teacher_tokens[: prepared.teacher_tokens.shape[0] - r]
+        tokens = np.concatenate([prompt, alignment.teacher_ids])
+        teacher_prepared = msgspec.structs.replace(
+            prepared,
+            tokens=tokens,
+            prompt_length=prompt.shape[0],
+            response_length=int(alignment.teacher_ids.shape[0]),
+            teacher_tokens=None,
+            student_top_ids=None,
+            student_top_logprobs=None,
+        )
+        return CrossSample(teacher_prepared=teacher_prepared, alignment=alignment)
+
+
+def token_alignment(f: Fetched) -> TokenAlignment | None:
+    """The result's alignment: when the sample's teacher has its own tokenizer and
+    ``return_alignment`` asked for it, else None."""
+    import torch
+
+    a = f.alignment
+    if a is None or not f.return_alignment:
+        return None
+    raw = f.teacher_token_logprobs
+    if raw is None:
+        raw = f.teacher_rows.token_logprobs
+    return TokenAlignment(
+        teacher_ids=torch.from_numpy(a.teacher_ids.copy()),
+        teacher_token_logprobs=torch.from_numpy(np.array(raw, dtype=np.float32)),
+        student_spans=torch.from_numpy(a.student_spans.copy()),
+        teacher_spans=torch.from_numpy(a.teacher_spans.copy()),
+        span_bytes=torch.from_numpy(a.span_bytes.copy()),
+        scored=torch.from_numpy(a.scored.copy()),
+    )
+
+
+def score_cross(f: Fetched) -> ScoredSample:
+    """The result of a sample scored by a teacher with its own tokenizer (sampled-token)."""
+    import torch
+
+    a = f.alignment
+    assert a is not None
+    teacher, rkl = span_signal(a, f.teacher_rows.token_logprobs, f.prepared.rollout_logprobs)
+    p = f.prepared
+    return ScoredSample(
+        sample=p.sample,
+        index=p.index,
+        teacher=p.teacher,
+        teacher_logprobs=torch.from_numpy(teacher),
+        reverse_kl=None if rkl is None else torch.from_numpy(rkl),
+        candidates=None,
+        attempts=f.attempts,
+        latency_s=time.monotonic() - f.admitted_at,
+        alignment=token_alignment(f),
+    )
+
+
+def topk_candidates(
+    xtok: CrossTokenizers, teacher: str, alignment: Alignment, student_ids: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]:
+    """Only-student top-k: ``(kept student ids [R, k], teacher ids to ask [R_t, k] or None
+    when nothing is asked)`` (see :func:`~opd_stream.xtok._align.teacher_candidates`)."""
+    kept, asked = teacher_candidates(alignment, student_ids, xtok.twins[teacher])
+    return kept, (asked if bool((asked >= 0).any()) else None)
+
+
+def topk_rows(alignment: Alignment, rows: ScoreRows, kept: npt.NDArray[np.int64]) -> ScoreRows:
+    """The teacher's answer (its ``R_t`` rows) as the KL stage reads a top-k answer, on the
+    student's ``R`` rows: ``token_logprobs`` the span values (the teacher's logprob of each
+    span's text on its last student token, 0 elsewhere) and ``id_logprobs`` the teacher's
+    logprobs of the kept candidates (NaN where nothing was asked)."""
+    teacher, _ = span_signal(alignment, rows.token_logprobs, None)
+    r = kept.shape[0]
+    return ScoreRows(
+        token_ids=np.zeros(r, np.int64),
+        token_logprobs=teacher,
+        top_ids=None,
+        top_logprobs=None,
+        id_logprobs=candidate_rows(alignment, rows.id_logprobs, kept.shape),
+        used_b64=rows.used_b64,
+        weight_version=rows.weight_version,
+    )

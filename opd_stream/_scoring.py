@@ -1,0 +1,343 @@
+"""The KL stage's synchronous core: a batch of fetched samples in, scored samples out.
+
+Runs in a worker thread. The samples' response positions are concatenated, not padded: the
+math is per position, so a batch is scored as one ``[1, sum(R_i), K]``
+:class:`~opd_stream.kl._math.TopKBatch` (no padding rows, every position valid), and each
+sample's result is the row range of its positions.
+
+The GIL: the worker thread shares it with the event loop. Every torch call (views and
+reshapes included) and every numpy call on a large array releases it, and getting it back
+can mean waiting for whatever the loop thread is doing (a response decode holds it for
+milliseconds). In the pipeline the stage's wall time is mostly such waits, not CPU (bench
+scenario 1 quick, batches of 8 x 1024 tokens, only-student, top-k 16: ~48 ms wall per
+batch for ~6 ms of CPU before this layout, ~15 ms for ~2 ms now). So the stage keeps the
+number of such calls low and independent of the batch size: the per-sample arrays are
+joined and the results split with plain memory copies (``memoryview``/``bytearray``, which
+keep the GIL), not one numpy/torch call per sample and array. A copy of
+``_GIL_FREE_COPY`` bytes or more (a long response's top-k: a 16384 x 64 float32 array is
+4 MiB, ~2-5 ms to copy, more with fresh pages) is numpy's instead, which releases the GIL:
+held that long, the loop would stall.
+
+Results: every tensor of a :class:`~opd_stream._sample.ScoredSample` owns its memory (a
+copy of the sample's rows of the batch result). Views into the batch tensors would save
+that copy, but they would be observable: ``torch.save``, pickling (Ray, multiprocessing)
+and ``untyped_storage()`` of one sample's tensor would carry the whole batch (``B`` times
+the bytes), and one kept sample would pin the batch's memory. (Like ``teacher_logprobs``,
+which wraps the decoded array, these CPU tensors wrap numpy memory: ``resize_`` on them
+raises.)
+
+torch's settings are the host's: the stage never changes them (``torch.set_num_threads``
+included: part of what it sets is process-wide, so a host thread using torch meanwhile
+would be affected). On CPU the KL kernels are small and many, and torch's OpenMP pool may
+spend more CPU at its barriers than it saves (measured on 2 cores, ``[32, 1024, 16]``
+only-student: 22 ms CPU with one intra-op thread, 260 ms with two); a host that wants the
+KL on one thread sets it itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ._cross import score_cross, token_alignment
+from ._errors import MissingLogprobError
+from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
+from .config._settings import StreamConfig
+from .kl._math import (
+    Divergence,
+    Strategy,
+    TopKBatch,
+    WeightMode,
+    needed_inputs,
+    sampled_reverse_kl,
+    topk_divergence,
+)
+from .kl._plan import candidate_width
+
+__all__ = ("empty_scored_sample", "score_batch", "timed_score_batch")
+
+_GIL_FREE_COPY = 1 << 20
+
+
+class _Signal(NamedTuple):
+    """Which top-k signal a batch is scored with."""
+
+    divergence: Divergence
+    jsd_beta: float
+
+
+_REVERSE_KL = _Signal("reverse_kl", 0.5)
+
+
+def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
+    """The per-sample array behind a :class:`TopKBatch` field (``[R, K]``), if fetched."""
+    rows = f.teacher_rows
+    if field == "student_ids":
+        return f.student_ids
+    if field == "student_lp":
+        return f.student_lps
+    if field == "teacher_ids":
+        return rows.top_ids
+    if field == "teacher_lp":
+        return rows.top_logprobs
+    if field == "teacher_on_student":
+        return rows.id_logprobs
+    return f.student_rows.id_logprobs if f.student_rows is not None else None
+
+
+def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.device) -> TopKBatch:
+    """The batch as one ``[1, N, K]`` TopKBatch, ``N = sum(R_i)``.
+
+    The fields are views of one host allocation (an allocator reuses one block from batch
+    to batch; fresh ones cost page faults), filled with plain memory copies (see the module
+    doc); with one sample, its arrays are used as they are when they can be. A field is None
+    when a sample lacks its array (all samples of a stream share one request plan, so that
+    is a bug, and ``topk_reverse_kl`` names the field).
+
+    Raises:
+        ValueError: The samples' arrays of a field do not have ``R_i`` rows of one width.
+    """
+    lengths = [f.prepared.response_length for f in items]
+    n = sum(lengths)
+    fields: dict[str, torch.Tensor | None] = dict.fromkeys(TopKBatch._fields)
+    todo: list[tuple[str, list[npt.NDArray[Any]], np.dtype[Any], int]] = []
+    for name in sorted(needed_inputs(strategy)):
+        maybe = [_source(f, name) for f in items]
+        arrays = [a for a in maybe if a is not None]
+        if len(arrays) < len(maybe):
+            continue
+        dtype = np.dtype(np.int64 if name.endswith("_ids") else np.float32)
+        shapes = {a.shape[1:] for a in arrays}
+        if len(shapes) != 1 or any(
+            a.ndim != 2 or a.shape[0] != r for a, r in zip(arrays, lengths, strict=True)
+        ):
+            raise ValueError(f"KL stage: {name} arrays do not have R rows of one width each")
+        (width,) = shapes.pop()
+        a = arrays[0]
+        if len(arrays) == 1 and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+            fields[name] = torch.from_numpy(a)
+        else:
+            todo.append((name, arrays, dtype, width))
+    # int64 fields first, so that every view is aligned.
+    todo.sort(key=lambda t: -t[2].itemsize)
+    block = np.empty(sum(n * w * d.itemsize for _, _, d, w in todo), dtype=np.uint8)
+    dst = block.data
+    offset = 0
+    for name, arrays, dtype, width in todo:
+        start = offset
+        for a in arrays:
+            if a.size:
+                src = np.ascontiguousarray(a, dtype=dtype).data.cast("B")
+                if src.nbytes >= _GIL_FREE_COPY:  # a long copy: numpy's, the GIL released
+                    np.copyto(block[offset : offset + src.nbytes], np.frombuffer(src, np.uint8))
+                else:
+                    dst[offset : offset + src.nbytes] = src
+                offset += src.nbytes
+        host = block[start:offset].view(dtype).reshape(n, width)
+        fields[name] = torch.from_numpy(host)
+    for name, tensor in fields.items():
+        if tensor is not None:
+            fields[name] = (tensor if device.type == "cpu" else tensor.to(device))[None]
+    fields["valid"] = torch.ones((1, n), dtype=torch.bool, device=device)
+    return TopKBatch(**fields)  # type: ignore[arg-type]
+
+
+def _own(a: npt.NDArray[Any]) -> torch.Tensor:
+    """A CPU tensor holding a copy of the C-contiguous ``a`` (a plain memory copy that keeps
+    the GIL, see the module doc; numpy's, which releases it, from ``_GIL_FREE_COPY``)."""
+    if a.nbytes >= _GIL_FREE_COPY:
+        return torch.from_numpy(a.copy())
+    return torch.from_numpy(np.frombuffer(bytearray(a.data), dtype=a.dtype).reshape(a.shape))
+
+
+def _result(
+    f: Fetched,
+    signal: torch.Tensor | None,
+    candidates: Candidates | None,
+    divergence: Divergence = "reverse_kl",
+) -> ScoredSample:
+    p = f.prepared
+    return ScoredSample(
+        sample=p.sample,
+        index=p.index,
+        teacher=p.teacher,
+        teacher_logprobs=torch.from_numpy(np.ascontiguousarray(f.teacher_rows.token_logprobs)),
+        reverse_kl=signal if divergence == "reverse_kl" else None,
+        candidates=candidates,
+        attempts=f.attempts,
+        latency_s=time.monotonic() - f.admitted_at,
+        alignment=None if f.alignment is None else token_alignment(f),
+        signal=signal,
+        divergence=divergence,
+    )
+
+
+def _score_sampled(f: Fetched) -> ScoredSample:
+    if f.alignment is not None:  # a teacher with its own tokenizer
+        return score_cross(f)
+    rollout = f.prepared.rollout_logprobs
+    rkl = None
+    if rollout is not None:
+        rkl = sampled_reverse_kl(
+            torch.from_numpy(rollout), torch.from_numpy(f.teacher_rows.token_logprobs)
+        )
+    return _result(f, rkl, None)
+
+
+def score_batch(
+    items: Sequence[Fetched],
+    *,
+    top_k: int,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    device: torch.device,
+    tail: bool = False,
+    divergence: Divergence = "reverse_kl",
+    jsd_beta: float = 0.5,
+) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
+    """Score fetched samples; a sample with a missing logprob comes back as its error.
+
+    The output has one entry per input, in input order. A sample's error names the first
+    selected candidate with a missing logprob, its response position in that sample, and the
+    sample's index among the samples scored together; the others are scored again without it.
+    ``tail``: top-k with the tail bucket; ``divergence``, ``jsd_beta``: the top-k signal (see
+    :func:`~opd_stream.kl._math.topk_divergence`).
+    """
+    signal = _Signal(divergence, jsd_beta)
+    return _score_batch(items, top_k, strategy, weight_mode, device, tail, signal)
+
+
+def timed_score_batch(
+    batch: list[Fetched], cfg: StreamConfig, device: torch.device
+) -> tuple[list[Any], float, float]:
+    """Score one KL batch (in the worker thread) and time it, for ``stats().kl``:
+    ``(results, wall seconds, CPU seconds of this thread)``."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    results = score_batch(
+        batch,
+        top_k=cfg.top_k,
+        strategy=cfg.strategy,
+        weight_mode=cfg.weight_mode,
+        device=device,
+        tail=cfg.tail,
+        divergence=cfg.divergence,
+        jsd_beta=cfg.jsd_beta,
+    )
+    return results, time.perf_counter() - start, time.thread_time() - cpu
+
+
+def empty_scored_sample(
+    prepared: PreparedSample,
+    admitted_at: float,
+    top_k: int,
+    strategy: Strategy,
+    tail: bool,
+    divergence: Divergence = "reverse_kl",
+) -> ScoredSample:
+    """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
+    shapes."""
+    width = candidate_width(strategy, top_k)
+    cands = None
+    if top_k > 0:
+        cands = Candidates(
+            ids=torch.empty((0, width), dtype=torch.int64),
+            student_logprobs=torch.empty((0, width)),
+            teacher_logprobs=torch.empty((0, width)),
+            weights=torch.empty((0, width)),
+            mask=torch.empty((0, width), dtype=torch.bool),
+            student_tail_logprobs=torch.empty(0) if tail else None,
+            teacher_tail_logprobs=torch.empty(0) if tail else None,
+        )
+    has_kl = top_k > 0 or prepared.rollout_logprobs is not None
+    signal = torch.empty(0) if has_kl else None
+    return ScoredSample(
+        sample=prepared.sample,
+        index=prepared.index,
+        teacher=prepared.teacher,
+        teacher_logprobs=torch.empty(0),
+        reverse_kl=signal if divergence == "reverse_kl" else None,
+        candidates=cands,
+        attempts=0,
+        latency_s=time.monotonic() - admitted_at,
+        signal=signal,
+        divergence=divergence,
+    )
+
+
+def _score_batch(
+    items: Sequence[Fetched],
+    top_k: int,
+    strategy: Strategy,
+    weight_mode: WeightMode,
+    device: torch.device,
+    tail: bool = False,
+    signal: _Signal = _REVERSE_KL,
+) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
+    if top_k == 0:
+        return [_score_sampled(f) for f in items]  # (sampled-token: reverse_kl only)
+    failed: dict[int, MissingLogprobError] = {}
+    scored: dict[int, ScoredSample] = {}
+    todo = list(items)
+    while todo:
+        try:
+            res = topk_divergence(
+                _joined_batch(todo, strategy, device),
+                strategy,
+                weight_mode,
+                divergence=signal.divergence,
+                jsd_beta=signal.jsd_beta,
+                tail=tail,
+            )
+        except MissingLogprobError as exc:
+            f, err = _locate(todo, exc)
+            failed[f.prepared.index] = err
+            todo = [g for g in todo if g is not f]
+            continue
+        # One device-to-host copy per array, then each sample's rows, as its own copy.
+        on_host = device.type == "cpu"
+        rkl, ids, s_lp, t_lp, weights, mask = (
+            (x[0] if on_host else x[0].cpu()).numpy() for x in res[:6]
+        )
+        s_tail, t_tail = (
+            None if x is None else (x[0] if on_host else x[0].cpu()).numpy() for x in res[6:]
+        )
+        row = 0
+        for f in todo:
+            end = row + f.prepared.response_length
+            cands = Candidates(
+                ids=_own(ids[row:end]),
+                student_logprobs=_own(s_lp[row:end]),
+                teacher_logprobs=_own(t_lp[row:end]),
+                weights=_own(weights[row:end]),
+                mask=_own(mask[row:end]),
+                student_tail_logprobs=None if s_tail is None else _own(s_tail[row:end]),
+                teacher_tail_logprobs=None if t_tail is None else _own(t_tail[row:end]),
+            )
+            scored[f.prepared.index] = _result(f, _own(rkl[row:end]), cands, signal.divergence)
+            row = end
+        break
+    out: list[ScoredSample | tuple[Fetched, MissingLogprobError]] = []
+    for f in items:
+        idx = f.prepared.index
+        out.append((f, failed[idx]) if idx in failed else scored[idx])
+    return out
+
+
+def _locate(
+    todo: Sequence[Fetched], exc: MissingLogprobError
+) -> tuple[Fetched, MissingLogprobError]:
+    """The sample of a batch-wide error (its position is a row of the joined batch) and the
+    error as that sample's: its response position, its index among ``todo``."""
+    starts = [0]
+    for f in todo:
+        starts.append(starts[-1] + f.prepared.response_length)
+    # The last sample starting at or before the row (samples with R = 0 own no rows).
+    j = bisect.bisect_right(starts, exc.position) - 1
+    err = MissingLogprobError(exc.side, exc.token_id, exc.position - starts[j], j)
+    return todo[j], err

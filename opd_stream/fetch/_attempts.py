@@ -1,0 +1,444 @@
+"""One HTTP attempt at a time: send to a replica (hedged to another when it is slow),
+check the status, decode, and keep per-endpoint health; re-admission probes.
+
+The retry loop and the request plan live in ``_scorer``; replica choice and health
+bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from .._answers import Body, ScoreRows
+from .._errors import (
+    CapabilityError,
+    ConnectionFailed,
+    OPDStreamError,
+    ServerError,
+    ServerHTTPError,
+)
+from .._logging import get_logger
+from .._stats import StatsRecorder
+from ..config._settings import StreamConfig
+from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool
+from ..fleet._capabilities import Capabilities, Side
+from ..fleet._endpoints import Endpoints
+from ..fleet._router import endpoint_url, generate_url
+from ..transport._budget import BudgetLease, ByteBudget
+from ..transport._transports import Transport
+from ..wire._codec import (
+    Answer,
+    answer_size,
+    build_in_thread,
+    decode,
+    decode_in_thread,
+    timed_build,
+    timed_decode,
+)
+from ..wire._error_body import parse_error_message
+from ..wire._payloads import build_block_payloads
+from ..wire._request import Layout, ScoreRequest, layout
+
+__all__ = ("AttemptSender", "Counter", "Failed")
+
+log = get_logger()
+
+_PROBE_TIMEOUT_S = 2.0
+"""Longest wait for a re-admission probe's ``/health`` answer."""
+
+_PROBE_MAX_BYTES = 64 * 1024
+
+
+def _post_takes(transport: Transport, name: str) -> bool:
+    """The transport's ``post`` takes the keyword ``name`` (``headers``, ``lease``): one
+    written before it existed does not, and still works, never passed it."""
+    try:
+        params = inspect.signature(transport.post).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class Counter:
+    """Attempts made (a mutable count shared by the requests of one sample)."""
+
+    __slots__ = ("attempts",)
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+
+class Failed(Exception):
+    """One attempt failed with ``error``; ``url`` and ``req`` say which one."""
+
+    def __init__(self, error: OPDStreamError, url: str, req: ScoreRequest) -> None:
+        super().__init__(error.reason)
+        self.error = error
+        self.url = url
+        self.req = req
+
+
+class AttemptSender:
+    """Sends attempts for one stream: per-endpoint concurrency limits, hedging, health."""
+
+    def __init__(
+        self,
+        config: StreamConfig,
+        transport: Transport,
+        stats: StatsRecorder,
+        endpoints: Endpoints,
+        pool: EndpointPool,
+        capabilities: Capabilities,
+        *,
+        threads: anyio.CapacityLimiter | None = None,
+    ) -> None:
+        self._cfg = config
+        self._transport = transport
+        self._stats = stats
+        self._endpoints = endpoints
+        self._pool = pool
+        self._caps = capabilities
+        self._threads = threads
+        self._body_budget = ByteBudget(config.max_inflight_response_bytes)
+        self._secret = config.api_key.get_secret_value() if config.api_key else None
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._headers_ok = _post_takes(transport, "headers")
+        self._lease_ok = _post_takes(transport, "lease")
+
+    def _pick(
+        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
+    ) -> str | None:
+        """The replica for the next attempt (see :class:`EndpointPool`)."""
+        return self._pool.pick(urls, exclude, key)
+
+    def _limiter(self, url: str) -> anyio.CapacityLimiter:
+        lim = self._limiters.get(url)
+        if lim is None:
+            lim = self._limiters[url] = anyio.CapacityLimiter(self._cfg.max_inflight_per_endpoint)
+        return lim
+
+    async def send(
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        make: Callable[[str], ScoreRequest],
+        counter: Counter,
+        tries: Counter,
+        key: int | None = None,
+    ) -> ScoreRows:
+        """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
+
+        ``key`` (the request's :func:`~opd_stream.fleet._balance.prefix_key`) places a hedge on
+        the next replica of the key's order and goes out as ``X-SMG-Routing-Key``.
+
+        Raises:
+            Failed: the attempt failed (when hedged: every launched copy failed; the
+                error reported is a capability error if any, else the first attempt's).
+        """
+        req = make(url)
+        tries.attempts += 1
+        counter.attempts += 1
+        delay = self._pool.hedge_delay(
+            urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
+        )
+        if delay is None or tries.attempts >= self._cfg.max_attempts:
+            return await self._one(side, urls, url, req, key)
+
+        winner: list[ScoreRows] = []
+        won_by: list[str] = []
+        failures: list[Failed] = []
+        racing: list[str] = [url]
+        finished = 0
+        settled = anyio.Event()
+        changed = [anyio.Event()]  # set when any racing attempt ends
+
+        async def run(target: str, request: ScoreRequest) -> None:
+            nonlocal finished
+            try:
+                rows = await self._one(side, urls, target, request, key)
+            except Failed as failed:
+                failures.append(failed)
+            else:
+                if not winner:
+                    winner.append(rows)
+                    won_by.append(target)
+                    if target != url:
+                        self._endpoints(target).traffic.hedge_wins += 1
+            finished += 1
+            changed[0].set()
+            if winner or finished == len(racing):
+                settled.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, url, req)
+            with anyio.move_on_after(delay):
+                await settled.wait()
+            # Hedge to a replica not yet racing; when a hedge fails while an earlier
+            # attempt is still running, hedge again (within max_attempts).
+            while not settled.is_set():
+                other = self._pick(urls, exclude=tuple(racing), key=key)
+                if other is None or tries.attempts >= self._cfg.max_attempts:
+                    await settled.wait()
+                    break
+                tries.attempts += 1
+                counter.attempts += 1
+                self._endpoints(other).traffic.hedges += 1
+                racing.append(other)
+                log.debug("hedge", side=side, after_s=delay)
+                tg.start_soon(run, other, make(other))
+                # Wait for the outcome, or for this hedge to fail (then hedge again).
+                while not settled.is_set() and all(f.url != other for f in failures):
+                    changed[0] = anyio.Event()
+                    await changed[0].wait()
+            for target in racing:
+                if target not in won_by and all(f.url != target for f in failures):
+                    self._endpoints(target).traffic.cancelled += 1  # the loser, cancelled now
+            tg.cancel_scope.cancel()
+        if winner:
+            return winner[0]
+        for failed in failures:
+            if isinstance(failed.error, CapabilityError):
+                raise failed
+        first = [f for f in failures if f.url == url]
+        raise (first or failures)[0]
+
+    async def _one(
+        self,
+        side: Side,
+        urls: tuple[str, ...],
+        url: str,
+        req: ScoreRequest,
+        key: int | None = None,
+    ) -> ScoreRows:
+        """One HTTP attempt, with its outcome recorded for passive health and hedging."""
+        start = anyio.current_time()
+        try:
+            rows = await self._watched_attempt(side, url, req, key)
+        except OPDStreamError as exc:
+            if not isinstance(exc, CapabilityError):
+                self._endpoints(url).traffic.errors += 1
+            if exc.retryable and isinstance(exc, ServerError):
+                self._note_failure(side, url, urls)
+            if isinstance(exc, ConnectionFailed):
+                if exc.refused:  # not reached (a reset or a timeout says nothing either way)
+                    self._pool.record_refused(url, anyio.current_time())
+            elif isinstance(exc, ServerError):  # it answered
+                self._pool.record_reached(url)
+            raise Failed(exc, url, req) from None
+        self._pool.record_success(url, urls, anyio.current_time() - start)
+        return rows
+
+    async def _watched_attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
+        """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
+
+        A hung server would otherwise use up the whole ``request_deadline_s`` of the
+        logical request; with the watchdog the attempt is abandoned (its connection is
+        closed) and becomes a retryable :class:`ConnectionFailed`.
+        """
+        limit = self._cfg.attempt_timeout_s
+        if limit <= 0:
+            return await self._attempt(side, url, req, key)
+        with anyio.move_on_after(limit):
+            return await self._attempt(side, url, req, key)
+        raise ConnectionFailed(
+            f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
+        )
+
+    def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
+        if self._pool.record_failure(url, urls, anyio.current_time()):  # ejected it
+            log.warning(
+                "endpoint_ejected",
+                side=side,
+                url=url,
+                after_failures=self._cfg.eject_after_failures,
+                cooldown_s=self._cfg.eject_cooldown_s,
+            )
+
+    async def maybe_probe(self, side: Side, urls: tuple[str, ...]) -> None:
+        """Probe ``/health`` of one ejected replica whose cool-down is over, if any.
+
+        Done lazily, in the requesting task (so no task outlives the stream), bounded by
+        :data:`_PROBE_TIMEOUT_S` and the request's deadline. A 200 re-admits the replica;
+        anything else ejects it for another cool-down.
+        """
+        url = self._pool.claim_probe(urls, anyio.current_time())
+        if url is None:
+            return
+        healthy: bool | None = None
+        try:
+            with anyio.move_on_after(_PROBE_TIMEOUT_S):
+                try:
+                    resp = await self._transport.get(
+                        endpoint_url(url, "health"), max_bytes=_PROBE_MAX_BYTES
+                    )
+                except OPDStreamError:
+                    healthy = False
+                else:
+                    healthy = resp.status == 200
+            if healthy is None:
+                healthy = False  # the probe timed out
+        finally:
+            if healthy is None:
+                self._pool.release_probe(url)  # cancelled from outside: no verdict
+            else:
+                self._pool.probe_result(url, healthy, anyio.current_time())
+                log.info("endpoint_probed", side=side, url=url, healthy=healthy)
+
+    async def _attempt(
+        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+    ) -> ScoreRows:
+        # the answer is charged to the stream's byte budget while it is read (the lease is
+        # handed to the transport), and held until it is decoded (released on any exit:
+        # success, error, cancel, lost hedge)
+        with self._body_budget.lease() as lease:
+            return await self._attempt_held(side, url, req, lease, key)
+
+    async def _attempt_held(
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+    ) -> ScoreRows:
+        answer: Answer
+        lay: Layout | None = None
+        if req.id_form == "blocks" and req.ids is not None:
+            answer = await self._post_blocks(side, url, req, lease, key)
+        else:
+            body, lay = await self._build_body(req)
+            answer = await self._post(side, url, body, lease, key)
+        self._stats.stage_active["decode"] += 1
+        try:
+            rows = await self._decode_body(answer, req, lay)
+        except ServerError as exc:
+            exc.side = side
+            exc.url = url
+            raise
+        finally:
+            self._stats.stage_active["decode"] -= 1
+        ep = self._endpoints(url)
+        ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
+        if rows.cached_tokens is not None:
+            ep.traffic.cached_tokens += rows.cached_tokens
+        if req.top_k > 0:
+            self._after_topk(side, url, req, rows)
+        if req.ids is not None and req.id_form == "per-position":
+            self._caps.note(url, side, "per_position", True)
+        if req.ids is not None and req.id_form == "blocked":
+            self._endpoints(url).blocked_batch = True
+        return rows
+
+    async def _post(
+        self, side: Side, url: str, body: bytes, lease: BudgetLease, key: int | None = None
+    ) -> Body:
+        """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
+        ``lease`` (by the transport as it reads it, or here once it is whole)."""
+        self._stats.stage_active[f"{side}_fetch"] += 1
+        ep = self._endpoints.begin(url, key)
+        # a transport written before headers (or the lease) existed is not passed them
+        extra: dict[str, Any] = {}
+        if key is not None and self._headers_ok:
+            extra["headers"] = {ROUTING_KEY_HEADER: f"{key:016x}"}
+        if self._lease_ok:
+            extra["lease"] = lease
+        try:
+            async with self._limiter(url):
+                ep.traffic.requests += 1
+                self._stats.requests += 1
+                resp = await self._transport.post(
+                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes, **extra
+                )
+                if not self._lease_ok:  # charged after the fact
+                    await lease.settle(lease.held + len(resp.body))
+        except ServerError as exc:
+            exc.side = side
+            raise
+        finally:
+            self._endpoints.end(url, key)
+            self._stats.stage_active[f"{side}_fetch"] -= 1
+        self._stats.bytes_received += len(resp.body)
+        if resp.status != 200:
+            message = parse_error_message(resp.body, secret=self._secret)
+            raise ServerHTTPError(resp.status, message, side=side, url=url)
+        return resp.body
+
+    async def _post_blocks(
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+    ) -> list[Body]:
+        """The ``"blocks"`` id form: each block an independent request (concurrent, within
+        the endpoint's limit); the first failure fails the attempt and cancels the rest."""
+        start = time.thread_time()
+        bodies = build_block_payloads(req)
+        self._stats.cpu.build += time.thread_time() - start
+        answers: list[Body] = [b""] * len(bodies)
+
+        async def one(n: int) -> None:
+            answers[n] = await self._post(side, url, bodies[n], lease, key)
+
+        async with anyio.create_task_group() as tg:
+            for n in range(len(bodies)):
+                tg.start_soon(one, n)
+        return answers
+
+    def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:
+        if req.topk_wire != "b64":
+            return
+        if rows.used_b64:
+            self._caps.note(url, side, "b64_topk", True)
+            return
+        # The server ignored the b64 flags (an SGLang release older than 0.5.23).
+        self._caps.note(url, side, "b64_topk", False)
+        if self._cfg.topk_wire == "b64":
+            raise CapabilityError(
+                "b64_topk",
+                "topk_wire='b64' but the server answered nested JSON top-k "
+                "(it does not support return_flat_raw_top_logprobs_b64)",
+                side=side,
+                url=url,
+            )
+
+    async def _build_body(self, req: ScoreRequest) -> tuple[bytes, Layout]:
+        """The request body and its layout; a large one is built in a worker thread (the
+        GIL released while the ids are written). Where: ``_codec``."""
+        if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
+            body, lay, cpu = timed_build(req)
+        else:
+            body, lay, cpu = await anyio.to_thread.run_sync(
+                functools.partial(timed_build, req),
+                limiter=self._threads,
+                abandon_on_cancel=True,
+            )
+        self._stats.cpu.build += cpu
+        return body, lay
+
+    async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
+        """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
+        released while it parses), a small one on the loop."""
+        size = answer_size(body)
+        if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
+            start = time.thread_time()
+            try:
+                rows, parser = decode(body, req, lay=lay)
+            finally:
+                self._stats.cpu.decode_loop += time.thread_time() - start
+            self._stats.decoded[parser] += 1
+            return rows
+        # A cancelled caller returns at once; the thread finishes the parse it is in (one
+        # answer: ~1-3 ns per byte with the scanner, 0.1 s for a 36 MB answer; msgspec 5-17,
+        # 0.5 s) and its result is dropped.
+        got, cpu = await anyio.to_thread.run_sync(
+            functools.partial(timed_decode, body, req, lay),
+            limiter=self._threads,
+            abandon_on_cancel=True,
+        )
+        self._stats.cpu.decode_threads += cpu
+        if isinstance(got, BaseException):
+            raise got
+        rows, parser = got
+        self._stats.decoded[parser] += 1
+        return rows

@@ -1,0 +1,362 @@
+"""Client-side balancing over a teacher's replicas: which replica gets the next request,
+when a replica is taken out (passive health), and how long to wait before hedging.
+
+Sans-IO: plain synchronous bookkeeping. The caller passes the clock (``now``, seconds on
+any monotonic clock) and performs the I/O (requests, ``/health`` probes); see
+``_scorer.py`` for the async side.
+
+Rules, per replica URL:
+
+* **Choice** (``pick``): among the replicas that are not ejected, ``prefix`` (the
+  default) sends a request to the first replica of its key's preference order whose load
+  is under the cap (below); ``least-outstanding`` draws two distinct replicas at random
+  and takes the one with fewer requests in flight ("power of two choices"; with two
+  replicas that is plain least-outstanding), ties going to the first drawn;
+  ``round-robin`` cycles through them. If every replica is ejected the choice is made
+  among all of them (fail open: an ejection never fails a request by itself).
+* **Prefix locality** (``prefix``): SGLang reuses a cached prompt only on the replica that
+  computed it, so requests that share a prompt should meet on one replica. A request's
+  key is :func:`prefix_key`, a 64-bit hash of its whole prompt (the tokens before the
+  response: ``tokens[:L - R]``; for a teacher request with a teacher prompt of its own,
+  that prompt): every request of one sample to one side has the same key, and so do the
+  samples of one GRPO group (same prompt, n responses) or of one privileged teacher
+  prompt. Each key orders the replicas by rendezvous hashing (highest ``mix(key, url)``
+  first; adding or removing a replica moves only the keys whose first choice it was).
+  The balls are *prompts in flight*, not requests: requests that share a prompt cost the
+  replica that prompt once (it is cached, or batched with the one computing it), so a
+  request whose key already has requests in flight on a replica joins them there. Any
+  other request tries the replica its key was last placed on first (the pool remembers
+  the last :data:`_HOMES` placements: a prompt that comes back finds its prefix), then its
+  order, and takes the first replica holding fewer than
+  ``ceil(load_factor * (prompts_in_flight + 1) / replicas)`` prompts in flight:
+  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so
+  no replica holds more than ``load_factor`` times the mean number of prompts. A new
+  placement skips a replica holding ``limit`` requests in flight (the per-endpoint
+  concurrency limit). A join skips it only while the prompt's own requests there fill at
+  least half of ``limit``: one prompt with very many samples in flight at once spills to
+  the next replica of its order rather than queue, but a group of a few samples waits for
+  the replica that holds its prefix (its wait is the replica's queue, which is busy
+  anyway; a spill computes the whole prompt again elsewhere: with every replica at its
+  limit, as when ``max_inflight`` is replicas x limit, spilling at the limit made scenario
+  9's privileged variant compute 1.48x the unique tokens, 1.007x with this rule). A retry
+  (the failed replica excluded) and a hedge (the racing replicas excluded) go to the next
+  replica of the same order that takes them, which the pool then remembers for the key,
+  so the prompt's later requests meet there.
+  A replica added or re-admitted takes new prompts; the remembered ones stay where their
+  prefixes are. A request without a key is placed as ``least-outstanding`` places it.
+* **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a
+  replica for ``cooldown_s``. A success resets the count. After the cool-down the replica
+  stays out until a ``/health`` probe answers 200: ``claim_probe`` hands out at most one
+  probe per replica at a time, and ``probe_result`` re-admits it (200) or ejects it for
+  another cool-down. ``eject_after = 0`` disables ejection. A pool of one replica never
+  ejects (there is nothing to fail over to).
+* **Unreachable replica set** (``unreachable``, ``let_through``): a replica whose
+  connection attempt was refused (no connection made: refused, no route, a name that does
+  not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment
+  until it answers anything (``record_success``, ``record_reached``). When every replica
+  of a set has been refusing for ``unreachable_after_s`` (measured from the latest of their
+  first refusals), the set is unreachable: its requests fail at once instead of being
+  retried, except one request per ``unreachable_after_s`` that ``let_through`` lets go
+  ahead (a single attempt) to see whether the set is back; any answer from any replica
+  makes the set reachable again. ``unreachable_after_s = 0`` disables the rule.
+* **Hedging delay** (``hedge_delay``): the ``percentile`` of the last ``_LATENCY_RING``
+  successful attempt latencies of the same replica set, at least ``min_s``; ``None``
+  (no hedging) while fewer than ``HEDGE_MIN_SAMPLES`` latencies are known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import OrderedDict, deque
+from collections.abc import Collection, Sequence
+from typing import Final, Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from ._endpoints import EndpointHealth, Endpoints
+
+__all__ = ("HEDGE_MIN_SAMPLES", "ROUTING_KEY_HEADER", "Balance", "EndpointPool", "prefix_key")
+
+Balance: TypeAlias = Literal["prefix", "least-outstanding", "round-robin"]
+
+ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
+"""The header that carries a request's prefix key (16 hex digits) to a gateway: smg routes
+by it (under ``--policy manual``, or with ``--routing-key-override``)."""
+
+_MASK64: Final = (1 << 64) - 1
+
+_HOMES: Final = 4096
+"""Prompts whose last replica the pool remembers (least recently placed forgotten first)."""
+
+HEDGE_MIN_SAMPLES: Final = 16
+"""Successful latencies a replica set needs before hedging starts."""
+
+_LATENCY_RING: Final = 512
+
+
+def prefix_key(tokens: npt.NDArray[np.int64], response_length: int) -> int:
+    """The routing key of a scoring request: a 64-bit hash of its prompt.
+
+    The prompt is ``tokens[:len(tokens) - response_length]``, hashed as little-endian
+    int64 with BLAKE2b (8 bytes): the same prompt gives the same key in every process and
+    on every run, so several streams (one per rollout worker) send a group's requests to
+    the same replica, and a gateway sees the same key from all of them.
+    """
+    prompt = np.ascontiguousarray(tokens[: len(tokens) - response_length], dtype="<i8")
+    digest = hashlib.blake2b(prompt.data, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def _url_hash(url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
+
+
+class EndpointPool:
+    """Replica choice and passive health for every server URL of one stream.
+
+    The state it reads and writes (load, health) is each URL's
+    :class:`~opd_stream.fleet._endpoints.Endpoint`; the pool keeps only the choice's own state
+    (round-robin turns, recent latencies).
+
+    Args:
+        endpoints: the stream's per-URL state.
+        balance: ``prefix`` (bounded-load rendezvous hashing of a request's key),
+            ``least-outstanding`` (power of two choices) or ``round-robin``.
+        load_factor: ``prefix`` only: no replica takes a new prompt while it holds
+            ``ceil(load_factor * (prompts + 1) / replicas)`` prompts in flight (>= 1).
+        limit: ``prefix`` only: a replica with this many requests in flight takes no more
+            while another has room (the per-endpoint concurrency limit).
+        eject_after: consecutive failures that eject a replica (0: never eject).
+        cooldown_s: how long an ejected replica stays out before it may be probed (> 0).
+        unreachable_after_s: how long every replica of a set must have refused
+            connections before the set is unreachable (0: never).
+        rng: random source of the two-choice draw (seed it for reproducible choices).
+    """
+
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        *,
+        balance: Balance = "least-outstanding",
+        load_factor: float = 1.25,
+        limit: int = 64,
+        eject_after: int = 5,
+        cooldown_s: float = 10.0,
+        unreachable_after_s: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._endpoints = endpoints
+        self._balance = balance
+        self._load_factor = load_factor
+        self._limit = limit
+        self._url_hashes: dict[str, int] = {}
+        self._homes: OrderedDict[int, str] = OrderedDict()
+        self._eject_after = eject_after
+        self._cooldown_s = cooldown_s
+        self._unreachable_after_s = unreachable_after_s
+        self._next_probe: dict[tuple[str, ...], float] = {}  # unreachable sets: next let-through
+        self._rng = rng if rng is not None else random.Random()
+        self._rr: dict[tuple[str, ...], int] = {}
+        self._latency: dict[tuple[str, ...], deque[float]] = {}
+
+    def health(self, url: str) -> EndpointHealth:
+        """The health state of ``url`` (admitted on first use)."""
+        return self._endpoints(url).health
+
+    # choice ------------------------------------------------------------------------
+    def pick(
+        self, urls: Sequence[str], exclude: Collection[str] = (), key: int | None = None
+    ) -> str | None:
+        """The replica of ``urls`` for the next request, or ``None`` when ``exclude``
+        leaves none.
+
+        Ejected replicas are skipped unless every candidate is ejected. ``key`` (a
+        :func:`prefix_key`) places the request under the ``prefix`` balance.
+        """
+        candidates = [u for u in urls if u not in exclude]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        admitted = [u for u in candidates if not self.health(u).ejected]
+        pool = admitted or candidates
+        if len(pool) == 1:
+            return pool[0]
+        if self._balance == "round-robin":
+            ring = tuple(urls)
+            turn = self._rr.get(ring, 0)
+            self._rr[ring] = turn + 1
+            return pool[turn % len(pool)]
+        if self._balance == "prefix" and key is not None:
+            return self._bounded(pool, key)
+        first, second = self._rng.sample(pool, 2)
+        load = self._endpoints.load
+        return second if load(second) < load(first) else first
+
+    def preference(self, urls: Sequence[str], key: int) -> list[str]:
+        """``urls`` in ``key``'s rendezvous order (its first choice first)."""
+        hashes = self._url_hashes
+        scores = []
+        for url in urls:
+            h = hashes.get(url)
+            if h is None:
+                h = hashes[url] = _url_hash(url)
+            scores.append((_mix(key ^ h), url))
+        scores.sort(reverse=True)
+        return [url for _, url in scores]
+
+    def _bounded(self, pool: Sequence[str], key: int) -> str:
+        eps, limit = self._endpoints, self._limit
+        order = self.preference(pool, key)
+        for joined in order:  # the prompt is in flight there: join it
+            held = eps.held(joined, key)
+            if held and (eps.load(joined) < limit or 2 * held < limit):
+                return joined
+        prompts = {url: eps.prompts(url) for url in pool}
+        cap = math.ceil(self._load_factor * (sum(prompts.values()) + 1) / len(pool))
+        homes = self._homes
+        home = homes.get(key)
+        if home is not None and home in prompts:  # where its prefix was computed last
+            order.remove(home)
+            order.insert(0, home)
+        free = [u for u in order if prompts[u] < cap and eps.load(u) < limit]
+        url = free[0] if free else min(order, key=eps.load)  # else: all at their limit
+        homes[key] = url
+        homes.move_to_end(key)
+        if len(homes) > _HOMES:
+            homes.popitem(last=False)
+        return url
+
+    # passive health ----------------------------------------------------------------
+    def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:
+        """A request to ``url`` (one of the replica set ``urls``) succeeded."""
+        state = self.health(url)
+        state.consecutive_failures = 0
+        state.refused_since = None
+        ring = self._latency.get(tuple(urls))
+        if ring is None:
+            ring = self._latency[tuple(urls)] = deque(maxlen=_LATENCY_RING)
+        ring.append(latency_s)
+
+    def record_failure(self, url: str, urls: Sequence[str], now: float) -> bool:
+        """A request to ``url`` failed in a way that says the replica is unwell.
+
+        Returns:
+            True when this failure ejected the replica.
+        """
+        state = self.health(url)
+        state.consecutive_failures += 1
+        if (
+            self._eject_after == 0
+            or len(urls) < 2
+            or state.ejected
+            or state.consecutive_failures < self._eject_after
+        ):
+            return False
+        self._eject(state, now)
+        return True
+
+    def _eject(self, state: EndpointHealth, now: float) -> None:
+        state.ejected_until = now + self._cooldown_s
+        state.ejections += 1
+
+    def claim_probe(self, urls: Sequence[str], now: float) -> str | None:
+        """An ejected replica of ``urls`` whose cool-down is over and that nobody is
+        probing; it is marked as being probed. ``None`` when there is none.
+
+        The caller must report the outcome with :meth:`probe_result`, or give the claim
+        back with :meth:`release_probe` when the probe was cancelled.
+        """
+        for url in urls:
+            state = self.health(url)
+            if state.ejected_until is not None and not state.probing and now >= state.ejected_until:
+                state.probing = True
+                return url
+        return None
+
+    def probe_result(self, url: str, healthy: bool, now: float) -> None:
+        """Outcome of a claimed probe: re-admit ``url``, or eject it for another cool-down."""
+        state = self.health(url)
+        state.probing = False
+        if healthy:
+            state.ejected_until = None
+            state.consecutive_failures = 0
+            state.readmissions += 1
+        else:
+            self._eject(state, now)
+
+    def release_probe(self, url: str) -> None:
+        """Give back a claimed probe without a verdict (it was cancelled)."""
+        self.health(url).probing = False
+
+    # unreachable replica sets ------------------------------------------------------
+    def record_refused(self, url: str, now: float) -> None:
+        """No connection could be made to ``url`` (the server was not reached)."""
+        state = self.health(url)
+        if state.refused_since is None:
+            state.refused_since = now
+
+    def record_reached(self, url: str) -> None:
+        """``url`` answered (an error status or a bad answer included): it is not refusing."""
+        self.health(url).refused_since = None
+
+    def unreachable(self, urls: Sequence[str], now: float) -> float | None:
+        """For how long every replica of ``urls`` has been refusing connections, when that
+        is at least ``unreachable_after_s``; else ``None`` (the set is reachable)."""
+        if self._unreachable_after_s <= 0 or not urls:
+            return None
+        latest = -math.inf
+        for url in urls:
+            since = self.health(url).refused_since
+            if since is None:
+                self._next_probe.pop(tuple(urls), None)
+                return None
+            latest = max(latest, since)
+        refusing = now - latest
+        return refusing if refusing >= self._unreachable_after_s else None
+
+    def known_unreachable(self, urls: Sequence[str]) -> bool:
+        """Whether ``urls`` was found unreachable before (and has not answered since)."""
+        return tuple(urls) in self._next_probe
+
+    def let_through(self, urls: Sequence[str], now: float) -> bool:
+        """While ``urls`` is unreachable: whether this request goes ahead (the first one,
+        then one per ``unreachable_after_s``) to see whether the set is back."""
+        key = tuple(urls)
+        due = self._next_probe.get(key)
+        if due is not None and now < due:
+            return False
+        self._next_probe[key] = now + self._unreachable_after_s
+        return True
+
+    # hedging -----------------------------------------------------------------------
+    def hedge_delay(self, urls: Sequence[str], percentile: float, min_s: float) -> float | None:
+        """How long to wait for an answer before sending a duplicate to another replica.
+
+        Args:
+            urls: the replica set.
+            percentile: in ``(0, 100)``; ``0`` disables hedging.
+            min_s: the smallest delay.
+
+        Returns:
+            ``max(min_s, percentile of recent successful latencies)``, or ``None`` when
+            hedging is off, the set has one replica, or fewer than
+            :data:`HEDGE_MIN_SAMPLES` latencies are known.
+        """
+        if percentile <= 0 or len(urls) < 2:
+            return None
+        ring = self._latency.get(tuple(urls))
+        if ring is None or len(ring) < HEDGE_MIN_SAMPLES:
+            return None
+        value = float(np.percentile(np.fromiter(ring, dtype=np.float64), percentile))
+        return max(min_s, value)

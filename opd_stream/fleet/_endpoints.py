@@ -1,0 +1,146 @@
+"""The state of every server URL a stream talks to, in one place.
+
+One :class:`Endpoint` per URL holds all that is known about it: its load (requests in
+flight), its health (passive ejection, re-admission probes), the capabilities detected
+from its answers (per-position ids, base64 top-k, the blocked batch) and its traffic
+counters. The balancer (:mod:`opd_stream.fleet._balance`) and the capability rules
+(:mod:`opd_stream.fleet._capabilities`) read and write it; the attempt sender counts traffic in
+it; ``OPDStream.stats()`` only reads a snapshot (:meth:`Endpoints.snapshot`). Sans-IO.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .._stats import EndpointStats, EndpointTraffic
+
+__all__ = ("Endpoint", "EndpointHealth", "Endpoints")
+
+
+class EndpointHealth:
+    """Health state of one replica URL (the rules:
+    :class:`~opd_stream.fleet._balance.EndpointPool`).
+
+    Attributes:
+        consecutive_failures: failures since the last success or re-admission.
+        ejected_until: ``now`` from which a re-admission probe may run; ``None`` when the
+            replica is admitted.
+        probing: a ``/health`` probe of this replica is in flight.
+        ejections: times the replica was ejected (a failed probe counts again).
+        readmissions: times a probe re-admitted it.
+        refused_since: ``now`` of the first refused connection since it last answered;
+            ``None`` when it is not refusing.
+    """
+
+    __slots__ = (
+        "consecutive_failures",
+        "ejected_until",
+        "ejections",
+        "probing",
+        "readmissions",
+        "refused_since",
+    )
+
+    def __init__(self) -> None:
+        self.refused_since: float | None = None
+        self.consecutive_failures = 0
+        self.ejected_until: float | None = None
+        self.probing = False
+        self.ejections = 0
+        self.readmissions = 0
+
+    @property
+    def ejected(self) -> bool:
+        """True while the replica is out of the rotation (cool-down or awaiting a probe)."""
+        return self.ejected_until is not None
+
+
+class Endpoint:
+    """Everything known about one server URL (see the module docstring)."""
+
+    __slots__ = (
+        "b64_topk",
+        "blocked_batch",
+        "health",
+        "in_flight",
+        "keys",
+        "per_position",
+        "traffic",
+    )
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
+        self.traffic = EndpointTraffic()  # its counters (EndpointStats carries a copy)
+        self.health = EndpointHealth()
+        self.per_position: bool | None = None
+        self.b64_topk: bool | None = None
+        self.blocked_batch: bool | None = None
+
+    def stats(self) -> EndpointStats:
+        health = self.health
+        return EndpointStats(
+            **msgspec.structs.asdict(self.traffic),
+            in_flight=self.in_flight,
+            per_position=self.per_position,
+            b64_topk=self.b64_topk,
+            blocked_batch=self.blocked_batch,
+            ejected=health.ejected,
+            ejections=health.ejections,
+            readmissions=health.readmissions,
+        )
+
+
+class Endpoints:
+    """The :class:`Endpoint` of every URL of one stream (created on first use)."""
+
+    def __init__(self) -> None:
+        self._by_url: dict[str, Endpoint] = {}
+
+    def __call__(self, url: str) -> Endpoint:
+        ep = self._by_url.get(url)
+        if ep is None:
+            ep = self._by_url[url] = Endpoint()
+        return ep
+
+    def load(self, url: str) -> int:
+        """Requests in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else ep.in_flight
+
+    def prompts(self, url: str) -> int:
+        """Distinct routing keys (prompts) with requests in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else len(ep.keys)
+
+    def holds(self, url: str, key: int) -> bool:
+        """``key`` has requests in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return ep is not None and key in ep.keys
+
+    def held(self, url: str, key: int) -> int:
+        """Requests with routing ``key`` in flight to ``url`` now."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else ep.keys.get(key, 0)
+
+    def begin(self, url: str, key: int | None) -> Endpoint:
+        """A request (with routing ``key``, if any) to ``url`` is in flight from now."""
+        ep = self(url)
+        ep.in_flight += 1
+        if key is not None:
+            ep.keys[key] = ep.keys.get(key, 0) + 1
+        return ep
+
+    def end(self, url: str, key: int | None) -> None:
+        """The request of :meth:`begin` is over (answered, failed or cancelled)."""
+        ep = self(url)
+        ep.in_flight -= 1
+        if key is not None:
+            left = ep.keys[key] - 1
+            if left:
+                ep.keys[key] = left
+            else:
+                del ep.keys[key]  # nothing kept once a prompt's last request is over
+
+    def snapshot(self) -> dict[str, EndpointStats]:
+        return {url: ep.stats() for url, ep in self._by_url.items()}

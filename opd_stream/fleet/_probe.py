@@ -1,0 +1,187 @@
+"""The probe: one scoring request asked of every replica of every teacher, cold and warm,
+to see whether the fleet gives one signal (:meth:`OPDStream.probe`, ``opd-stream probe``).
+
+Replicas that should be identical can disagree on logprobs by more than the distillation
+signal itself (a replica on other weights, another kernel, a broken GPU), and a prefix-cache
+reuse can move a logprob between a cold and a warm request. The probe sends the same
+request (a caller's sample, or a fixed token sequence) to each replica:
+
+* **cold**: with a fresh random ``cache_salt``, so nothing cached is reused;
+* **warm**: the same request again with the same salt, so the cold request's prefix is
+  cached on that replica (SGLang reuses a prefix up to ``logprob_start_len``).
+
+and reports, per teacher, the largest difference between replicas (their cold answers)
+and between each replica's cold and warm answers, naming the replicas beyond the tolerance.
+
+This module is the sans-IO part (the report types, :func:`compare`, :func:`ejectable`);
+the requests are :func:`opd_stream.fleet._probe_requests.run_probe`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = (
+    "PROBE_RESPONSE_LENGTH",
+    "Answer",
+    "ProbeReport",
+    "ReplicaProbe",
+    "compare",
+    "default_probe_tokens",
+    "ejectable",
+)
+
+PROBE_RESPONSE_LENGTH = 32
+"""Scored positions of the default probe request (the last 32 of 64 tokens)."""
+
+_PROBE_LENGTH = 64
+_PROBE_SEED = 26
+
+
+def default_probe_tokens() -> npt.NDArray[np.int64]:
+    """The default probe sequence: 64 fixed ids in ``[100, 1000)`` (present in every real
+    vocabulary), the same in every process. A real sample (``probe(sample)``) probes with
+    the numbers training will see; this one needs nothing from the caller."""
+    rng = np.random.default_rng(_PROBE_SEED)
+    return rng.integers(100, 1000, _PROBE_LENGTH).astype(np.int64)
+
+
+class ReplicaProbe(msgspec.Struct, frozen=True, kw_only=True):
+    """What the probe found about one replica.
+
+    Attributes:
+        teacher: the teacher name.
+        url: the replica (a router's worker when discovery found one).
+        weight_version: the cold answer's ``meta_info.weight_version``.
+        vs_replicas: the largest difference, in nats over the scored positions, between
+            this replica's cold logprobs and the teacher's replicas' median (with two
+            replicas there is no majority: their difference); ``None`` when it did not
+            answer, ``0`` for a teacher's only replica.
+        cold_vs_warm: the largest difference between its cold and warm answers.
+        error: the failure's reason when a request failed (then not compared).
+        outlier: ``vs_replicas`` or ``cold_vs_warm`` is beyond the tolerance.
+        ejected: the probe took it out of the stream's rotation.
+    """
+
+    teacher: str
+    url: str
+    weight_version: str | None = None
+    vs_replicas: float | None = None
+    cold_vs_warm: float | None = None
+    error: str | None = None
+    outlier: bool = False
+    ejected: bool = False
+
+
+class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The probe's result (also what ``opd-stream probe`` prints, as JSON).
+
+    Attributes:
+        tolerance: the largest difference accepted, in nats (``probe_tolerance``).
+        positions: logprobs compared per answer.
+        replicas: one entry per replica of every teacher.
+        max_replica_diff: the largest difference between two replicas of one teacher at
+            one position (cold answers), over every teacher; 0 with one replica each.
+        max_cold_warm_diff: the largest difference between a replica's cold and warm
+            answers at one position, over every replica.
+        outliers: the URLs of the replicas beyond the tolerance.
+        failed: the URLs of the replicas whose requests failed.
+    """
+
+    tolerance: float
+    positions: int
+    replicas: tuple[ReplicaProbe, ...]
+    max_replica_diff: float
+    max_cold_warm_diff: float
+    outliers: tuple[str, ...]
+    failed: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Every replica answered and none is beyond the tolerance."""
+        return not self.outliers and not self.failed
+
+
+class Answer(msgspec.Struct, kw_only=True):
+    """One replica's two answers (logprobs of the scored positions), or its failure."""
+
+    teacher: str
+    url: str
+    cold: npt.NDArray[np.float64] | None = None
+    warm: npt.NDArray[np.float64] | None = None
+    weight_version: str | None = None
+    error: str | None = None
+
+
+def _max_diff(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> float:
+    """``max |a - b|`` where two ``-inf`` agree (0) and one ``-inf`` is infinitely off."""
+    both = np.isneginf(a) & np.isneginf(b)
+    with np.errstate(invalid="ignore"):  # -inf - -inf, masked just below
+        diff = np.where(both, 0.0, np.abs(a - b))
+    return float(diff.max(initial=0.0))
+
+
+def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> ProbeReport:
+    """The report of a probe's answers (see :class:`ProbeReport`). Sans-IO."""
+    by_teacher: dict[str, list[Answer]] = {}
+    for a in answers:
+        by_teacher.setdefault(a.teacher, []).append(a)
+    out: list[ReplicaProbe] = []
+    max_replicas = 0.0
+    max_warm = 0.0
+    for group in by_teacher.values():
+        ok = [a for a in group if a.cold is not None and a.warm is not None]
+        colds = np.stack([a.cold for a in ok if a.cold is not None]) if ok else None
+        if colds is not None and len(ok) >= 2:
+            hi, lo = colds.max(axis=0), colds.min(axis=0)
+            with np.errstate(invalid="ignore"):  # -inf - -inf: every replica agrees
+                spread = np.where(np.isneginf(hi), 0.0, hi - lo)
+            max_replicas = max(max_replicas, float(spread.max(initial=0.0)))
+            center = np.median(colds, axis=0)
+        for a in group:
+            if a.cold is None or a.warm is None:
+                out.append(ReplicaProbe(teacher=a.teacher, url=a.url, error=a.error))
+                continue
+            if len(ok) == 2:
+                other = ok[1] if ok[0] is a else ok[0]
+                assert other.cold is not None
+                vs = _max_diff(a.cold, other.cold)
+            elif len(ok) > 2:
+                vs = _max_diff(a.cold, center)
+            else:
+                vs = 0.0
+            warm = _max_diff(a.cold, a.warm)
+            max_warm = max(max_warm, warm)
+            out.append(
+                ReplicaProbe(
+                    teacher=a.teacher,
+                    url=a.url,
+                    weight_version=a.weight_version,
+                    vs_replicas=vs,
+                    cold_vs_warm=warm,
+                    outlier=vs > tolerance or warm > tolerance,
+                )
+            )
+    return ProbeReport(
+        tolerance=tolerance,
+        positions=positions,
+        replicas=tuple(out),
+        max_replica_diff=max_replicas,
+        max_cold_warm_diff=max_warm,
+        outliers=tuple(r.url for r in out if r.outlier),
+        failed=tuple(r.url for r in out if r.error is not None),
+    )
+
+
+def ejectable(report: ProbeReport) -> tuple[str, ...]:
+    """The outliers to take out: those of a teacher that keeps at least one replica the
+    probe found good (when every replica is off there is no telling which is right)."""
+    keep: set[str] = set()
+    for r in report.replicas:
+        if not r.outlier and r.error is None:
+            keep.add(r.teacher)
+    return tuple(r.url for r in report.replicas if r.outlier and r.teacher in keep)

@@ -1,0 +1,203 @@
+"""The compiled kernels as typed calls (:func:`opd_stream.scanner._loader.compiled` gives this
+module,
+as :class:`opd_stream.scanner._loader.Kernels`, which mypy checks it against): buffers sized for any
+input, the kernels' constants, and :func:`warm`, which compiles every kernel with the
+argument types it is always called with.
+
+Importing it imports numba and compiles (or loads from numba's cache): only
+:func:`opd_stream.scanner._loader.prepare` does, in a worker thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._answers import Body
+from ._checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
+from ._ids import _write_positions, positions_json
+from ._loader import Scan, ScanSchema, scan_schema
+from ._rows import read_rows
+from ._scan import (
+    B64,
+    ENTRIES,
+    OK,
+    R_END,
+    R_ENT0,
+    R_ENT1,
+    R_ITEM,
+    R_KEY,
+    R_ROW0,
+    R_ROW1,
+    R_START,
+    ROWS,
+    UNUSUAL,
+    scan,
+)
+
+__all__ = (
+    "OK",
+    "R_END",
+    "R_ENT0",
+    "R_ENT1",
+    "R_ITEM",
+    "R_KEY",
+    "R_ROW0",
+    "R_ROW1",
+    "R_START",
+    "KERNELS",
+    "UNUSUAL",
+    "id_fault",
+    "pick_rows",
+    "positions_json",
+    "rows_read",
+    "topk_check",
+    "run_scan",
+    "scan_buffers",
+    "warm",
+)
+
+
+
+#: The kernels called from Python, each compiled (and cached) for the argument types of
+#: :func:`warm`: when numba's cache holds them all, a process loads rather than compiles
+#: (:mod:`opd_stream.scanner._loader`).
+KERNELS = (scan, read_rows, _write_positions, request_id_fault, pick_id_rows, topk_faults)
+
+
+def rows_read(
+    body: bytes, r: int, k: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None:
+    """The msgpack of a rollout's ``r`` Python top-k rows into ``(lps float64 [r * k],
+    ids int64 [r * k])``, each row's first ``k`` entries (a ``nil`` logprob is ``-inf``),
+    or ``None`` for anything :func:`opd_stream.scanner._rows.read_rows` does not take."""
+    b = np.frombuffer(body, dtype=np.uint8)
+    lps = np.empty(r * k, dtype=np.float64)
+    ids = np.empty(r * k, dtype=np.int64)
+    if not read_rows(b, r, k, lps, lps.view(np.uint64), ids):
+        return None
+    return lps, ids
+
+
+def topk_check(
+    ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.floating[Any]],
+    pad_id: int,
+    max_id: int,
+    tolerance: float,
+) -> tuple[npt.NDArray[np.float32], dict[str, int]]:
+    """A student top-k's checks in one compiled pass (:func:`opd_stream.scanner._checks.
+    topk_faults`): ``(logprobs as float32 [R, k], {fault: first row})``, the faults
+    named as in :data:`opd_stream.scanner._checks.FAULTS`, only those found."""
+    out = np.empty(ids.shape, dtype=np.float32)
+    first = topk_faults(ids, lps, pad_id, max_id, tolerance, out)
+    return out, {name: int(row) for name, row in zip(FAULTS, first, strict=True) if row >= 0}
+
+
+def id_fault(ids: npt.NDArray[np.int64], max_id: int) -> tuple[int, int]:
+    """A request's ids (int64 ``[R, k]``, contiguous) checked in one pass
+    (:func:`opd_stream.scanner._checks.request_id_fault`): ``(1, -1)`` for an id outside
+    ``[0, max_id)``, ``(2, row)`` for the first row holding an id twice, else ``(0, -1)``."""
+    fault, row = request_id_fault(ids, max_id)
+    return int(fault), int(row)
+
+
+def pick_rows(
+    e_ids: npt.NDArray[np.float64],
+    e_lps: npt.NDArray[np.float64],
+    entry_off: npt.NDArray[np.intp],
+    row_width: npt.NDArray[np.intp],
+    row_null: npt.NDArray[np.bool_],
+    first_row: int,
+    expect: npt.NDArray[np.int64],
+    out: npt.NDArray[np.float32],
+) -> tuple[bool, float]:
+    """One answer's per-position id rows checked and picked into ``out``
+    (:func:`opd_stream.scanner._checks.pick_id_rows`): ``(ok, largest logprob)``."""
+    ok, top = pick_id_rows(e_ids, e_lps, entry_off, row_width, row_null, first_row, expect, out)
+    return bool(ok), float(top)
+
+
+def run_scan(body: Body, batch: bool, schema: ScanSchema) -> Scan:
+    """:func:`scan` over ``body`` (:func:`scan_buffers`), its buffers cut to what it
+    wrote."""
+    got, lps, ids, widths, nulls, raw, records = scan_buffers(body, batch, schema)
+    status, n_rec, n_items, n_ent, n_rows = got
+    return Scan(
+        int(status),
+        int(n_items),
+        records[:n_rec],
+        lps[:n_ent],
+        ids[:n_ent],
+        widths[:n_rows],
+        nulls[:n_rows],
+        raw,
+    )
+
+
+def scan_buffers(body: Body, batch: bool, schema: ScanSchema) -> tuple[Any, ...]:
+    """:func:`scan` over ``body`` with buffers big enough for any body of its size:
+    ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
+    records)``, the buffers whole. Allocated with ``np.empty``: pages a scan does not touch
+    cost nothing."""
+    n = len(body)
+    b = np.frombuffer(body, dtype=np.uint8)
+    if b.flags.writeable:  # one compiled variant: read-only bytes
+        b = b.view()
+        b.flags.writeable = False
+    entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
+    rows = n // 3 + 1  # the shortest row, "[],", 3
+    lps = np.empty(entries, dtype=np.float64)
+    ids = np.empty(entries, dtype=np.int64)
+    widths = np.empty(rows, dtype=np.int32)
+    nulls = np.empty(rows, dtype=np.uint8)
+    raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
+    records = np.empty((n // 8 + 8, 8), dtype=np.int64)
+    fields = (schema.key_bytes, schema.key_starts, schema.kind_codes, schema.envelope_bytes)
+    got = scan(b, batch, *fields, lps, ids, widths, nulls, raw, records)
+    return got, lps, ids, widths, nulls, raw, records
+
+
+#: A tiny answer that makes numba compile every path of the scan once, with a schema of
+#: each kind (compiling depends on the arguments' types only).
+_WARM_SCHEMA = scan_schema(
+    (
+        ("input_token_logprobs", ENTRIES),
+        ("input_token_ids_logprobs", ROWS),
+        ("input_top_logprobs", ROWS),
+        ("output_token_ids_logprobs", ROWS),
+        ("input_top_logprobs_val_flat_b64", B64),
+        ("input_top_logprobs_idx_flat_b64", B64),
+    ),
+    "meta_info",
+)
+_WARM_BODY = (
+    b'{"text":"","meta_info":{"finish_reason":{"type":"length"},"input_token_logprobs":'
+    b'[[null,1,null],[-0.5,2]],"input_token_ids_logprobs":[null,[[-1.25e-3,3,null]]],'
+    b'"input_top_logprobs":[null,[]],"output_token_ids_logprobs":[[[-2.0,4]]],'
+    b'"input_top_logprobs_val_flat_b64":"AAAAAA==","input_top_logprobs_idx_flat_b64":"AQID"}}'
+)
+
+
+#: Two rows in every form :func:`rows_read` takes (msgspec.msgpack of
+#: ``[[[-0.5, 1, None], [None, -2, "a"]], [[0, 2**40]]]``, written out so that warming
+#: needs no msgspec).
+_WARM_ROWS = bytes.fromhex("929293cbbfe000000000000001c093c0fea161919200cf0000010000000000")
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every kernel, with the argument types they
+    are always called with."""
+    run_scan(_WARM_BODY, False, _WARM_SCHEMA)
+    run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True, _WARM_SCHEMA)
+    rows_read(_WARM_ROWS, 2, 1)
+    positions_json(np.zeros((1, 1), dtype=np.int64), 1)
+    ids = np.zeros((1, 1), dtype=np.int64)
+    id_fault(ids, 1)
+    one = np.zeros(1, dtype=np.intp)
+    out = np.empty((1, 1), dtype=np.float32)
+    pick_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
+    for dtype in (np.float64, np.float32):
+        topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

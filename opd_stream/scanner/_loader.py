@@ -1,0 +1,299 @@
+"""The compiled kernels (:mod:`opd_stream.scanner._scan`, :mod:`opd_stream.scanner._ids`, numba,
+called through :mod:`opd_stream.scanner._calls`): made ready once per process, in the
+background, never waited for.
+
+:func:`start` (called as each stream starts) returns at once; a daemon thread then loads the
+kernels from numba's on-disk cache (next to the modules, or the user's cache directory, or
+``NUMBA_CACHE_DIR``): ~0.4-0.5 s of CPU, numba's import included. Where the cache lacks them
+(the first run), it first has them compiled by a process of its own (``python -c`` running
+:mod:`opd_stream.scanner._warm`, which imports nothing of the host's), ~7-8 s of CPU on a 2-core
+machine, and loads them when it is done; ``bench/jit_startup.py`` measures both. So the
+host's process is never held: its exit does not wait for the thread (a daemon) nor for the
+compiling process, which finishes writing the cache for the next run on its own (a Ctrl-C
+in the terminal stops it too). Where no process can be started, or numba cannot cache
+here, the thread compiles in-process instead (still a daemon).
+
+Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
+``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a
+big-endian machine), :func:`compiled` gives ``None`` and the callers use msgspec and numpy.
+Once ready it gives :class:`Kernels`, the typed calls of :mod:`opd_stream.scanner._calls`
+(mypy checks that module against it, and every caller against it).
+A failure is logged once at DEBUG and never retried. Nothing is printed: the CLI asks for
+its one line with :func:`announce_compile`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from .._answers import Body
+
+__all__ = (
+    "Kernels",
+    "Scan",
+    "announce_compile",
+    "available",
+    "compiled",
+    "prepare",
+    "start",
+    "unavailable_reason",
+)
+
+
+class Scan(NamedTuple):
+    """What the answer scan gives (:func:`opd_stream.scanner._scan.scan`), its buffers cut
+    to what it wrote (``raw`` whole: records hold its byte ranges)."""
+
+    status: int  #: :attr:`Kernels.OK`, or the answer is not for the scanner
+    n_items: int
+    records: npt.NDArray[np.int64]  #: ``[n, 8]``, columns :attr:`Kernels.R_KEY` ...
+    lps: npt.NDArray[np.float64]
+    ids: npt.NDArray[np.int64]
+    widths: npt.NDArray[np.int32]
+    nulls: npt.NDArray[np.uint8]
+    raw: npt.NDArray[np.uint8]
+
+
+class ScanSchema(NamedTuple):
+    """The values the scan parses, as the wire declares them (built once by
+    :mod:`opd_stream.wire._scan_reader` from its msgspec schema with :func:`scan_schema`):
+    each key's name and kind (an entries list, a rows list or a base64 string, numbered as
+    the wire numbers them), the envelope they sit in, and the same as the kernel's arrays."""
+
+    keys: tuple[str, ...]
+    kinds: tuple[int, ...]
+    envelope: str
+    key_bytes: npt.NDArray[np.uint8]  #: every key's bytes, one after the other
+    key_starts: npt.NDArray[np.int64]  #: key ``k`` is ``key_bytes[starts[k]:starts[k + 1]]``
+    kind_codes: npt.NDArray[np.int64]
+    envelope_bytes: npt.NDArray[np.uint8]
+
+
+def scan_schema(fields: Sequence[tuple[str, int]], envelope: str) -> ScanSchema:
+    """:class:`ScanSchema` of ``(name, kind)`` pairs inside the object under ``envelope``;
+    its arrays read-only (one compiled variant)."""
+    import numpy as np
+
+    keys = tuple(name for name, _ in fields)
+    arrays = (
+        np.frombuffer("".join(keys).encode(), dtype=np.uint8).copy(),
+        np.cumsum([0] + [len(k.encode()) for k in keys]).astype(np.int64),
+        np.array([kind for _, kind in fields], dtype=np.int64),
+        np.frombuffer(envelope.encode(), dtype=np.uint8).copy(),
+    )
+    for a in arrays:
+        a.flags.writeable = False
+    return ScanSchema(keys, tuple(kind for _, kind in fields), envelope, *arrays)
+
+
+class Kernels(Protocol):
+    """The compiled kernels as :func:`compiled` gives them: :mod:`opd_stream.scanner._calls`,
+    checked against this by mypy where :func:`prepare` hands it out."""
+
+    #: The scan's status of an answer it took (:attr:`Scan.status`).
+    OK: int
+    #: The columns of :attr:`Scan.records`: the value's key (an index into
+    #: :attr:`ScanSchema.keys`),
+    #: its item, its byte span in the body, its rows and its entries (for a base64 string,
+    #: its bytes in :attr:`Scan.raw`).
+    R_KEY: int
+    R_ITEM: int
+    R_START: int
+    R_END: int
+    R_ROW0: int
+    R_ROW1: int
+    R_ENT0: int
+    R_ENT1: int
+
+    def run_scan(self, body: Body, batch: bool, schema: ScanSchema) -> Scan: ...
+
+    def rows_read(
+        self, body: bytes, r: int, k: int
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None: ...
+
+    def topk_check(
+        self,
+        ids: npt.NDArray[np.int64],
+        lps: npt.NDArray[np.floating[Any]],
+        pad_id: int,
+        max_id: int,
+        tolerance: float,
+    ) -> tuple[npt.NDArray[np.float32], dict[str, int]]: ...
+
+    def positions_json(self, ids: npt.NDArray[Any], empty_rows: int) -> memoryview | None: ...
+
+    def id_fault(self, ids: npt.NDArray[np.int64], max_id: int) -> tuple[int, int]: ...
+
+    def pick_rows(
+        self,
+        e_ids: npt.NDArray[np.float64],
+        e_lps: npt.NDArray[np.float64],
+        entry_off: npt.NDArray[np.intp],
+        row_width: npt.NDArray[np.intp],
+        row_null: npt.NDArray[np.bool_],
+        first_row: int,
+        expect: npt.NDArray[np.int64],
+        out: npt.NDArray[np.float32],
+    ) -> tuple[bool, float]: ...
+
+
+_log = logging.getLogger("opd_stream")
+_start_lock = threading.Lock()
+_compile_lock = threading.Lock()
+_kernel: Kernels | None = None
+_failed = False
+_thread: threading.Thread | None = None
+_notice: Callable[[], None] | None = None
+
+#: What the compiling process runs (``sys.argv[1]``: the folder that holds this package, so
+#: that it compiles these very files).
+_CHILD = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from opd_stream.scanner._warm import main; main()"
+)
+
+
+def compiled() -> Kernels | None:
+    """The compiled kernels, or ``None`` (not ready yet, or unavailable)."""
+    return _kernel
+
+
+def available() -> bool:
+    """Whether the kernels are compiled and ready."""
+    return _kernel is not None
+
+
+def announce_compile(notice: Callable[[], None] | None) -> None:
+    """Have ``notice`` called (from the background thread) when the kernels must be compiled
+    rather than loaded from the cache: the CLI's one line. Library use sets none."""
+    global _notice
+    _notice = notice
+
+
+def start() -> None:
+    """Make the kernels ready in the background (see the module docstring); returns at once.
+
+    Does nothing when they are ready, unavailable, or already on their way.
+    """
+    global _thread
+    with _start_lock:
+        if _kernel is not None or _failed or (_thread is not None and _thread.is_alive()):
+            return
+        _thread = threading.Thread(target=_background, name="opd_stream.kernels", daemon=True)
+        _thread.start()
+
+
+def prepare() -> bool:
+    """Compile (or load from numba's cache) the kernels in this thread, blocking; whether
+    they are usable. Thread-safe (a second caller waits for the first). The background
+    thread of :func:`start` calls it; so do tests and benchmarks. Never on the event loop.
+    """
+    global _kernel, _failed
+    if _kernel is not None:
+        return True
+    with _compile_lock:
+        if _kernel is None and not _failed:
+            try:
+                _check_usable()
+                from . import _calls as _jit_calls
+
+                _jit_calls.warm()
+                _kernel = _jit_calls
+            except Exception as exc:  # numba absent or unusable here: msgspec remains
+                _failed = True
+                _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)
+    return _kernel is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled scanner cannot run in this process, or ``None`` when it can (or
+    may: the compile itself can still fail, e.g. numba too old for this numpy). Cheap:
+    numba is looked up, not imported; nothing is compiled."""
+    import importlib.util
+
+    if _kernel is not None:
+        return None
+    if _failed:
+        return "numba failed to load or compile the kernels in this process"
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed"
+    if os.environ.get("NUMBA_DISABLE_JIT", "0").strip() not in ("", "0"):
+        return "NUMBA_DISABLE_JIT is set"
+    if sys.byteorder != "little":
+        return "a big-endian machine"
+    return None
+
+
+def _check_usable() -> None:
+    import numba
+
+    if getattr(numba.config, "DISABLE_JIT", False):  # it would run as Python
+        raise RuntimeError("NUMBA_DISABLE_JIT is set")
+    if sys.byteorder != "little":  # the scan reads 8 bytes as a little-endian word
+        raise RuntimeError("a big-endian machine")
+
+
+def _background() -> None:
+    """The daemon thread of :func:`start`."""
+    try:
+        if _cache_state() == "cold":
+            if _notice is not None:
+                _notice()
+            _compile_elsewhere()
+    except Exception as exc:  # then compile here, below
+        _log.debug("opd_stream: kernels not compiled apart: %s", type(exc).__name__)
+    prepare()
+
+
+def _cache_state() -> str:
+    """``"warm"`` when numba's cache holds every kernel for these sources (a cheap look at
+    its index files; a wrong guess costs only a compile in this process), ``"cold"`` when
+    it lacks one, ``"none"`` when there is no cache to fill (numba unusable, or no
+    writable place for it: then :func:`prepare` says why, or compiles here)."""
+    try:
+        _check_usable()
+    except Exception:
+        return "none"
+    try:
+        from . import _calls as _jit_calls
+
+        files = [k._cache._cache_file for k in _jit_calls.KERNELS]
+    except Exception:  # no cache (numba compiled them uncached), or another numba
+        return "none"
+    try:
+        return "warm" if all(f._load_index() for f in files) else "cold"
+    except Exception:  # an unreadable index: the other process rewrites it
+        return "cold"
+
+
+def _compile_elsewhere() -> None:
+    """Compile the kernels into numba's cache in a process of its own, and wait for it."""
+    if not sys.executable:
+        raise RuntimeError("no interpreter to start")
+    # the directory that holds the package: opd_stream/scanner/_loader.py, three up
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, here],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+
+
+def _after_fork() -> None:
+    global _thread
+    _thread = None  # the thread did not survive the fork: start() may start another
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -1,0 +1,421 @@
+"""HTTP transports: the one seam between the pipeline and the network.
+
+A :class:`Transport` has two operations, ``post`` and ``get``, each returning a
+:class:`Response` whose body was read under a byte cap. :class:`AiohttpTransport` is the
+production transport (asyncio only: aiohttp does not run under trio);
+:class:`MockTransport` calls a handler in-process and runs on any anyio backend, so the
+pipeline's logic (routing, deadlines, retries, backpressure) is tested on asyncio and trio
+without sockets.
+
+Errors: connection problems become :class:`ConnectionFailed`; a body over the cap becomes
+:class:`ResponseTooLarge`; a compressed body (which we never ask for) becomes
+:class:`MalformedResponseError`. HTTP status codes are *not* errors here: the caller decides.
+
+Memory: besides the per-answer cap, every transport here charges what it reads to the
+:class:`~opd_stream.transport._budget.BudgetLease` passed to ``post`` (``lease=``, when there is
+one):
+the stream's budget for all bodies in flight. The stream hands each scoring attempt's lease
+to the transport explicitly; nothing is read from the running task's context.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import os
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Protocol, Self
+from urllib.parse import urlsplit
+
+import anyio.lowlevel
+import msgspec
+import numpy as np
+
+from .._answers import Body
+from .._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
+from .._redact import redact
+from ._budget import BudgetLease
+
+__all__ = (
+    "AiohttpTransport",
+    "MockTransport",
+    "Response",
+    "Transport",
+)
+
+_READ_CHUNK = 1 << 18
+#: Bytes read between two turns given to the event loop (see ``_read_body``).
+_YIELD_BYTES = 1 << 20
+
+
+class Response(msgspec.Struct, frozen=True):
+    """An HTTP answer: status code and the whole body.
+
+    ``body`` is a :data:`~opd_stream._answers.Body`: ``bytes``, or from the built-in
+    transports what it was read into (copying a 36 MB answer into ``bytes`` would hold the
+    event loop ~30 ms). Treat it as read-only.
+    """
+
+    status: int
+    body: Body
+
+
+class Transport(Protocol):
+    """What the pipeline needs from HTTP."""
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None: ...
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Response:
+        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
+
+        ``headers`` are sent besides the transport's own (the stream passes a request's
+        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). ``lease`` is the
+        stream's byte budget for this answer: charge each chunk read to it (``await
+        lease.grow(len(chunk))``, which waits while the stream holds too many answer bytes)
+        and call ``lease.done_reading()`` once the body is complete. A transport whose
+        ``post`` has no ``headers`` or ``lease`` parameter still works: it is never passed
+        one (an answer read without a lease is charged to it once it is whole).
+        """
+        ...
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        """GET ``url``; read at most ``max_bytes`` of the answer."""
+        ...
+
+
+Handler = Callable[[str, str, bytes], "Response | Awaitable[Response]"]
+
+
+class MockTransport:
+    """A transport that answers every request by calling ``handler(method, url, body)``.
+
+    The handler may be sync or async and returns a :class:`Response`; it may raise
+    :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
+    on what it returns, like a real transport.
+
+    Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
+    (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
+    without calling the handler; pass
+    ``routers=True`` to let the handler answer it (to play an sglang-router).
+    ``last_headers`` holds the extra headers of the last POST (``None``: none).
+    """
+
+    def __init__(self, handler: Handler, *, routers: bool = False) -> None:
+        self._handler = handler
+        self._routers = routers
+        self.requests = 0
+        self.last_headers: dict[str, str] | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        return None
+
+    async def _call(
+        self, method: str, url: str, body: bytes, max_bytes: int, lease: BudgetLease | None
+    ) -> Response:
+        if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+            # (also smg's /v1/rl/workers)
+            return Response(404, b'{"detail":"Not Found"}')
+        self.requests += 1
+        result = self._handler(method, url, body)
+        if inspect.isawaitable(result):
+            result = await result
+        assert isinstance(result, Response)
+        if len(result.body) > max_bytes:
+            raise ResponseTooLarge(max_bytes, url=url)
+        if lease is not None:
+            await lease.settle(len(result.body))
+        return result
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Response:
+        self.last_headers = dict(headers) if headers else None
+        return await self._call("POST", url, body, max_bytes, lease)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._call("GET", url, b"", max_bytes, None)
+
+
+class PooledTransport(abc.ABC):
+    """What both pooled HTTP transports share (aiohttp here, httpx in ``_transport_httpx``):
+    the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
+    refusal of a compressed answer, reading a body under the byte cap while charging the
+    budget lease it was given, and turning connection problems into a redacted
+    :class:`ConnectionFailed`. Subclasses implement ``_request``.
+
+    Args:
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        connect_timeout_s: watchdog for establishing a connection.
+        pool_size: the client's total connection limit (0 = unlimited); per-endpoint
+            concurrency is enforced by the pipeline's own limiters, so this is a backstop.
+    """
+
+    def __init__(
+        self, *, api_key: str | None = None, connect_timeout_s: float = 10.0, pool_size: int = 0
+    ) -> None:
+        self._headers: Mapping[str, str] = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+        }
+        self._api_key = api_key or None
+        if api_key:
+            self._headers = {**self._headers, "Authorization": f"Bearer {api_key}"}
+        self._connect_timeout_s = connect_timeout_s
+        self._pool_size = pool_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
+
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        *,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Response:
+        return await self._request("POST", url, body, max_bytes, headers, lease)
+
+    async def get(self, url: str, *, max_bytes: int) -> Response:
+        return await self._request("GET", url, None, max_bytes)
+
+    @abc.abstractmethod
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Response: ...
+
+    @staticmethod
+    def _check_head(encoding: str, declared: int | None, max_bytes: int, url: str) -> None:
+        """Refuse, before reading it, a compressed body or one declared over the cap."""
+        encoding = encoding.strip().lower()
+        if encoding not in ("", "identity"):
+            raise MalformedResponseError(
+                f"the server sent a compressed body (Content-Encoding: "
+                f"{_show_token(encoding)}) although none was asked for; refused unread",
+                url=url,
+            )
+        if declared is not None and declared > max_bytes:
+            raise ResponseTooLarge(max_bytes, url=url)
+
+    @staticmethod
+    async def _read_body(
+        chunks: AsyncIterator[bytes],
+        max_bytes: int,
+        url: str,
+        declared: int | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Body:
+        """The body, chunk by chunk: the cap enforced as it is read (a lying or absent
+        ``Content-Length`` included), each chunk charged to ``lease`` (when given).
+
+        With a ``Content-Length`` (``declared``, already checked against the cap), each
+        chunk is copied as it comes into an uninitialised buffer of that size (numpy's:
+        ``bytearray(n)`` would zero it first, on the loop), given back as a memoryview: the
+        one copy of the body is spread over its chunks, between which the loop gets its
+        turns. Without one (or past it), the chunks are kept and joined once at the end
+        (a single copy, but one that holds the loop: 5-20 ms for a 46 MB answer; a
+        bytearray grown chunk by chunk would be copied again at each realloc that cannot
+        grow in place, ~10 copies of such a body once glibc serves it from the heap).
+        """
+        view = np.empty(declared or 0, dtype=np.uint8).data
+        parts: list[bytes] = []
+        size = copied = since_yield = 0
+        async for chunk in chunks:
+            n = len(chunk)
+            if size + n > max_bytes:
+                raise ResponseTooLarge(max_bytes, url=url)
+            if lease is not None:
+                await lease.grow(n)
+            if not parts and copied + n <= len(view):
+                view[copied : copied + n] = chunk
+                copied += n
+            else:  # no length declared, or more bytes than it said
+                parts.append(chunk)
+            size += n
+            since_yield += n
+            if since_yield >= _YIELD_BYTES:  # buffered chunks come without a suspension:
+                since_yield = 0  # let the loop run between megabytes
+                await anyio.lowlevel.checkpoint()
+        if lease is not None:
+            lease.done_reading()
+        if parts:
+            return bytearray().join([view[:copied], *parts])
+        return view[:copied] if copied < len(view) else view
+
+    def _failed(self, exc: BaseException, url: str) -> ConnectionFailed:
+        """A connection problem below HTTP semantics; what the server sent back is redacted
+        before the cut."""
+        detail = redact(str(exc), self._api_key)[:200]
+        return ConnectionFailed(
+            f"{type(exc).__name__} talking to the server" + (f": {detail}" if detail else ""),
+            url=url,
+        )
+
+    def _not_connected(
+        self, exc: BaseException, url: str, os_error: BaseException | None
+    ) -> ConnectionFailed:
+        """No connection could be made to ``url``'s host (``refused``): the message names
+        the host, the port and the system's words for the error (``Connection refused``;
+        for ``os_error`` None, a connect that timed out), and nothing else (no TLS setting
+        for an ``http://`` URL, no payload)."""
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            port = 0
+        errno = getattr(os_error, "errno", None)
+        if os_error is None:
+            why = f"no connection within connect_timeout_s={self._connect_timeout_s:g} s"
+        elif isinstance(errno, int) and errno > 0:
+            why = os.strerror(errno)
+        else:
+            why = str(getattr(os_error, "strerror", None) or os_error or type(exc).__name__)
+        return ConnectionFailed(
+            f"cannot connect to {parts.hostname}:{port}: {why[:200]}", url=url, refused=True
+        )
+
+
+class AiohttpTransport(PooledTransport):
+    """Pooled keep-alive aiohttp transport (asyncio only).
+
+    One ``ClientSession`` is created when the transport is entered (inside the running
+    loop) and closed when it is left. Timing is owned by the caller's anyio cancel scopes;
+    the session keeps only a connect watchdog. Redirects are not followed. The bearer
+    token, when given, is sent on every request and never logged; what the server sends
+    back in a connection error is redacted. No compression is asked for
+    (``Accept-Encoding: identity``; SGLang does not compress) and none is undone: an answer
+    with a ``Content-Encoding`` is refused unread, so no body can inflate past the cap.
+
+    Args:
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        connect_timeout_s: watchdog for establishing a connection.
+        pool_size: the connector's total connection limit (0 = unlimited); per-endpoint
+            concurrency is enforced by the pipeline's own limiters, so this is a backstop.
+    """
+
+    _session: object | None = None
+
+    async def __aenter__(self) -> Self:
+        import asyncio
+
+        import aiohttp
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError(
+                "the aiohttp transport requires the asyncio backend; under trio pass a "
+                "transport that supports it (e.g. MockTransport in tests)"
+            ) from None
+        connector = aiohttp.TCPConnector(limit=self._pool_size, keepalive_timeout=30.0)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=self._connect_timeout_s, sock_read=None
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=self._headers, auto_decompress=False
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        import aiohttp
+
+        session = self._session
+        self._session = None
+        if isinstance(session, aiohttp.ClientSession):
+            await session.close()
+
+    @property
+    def idle(self) -> bool:
+        """True when no pooled connection is checked out (for tests and stats)."""
+        import aiohttp
+
+        session = self._session
+        if not isinstance(session, aiohttp.ClientSession):
+            return True
+        connector = session.connector
+        acquired = getattr(connector, "_acquired", ())
+        return len(acquired) == 0
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        max_bytes: int,
+        headers: Mapping[str, str] | None = None,
+        lease: BudgetLease | None = None,
+    ) -> Response:
+        import aiohttp
+
+        session = self._session
+        if not isinstance(session, aiohttp.ClientSession):
+            raise RuntimeError("AiohttpTransport used outside its 'async with' block")
+        try:
+            async with session.request(
+                method, url, data=body, headers=headers, allow_redirects=False
+            ) as resp:
+                self._check_head(
+                    resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url
+                )
+                chunks = resp.content.iter_chunked(_READ_CHUNK)
+                buf = await self._read_body(chunks, max_bytes, url, resp.content_length, lease)
+                return Response(resp.status, buf)  # no copy: see Response
+        except aiohttp.ClientConnectorCertificateError as exc:  # reached, but not trusted
+            raise self._failed(exc, url) from None
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable, unresolved
+            raise self._not_connected(exc, url, exc.os_error) from None
+        except aiohttp.ConnectionTimeoutError as exc:  # no answer to the connect
+            raise self._not_connected(exc, url, None) from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            # ClientPayloadError (truncated / reset mid-body), ServerDisconnectedError,
+            # ClientConnectorError, socket timeouts: all below HTTP semantics.
+            # aiohttp may quote a bad header line the server sent: redacted before the cut.
+            raise self._failed(exc, url) from None
+
+
+def _show_token(text: str) -> str:
+    """A header value for an error message: short and printable."""
+    shown = "".join(c if c.isprintable() else "?" for c in text[:40])
+    return shown + ("..." if len(text) > 40 else "")

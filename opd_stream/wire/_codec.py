@@ -1,0 +1,197 @@
+"""The answer codec: a scoring request's body built, its answer decoded, and where each runs.
+
+Plain sync functions; the async shell (:mod:`opd_stream.fetch._attempts`) asks
+:func:`build_in_thread` / :func:`decode_in_thread` whether a step goes to a worker thread
+and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
+
+Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream.wire._scan_reader`,
+numba: ~1-3 ns per byte, GIL released) wherever it is ready (it is compiled once per process
+in the background, :mod:`opd_stream.scanner._loader`); until then, or where numba cannot run,
+msgspec
+(5-17 ns per byte with every check, GIL held). The scanner hands an answer it does not
+accept to msgspec, which raises the precise error. Which thread: a request body (by
+:func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
+``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
+stays on the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final, Literal, get_args
+
+from .._answers import Body, ScoreRows
+from ..scanner._loader import available
+from ._decode_columns import decode_segments_columns
+from ._decode_score import decode_segments
+from ._payloads import build_laid, payload_size_hint
+from ._request import Layout, ScoreRequest, layout
+
+__all__ = (
+    "PARSERS",
+    "Answer",
+    "Parser",
+    "answer_size",
+    "build_in_thread",
+    "decode",
+    "decode_block_answers",
+    "decode_in_thread",
+    "decode_score_response",
+    "parser_for",
+    "timed_build",
+    "timed_decode",
+)
+
+Parser = Literal["jit", "msgspec"]
+"""The parsers of a scoring answer: the compiled scanner, and msgspec (its fallback)."""
+#: The same names as a tuple (the keys of ``StreamStats.decoded``, in this order).
+PARSERS: Final[tuple[Parser, ...]] = get_args(Parser)
+#: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
+Answer = Body | Sequence[Body]
+
+
+def answer_size(answer: Answer) -> int:
+    """The bytes of an answer (all its blocks)."""
+    if isinstance(answer, Body):
+        return len(answer)
+    return sum(map(len, answer))
+
+
+def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
+    """Whether ``req``'s body is built in a worker thread (estimated at ``threshold`` bytes
+    or more)."""
+    return payload_size_hint(req) >= threshold
+
+
+def decode_in_thread(size: int, threshold: int) -> bool:
+    """Whether an answer of ``size`` bytes is decoded in a worker thread."""
+    return size >= threshold
+
+
+def timed_build(req: ScoreRequest) -> tuple[bytes, Layout, float]:
+    """``req``'s body, its layout (checked once: the decode of the answer takes it again)
+    and the CPU seconds of the thread that built it (it never waits for the kernels)."""
+    start = time.thread_time()
+    lay = layout(req)
+    body = build_laid(req, lay)
+    return body, lay, time.thread_time() - start
+
+
+def parser_for() -> Parser:
+    """The parser for a decode, on the loop or in a thread: the compiled scanner once it
+    is ready (never waited for), else msgspec."""
+    return "jit" if available() else "msgspec"
+
+
+def decode(
+    answer: Answer, req: ScoreRequest, *, lay: Layout | None = None
+) -> tuple[ScoreRows, Parser]:
+    """Decode an answer with the parser of the moment (:func:`parser_for`): the rows,
+    and the parser that gave them (``"msgspec"`` where the fast one handed it on). ``lay``:
+    ``layout(req)`` where the caller has it (from :func:`timed_build`)."""
+    parser = parser_for()
+    if isinstance(answer, Body):
+        return _decode_one(answer, req, parser, lay)
+    return _decode_blocks(answer, req, parser)
+
+
+def timed_decode(
+    answer: Answer, req: ScoreRequest, lay: Layout | None = None
+) -> tuple[tuple[ScoreRows, Parser] | BaseException, float]:
+    """Decode in a worker thread: the rows and their parser, or the error (raised again in
+    the caller's task), and the thread's CPU seconds."""
+    start = time.thread_time()
+    try:
+        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, lay=lay)
+    except Exception as exc:  # raised again in the caller's task
+        got = exc
+    return got, time.thread_time() - start
+
+
+def decode_score_response(
+    body: Body, req: ScoreRequest, *, parser: Parser = "msgspec"
+) -> ScoreRows:
+    """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
+
+    ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
+    ``"msgspec"`` holds the GIL for the whole decode (5-17 ns per byte). ``"jit"`` uses the
+    compiled scanner (GIL released, ~1-3 ns per byte) when it is ready
+    (:func:`opd_stream.scanner._loader.prepare`). An answer the scanner does not accept is decoded
+    again with msgspec, which raises the precise error (see
+    :mod:`opd_stream.wire._decode_columns`).
+
+    Checks, per item (messages name the field as a ``$.meta_info.…`` path and the absolute
+    / response position, never payload values): ``finish_reason.type != "abort"``; every
+    requested field present; ``input_token_logprobs`` has ``L - s`` entries and echoes
+    ``tokens[s+1:]``; top-k rows in the response range are non-null with ``top_k`` entries
+    (or the b64 fields are consistent); requested-id rows return exactly the requested ids
+    in order (per-position: ``ids[t]``; flat / blocked: the sorted union); a batch answer has
+    one item per block. Stitched blocked results equal per-position ones exactly.
+
+    Raises:
+        MalformedResponseError: not JSON, truncated, wrong types, missing field, bad b64.
+        MisalignedResponseError: counts, echoed token ids or requested ids differ.
+        ServerAbortError: ``finish_reason.type == "abort"`` (with the server's message).
+        CapabilityError: ``"per_position"`` when a per-position request is answered
+            without ``input_token_ids_logprobs`` (the server ignored the field).
+        InvalidSampleError: ``req`` itself is malformed.
+    """
+    return _decode_one(body, req, parser)[0]
+
+
+def _decode_one(
+    body: Body, req: ScoreRequest, parser: Parser, lay: Layout | None = None
+) -> tuple[ScoreRows, Parser]:
+    if lay is None:
+        lay = layout(req)
+    per_position = req.ids is not None and req.id_form == "per-position"
+    return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
+
+
+def _decode_laid(
+    body: Body,
+    lay: Layout,
+    batch: bool,
+    top_k: int,
+    parser: Parser,
+    per_position: bool,
+) -> tuple[ScoreRows, Parser]:
+    """``parser``'s reader first (unless msgspec), msgspec for what it hands back."""
+    if parser == "jit":
+        rows = decode_segments_columns(
+            body, batch=batch, segments=lay.segments, tokens=lay.tokens, top_k=top_k
+        )
+        if rows is not None:
+            return rows, parser
+    got = decode_segments(
+        body,
+        batch=batch,
+        segments=lay.segments,
+        tokens=lay.tokens,
+        top_k=top_k,
+        per_position=per_position,
+    )
+    return got, "msgspec"
+
+
+def decode_block_answers(
+    bodies: Sequence[Body], req: ScoreRequest, *, parser: Parser = "msgspec"
+) -> ScoreRows:
+    """Decode the answers to :func:`build_block_payloads` (in order) and stitch them.
+
+    The answers are checked together as the items of one batch answer (item ``n`` is block
+    ``n``: every check of :func:`decode_score_response`, in one vectorised pass); the result
+    equals the per-position one exactly.
+    """
+    return _decode_blocks(bodies, req, parser)[0]
+
+
+def _decode_blocks(
+    bodies: Sequence[Body], req: ScoreRequest, parser: Parser
+) -> tuple[ScoreRows, Parser]:
+    lay = layout(req)
+    if len(bodies) != len(lay.segments):
+        raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
+    joined = b"[" + b",".join(bodies) + b"]"
+    return _decode_laid(joined, lay, True, req.top_k, parser, False)

@@ -1,0 +1,279 @@
+"""The rollout engine's student top-k (``Sample.student_top_logprobs``) as arrays.
+
+Two forms, both validated once at intake by :func:`opd_stream._sample.prepare_sample`:
+rows of ``[logprob, token_id(, text)]`` entries (:func:`parse_student_topk`) and a pair of
+``[R, >= k]`` arrays (:func:`student_topk_arrays`). Short and empty rows are padded at
+their end with id :data:`PAD_ID` (logprob ``-inf``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import InvalidSampleError
+from ..scanner._loader import compiled
+from ._checks import LOGPROB_TOLERANCE
+from ._entries import ENTRY_ID, ENTRY_LP, Entry
+
+__all__ = (
+    "MAX_TOKEN_ID",
+    "PAD_ID",
+    "parse_student_topk",
+    "rows_convert_in_thread",
+    "student_topk_arrays",
+)
+
+#: The id of a padding slot in student top-k arrays: a row with fewer than ``k`` entries
+#: is padded at its end with it (logprob ``-inf``).
+PAD_ID = -1
+#: Token ids must fit SGLang's int32 flat top-k arrays.
+MAX_TOKEN_ID = 2**31 - 1
+
+_ROW_IN_PATH = re.compile(r" - at `\$\[(\d+)\]")
+
+
+def parse_student_topk(
+    rows: Sequence[Sequence[Any]], response_length: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Parse the rollout engine's student top-k rows into arrays.
+
+    Args:
+        rows: ``R`` rows (one per response token), each a sequence of entries
+            ``[logprob, token_id]`` or ``[logprob, token_id, text]`` (SGLang triples), best
+            first. Python ``int`` ids and ``float``/``int``/``None`` logprobs (as JSON
+            decoding gives); ``None`` means ``-inf``. A ``None`` entry is skipped. A row may
+            hold fewer than ``k`` entries, or none (``[]``: Miles' multi-turn merge leaves
+            such rows on observation spans).
+        response_length: ``R``; ``len(rows)`` must equal it.
+        k: how many entries to keep per row (the first ``k`` present).
+
+    Returns:
+        ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``; a row with fewer than
+        ``k`` entries is padded at its end with id ``-1`` and logprob ``-inf``.
+
+    Raises:
+        InvalidSampleError: (field ``student_top_logprobs``) wrong row count, an entry that
+            is not ``[number|null, int, ...]`` (bools rejected), a negative id or one above
+            ``MAX_TOKEN_ID`` (SGLang's arrays are int32), duplicate ids in a row, a NaN /
+            ``+inf`` logprob, or a logprob above ``1e-4`` (not a logprob). The message names
+            the row.
+    """
+    field = "student_top_logprobs"
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+        raise InvalidSampleError(field, f"expected a sequence of rows, got {type(rows).__name__}")
+    if len(rows) != response_length:
+        raise InvalidSampleError(
+            field, f"has {len(rows)} rows, expected response_length = {response_length}"
+        )
+    fast = _scanned_topk(rows, response_length, k)
+    if fast is not None:
+        ids, lps = fast
+        return ids, _checked(ids, lps, field, _ROW_FAULTS)
+    try:
+        parsed = msgspec.convert(rows, list[list[Entry | None]])
+    except msgspec.ValidationError as exc:
+        text = str(exc)  # e.g. "Expected `int`, got `bool` - at `$[3][1][1]`"
+        row = _ROW_IN_PATH.search(text)
+        raise InvalidSampleError(field, f"row {row.group(1)}: {text}" if row else text) from None
+    total = response_length * k
+    kept: Sequence[Sequence[Entry | None]] = parsed
+    if set(map(len, parsed)) - {k}:
+        kept = [row[:k] for row in parsed]
+    entries = list(chain.from_iterable(kept))
+    if len(entries) == total and None not in entries:  # every row full: the common case
+        ids = np.fromiter(map(ENTRY_ID, entries), dtype=np.int64, count=total)
+        lps = np.fromiter(map(ENTRY_LP, entries), dtype=np.float64, count=total)
+        if total and int(ids.min()) < 0:
+            r = int(np.argmax(ids < 0)) // k
+            raise InvalidSampleError(field, f"row {r} holds a negative token id")
+    else:
+        ids, lps = _padded_topk(parsed, k)
+    ids, lps = ids.reshape(response_length, k), lps.reshape(response_length, k)
+    # fromiter turned None into NaN; a NaN the caller sent is an error, a None is -inf.
+    for r, c in zip(*np.nonzero(np.isnan(lps)), strict=True):
+        if ids[r, c] != PAD_ID and _present(parsed[r])[c].lp is not None:
+            raise InvalidSampleError(field, f"row {int(r)} holds a NaN logprob")
+    return ids, _checked(ids, lps, field, _ROW_FAULTS)
+
+
+_ROWS_MSGPACK = msgspec.msgpack.Encoder()
+
+
+def _scanned_topk(
+    rows: Sequence[Sequence[Any]], r: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+    """Rows of plain entries, each at least ``k`` long, through the compiled reader
+    (:mod:`opd_stream.scanner._rows`): ``msgspec.msgpack`` writes the rows (no Python object
+    per entry, floats as their 8 IEEE bytes), the reader takes them back into arrays with
+    the GIL released, ~3x cheaper than converting entry by entry. ``None`` (the
+    entry-by-entry path decides, and names any fault) when the kernels are not compiled or
+    anything is unusual: a short row, a ``None`` entry, a bool, a negative id, an object
+    msgspec cannot write. A NaN logprob is an error here as there.
+    """
+    kernel = compiled()
+    if kernel is None:
+        return None
+    try:
+        body = _ROWS_MSGPACK.encode(rows)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    got = kernel.rows_read(body, r, k)
+    if got is None:
+        return None
+    lps, ids = got
+    if r and int(ids.min()) < 0:
+        return None
+    lps, ids = lps.reshape(r, k), ids.reshape(r, k)
+    nan = np.isnan(lps)
+    if nan.any():
+        row = int(np.argmax(nan.any(axis=1)))
+        raise InvalidSampleError("student_top_logprobs", f"row {row} holds a NaN logprob")
+    return ids, lps
+
+
+def _present(row: list[Entry | None]) -> list[Entry]:
+    return [e for e in row if e is not None]
+
+
+def _padded_topk(
+    parsed: list[list[Entry | None]], k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    """Rows with skipped (``None``) entries or fewer than ``k`` entries, padded at the end
+    with id ``PAD_ID`` and a NaN logprob (``-inf`` after conversion), flat ``[R * k]``."""
+    r = len(parsed)
+    ids = np.full((r, k), PAD_ID, dtype=np.int64)
+    lps = np.full((r, k), np.nan, dtype=np.float64)
+    for n, row in enumerate(parsed):
+        present = _present(row)[:k]
+        if present:
+            if min(e.id for e in present) < 0:
+                raise InvalidSampleError(
+                    "student_top_logprobs", f"row {n} holds a negative token id"
+                )
+            ids[n, : len(present)] = [e.id for e in present]
+            lps[n, : len(present)] = [np.nan if e.lp is None else e.lp for e in present]
+    return ids.reshape(-1), lps.reshape(-1)
+
+
+#: The faults of the row form, in the order they are reported (NaN is judged before, where
+#: a ``None`` can still be told from a NaN; padding only ever ends a row).
+_ROW_FAULTS = (
+    ("negative_id", "a negative token id"),
+    ("id_above", f"a token id above {MAX_TOKEN_ID}"),
+    ("duplicate", "a duplicate token id"),
+    ("lp_posinf", "a +inf logprob"),
+    ("lp_above", "a value > 0, which is not a logprob"),
+)
+#: The faults of the array form, in the order they are reported.
+_ARRAY_FAULTS = (
+    ("negative_id", "a negative token id"),
+    ("id_above", f"a token id above {MAX_TOKEN_ID}"),
+    ("lp_nan", "a NaN logprob"),
+    ("lp_posinf", "a +inf logprob"),
+    ("lp_above", "a value > 0, which is not a logprob"),
+    ("pad_before_id", f"padding (id {PAD_ID}) before a token id: pad at the end"),
+    ("duplicate", "a duplicate token id"),
+)
+
+
+def _checked(
+    ids: npt.NDArray[np.int64],
+    lps: npt.NDArray[np.floating[Any]],
+    field: str,
+    faults: tuple[tuple[str, str], ...],
+) -> npt.NDArray[np.float32]:
+    """Check ``ids`` / ``lps`` (``[R, k]``) and give the logprobs as float32 (``-inf`` for
+    padding and NaN): one compiled pass where the kernels are ready, else numpy
+    (:func:`_topk_faults`). Raises for the first of ``faults`` found."""
+    kernel = compiled()
+    if kernel is not None and lps.dtype in (np.float32, np.float64):
+        out, found = kernel.topk_check(
+            ids, np.ascontiguousarray(lps), PAD_ID, MAX_TOKEN_ID, LOGPROB_TOLERANCE
+        )
+    else:
+        out, found = _topk_faults(ids, np.asarray(lps, dtype=np.float64))
+    for name, what in faults:
+        if name in found:
+            raise InvalidSampleError(field, f"row {found[name]} holds {what}")
+    checked: npt.NDArray[np.float32] = out
+    return checked
+
+
+def _topk_faults(
+    ids: npt.NDArray[np.int64], lps: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float32], dict[str, int]]:
+    """The vectorised twin of :func:`opd_stream.scanner._checks.topk_faults`: the float32
+    logprobs and ``{fault: first row}`` for every fault found."""
+
+    def first_row(mask: npt.NDArray[np.bool_]) -> int | None:
+        rows = mask.any(axis=1)  # [R, k] -> [R]; reshape(R, -1) fails when R == 0
+        return int(np.argmax(rows)) if rows.any() else None
+
+    pad = ids == PAD_ID
+    lps = np.where(pad, -np.inf, lps)  # a copy: the caller's array stays as it was
+    nan = np.isnan(lps)
+    masks = {
+        "negative_id": ids < PAD_ID,
+        "id_above": ids > MAX_TOKEN_ID,
+        "lp_nan": nan,
+        "lp_posinf": np.isposinf(lps),
+        "lp_above": lps > LOGPROB_TOLERANCE,
+    }
+    if ids.shape[1] > 1:
+        srt = np.sort(ids, axis=1)
+        masks["pad_before_id"] = pad[:, :-1] & ~pad[:, 1:]
+        masks["duplicate"] = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != PAD_ID)
+    found = {name: row for name, mask in masks.items() if (row := first_row(mask)) is not None}
+    with np.errstate(over="ignore"):  # below -float32 max: -inf, as it should
+        return np.where(nan, -np.inf, lps).astype(np.float32), found
+
+
+def student_topk_arrays(
+    ids: Any, logprobs: Any, r: int, k: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """The array form of ``student_top_logprobs``: ``(ids [R, >=k], logprobs [R, >=k])``.
+
+    Validated like the row form, vectorised: integer ids in ``[0, MAX_TOKEN_ID]``, no
+    duplicate id within a row's first ``k``, logprobs finite or ``-inf`` and ``<= 0``. A row
+    with fewer than ``k`` entries is padded at its end with id ``-1`` (whatever the logprob
+    there, which is ignored and becomes ``-inf``), the form the row parser gives for short
+    and empty rows; padding before a real id is an error. ``ids`` and ``logprobs`` are
+    numpy arrays (a caller's tensors are converted by ``prepare_sample``).
+    """
+    field = "student_top_logprobs"
+    if ids.dtype.kind not in "iu":
+        raise InvalidSampleError(field, f"ids must be an integer array, got dtype {ids.dtype}")
+    if logprobs.dtype.kind != "f":
+        raise InvalidSampleError(
+            field, f"logprobs must be a float array, got dtype {logprobs.dtype}"
+        )
+    if ids.ndim != 2 or ids.shape != logprobs.shape or ids.shape[0] != r or ids.shape[1] < k:
+        raise InvalidSampleError(
+            field,
+            f"(ids, logprobs) must both have shape [R={r}, >= k={k}], "
+            f"got {ids.shape} and {logprobs.shape}",
+        )
+    ids = np.ascontiguousarray(ids[:, :k], dtype=np.int64)
+    return ids, _checked(ids, logprobs[:, :k], field, _ARRAY_FAULTS)
+
+
+_ROWS_IN_THREAD = 1 << 15
+"""Top-k entries from which a sample's Python rows are converted in a worker thread."""
+
+
+def rows_convert_in_thread(sample: Any, top_k: int) -> bool:
+    """Whether a sample's Python top-k rows are big enough to convert in a worker thread.
+
+    The conversion holds the GIL in C calls of a few ms each, between which the event loop
+    gets its turns; on the loop it would hold it ~20 ms per 4096 x 16 sample. Arrays and
+    small rows are cheap and stay on the loop.
+    """
+    rows = getattr(sample, "student_top_logprobs", None)
+    return isinstance(rows, list) and len(rows) * max(top_k, 1) >= _ROWS_IN_THREAD

@@ -1,0 +1,12 @@
+"""Teachers with another tokenizer: every token's bytes, the alignment of two tokenizations,
+chat templates, a faster exact encoder, and what the pipeline does for such a teacher.
+
+Modules (all private; the public names come from :mod:`opd_stream`):
+
+* ``_vocab``: :class:`Vocab`: a tokenizer as alignment sees it
+* ``_encoder``: an exact tiktoken encoder rebuilt from ``tokenizer.json``
+* ``_align``: one response aligned, and the signal per span
+* ``_chat``: a teacher's chat template
+"""
+
+__all__: tuple[str, ...] = ()

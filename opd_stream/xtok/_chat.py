@@ -1,0 +1,208 @@
+"""A teacher's chat template: chat messages -> the teacher's prompt ids.
+
+For framework users whose samples carry the prompt as chat messages (Miles) or whose input
+lines do (``opd-stream score``'s ``prompt_messages``), not as teacher ids: the messages are
+rendered with the teacher's own chat template, read from the ``tokenizer_config.json``
+next to its ``tokenizer.json`` (key ``chat_template``: one template, or a list of named
+ones, ``default`` used), or from ``chat_template.jinja`` there; the rendered text is
+encoded with the teacher's tokenizer, special-token strings recognised (the template
+writes them as text: ``<|im_start|>``, ``[gMASK]``). Nothing is added around the
+template's own text (it writes the BOS token where the model wants one).
+
+The template runs in jinja2's immutable sandbox (the ``[xtok]`` extra), with what chat
+templates expect: ``messages``, ``add_generation_prompt`` (True: the prompt ends where the
+assistant's answer starts), the special tokens of ``tokenizer_config.json``
+(``bos_token``, ``eos_token``, ...), ``raise_exception`` and a ``tojson`` filter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import ConfigError, InvalidSampleError
+from ._vocab import resolve_tokenizer_path
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = ("ChatTemplate", "TeacherPrompts", "as_messages")
+
+_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token")
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, Mapping):  # an AddedToken written as a dict
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def as_messages(value: Any, field: str) -> list[dict[str, Any]]:
+    """Chat messages from a sample: a list of ``{"role": str, "content": ...}`` mappings,
+    or a plain string (one user message).
+
+    Raises:
+        InvalidSampleError: any other shape, naming ``field``.
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise InvalidSampleError(
+            field, "expected a non-empty list of {role, content} messages or a string"
+        )
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidSampleError(field, f"message {i} is not a mapping with a string 'role'")
+        out.append(dict(message))
+    return out
+
+
+class ChatTemplate:
+    """One teacher's chat template and tokenizer (special tokens recognised in prompts).
+
+    Build it with :meth:`load`; :meth:`prompt_ids` is blocking CPU work (~1 ms).
+    """
+
+    def __init__(self, setting: str, template: str, tokens: dict[str, str], tokenizer: Tokenizer):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        def tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+            return json.dumps(value, ensure_ascii=False, indent=indent)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"{setting}: the chat template does not parse: {exc}") from None
+        self._error = jinja2.TemplateError
+        self.setting = setting
+        self.tokens = tokens
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, setting: str, path: str) -> ChatTemplate:
+        """The chat template beside the tokenizer that ``path`` names (blocking, ~1 s).
+
+        Raises:
+            ConfigError: no template there, or jinja2/tokenizers missing, or an unreadable
+                file; naming ``setting`` and the path.
+        """
+        file = resolve_tokenizer_path(setting, path)
+        folder = os.path.dirname(file)
+        try:
+            import jinja2  # noqa: F401
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(
+                f"{setting}: rendering a teacher prompt needs jinja2 and tokenizers "
+                "(pip install 'opd-stream[xtok]')"
+            ) from None
+        config: dict[str, Any] = {}
+        config_file = os.path.join(folder, "tokenizer_config.json")
+        try:
+            if os.path.isfile(config_file):
+                with open(config_file, encoding="utf-8") as f:
+                    config = json.load(f)
+            template = config.get("chat_template")
+            if isinstance(template, list):  # named templates: the default one
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+            jinja_file = os.path.join(folder, "chat_template.jinja")
+            if not template and os.path.isfile(jinja_file):
+                with open(jinja_file, encoding="utf-8") as f:
+                    template = f.read()
+            tokenizer = Tokenizer.from_file(file)
+        except (OSError, ValueError, Exception) as exc:
+            raise ConfigError(f"{setting}: cannot read the tokenizer in {folder}: {exc}") from None
+        if not isinstance(template, str) or not template:
+            raise ConfigError(
+                f"{setting}: no chat template in {folder} (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja)"
+            )
+        tokens = {key: _token_text(config.get(key)) for key in _TOKEN_KEYS}
+        return cls(setting, template, tokens, tokenizer)
+
+    def render(self, messages: list[dict[str, Any]], field: str = "prompt_messages") -> str:
+        """The prompt text, ending where the assistant's answer starts.
+
+        Raises:
+            InvalidSampleError: the template refuses the messages (its own message).
+        """
+        try:
+            return str(
+                self._template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            )
+        except self._error as exc:
+            raise InvalidSampleError(field, f"the teacher's chat template failed: {exc}") from None
+
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], field: str = "prompt_messages"
+    ) -> npt.NDArray[np.int64]:
+        """The teacher prompt's ids (special tokens of the text recognised, none added).
+
+        Raises:
+            InvalidSampleError: the template refuses the messages, or renders nothing.
+        """
+        text = self.render(messages, field)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise InvalidSampleError(field, "the teacher's chat template rendered no tokens")
+        return np.asarray(ids, dtype=np.int64)
+
+
+class TeacherPrompts:
+    """Teacher prompts from chat messages, for each teacher with its own tokenizer: each
+    template loaded on first use (thread-safe; blocking), then kept for the run.
+
+    Args:
+        tokenizers: teacher name -> tokenizer path (``StreamConfig.teacher_tokenizers``).
+    """
+
+    def __init__(self, tokenizers: Mapping[str, str] | None) -> None:
+        import threading
+
+        self._paths = dict(tokenizers or {})
+        self._templates: dict[str, ChatTemplate] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._paths)
+
+    def ids(self, teacher: str, messages: Any, field: str) -> npt.NDArray[np.int64]:
+        """``messages`` rendered with ``teacher``'s chat template, as its ids.
+
+        Raises:
+            InvalidSampleError: (naming ``field``) bad messages, a teacher without a
+                tokenizer of its own, no usable template, or the template refusing them.
+        """
+        chat = as_messages(messages, field)
+        path = self._paths.get(teacher)
+        if path is None:
+            raise InvalidSampleError(
+                field,
+                f"teacher {teacher!r} has no tokenizer of its own (teacher_tokenizers) to render "
+                "the prompt with; give teacher_prompt_ids, or the student's tokens only",
+            )
+        with self._lock:
+            template = self._templates.get(teacher)
+            if template is None:
+                try:
+                    template = ChatTemplate.load(f"teacher_tokenizers[{teacher}]", path)
+                except ConfigError as exc:
+                    raise InvalidSampleError(field, str(exc)) from None
+                self._templates[teacher] = template
+        return template.prompt_ids(chat, field)

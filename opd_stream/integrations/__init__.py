@@ -8,6 +8,8 @@
 
 The adapters are imported explicitly (``from opd_stream.integrations import miles``); this
 package imports neither.
+
+``_shared`` holds the one :class:`~opd_stream.OPDStream` the adapters share per process.
 """
 
 from __future__ import annotations

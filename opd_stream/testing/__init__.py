@@ -2,6 +2,8 @@
 
 :func:`capture_events` collects the library's log events (the ``"opd_stream"`` stdlib
 logger) while a block runs.
+
+``_process`` stops the server subprocesses these tools start (mock servers, sglang-router).
 """
 
 from __future__ import annotations

@@ -10,6 +10,21 @@ bytes in, bytes or numpy arrays out.
   a sampling (rollout) request and its answer, top-k included;
 * :func:`parse_student_topk`: a rollout's Python top-k rows into arrays;
 * :func:`parse_error_message`: the server's message from an error body, redacted.
+
+Its modules (private; the names above are the public part):
+
+* ``_request``: :class:`ScoreRequest` and its layout (what each HTTP item asks);
+* ``_payloads``: request bodies as ``/generate`` JSON bytes;
+* ``_codec``: a scoring request built and its answer decoded, by whichever parser is ready;
+* ``_decode_score``: the msgspec decoder of scoring answers (and the answer schema);
+* ``_decode_columns``: scoring answers decoded from a reader's checked columns;
+* ``_columns``: the checked columns a reader gives;
+* ``_scan_reader``: the compiled scanner as a reader (it hands the scanner the schema);
+* ``_checks``: the array-level checks both parsers share;
+* ``_entries``: the msgspec entry types the decoders share;
+* ``_decode_generate``: the msgspec decoder of sampling answers;
+* ``_student_topk``: a rollout's top-k rows as arrays;
+* ``_error_body``: the server's message from an error body, redacted.
 """
 
 from __future__ import annotations

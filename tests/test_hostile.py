@@ -457,7 +457,7 @@ async def test_an_answer_read_by_a_transport_without_a_lease_is_charged_once_who
     cfg = _cfg(url, max_inflight_response_bytes=1024)
     samples = [Sample([1, 2, 3, 4 + i, 5, 6], 3) for i in range(6)]
     async with OPDStream(cfg, transport=transport) as stream:  # type: ignore[arg-type]
-        budget = stream._parts.scorer._sender._body_budget  # type: ignore[union-attr]
+        budget = stream._parts.fetcher._sender._body_budget  # type: ignore[union-attr]
         async with stream.run(samples) as results:
             out = [r async for r in results]
         assert all(isinstance(r, ScoredSample) for r in out)

@@ -1,5 +1,6 @@
-"""A reference-style scoring client: what the reference OPD system does (spec
-``opd-semantics.md`` §8 items 1-4), kept deliberately naive so the bench can compare.
+"""A reference-style scoring client: what the reference OPD system does
+(``docs/semantics.md``, "What it does that opd_stream does better", items 1-4), kept
+deliberately naive so the bench can compare.
 
 * one new ``aiohttp.ClientSession`` per request (no pooling, no keep-alive);
 * no bound on concurrency: one task per sample, all started at once;

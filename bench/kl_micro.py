@@ -70,7 +70,8 @@ reference_position: Any = _load_reference().reference_position
 DEFAULT_BASELINE = "ba0e155"
 VOCAB = 151_936
 PROMPT = 16
-#: Share of the teacher's top-k that is also in the student's (perf-facts §3 uses ~60 %).
+#: Share of the teacher's top-k that is also in the student's (~60 %, as in the
+#: measurement in docs/performance.md, "The KL math").
 OVERLAP = 0.6
 
 ScoreFn = Callable[..., list[Any]]
@@ -107,7 +108,8 @@ def make_batch(
     """``b`` fetched samples of response length ``r`` (or ``lengths``), top-k ``k``.
 
     The arrays present are the ones the request plan of ``strategy`` fetches when the
-    rollout carries the student's top-k (spec opd-semantics §4).
+    rollout carries the student's top-k (``docs/semantics.md``, "Which requests each
+    strategy makes").
     """
     rng = np.random.default_rng(seed)
     plan = plan_requests(k, strategy, have_student_topk=True)

@@ -132,8 +132,9 @@ _Ends = tuple[
 
 class _Crew:
     """The fetch workers, started as work arrives: one for each job sent when no worker is
-    idle for it, at most ``limit`` (``max_inflight``). A run of a few samples starts a few
-    tasks, not ``max_inflight`` of them (each costs the loop ~0.1 ms to start and to end).
+    idle for it, at most ``limit`` (``min(max_inflight, 1024)``, set in :meth:`_Pipeline.run`).
+    A run of a few samples starts a few tasks, not ``max_inflight`` of them (each costs the
+    loop ~0.1 ms to start and to end).
 
     It holds spare ends of the channels, cloned for each new worker, until :meth:`close`
     (the intake's end: no job comes after it, so no worker is needed after it either).
@@ -181,7 +182,7 @@ class _Crew:
                 finally:
                     self.busy -= 1  # done with it, and idle again
                 # Nothing of a finished sample stays referenced while this worker waits for
-                # the next one (up to max_inflight workers: that would be GBs at long R).
+                # the next one (up to 1024 workers: that would be GBs at long R).
                 del job
 
     def close(self) -> None:

@@ -66,10 +66,10 @@ class Sample(msgspec.Struct, kw_only=False):
             ``[R, >= top_k]`` (e.g. SGLang's b64 flat top-k decoded). A row may hold fewer
             than ``top_k`` entries, or none (Miles' multi-turn merge leaves ``[]`` on
             observation spans); in the array form such a row is padded at its end with id
-            ``-1`` (:data:`PAD_ID`). Only the entries present are candidates (spec
-            opd-semantics §3): an empty row selects nothing under only-student, the
-            teacher's top-k alone under union. When top-k mode needs it and it is None, it
-            is fetched from the student server.
+            ``-1`` (:data:`PAD_ID`). Only the entries present are candidates
+            (``docs/semantics.md``, "Missing values and empty rows"): an empty row selects
+            nothing under only-student, the teacher's top-k alone under union. When top-k
+            mode needs it and it is None, it is fetched from the student server.
         sample_id: anything the caller wants back on the result.
         teacher_prompt_ids: the teacher's own prompt (token ids, non-empty; a sequence of
             ints, a 1-D integer numpy array or torch tensor), for a teacher that sees a
@@ -154,7 +154,7 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
             teacher with its own tokenizer: the teacher's logprob of each span's text, on
             the span's last student token (0 on the others).
         reverse_kl: float32 ``[R]``, the reverse KL signal. Top-k mode: ``r_t``
-            (opd-semantics §2-3). Sampled-token mode: ``rollout_logprobs -
+            (``docs/semantics.md``, "Top-k mode"). Sampled-token mode: ``rollout_logprobs -
             teacher_logprobs`` when rollout logprobs were given, else None. A teacher with
             its own tokenizer: each span's ``sum(student lp) - sum(teacher lp)`` on the
             span's last student token (0 on the others). None as well when the stream's

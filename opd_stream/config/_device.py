@@ -32,8 +32,9 @@ class _ThreadSettings(Protocol):
 def resolve_decode_threads(cfg: _ThreadSettings) -> int:
     """``decode_threads``, or for 0 (auto) the CPUs this process may run on, at most 8.
 
-    Eight threads parse ~8 answers at once (about 1.6 GB/s of JSON on a modern core each
-    ~200 MB/s); more rarely pays, as the event loop and the KL stage need cores too.
+    Eight threads parse up to eight answers at once, each ~0.3-0.7 GB/s with the compiled
+    scanner (~1.5-3 ns per byte; ``docs/performance.md``, "Threads for parsing"); more
+    rarely pays, as the event loop and the KL stage need cores too.
     """
     if cfg.decode_threads > 0:
         return cfg.decode_threads

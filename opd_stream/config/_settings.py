@@ -290,7 +290,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         int,
         _doc(
             "answers at least this big are parsed in a decode thread; smaller ones on the event "
-            "loop (each holds the loop ~4 ms per MiB with the compiled scanner, ~8 with msgspec)",
+            "loop (each holds the loop ~1.5-3 ms per MiB with the compiled scanner, ~4-10 with "
+            "msgspec)",
             ge=0,
             advanced=True,
         ),

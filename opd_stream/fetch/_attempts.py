@@ -429,8 +429,8 @@ class AttemptSender:
             self._stats.decoded[parser] += 1
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
-        # answer: ~1-3 ns per byte with the scanner, 0.1 s for a 36 MB answer; msgspec 5-17,
-        # 0.5 s) and its result is dropped.
+        # answer: ~1.5-3 ns per byte with the scanner, ~0.1 s for a 36 MB answer; msgspec
+        # ~4-10, ~0.15-0.4 s: docs/performance.md, "Parsing answers") and its result is dropped.
         got, cpu = await anyio.to_thread.run_sync(
             functools.partial(timed_decode, body, req, lay),
             limiter=self._threads,

@@ -3,9 +3,10 @@ workers, addressed directly.
 
 sglang-router re-serialises ``/generate`` bodies: it drops ``token_ids_logprob_positions``
 and the base64 top-k flags and answers 422 to a batch with a list ``logprob_start_len``
-(``hosts.md`` §6). smg 1.13 forwards unknown fields but still answers 422 to a batch with a
-list ``logprob_start_len`` or a list-of-lists ``token_ids_logprob``, and routes each request
-by its own policy (prefix reuse is then the gateway's guess, not our key's). So a configured
+(``docs/protocol.md``, "Gateways"). smg 1.13 forwards unknown fields but still answers 422
+to a batch with a list ``logprob_start_len`` or a list-of-lists ``token_ids_logprob``, and
+routes each request by its own policy (prefix reuse is then the gateway's guess, not our
+key's). So a configured
 URL that is a gateway is *expanded*: its workers are listed (``GET /workers``, which both
 serve; else smg's RL control plane, ``GET /v1/rl/workers`` under ``--enable-rl``), the
 healthy regular ones that answer ``/health`` from here are used as replicas of that URL (our

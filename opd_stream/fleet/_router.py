@@ -1,6 +1,6 @@
 """Teacher routing: server URL validation, ``NAME=URL`` parsing and per-sample teacher choice.
 
-Semantics (spec ``opd-semantics.md`` §6):
+Semantics (``docs/semantics.md``, "Teachers"):
 
 * A routing map is a list of ``NAME=URL`` entries, split on the FIRST ``=`` so that
   ``code=http://h/g?tag=a=b`` names teacher ``code`` at ``http://h/g?tag=a=b``. A teacher
@@ -339,7 +339,7 @@ def show_value(value: object) -> str:
 
 
 class TeacherRouter:
-    """Chooses the teacher of each sample from its metadata (spec §6).
+    """Chooses the teacher of each sample from its metadata (``docs/semantics.md``, "Teachers").
 
     Args:
         teachers: any spelling accepted by :func:`normalize_teachers`.

@@ -1,8 +1,8 @@
 """Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL (and the
 forward KL and generalized JSD over the same candidates).
 
-Semantics are spec ``opd-semantics`` §1-§3 (numerically compatible with the reference
-Miles implementation); the tensor contract is ``docs/internals.md`` (``_kl.py``).
+Semantics are ``docs/semantics.md`` (numerically compatible with the reference Miles
+implementation); the tensor contract is ``docs/internals.md``, "The KL contract".
 
 Two signal families:
 
@@ -202,7 +202,8 @@ def sampled_reverse_kl(
 def topk_reverse_kl(
     batch: TopKBatch, strategy: Strategy, weight_mode: WeightMode, *, tail: bool = False
 ) -> TopKResult:
-    """Select candidates, weight them and reduce to the per-token reverse KL (spec §2-§3).
+    """Select candidates, weight them and reduce to the per-token reverse KL (``docs/semantics.md``,
+    "Top-k mode").
 
     Selected ids, in order: only-student ``S``; only-teacher ``T``; intersection the ids of
     ``S`` in ``T`` (``S`` order); union ``S`` then ``T \\ S``; xor ``S \\ T`` then ``T \\ S``.
@@ -506,8 +507,8 @@ def _raise_on_missing(ids: Tensor, s_val: Tensor, t_val: Tensor, r: int) -> None
 def _weights(
     raw: bool, weight_mode: str, s_val: Tensor, t_val: Tensor, plan: SelectionPlan | None
 ) -> Tensor:
-    """Candidate weights (spec §3) from floored values; +0.0 where not selected. ``raw``:
-    not normalised (xor, and the tail bucket)."""
+    """Candidate weights (``docs/semantics.md``, "Weights") from floored values; +0.0
+    where not selected. ``raw``: not normalised (xor, and the tail bucket)."""
     n, c = s_val.shape
     if weight_mode == "none":
         if plan is None:

@@ -25,10 +25,10 @@ TAIL_MIN = 1e-6
 ``1 - TAIL_MIN`` before ``log(1 - mass)``."""
 
 Strategy = Literal["only-student", "only-teacher", "intersection", "union", "xor"]
-"""How the candidate set is chosen (spec §2)."""
+"""How the candidate set is chosen (``docs/semantics.md``, "Top-k mode")."""
 
 WeightMode = Literal["student_p", "teacher_p", "none"]
-"""How candidates are weighted (spec §3)."""
+"""How candidates are weighted (``docs/semantics.md``, "Weights")."""
 
 Divergence = Literal["reverse_kl", "forward_kl", "jsd"]
 """Which per-position divergence the top-k signal is (docs/semantics.md, "The signal")."""

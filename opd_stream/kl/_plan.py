@@ -1,4 +1,5 @@
-"""What each strategy needs (opd-semantics §4), and so which requests a sample needs.
+"""What each strategy needs, and so which requests a sample needs (``docs/semantics.md``,
+"Which requests each strategy makes").
 
 A top-k sample needs up to four things: the student top-k ``S`` (from the rollout, or
 fetched from the student server), the teacher top-k ``T``, the teacher's logprobs of the

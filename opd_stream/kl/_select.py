@@ -5,11 +5,11 @@ only-teacher, the joined ``[S | T]`` for intersection, union and xor) into a
 :class:`SelectionPlan`: for every output slot the base column to read the id and student
 value from, the column to read the teacher value from, and the masks that clear unselected
 slots.  Integer index work only; the float math (gathers, weights, log-ratio sums) is
-:mod:`opd_stream.kl._math`'s.  Selection per strategy is spec ``opd-semantics`` §2.
+:mod:`opd_stream.kl._math`'s.  Selection per strategy is ``docs/semantics.md``, "Top-k mode".
 
 How candidates are selected (no Python loop over positions):
     Every selected candidate of a position is one column of the joined row ``[S | T]``, and
-    the spec order is column order.  So the output is a stable sort of the row's columns on
+    the strategy's order is column order.  So the output is a stable sort of the row's columns on
     ``(unselected, column)``; the sort key carries in its low bits the column to read the
     teacher value from (a ``T`` column for an ``S`` id that is also in ``T``), and one gather
     per output array then reads ids and values.  Unselected slots are cleared with bit masks
@@ -99,7 +99,7 @@ def plan_selection(
         None when every slot is selected and already in place (only-* without empty slots),
         else the :class:`SelectionPlan`.
 
-    Every selected candidate is a column of the row, and the spec order is column order, so
+    Every selected candidate is a column of the row, and the strategy's order is column order, so
     packing is a row sort of ``unselected << 2b | column << b | teacher column`` keys (``b``
     bits per column); the low bits carry the column to read the teacher value from (the
     ``T`` twin of an ``S`` id that is also in ``T``, for union and intersection).
@@ -216,7 +216,8 @@ def _classify(
     kdt: Any,
     b: int,
 ) -> tuple[Any, Any]:
-    """``(unselected, column << b | teacher column)`` per slot (spec §2).
+    """``(unselected, column << b | teacher column)`` per slot (``docs/semantics.md``,
+    "Top-k mode").
 
     ``s_in_t``: an ``S`` slot whose id is in ``T``, ``twin`` its ``T`` column; ``t_in_s``: a
     ``T`` slot whose id is in ``S``; ``hole``: an empty slot.

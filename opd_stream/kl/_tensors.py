@@ -81,8 +81,9 @@ class TopKResult(NamedTuple):
 
     The candidate axis ``C`` is ``Ks`` (only-student, intersection), ``Kt`` (only-teacher) or
     ``Ks + Kt`` (union, xor).  The selected candidates of a position are packed to the front
-    of the ``C`` axis in the spec order; the remaining slots hold id ``-1``, logprobs ``0``,
-    weight ``0`` and mask False.  Padding positions have no selected candidate.
+    of the ``C`` axis in the strategy's order (``docs/semantics.md``, "Top-k mode"); the
+    remaining slots hold id ``-1``, logprobs ``0``, weight ``0`` and mask False.  Padding
+    positions have no selected candidate.
 
     Attributes:
         reverse_kl: float32 ``[B, R]``: ``r_t``, the signal of the divergence asked (the

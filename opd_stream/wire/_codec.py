@@ -5,11 +5,13 @@ Plain sync functions; the async shell (:mod:`opd_stream.fetch._attempts`) asks
 and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
 
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream.wire._scan_reader`,
-numba: ~1-3 ns per byte, GIL released) wherever it is ready (it is compiled once per process
-in the background, :mod:`opd_stream.scanner._loader`); until then, or where numba cannot run,
-msgspec
-(5-17 ns per byte with every check, GIL held). The scanner hands an answer it does not
-accept to msgspec, which raises the precise error. Which thread: a request body (by
+numba, GIL released) wherever it is ready (it is compiled once per process in the
+background, :mod:`opd_stream.scanner._loader`); until then, or where numba cannot run,
+msgspec (GIL held). The scanner hands an answer it does not accept to msgspec, which raises
+the precise error. Their costs with every check, by answer shape: the scanner ~1.5-3 ns of
+CPU per answer byte, msgspec ~4-10 (``python -m bench.scan_micro``, R = 2048, k = 16, GC
+off, on the 2-core development box; other days read up to 2x lower, the ratio holds; the
+table is in ``docs/performance.md``, "Parsing answers"). Which thread: a request body (by
 :func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
 ``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
 stays on the loop.
@@ -115,8 +117,9 @@ def decode_score_response(
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
     ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
-    ``"msgspec"`` holds the GIL for the whole decode (5-17 ns per byte). ``"jit"`` uses the
-    compiled scanner (GIL released, ~1-3 ns per byte) when it is ready
+    ``"msgspec"`` holds the GIL for the whole decode (~4-10 ns per byte). ``"jit"`` uses the
+    compiled scanner (GIL released, ~1.5-3 ns per byte; both with every check, see the
+    module's docstring) when it is ready
     (:func:`opd_stream.scanner._loader.prepare`). An answer the scanner does not accept is decoded
     again with msgspec, which raises the precise error (see
     :mod:`opd_stream.wire._decode_columns`).

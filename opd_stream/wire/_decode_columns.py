@@ -15,9 +15,10 @@ the same bytes for the precise error: error types and messages stay those of one
 implementation. tests/test_decode_jit.py checks the rule differentially (valid, mutated and
 random answers through both).
 
-Costs, measured on this project's machines (R = 4096, k = 16, per-position answers, us per
-response token): the scanner ~1.3 and the checks here ~0.5; msgspec's untyped decode (no
-checks, no arrays) ~3.4.
+Costs (``python -m bench.scan_micro``: R = 2048, k = 16, a per-position answer of ~564 bytes
+per response token; us of CPU per response token): the scan ~0.5, the reader and the checks
+here ~0.3-0.5 more; msgspec's untyped decode (no checks, no arrays) ~3.4-4.5. The table is
+in ``docs/performance.md``, "Parsing answers".
 """
 
 from __future__ import annotations

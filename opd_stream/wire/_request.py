@@ -12,9 +12,10 @@ logprobs of caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
 
 ``per-position``
     ``token_ids_logprob_positions`` with exactly ``L`` rows: rows of absolute positions
-    ``< P`` are ``[]``, row ``P + t`` is ``ids[t]`` in request order. Never sent together
-    with the flat field. Needs a patched SGLang (spec §4); an unpatched one silently ignores
-    the field and the decoder raises ``CapabilityError("per_position")``.
+    ``< P`` are ``[]``, row ``P + t`` is ``ids[t]`` in request order. Never sent together with
+    the flat field. Needs a patched SGLang (``docs/protocol.md``, "Per-position id
+    scoring"); an unpatched one silently ignores the field and the decoder raises
+    ``CapabilityError("per_position")``.
 ``flat``
     ``token_ids_logprob`` = the sorted unique union ``U`` of all ids, scored at every
     position (answer ``O(R·|U|)``); columns are picked by ``searchsorted``.
@@ -185,7 +186,7 @@ def _sorted_unique(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
 
 #: Block sizes ``auto`` chooses from.
 AUTO_BLOCK_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-_ENTRY_BYTES = 33  # one ``[lp,id,null]`` answer entry (spec: ~33 B)
+_ENTRY_BYTES = 33  # one ``[lp,id,null]`` answer entry (docs/performance.md, "Answer sizes")
 _ITEM_BYTES = 450  # one batch item's fixed answer fields (id, finish_reason, counts, ...)
 
 

@@ -24,7 +24,7 @@ call it when training ends. A caller that is cancelled (a ``reward_func`` call c
 its rollout) cancels its sample: the sample's requests in flight are cancelled at once (or
 never sent), and the rest of the stream goes on.
 
-Results equal the reference's (spec opd-semantics §2-§3), merged multi-turn samples
+Results equal the reference's (``docs/semantics.md``, "Top-k mode"), merged multi-turn samples
 included (an empty student top-k row, ``[]``, on an observation span contributes what the
 reference gives it: nothing under only-student, the teacher's top-k under union):
 ``reward_func`` returns a dict holding ``teacher_log_probs`` (float32 ``[R]``,

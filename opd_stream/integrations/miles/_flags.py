@@ -81,7 +81,7 @@ def config_from_miles_args(
     ``OPD_STREAM_REQUEST_DEADLINE_S``, ``OPD_STREAM_ATTEMPT_TIMEOUT_S``,
     ``OPD_STREAM_API_KEY``, ... Where a flag and a variable both speak, the flag wins.
 
-    Mapping (spec opd-semantics §7):
+    Mapping (the reference's flags: ``docs/semantics.md``, "Its flags and outputs"):
 
     * ``--opd-teacher-urls NAME=URL ...`` (a list, or one comma-separated string) ->
       ``teachers``; without it ``--rm-url`` is the single teacher ``default``. A URL may end

@@ -1,7 +1,7 @@
 """Sans-IO SGLang ``/generate`` answers of the mock: one answer object per request item.
 
-Semantics follow ``/work/shared/spec/sglang-protocol.md`` (SGLang 0.5.23 plus the
-per-position patch #38119); the request was parsed by :mod:`._request`:
+Semantics follow ``docs/protocol.md`` (SGLang 0.5.23 plus the per-position patch
+#38119); the request was parsed by :mod:`._request`:
 
 * every ``input_*`` list has ``L - s`` entries, entry ``j`` about absolute position ``s + j``,
   entry 0 always empty (``[null, ids[s], null]`` / ``null``); empty rows and ``-inf`` are ``null``;

@@ -1,7 +1,7 @@
 """Sans-IO SGLang ``/generate`` protocol of the mock: request parsing and validation.
 
-Independent of ``opd_stream``'s client code. Semantics follow
-``/work/shared/spec/sglang-protocol.md`` (SGLang 0.5.23 plus the per-position patch #38119):
+Independent of ``opd_stream``'s client code. Semantics follow ``docs/protocol.md`` (SGLang
+0.5.23 plus the per-position patch #38119):
 
 * validation happens in SGLang's three layers, each with its error shape (:class:`RequestError`);
 * ``logprob_start_len`` ``s`` defaults to -1, mapped to ``L`` (to ``L-1`` when

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 from trio.testing import MockClock
 
 from opd_stream import (

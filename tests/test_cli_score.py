@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import pytest
 import structlog
-from pipeline_reference import Expected, expected_result, rollout_topk_rows
+from support.pipeline_reference import Expected, expected_result, rollout_topk_rows
 
 from opd_stream import InvalidSampleError, Sample
 from opd_stream.cli._main import main

@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import pytest
 import structlog
-from pipeline_reference import MixtureTeacher, expected_result
+from support.pipeline_reference import MixtureTeacher, expected_result
 
 from opd_stream import ConfigError
 from opd_stream.cli._main import main

@@ -21,7 +21,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_reference import MixtureTeacher, assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import (
+    MixtureTeacher,
+    assert_matches,
+    expected_result,
+    rollout_topk_rows,
+)
 
 from opd_stream import (
     ConfigError,

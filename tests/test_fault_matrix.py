@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
 from bench.reliability import (
     DEFAULT_N,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mock_helpers import load_sglang_api_types, post_json
+from support.sglang_api import load_sglang_api_types, post_json
 
 from opd_stream._answers import ScoreRows
 from opd_stream._errors import MalformedResponseError, MisalignedResponseError, OPDStreamError

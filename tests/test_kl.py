@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kl_padding import pad_batch, pad_topk_batch
-from kl_reference import Missing, reference_position, reference_sampled
+from support.kl_padding import pad_batch, pad_topk_batch
+from support.kl_reference import Missing, reference_position, reference_sampled
 
 from opd_stream._errors import MissingLogprobError
 from opd_stream.kl import _select as _klselect

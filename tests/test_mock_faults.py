@@ -13,7 +13,7 @@ import aiohttp
 import anyio
 import msgspec
 import pytest
-from mock_helpers import post_json
+from support.sglang_api import post_json
 
 from opd_stream.testing.mock_sglang import (
     FAULT_KINDS,

@@ -10,7 +10,7 @@ import aiohttp
 import anyio
 import numpy as np
 import pytest
-from mock_helpers import post_json
+from support.sglang_api import post_json
 
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 from opd_stream.testing.mock_sglang._prefix_cache import PrefixCache, reusable_limit

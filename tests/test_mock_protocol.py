@@ -12,7 +12,7 @@ import aiohttp
 import anyio
 import numpy as np
 import pytest
-from mock_helpers import load_sglang_api_types, post_json
+from support.sglang_api import load_sglang_api_types, post_json
 
 from opd_stream.testing.mock_sglang import MockCluster, MockModel, MockOptions, serve_mock
 

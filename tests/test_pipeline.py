@@ -14,7 +14,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     MockTransport,

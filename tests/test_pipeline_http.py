@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
-from threaded_mock import serve_mock_threaded as serve_mock
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.threaded_mock import serve_mock_threaded as serve_mock
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.fleet._router import generate_url

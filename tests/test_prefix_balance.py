@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample, StreamConfig
 from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
-from threaded_mock import serve_mock_threaded
+from support.threaded_mock import serve_mock_threaded
 
 from opd_stream import (
     InvalidSampleError,

@@ -25,7 +25,7 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess

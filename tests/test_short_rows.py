@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from kl_reference import reference_position
+from support.kl_reference import reference_position
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream._sample import request_ids

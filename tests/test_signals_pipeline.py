@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 from opd_stream.kl._math import STRATEGIES

@@ -26,7 +26,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 from opd_stream.fleet._discovery import parse_rl_workers, parse_router_workers

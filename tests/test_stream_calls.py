@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     InvalidSampleError,

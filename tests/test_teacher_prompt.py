@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES

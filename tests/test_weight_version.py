@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     OPDStream,
@@ -226,7 +226,7 @@ async def test_a_student_whose_versions_keep_changing_fails_the_sample() -> None
 
 
 async def test_over_http_a_scripted_weight_update_is_retried_and_scored() -> None:
-    from threaded_mock import serve_mock_threaded
+    from support.threaded_mock import serve_mock_threaded
 
     from opd_stream.testing.mock_sglang import MockOptions
 

@@ -15,7 +15,7 @@ import anyio
 import numpy as np
 import pytest
 import structlog
-from xtok_helpers import family_dir, family_vocab
+from support.xtok_vocabs import family_dir, family_vocab
 
 from opd_stream.cli._main import main
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from xtok_helpers import small_vocab, write_small
+from support.xtok_vocabs import small_vocab, write_small
 
 from opd_stream import ConfigError
 from opd_stream.integrations import miles

@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from xtok_helpers import SPECIAL, family_dir, family_vocab, small_vocab, write_small
+from support.xtok_vocabs import SPECIAL, family_dir, family_vocab, small_vocab, write_small
 
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
@@ -306,7 +306,7 @@ async def test_every_bad_input_fails_alone_with_its_reason(
 async def test_text_the_teacher_tokenizer_cannot_round_trip_fails_alone(tmp_path: Path) -> None:
     import json
 
-    from xtok_helpers import small_json
+    from support.xtok_vocabs import small_json
 
     data = json.loads(small_json("b"))
     data["normalizer"] = {"type": "NFC"}

@@ -16,9 +16,9 @@ import math
 from typing import Any
 
 import numpy as np
-from kl_reference import reference_divergence_position, reference_position
 
 from opd_stream.testing.mock_sglang import MockModel
+from support.kl_reference import reference_divergence_position, reference_position
 
 __all__ = ("Expected", "MixtureTeacher", "expected_result", "rollout_topk_rows")
 

@@ -1,5 +1,6 @@
 """Shared fixtures: anyio backends (asyncio in debug mode, trio); the ``opd_stream``
-logger's state restored after every test (the CLI's ``configure_logging`` changes it)."""
+logger's state restored after every test (the CLI's ``configure_logging`` changes it); the
+isolated environment of the command tests (``cli_env``). Shared helpers: ``support/``."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def _restore_opd_stream_logger() -> Iterator[None]:
     yield
     logger.handlers[:] = saved[0]
     logger.level, logger.propagate = saved[1], saved[2]
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests of the commands (``pytestmark = pytest.mark.usefixtures("cli_env")``): no
+    ``OPD_STREAM_*`` variable of the outer environment, the KL on the CPU, structlog's
+    configuration restored afterwards (``support.cli.isolate_cli``)."""
+    from support.cli import isolate_cli  # the command's modules load only where used
+
+    yield from isolate_cli(monkeypatch)

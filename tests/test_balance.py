@@ -8,11 +8,13 @@ aiohttp mock servers.
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import FAST_BACKOFF, one_pool, stream_config
 from support.pipeline_reference import assert_matches, expected_result
 from trio.testing import MockClock
 
@@ -23,7 +25,6 @@ from opd_stream import (
     Sample,
     SampleFailure,
     ScoredSample,
-    StreamConfig,
 )
 from opd_stream.fleet._balance import HEDGE_MIN_SAMPLES, EndpointPool
 from opd_stream.fleet._endpoints import Endpoints
@@ -205,15 +206,7 @@ class _Fleet:
         return self.servers[base].handle(method, path, body)
 
 
-def _cfg(urls: tuple[str, ...], **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": {"default": list(urls)},
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, **FAST_BACKOFF)  # teachers: one_pool(urls)
 
 
 async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | SampleFailure]:
@@ -247,7 +240,7 @@ async def test_failing_replica_is_ejected_and_every_sample_is_still_scored() -> 
     urls = (A, B, C, D)
     fleet = _Fleet(urls)
     fleet.fail[A] = True
-    cfg = _cfg(urls, eject_after_failures=2, eject_cooldown_s=60, max_inflight=4)
+    cfg = _cfg(one_pool(urls), eject_after_failures=2, eject_cooldown_s=60, max_inflight=4)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         out = await _run(stream, _samples(40))
         st = stream.stats().endpoints
@@ -265,7 +258,7 @@ async def test_ejected_replica_is_readmitted_only_after_health_answers_200() -> 
     fleet = _Fleet(urls)
     fleet.fail[A] = True
     fleet.healthy[A] = False
-    cfg = _cfg(urls, eject_after_failures=1, eject_cooldown_s=0.05, max_inflight=2)
+    cfg = _cfg(one_pool(urls), eject_after_failures=1, eject_cooldown_s=0.05, max_inflight=2)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _run(stream, _samples(6))
         assert stream.stats().endpoints[A].ejected
@@ -305,7 +298,7 @@ async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> N
     fleet = _Fleet(urls)
     for u in urls:
         fleet.latency[u] = 0.002
-    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.02, max_inflight=4)
+    cfg = _cfg(one_pool(urls), hedge_after_percentile=50, hedge_min_s=0.02, max_inflight=4)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
         fleet.latency[D] = 3600.0
@@ -335,7 +328,11 @@ async def test_hedging_never_runs_past_the_deadline(anyio_backend_name: str) -> 
     for u in urls:
         fleet.latency[u] = 0.001
     cfg = _cfg(
-        urls, hedge_after_percentile=50, hedge_min_s=0.01, request_deadline_s=0.3, max_inflight=2
+        one_pool(urls),
+        hedge_after_percentile=50,
+        hedge_min_s=0.01,
+        request_deadline_s=0.3,
+        max_inflight=2,
     )
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
@@ -354,7 +351,7 @@ async def test_hedging_never_runs_past_the_deadline(anyio_backend_name: str) -> 
 async def test_no_hedge_is_sent_when_max_attempts_leaves_no_room() -> None:
     urls = (A, B)
     fleet = _Fleet(urls)
-    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.01, max_attempts=1)
+    cfg = _cfg(one_pool(urls), hedge_after_percentile=50, hedge_min_s=0.01, max_attempts=1)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
         fleet.latency[A] = fleet.latency[B] = 0.05
@@ -378,7 +375,7 @@ async def test_least_outstanding_sends_less_work_to_a_slow_replica_than_round_ro
         for u in urls:
             fleet.latency[u] = 0.01
         fleet.latency[D] = 1.0  # 100 times slower: free on the virtual clock
-        cfg = _cfg(urls, balance=balance, max_inflight=12)
+        cfg = _cfg(one_pool(urls), balance=balance, max_inflight=12)
         async with OPDStream(cfg, transport=fleet.transport) as stream:
             out = await _run(stream, _samples(n))
             st = stream.stats().endpoints
@@ -411,7 +408,7 @@ async def test_balancing_sends_less_work_to_a_slow_replica_than_round_robin() ->
         fleet.set_options(3, latency_fixed_s=1.0)
         for balance in ("round-robin", "least-outstanding"):
             before = fleet.stats[3].generate_requests
-            cfg = _cfg(tuple(fleet.urls), balance=balance, max_inflight=12)
+            cfg = _cfg(one_pool(fleet.urls), balance=balance, max_inflight=12)
             async with OPDStream(cfg) as stream:
                 out = await _run(stream, _samples(n))
                 st = stream.stats().endpoints
@@ -428,7 +425,7 @@ async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_e
     async with serve_mock("teacher", 4, replicas=3) as fleet:
         urls = tuple(fleet.urls)
         cfg = _cfg(
-            urls,
+            one_pool(urls),
             hedge_after_percentile=50,
             hedge_min_s=0.03,
             eject_after_failures=1,

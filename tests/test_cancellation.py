@@ -9,11 +9,13 @@ in debug mode. A trio variant cancels the caller's scope over the in-process tra
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import stream_config
 
 from opd_stream import (
     AiohttpTransport,
@@ -21,7 +23,6 @@ from opd_stream import (
     OPDStream,
     Response,
     Sample,
-    StreamConfig,
 )
 from opd_stream.testing.mock_sglang import MockCluster, MockOptions, serve_mock
 from opd_stream.testing.tasks import pending_tasks
@@ -40,15 +41,7 @@ def _samples(n: int) -> list[Sample]:
     return [Sample(rng.integers(0, 5000, 8).tolist(), 3) for _ in range(n)]
 
 
-def _cfg(url: str, **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": url,
-        "kl_device": "cpu",
-        "request_deadline_s": DEADLINE_S,
-        "max_inflight": 6,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, request_deadline_s=DEADLINE_S, max_inflight=6)
 
 
 async def _until(predicate: Any, limit_s: float = PROMPTLY_S) -> None:

@@ -9,14 +9,16 @@ import hashlib
 import math
 import random
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import FAST_BACKOFF, one_pool, stream_config
 from support.pipeline_reference import assert_matches, expected_result
 
-from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample, StreamConfig
+from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample
 from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
 from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
@@ -294,16 +296,7 @@ def _groups(seed: int = 0) -> list[Sample]:
     return out
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": {"default": list(URLS)},
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-        "max_inflight": 16,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, one_pool(URLS), **FAST_BACKOFF, max_inflight=16)
 
 
 def _check(out: list[Any], model: Any) -> None:

@@ -15,7 +15,7 @@ import anyio
 import numpy as np
 import pytest
 from support.config import FAST_BACKOFF, one_pool, stream_config
-from support.pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_all_scored
 from trio.testing import MockClock
 
 from opd_stream import (
@@ -29,7 +29,7 @@ from opd_stream import (
 from opd_stream.fleet._balance import HEDGE_MIN_SAMPLES, EndpointPool
 from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
-from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
 A, B, C, D = (f"http://replica-{i}:1" for i in range(4))
 
@@ -216,21 +216,6 @@ async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | 
     return out
 
 
-def _check_scored(out: list[Any], model: MockModel) -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=model,
-            student=model,
-            top_k=0,
-            strategy="only-student",
-            weight_mode="student_p",
-        )
-        assert_matches(item, exp)
-
-
 # on the real clock: a virtual clock's autojump would end the 60 s cool-down (and shape the
 # latency race) as soon as the loop idles
 @pytest.mark.parametrize(
@@ -244,7 +229,7 @@ async def test_failing_replica_is_ejected_and_every_sample_is_still_scored() -> 
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         out = await _run(stream, _samples(40))
         st = stream.stats().endpoints
-    _check_scored(out, fleet.servers[B].model)
+    assert_all_scored(out, fleet.servers[B].model)
     assert st[A].ejected and st[A].ejections == 1
     assert st[A].errors == fleet.generate[A] == st[A].requests
     # Two failures eject it; requests already on their way when it was ejected may add a few.
@@ -278,7 +263,7 @@ async def test_ejected_replica_is_readmitted_only_after_health_answers_200() -> 
     assert fleet.health_probes[A] == probes + 1
     assert not st.ejected and st.readmissions == 1
     assert fleet.generate[A] > before  # back in the rotation
-    _check_scored(out, fleet.servers[B].model)
+    assert_all_scored(out, fleet.servers[B].model)
 
 
 async def _warm_up(stream: OPDStream) -> None:
@@ -307,7 +292,7 @@ async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> N
         with anyio.fail_after(60):  # not one request waits for the slow replica
             out = await _run(stream, _samples(30))
         st = stream.stats().endpoints
-    _check_scored(out, fleet.servers[A].model)
+    assert_all_scored(out, fleet.servers[A].model)
     hedged = [r for r in out if isinstance(r, ScoredSample) and r.attempts == 2]
     assert all(isinstance(r, ScoredSample) and r.attempts in (1, 2) for r in out)
     hedges = sum(st[u].hedges - warm[u].hedges for u in urls)
@@ -379,7 +364,7 @@ async def test_least_outstanding_sends_less_work_to_a_slow_replica_than_round_ro
         async with OPDStream(cfg, transport=fleet.transport) as stream:
             out = await _run(stream, _samples(n))
             st = stream.stats().endpoints
-        _check_scored(out, fleet.servers[A].model)
+        assert_all_scored(out, fleet.servers[A].model)
         counts[balance] = fleet.generate[D]
         assert st[D].requests == counts[balance]
     assert counts["round-robin"] == n // 4
@@ -412,7 +397,7 @@ async def test_balancing_sends_less_work_to_a_slow_replica_than_round_robin() ->
             async with OPDStream(cfg) as stream:
                 out = await _run(stream, _samples(n))
                 st = stream.stats().endpoints
-            _check_scored(out, fleet.model)
+            assert_all_scored(out, fleet.model)
             counts[balance] = fleet.stats[3].generate_requests - before
             assert st[fleet.urls[3]].requests == counts[balance]
     assert counts["round-robin"] == n // 4
@@ -441,7 +426,7 @@ async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_e
             with anyio.fail_after(30):
                 out = await _run(stream, _samples(12))
             st = stream.stats().endpoints
-        _check_scored(out, fleet.model)
+        assert_all_scored(out, fleet.model)
         assert st[urls[2]].ejected and st[urls[2]].ejections == 1
         assert st[urls[1]].cancelled > warm[urls[1]].cancelled
 

@@ -10,13 +10,12 @@ import math
 import random
 from collections import Counter
 from functools import partial
-from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 from support.config import FAST_BACKOFF, one_pool, stream_config
-from support.pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_all_scored
 
 from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample
 from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
@@ -299,21 +298,6 @@ def _groups(seed: int = 0) -> list[Sample]:
 _cfg = partial(stream_config, one_pool(URLS), **FAST_BACKOFF, max_inflight=16)
 
 
-def _check(out: list[Any], model: Any) -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=model,
-            student=model,
-            top_k=0,
-            strategy="only-student",
-            weight_mode="student_p",
-        )
-        assert_matches(item, exp)
-
-
 @pytest.mark.parametrize(
     "anyio_backend", [("asyncio", {"debug": True}), ("trio", {})], ids=["asyncio", "trio"]
 )
@@ -325,7 +309,7 @@ async def test_every_group_is_scored_on_one_replica_with_its_key_sent_along() ->
         async with stream.run(samples) as results:
             out = [r async for r in results]
     assert sorted(r.index for r in out) == list(range(len(samples)))
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     homes: dict[tuple[int, ...], set[str]] = {}
     for url, seen in fleet.prompts.items():
         for prompt in seen:
@@ -354,7 +338,7 @@ async def test_a_failing_first_choice_sends_its_groups_to_their_second_choice() 
         async with stream.run(samples) as results:
             out = [r async for r in results]
         st = stream.stats().endpoints
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     assert st[URLS[0]].ejected
     assert not fleet.prompts[URLS[0]]
     pool = _pool()
@@ -404,7 +388,7 @@ async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes
                 async with stream.run(samples) as results:
                     out = [r async for r in results]
                 st = stream.stats().endpoints
-            _check(out, fleet.model)
+            assert_all_scored(out, fleet.model)
             for url, mock in zip(fleet.urls, fleet.stats, strict=True):
                 assert st[url].prompt_tokens == mock.prompt_tokens
                 assert st[url].cached_tokens == mock.cached_tokens
@@ -444,5 +428,5 @@ async def test_a_transport_without_headers_still_gets_prefix_placement() -> None
     async with OPDStream(_cfg(), transport=transport) as stream:  # type: ignore[arg-type]
         async with stream.run(samples) as results:
             out = [r async for r in results]
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     assert transport.posts == len(samples)

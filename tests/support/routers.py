@@ -24,10 +24,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, StreamConfig
 from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
 from opd_stream.testing.router import RouterUnavailable, SGLangRouter, SMGGateway
-from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.pipeline_reference import assert_all_scored, rollout_topk_rows
 
 __all__ = (
     "STUDENT",
@@ -133,19 +133,7 @@ async def mock_stats(workers: list[str]) -> list[dict[str, Any]]:
 
 def check_scored(out: list[Any], *, top_k: int, strategy: str = "only-student") -> None:
     """Every item is scored, equal to the reference of :data:`TEACHER` and :data:`STUDENT`."""
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=TEACHER,
-            student=STUDENT,
-            top_k=top_k,
-            strategy=strategy,
-            weight_mode="student_p",
-            rollout_logprobs=list(item.sample.rollout_logprobs),
-        )
-        assert_matches(item, exp)
+    assert_all_scored(out, TEACHER, STUDENT, top_k=top_k, strategy=strategy)
 
 
 async def generate_counts(workers: list[str]) -> list[int]:

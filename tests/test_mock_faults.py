@@ -53,12 +53,6 @@ async def server() -> AsyncIterator[MockCluster]:
         yield srv
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
 @pytest.mark.parametrize("status", [500, 503, 429])
 async def test_http_error_faults_answer_error_response_bodies(
     server: MockCluster, session: aiohttp.ClientSession, status: int

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from support.config import FAST_BACKOFF, one_pool, stream_config
 from support.pipeline_reference import assert_all_scored
+from support.samples import prefix_groups
 
 from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample
 from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
@@ -363,22 +364,11 @@ async def test_other_balances_send_no_routing_key() -> None:
 
 
 # --- over HTTP: mock replicas with prefix caches ------------------------------------------
-def _long_groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
-    rng = np.random.default_rng(5)
-    out = []
-    for g in range(groups):
-        head = rng.integers(0, 3000, prompt).tolist()
-        for _ in range(per_group):
-            tail = rng.integers(0, 3000, response).tolist()
-            out.append(Sample(head + tail, response, sample_id=g))
-    return out
-
-
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
 async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes_less() -> None:
     from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
-    samples = _long_groups(groups=8, per_group=8, prompt=64, response=8)
+    samples = prefix_groups(groups=8, per_group=8, prompt=64, response=8, seed=5)
     opts = MockOptions(prefix_cache_tokens=1 << 20, prefix_cache_page=1)
     computed: dict[str, int] = {}
     for balance in ("prefix", "least-outstanding"):

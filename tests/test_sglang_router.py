@@ -29,6 +29,7 @@ from support.routers import (
     generate_counts,
     launch_sglang_router,
     mock_workers,
+    samples_until_routed,
     score_all,
 )
 
@@ -194,24 +195,15 @@ async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
             cfg = stream_config(url, top_k=K)
             pool = gateway_samples(200, top_k=K, seed=6)
             async with OPDStream(cfg) as stream:
-
-                async def feed() -> AsyncIterator[Sample]:
-                    # until the new worker has been in our routing for 10 samples
-                    import anyio
-
-                    seen_at = None
-                    for n, sample in enumerate(pool):
-                        if n == 5:
-                            _router_api(url, "POST", "/workers", {"url": urls[2]})
-                        fleet = stream.stats().fleets.get(url)
-                        if seen_at is None and fleet and urls[2] in fleet.workers:
-                            seen_at = n
-                        if seen_at is not None and n >= seen_at + 10:
-                            return
-                        yield sample
-                        await anyio.sleep(0.05)
-
-                async with stream.run(feed()) as results:
+                async with stream.run(
+                    samples_until_routed(
+                        stream,
+                        pool,
+                        url,
+                        urls[2],
+                        lambda: _router_api(url, "POST", "/workers", {"url": urls[2]}),
+                    )
+                ) as results:
                     out = [item async for item in results]
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)

@@ -31,8 +31,10 @@ from support.routers import (
     launch_smg,
     mock_stats,
     mock_workers,
+    samples_until_routed,
     score_all,
 )
+from support.samples import prefix_groups
 
 from opd_stream import OPDStream, Sample, ScoredSample
 from opd_stream.fleet._discovery import parse_rl_workers, parse_router_workers
@@ -153,20 +155,9 @@ async def test_unpatched_workers_behind_smg_get_the_blocks_as_separate_requests(
     assert (ep.per_position, ep.blocked_batch) == (False, False)
 
 
-def _groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
-    rng = np.random.default_rng(9)
-    out = []
-    for g in range(groups):
-        head = rng.integers(0, 3000, prompt).tolist()
-        for _ in range(per_group):
-            tail = rng.integers(0, 3000, response).tolist()
-            out.append(Sample(head + tail, response, sample_id=g))
-    return out
-
-
 async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_policy() -> None:
     groups, per_group, prompt, response = 8, 8, 64, 8
-    samples = _groups(groups, per_group, prompt, response)
+    samples = prefix_groups(groups, per_group, prompt, response, seed=9)
     procs = mock_workers(4, prefix_cache_tokens=1 << 20)
     computed: dict[str, int] = {}
     try:
@@ -211,7 +202,6 @@ async def _paced(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
 async def test_a_worker_added_through_smg_gets_requests_during_a_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import anyio
 
     from opd_stream.fleet import _discovery
 
@@ -222,21 +212,15 @@ async def test_a_worker_added_through_smg_gets_requests_during_a_run(
         with launch_smg(urls[:2], enable_rl=True) as url:
             pool = gateway_samples(200, top_k=K, seed=7)
             async with OPDStream(_cfg(url)) as stream:
-
-                async def feed() -> AsyncIterator[Sample]:
-                    seen_at = None
-                    for n, sample in enumerate(pool):
-                        if n == 5:
-                            _api(url, "POST", "/workers", {"url": urls[2]})
-                        fleet = stream.stats().fleets.get(url)
-                        if seen_at is None and fleet and urls[2] in fleet.workers:
-                            seen_at = n
-                        if seen_at is not None and n >= seen_at + 10:
-                            return
-                        yield sample
-                        await anyio.sleep(0.05)
-
-                async with stream.run(feed()) as results:
+                async with stream.run(
+                    samples_until_routed(
+                        stream,
+                        pool,
+                        url,
+                        urls[2],
+                        lambda: _api(url, "POST", "/workers", {"url": urls[2]}),
+                    )
+                ) as results:
                     out = sorted([item async for item in results], key=lambda r: r.index)
                 stats = stream.stats()
             check_scored(out, top_k=K)

@@ -4,9 +4,11 @@ pytest puts ``tests/`` on ``sys.path`` (rootdir-relative "prepend" import mode),
 imports these as ``from support.<module> import ...``:
 
 * ``config``: :func:`~support.config.stream_config`, the one ``StreamConfig`` builder;
-* ``cli``: ``opd-stream`` in-process and as a subprocess, and the isolated environment;
+* ``cli``: ``opd-stream`` in-process and ``python -m`` (``bench`` included) as a subprocess,
+  and the isolated environment of ``conftest.cli_env``;
 * ``kl_reference``: the independent float64 per-position KL reference;
-* ``pipeline_reference``: expected pipeline results from the mock's closed-form model;
+* ``pipeline_reference``: expected pipeline results from the mock's closed-form model, and
+  ``assert_all_scored`` (every result scored and equal to them);
 * ``kl_padding``: per-sample arrays padded into one batch (padding must be ignored);
 * ``kl_rows``: candidate rows for the tail and divergence tests;
 * ``sglang_api``: SGLang's contract module (by path) and a tiny JSON client;
@@ -14,5 +16,6 @@ imports these as ``from support.<module> import ...``:
 * ``fuzz_corpus``: the answer and request corpora the decoders are fuzzed with;
 * ``threaded_mock``: the mock servers in a thread, for tests on any anyio backend;
 * ``routers``: sglang-router / smg launched on free ports in front of mock workers;
+* ``samples``: sample builders several modules use (groups sharing a prefix);
 * ``xtok_vocabs``: small and real tokenizers for the cross-tokenizer tests.
 """

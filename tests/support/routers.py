@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import aiohttp
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -40,6 +41,7 @@ __all__ = (
     "launch_smg",
     "mock_stats",
     "mock_workers",
+    "samples_until_routed",
     "score_all",
 )
 
@@ -134,6 +136,25 @@ async def mock_stats(workers: list[str]) -> list[dict[str, Any]]:
 def check_scored(out: list[Any], *, top_k: int, strategy: str = "only-student") -> None:
     """Every item is scored, equal to the reference of :data:`TEACHER` and :data:`STUDENT`."""
     assert_all_scored(out, TEACHER, STUDENT, top_k=top_k, strategy=strategy)
+
+
+async def samples_until_routed(
+    stream: OPDStream, pool: list[Sample], gateway: str, worker: str, add: Callable[[], Any]
+) -> AsyncIterator[Sample]:
+    """``pool``'s samples, one per 50 ms; after the fifth, ``add()`` registers ``worker``
+    with the gateway; the feed ends 10 samples after ``stream``'s fleet behind ``gateway``
+    lists the worker (it has been in the stream's routing for 10 samples)."""
+    seen_at = None
+    for n, sample in enumerate(pool):
+        if n == 5:
+            add()
+        fleet = stream.stats().fleets.get(gateway)
+        if seen_at is None and fleet and worker in fleet.workers:
+            seen_at = n
+        if seen_at is not None and n >= seen_at + 10:
+            return
+        yield sample
+        await anyio.sleep(0.05)
 
 
 async def generate_counts(workers: list[str]) -> list[int]:

@@ -1,7 +1,7 @@
 """Helpers shared by the test modules (no test imports another test module, nor ``bench``).
 
-pytest puts ``tests/`` on ``sys.path`` (rootdir-relative "prepend" import mode), so a test
-imports these as ``from support.<module> import ...``:
+pytest's default ``prepend`` import mode puts ``tests/`` (it has no ``__init__.py``) on
+``sys.path``, so a test imports these as ``from support.<module> import ...``:
 
 * ``config``: :func:`~support.config.stream_config`, the one ``StreamConfig`` builder;
 * ``cli``: ``opd-stream`` in-process and ``python -m`` (``bench`` included) as a subprocess,

@@ -13,7 +13,6 @@ in CI and skips them, with the reason, on a machine without the tool.
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 from support.config import stream_config
 from support.routers import (
     check_scored,
+    gateway_api,
     gateway_fleet,
     gateway_samples,
     generate_counts,
@@ -124,17 +124,8 @@ async def test_strict_per_position_through_the_router_fails_loudly(
 # --- router discovery: the workers, addressed directly --------------------------------
 
 
-def _router_api(url: str, method: str, path: str, body: Any = None) -> Any:
-    data = None if body is None else msgspec.json.encode(body)
-    req = urllib.request.Request(
-        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return msgspec.json.decode(resp.read())
-
-
 def _listed(url: str) -> set[str]:
-    return {w["url"] for w in _router_api(url, "GET", "/workers")["workers"]}
+    return {w["url"] for w in msgspec.json.decode(gateway_api(url, "GET", "/workers"))["workers"]}
 
 
 async def _slowly(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
@@ -201,7 +192,9 @@ async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
                         pool,
                         url,
                         urls[2],
-                        lambda: _router_api(url, "POST", "/workers", {"url": urls[2]}),
+                        lambda: msgspec.json.decode(
+                            gateway_api(url, "POST", "/workers", {"url": urls[2]})
+                        ),
                     )
                 ) as results:
                     out = [item async for item in results]
@@ -220,9 +213,9 @@ def _take_away(how: str, proc: MockProcess, url: str) -> None:
     if how == "killed":
         proc.kill()
         return
-    listing = _router_api(url, "GET", "/workers")["workers"]
+    listing = msgspec.json.decode(gateway_api(url, "GET", "/workers"))["workers"]
     wid = next(w["id"] for w in listing if w["url"] == proc.url)
-    _router_api(url, "DELETE", f"/workers/{wid}")
+    msgspec.json.decode(gateway_api(url, "DELETE", f"/workers/{wid}"))
 
 
 @pytest.mark.parametrize("how", ["removed", "killed"])

@@ -26,6 +26,7 @@ import pytest
 from support.config import stream_config
 from support.routers import (
     check_scored,
+    gateway_api,
     gateway_fleet,
     gateway_samples,
     launch_smg,
@@ -54,23 +55,16 @@ def gateway() -> Iterator[tuple[str, list[str]]]:
         yield fleet
 
 
-def _api(url: str, method: str, path: str, body: Any = None) -> Any:
-    data = None if body is None else msgspec.json.encode(body)
-    req = urllib.request.Request(
-        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return resp.read()
-
-
 _cfg = partial(stream_config, top_k=K)
 
 
 # --- discovery ------------------------------------------------------------------------
 def test_both_listings_name_the_workers(gateway: tuple[str, list[str]]) -> None:
     url, workers = gateway
-    assert sorted(parse_router_workers(_api(url, "GET", "/workers")) or []) == sorted(workers)
-    assert sorted(parse_rl_workers(_api(url, "GET", "/v1/rl/workers")) or []) == sorted(workers)
+    listed = parse_router_workers(gateway_api(url, "GET", "/workers")) or []
+    rl_listed = parse_rl_workers(gateway_api(url, "GET", "/v1/rl/workers")) or []
+    assert sorted(listed) == sorted(workers)
+    assert sorted(rl_listed) == sorted(workers)
 
 
 async def test_discovery_scores_per_position_on_the_workers_directly(
@@ -165,7 +159,7 @@ async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_poli
         with launch_smg(urls, policy="manual") as url:
             for balance in ("prefix", "least-outstanding"):  # with and without the key
                 for w in urls:
-                    _api(w, "POST", "/flush_cache")
+                    gateway_api(w, "POST", "/flush_cache")
                 before = sum(s["computed_tokens"] for s in await mock_stats(urls))
                 out, stats = await score_all(
                     stream_config(
@@ -218,7 +212,7 @@ async def test_a_worker_added_through_smg_gets_requests_during_a_run(
                         pool,
                         url,
                         urls[2],
-                        lambda: _api(url, "POST", "/workers", {"url": urls[2]}),
+                        lambda: gateway_api(url, "POST", "/workers", {"url": urls[2]}),
                     )
                 ) as results:
                     out = sorted([item async for item in results], key=lambda r: r.index)
@@ -253,11 +247,11 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
                             if how == "killed":
                                 procs[1].kill()
                             else:
-                                listing = msgspec.json.decode(_api(url, "GET", "/workers"))
+                                listing = msgspec.json.decode(gateway_api(url, "GET", "/workers"))
                                 wid = next(
                                     w["id"] for w in listing["workers"] if w["url"] == urls[1]
                                 )
-                                _api(url, "DELETE", f"/workers/{wid}")
+                                gateway_api(url, "DELETE", f"/workers/{wid}")
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
             assert [r.index for r in out] == list(range(len(samples)))

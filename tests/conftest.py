@@ -1,10 +1,13 @@
 """Shared fixtures: anyio backends (asyncio in debug mode, trio); the ``opd_stream``
-logger's state restored after every test (the CLI's ``configure_logging`` changes it)."""
+logger's state restored after every test (the CLI's ``configure_logging`` changes it); the
+isolated environment of the command tests (``cli_env``); an aiohttp ``session`` and SGLang's
+``api_types`` module for the mock server tests. Shared helpers: ``support/``."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -27,3 +30,30 @@ def _restore_opd_stream_logger() -> Iterator[None]:
     yield
     logger.handlers[:] = saved[0]
     logger.level, logger.propagate = saved[1], saved[2]
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests of the commands (``pytestmark = pytest.mark.usefixtures("cli_env")``): no
+    ``OPD_STREAM_*`` variable of the outer environment, the KL on the CPU, structlog's
+    configuration restored afterwards (``support.cli.isolate_cli``)."""
+    from support.cli import isolate_cli  # the command's modules load only where used
+
+    yield from isolate_cli(monkeypatch)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[Any]:
+    """An ``aiohttp.ClientSession`` for talking to the mock servers (asyncio tests)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api_types() -> ModuleType:
+    """SGLang's contract module ``api_types.py`` (``support.sglang_api``; fails if missing)."""
+    from support.sglang_api import load_sglang_api_types
+
+    return load_sglang_api_types()

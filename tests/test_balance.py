@@ -8,12 +8,14 @@ aiohttp mock servers.
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.config import FAST_BACKOFF, one_pool, stream_config
+from support.pipeline_reference import assert_all_scored
 from trio.testing import MockClock
 
 from opd_stream import (
@@ -23,12 +25,11 @@ from opd_stream import (
     Sample,
     SampleFailure,
     ScoredSample,
-    StreamConfig,
 )
 from opd_stream.fleet._balance import HEDGE_MIN_SAMPLES, EndpointPool
 from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
-from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
 A, B, C, D = (f"http://replica-{i}:1" for i in range(4))
 
@@ -205,15 +206,7 @@ class _Fleet:
         return self.servers[base].handle(method, path, body)
 
 
-def _cfg(urls: tuple[str, ...], **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": {"default": list(urls)},
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, **FAST_BACKOFF)  # teachers: one_pool(urls)
 
 
 async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | SampleFailure]:
@@ -221,21 +214,6 @@ async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | 
         out = [r async for r in results]
     assert sorted(r.index for r in out) == list(range(len(samples)))
     return out
-
-
-def _check_scored(out: list[Any], model: MockModel) -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=model,
-            student=model,
-            top_k=0,
-            strategy="only-student",
-            weight_mode="student_p",
-        )
-        assert_matches(item, exp)
 
 
 # on the real clock: a virtual clock's autojump would end the 60 s cool-down (and shape the
@@ -247,11 +225,11 @@ async def test_failing_replica_is_ejected_and_every_sample_is_still_scored() -> 
     urls = (A, B, C, D)
     fleet = _Fleet(urls)
     fleet.fail[A] = True
-    cfg = _cfg(urls, eject_after_failures=2, eject_cooldown_s=60, max_inflight=4)
+    cfg = _cfg(one_pool(urls), eject_after_failures=2, eject_cooldown_s=60, max_inflight=4)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         out = await _run(stream, _samples(40))
         st = stream.stats().endpoints
-    _check_scored(out, fleet.servers[B].model)
+    assert_all_scored(out, fleet.servers[B].model)
     assert st[A].ejected and st[A].ejections == 1
     assert st[A].errors == fleet.generate[A] == st[A].requests
     # Two failures eject it; requests already on their way when it was ejected may add a few.
@@ -265,7 +243,7 @@ async def test_ejected_replica_is_readmitted_only_after_health_answers_200() -> 
     fleet = _Fleet(urls)
     fleet.fail[A] = True
     fleet.healthy[A] = False
-    cfg = _cfg(urls, eject_after_failures=1, eject_cooldown_s=0.05, max_inflight=2)
+    cfg = _cfg(one_pool(urls), eject_after_failures=1, eject_cooldown_s=0.05, max_inflight=2)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _run(stream, _samples(6))
         assert stream.stats().endpoints[A].ejected
@@ -285,7 +263,7 @@ async def test_ejected_replica_is_readmitted_only_after_health_answers_200() -> 
     assert fleet.health_probes[A] == probes + 1
     assert not st.ejected and st.readmissions == 1
     assert fleet.generate[A] > before  # back in the rotation
-    _check_scored(out, fleet.servers[B].model)
+    assert_all_scored(out, fleet.servers[B].model)
 
 
 async def _warm_up(stream: OPDStream) -> None:
@@ -305,7 +283,7 @@ async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> N
     fleet = _Fleet(urls)
     for u in urls:
         fleet.latency[u] = 0.002
-    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.02, max_inflight=4)
+    cfg = _cfg(one_pool(urls), hedge_after_percentile=50, hedge_min_s=0.02, max_inflight=4)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
         fleet.latency[D] = 3600.0
@@ -314,7 +292,7 @@ async def test_slow_replica_is_hedged_and_the_losing_request_is_cancelled() -> N
         with anyio.fail_after(60):  # not one request waits for the slow replica
             out = await _run(stream, _samples(30))
         st = stream.stats().endpoints
-    _check_scored(out, fleet.servers[A].model)
+    assert_all_scored(out, fleet.servers[A].model)
     hedged = [r for r in out if isinstance(r, ScoredSample) and r.attempts == 2]
     assert all(isinstance(r, ScoredSample) and r.attempts in (1, 2) for r in out)
     hedges = sum(st[u].hedges - warm[u].hedges for u in urls)
@@ -335,7 +313,11 @@ async def test_hedging_never_runs_past_the_deadline(anyio_backend_name: str) -> 
     for u in urls:
         fleet.latency[u] = 0.001
     cfg = _cfg(
-        urls, hedge_after_percentile=50, hedge_min_s=0.01, request_deadline_s=0.3, max_inflight=2
+        one_pool(urls),
+        hedge_after_percentile=50,
+        hedge_min_s=0.01,
+        request_deadline_s=0.3,
+        max_inflight=2,
     )
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
@@ -354,7 +336,7 @@ async def test_hedging_never_runs_past_the_deadline(anyio_backend_name: str) -> 
 async def test_no_hedge_is_sent_when_max_attempts_leaves_no_room() -> None:
     urls = (A, B)
     fleet = _Fleet(urls)
-    cfg = _cfg(urls, hedge_after_percentile=50, hedge_min_s=0.01, max_attempts=1)
+    cfg = _cfg(one_pool(urls), hedge_after_percentile=50, hedge_min_s=0.01, max_attempts=1)
     async with OPDStream(cfg, transport=fleet.transport) as stream:
         await _warm_up(stream)
         fleet.latency[A] = fleet.latency[B] = 0.05
@@ -378,11 +360,11 @@ async def test_least_outstanding_sends_less_work_to_a_slow_replica_than_round_ro
         for u in urls:
             fleet.latency[u] = 0.01
         fleet.latency[D] = 1.0  # 100 times slower: free on the virtual clock
-        cfg = _cfg(urls, balance=balance, max_inflight=12)
+        cfg = _cfg(one_pool(urls), balance=balance, max_inflight=12)
         async with OPDStream(cfg, transport=fleet.transport) as stream:
             out = await _run(stream, _samples(n))
             st = stream.stats().endpoints
-        _check_scored(out, fleet.servers[A].model)
+        assert_all_scored(out, fleet.servers[A].model)
         counts[balance] = fleet.generate[D]
         assert st[D].requests == counts[balance]
     assert counts["round-robin"] == n // 4
@@ -411,11 +393,11 @@ async def test_balancing_sends_less_work_to_a_slow_replica_than_round_robin() ->
         fleet.set_options(3, latency_fixed_s=1.0)
         for balance in ("round-robin", "least-outstanding"):
             before = fleet.stats[3].generate_requests
-            cfg = _cfg(tuple(fleet.urls), balance=balance, max_inflight=12)
+            cfg = _cfg(one_pool(fleet.urls), balance=balance, max_inflight=12)
             async with OPDStream(cfg) as stream:
                 out = await _run(stream, _samples(n))
                 st = stream.stats().endpoints
-            _check_scored(out, fleet.model)
+            assert_all_scored(out, fleet.model)
             counts[balance] = fleet.stats[3].generate_requests - before
             assert st[fleet.urls[3]].requests == counts[balance]
     assert counts["round-robin"] == n // 4
@@ -428,7 +410,7 @@ async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_e
     async with serve_mock("teacher", 4, replicas=3) as fleet:
         urls = tuple(fleet.urls)
         cfg = _cfg(
-            urls,
+            one_pool(urls),
             hedge_after_percentile=50,
             hedge_min_s=0.03,
             eject_after_failures=1,
@@ -444,7 +426,7 @@ async def test_hedged_loser_over_http_is_disconnected_and_a_stopped_replica_is_e
             with anyio.fail_after(30):
                 out = await _run(stream, _samples(12))
             st = stream.stats().endpoints
-        _check_scored(out, fleet.model)
+        assert_all_scored(out, fleet.model)
         assert st[urls[2]].ejected and st[urls[2]].ejections == 1
         assert st[urls[1]].cancelled > warm[urls[1]].cancelled
 

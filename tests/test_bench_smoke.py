@@ -1,5 +1,6 @@
-"""The bench harness runs end to end on a minuscule size, and its baseline client agrees with
-opd_stream (no timing is asserted: performance is shown by the bench, never by tests)."""
+"""The bench harness (``python -m bench.run``, a subprocess) runs end to end on a minuscule
+size, and its baseline client agrees with opd_stream (no timing is asserted: performance is
+shown by the bench, never by tests)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-from bench.run import main
+from support.cli import run_module
 
 TINY = (
     '{"s1_n": 2, "s1_prompt": 8, "s1_response": 24, "s1_floor_samples": 2,'
@@ -19,21 +19,20 @@ TINY = (
 
 
 def test_bench_runs_and_baseline_equals_opd_stream(tmp_path: Path) -> None:
-    code = main(
-        [
-            "--quick",
-            "--scenario",
-            "1",
-            "--scenario",
-            "4",
-            "--no-progress",
-            "--out",
-            str(tmp_path),
-            "--sizes",
-            TINY,
-        ]
+    proc = run_module(
+        "bench.run",
+        "--quick",
+        "--scenario",
+        "1",
+        "--scenario",
+        "4",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        "--sizes",
+        TINY,
     )
-    assert code == 0
+    assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["meta"]["errors"] == {}
     modes = data["results"]["1"]["modes"]
@@ -64,10 +63,18 @@ def test_prefix_locality_scenario_runs_end_to_end(tmp_path: Path) -> None:
         '{"s9_prompts": 2, "s9_per_prompt": 2, "s9_prompt": 16, "s9_response": 8,'
         ' "s9_teacher_prompt": 32, "s9_window": 2, "s9_per_token_s": 0.0}'
     )
-    code = main(
-        ["--quick", "--scenario", "9", "--no-progress", "--out", str(tmp_path), "--sizes", sizes]
+    proc = run_module(
+        "bench.run",
+        "--quick",
+        "--scenario",
+        "9",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+        "--sizes",
+        sizes,
     )
-    assert code == 0
+    assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["meta"]["errors"] == {}
     variants = data["results"]["9"]["variants"]

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from support.config import stream_config
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 from opd_stream.cli._score_options import add_score_arguments, score_config
@@ -95,16 +96,7 @@ def _servers() -> dict[str, InProcessSGLang]:
 
 async def _run(mode: str, n: int = 3, **kw: Any) -> dict[str, InProcessSGLang]:
     servers = _servers()
-    cfg = StreamConfig.from_env(
-        {},
-        teachers=T,
-        student_url=ST,
-        kl_device="cpu",
-        top_k=3,
-        strategy="union",
-        cache_salt=mode,
-        **kw,
-    )
+    cfg = stream_config(T, student_url=ST, top_k=3, strategy="union", cache_salt=mode, **kw)
     rng = np.random.default_rng(1)
     samples = [Sample(rng.integers(0, 3000, P + R).tolist(), R, sample_id=i) for i in range(n)]
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
@@ -166,9 +158,7 @@ async def test_the_mock_server_records_the_salts_it_receives() -> None:
     server = MockServer("teacher", 1)
     await server.start()
     try:
-        cfg = StreamConfig.from_env(
-            {}, teachers=server.url, kl_device="cpu", cache_salt="per-request"
-        )
+        cfg = stream_config(server.url, cache_salt="per-request")
         samples = [Sample(list(range(1, P + R + 1)), R) for _ in range(2)]
         async with OPDStream(cfg) as stream:
             async with stream.run(samples) as results:

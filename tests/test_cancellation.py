@@ -9,22 +9,23 @@ in debug mode. A trio variant cancels the caller's scope over the in-process tra
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import stream_config
 
-from bench.reliability import _own_tasks
 from opd_stream import (
     AiohttpTransport,
     MockTransport,
     OPDStream,
     Response,
     Sample,
-    StreamConfig,
 )
 from opd_stream.testing.mock_sglang import MockCluster, MockOptions, serve_mock
+from opd_stream.testing.tasks import pending_tasks
 
 DEADLINE_S = 60.0  # far away: everything below must end long before it
 PROMPTLY_S = 20.0  # "at once", on a busy machine: still far below the deadline
@@ -40,15 +41,7 @@ def _samples(n: int) -> list[Sample]:
     return [Sample(rng.integers(0, 5000, 8).tolist(), 3) for _ in range(n)]
 
 
-def _cfg(url: str, **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": url,
-        "kl_device": "cpu",
-        "request_deadline_s": DEADLINE_S,
-        "max_inflight": 6,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, request_deadline_s=DEADLINE_S, max_inflight=6)
 
 
 async def _until(predicate: Any, limit_s: float = PROMPTLY_S) -> None:
@@ -62,12 +55,12 @@ async def _assert_clean(teacher: MockCluster, before: set[asyncio.Task[Any]], ha
     await _until(lambda: teacher.stats[0].disconnects >= hanging)
     assert teacher.stats[0].disconnects == hanging
     await _until(lambda: teacher.stats[0].in_flight == 0)
-    await _until(lambda: not (_own_tasks() - before))
+    await _until(lambda: not (pending_tasks() - before))
 
 
 async def test_breaking_out_of_results_cancels_the_hanging_requests() -> None:
     async with serve_mock("teacher", 1, options=MockOptions(fault_hang=0.5, fault_seed=1)) as t:
-        before = _own_tasks()
+        before = pending_tasks()
         transport = AiohttpTransport()
         start = anyio.current_time()
         async with OPDStream(_cfg(t.url), transport=transport) as stream:
@@ -85,7 +78,7 @@ async def test_breaking_out_of_results_cancels_the_hanging_requests() -> None:
 
 async def test_cancelling_the_callers_scope_cancels_the_hanging_requests() -> None:
     async with serve_mock("teacher", 1, options=MockOptions(fault_hang=1.0)) as t:
-        before = _own_tasks()
+        before = pending_tasks()
         transport = AiohttpTransport()
         got: list[Any] = []
         async with OPDStream(_cfg(t.url), transport=transport) as stream:
@@ -103,7 +96,7 @@ async def test_cancelling_the_callers_scope_cancels_the_hanging_requests() -> No
 
 async def test_closing_the_stream_while_requests_hang_ends_them() -> None:
     async with serve_mock("teacher", 1, options=MockOptions(fault_hang=1.0)) as t:
-        before = _own_tasks()
+        before = pending_tasks()
         start = anyio.current_time()
         async with OPDStream(_cfg(t.url)) as stream:
             results = stream.run(_samples(20))
@@ -117,7 +110,7 @@ async def test_closing_the_stream_while_requests_hang_ends_them() -> None:
 
 async def test_leaving_the_stream_with_a_run_never_iterated_cancels_it() -> None:
     async with serve_mock("teacher", 1, options=MockOptions(fault_hang=1.0)) as t:
-        before = _own_tasks()
+        before = pending_tasks()
         async with OPDStream(_cfg(t.url)) as stream:
             stream.run(_samples(20))  # the handle is dropped; the stream's exit ends it
             await _until(lambda: t.stats[0].in_flight == 6)

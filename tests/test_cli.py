@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from support.cli import run_module
 
 from opd_stream.config._settings import render_config_table
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "opd_stream", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def test_demo_scores_rollouts_against_mock_servers_and_verifies_them() -> None:
-    proc = _run(
+    proc = run_module(
+        "opd_stream",
         "demo",
         "--samples",
         "12",
@@ -44,7 +34,8 @@ def test_demo_scores_rollouts_against_mock_servers_and_verifies_them() -> None:
 
 
 def test_demo_in_sampled_token_mode_against_unpatched_teachers() -> None:
-    proc = _run(
+    proc = run_module(
+        "opd_stream",
         "demo",
         "--samples",
         "6",
@@ -66,7 +57,7 @@ def test_demo_in_sampled_token_mode_against_unpatched_teachers() -> None:
 
 
 def test_config_prints_the_configuration_table() -> None:
-    proc = _run("config", timeout=60)
+    proc = run_module("opd_stream", "config", timeout=60)
     assert proc.returncode == 0
     table, parser = proc.stdout.strip().rsplit("\n", 1)  # then the answer parser's line
     assert table.strip() == render_config_table().strip()
@@ -75,6 +66,6 @@ def test_config_prints_the_configuration_table() -> None:
 
 def test_the_installed_command_does_not_run_the_benchmarks() -> None:
     # bench/ is not part of the package: scripts/dev.sh bench runs it from a checkout
-    proc = _run("bench", "--help", timeout=60)
+    proc = run_module("opd_stream", "bench", "--help", timeout=60)
     assert proc.returncode == 2
     assert "invalid choice: 'bench'" in proc.stderr

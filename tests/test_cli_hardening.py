@@ -13,15 +13,14 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 import pytest
-import structlog
 import torch
+from support.cli import CONSOLE_SCRIPT, ROOT, run_cli, subprocess_env
 
 from opd_stream import Candidates, Sample, SampleFailure, ScoredSample
 from opd_stream.cli._demo import _summary
@@ -31,8 +30,6 @@ from opd_stream.cli._score_schema import LineRef, decode_line, render_result
 from opd_stream.testing.mock_sglang import serve_mock
 from opd_stream.testing.mock_sglang.__main__ import main as mock_main
 
-ROOT = Path(__file__).parent.parent
-CONSOLE_SCRIPT = Path(sys.executable).with_name("opd-stream")
 GOOD = b'{"prompt_ids": [1, 2], "response_ids": [3]}'
 _SCORE_CMD = (str(CONSOLE_SCRIPT), "score", "--teacher", "t=http://127.0.0.1:9")
 
@@ -42,26 +39,7 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})  # serve_mock runs on asyncio
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in list(os.environ):
-        if var.startswith("OPD_STREAM_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPD_STREAM_")}
-    env["OPD_STREAM_KL_DEVICE"] = "cpu"
-    return env
-
-
-async def _score(*argv: str) -> int:
-    code: int = await anyio.to_thread.run_sync(main, list(argv))
-    return code
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -162,7 +140,7 @@ async def test_score_end_to_end_bad_lines_fail_alone_and_the_output_is_valid_jso
     data = b"\xef\xbb\xbf" + b"\n".join([GOOD, deep, bad_id, long_line, GOOD]) + b"\n"
     (tmp_path / "in.jsonl").write_bytes(data)
     async with serve_mock("teacher", 1) as teacher:
-        code = await _score(
+        code = await run_cli(
             "score",
             "--teacher",
             f"t={teacher.url}",
@@ -219,7 +197,7 @@ def test_the_first_ctrl_c_interrupts_score_waiting_on_a_fifo(tmp_path: Path) -> 
         [*_SCORE_CMD, "--input", str(fifo), "--output", str(tmp_path / "o.jsonl"), "--no-progress"],
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=subprocess_env(OPD_STREAM_KL_DEVICE="cpu"),
     )
     try:
         while not _blocked_in_open(proc.pid):
@@ -251,7 +229,7 @@ def test_output_equal_to_the_file_behind_stdin_is_refused_before_truncating(
             stdin=stdin,
             capture_output=True,
             text=True,
-            env=_env(),
+            env=subprocess_env(OPD_STREAM_KL_DEVICE="cpu"),
             timeout=120,
             check=False,
         )
@@ -270,7 +248,7 @@ async def test_score_takes_its_teachers_from_the_environment_when_no_flag_is_giv
     files = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
     async with serve_mock("teacher", 1) as teacher:
         monkeypatch.setenv("OPD_STREAM_TEACHERS", f"math={teacher.url}")
-        assert await _score("score", *files, "--no-progress") == 0
+        assert await run_cli("score", *files, "--no-progress") == 0
     (line,) = _lines(tmp_path / "out.jsonl")
     assert line["ok"] is True and line["teacher"] == "math"
 
@@ -346,9 +324,9 @@ async def test_score_accepts_log_level_after_the_subcommand(
     async with serve_mock("teacher", 1) as teacher:
         argv = ["score", "--teacher", f"t={teacher.url}", "--no-progress", "--ordered"]
         argv += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "a.jsonl")]
-        assert await _score(*argv) == 0
+        assert await run_cli(*argv) == 0
         quiet = capsys.readouterr().err
-        assert await _score(*argv, "--log-level", "info") == 0
+        assert await run_cli(*argv, "--log-level", "info") == 0
         loud = capsys.readouterr().err
     # item 15: at the default level no per-line event; the output file has the failure
     assert "line_failed" not in quiet and "sample_failed" not in quiet

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,8 +23,8 @@ import anyio
 import msgspec
 import numpy as np
 import pytest
-import structlog
-from pipeline_reference import Expected, expected_result, rollout_topk_rows
+from support.cli import CONSOLE_SCRIPT, run_cli
+from support.pipeline_reference import Expected, expected_result, rollout_topk_rows
 
 from opd_stream import InvalidSampleError, Sample
 from opd_stream.cli._main import main
@@ -35,7 +35,6 @@ from opd_stream.testing.mock_sglang import MockModel, MockOptions, serve_mock
 
 K = 4
 MASKED_ID = 151935  # the mock's default masked ids are the two largest: logprob -inf
-CONSOLE_SCRIPT = Path(sys.executable).with_name("opd-stream")
 
 
 @pytest.fixture
@@ -43,16 +42,7 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})  # serve_mock runs on asyncio
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No OPD_STREAM_* variable of the outer environment; structlog restored after main()."""
-    for var in list(os.environ):
-        if var.startswith("OPD_STREAM_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -82,10 +72,8 @@ async def _score(tmp_path: Path, teacher: str, *extra: str) -> int:
     return await _run("--teacher", teacher, *files, *extra)
 
 
-async def _run(*argv: str, log_level: str = "warning") -> int:
-    """``opd-stream score ...`` in-process, in a worker thread (it runs its own loop)."""
-    code: int = await anyio.to_thread.run_sync(main, ["--log-level", log_level, "score", *argv])
-    return code
+_run = partial(run_cli, "--log-level", "warning", "score")
+"""``opd-stream score ...`` in-process, in a worker thread (it runs its own loop)."""
 
 
 def _expected_sampled(
@@ -613,13 +601,15 @@ async def test_api_key_from_env_is_sent_as_bearer_and_never_printed(
     _write_lines(tmp_path / "in.jsonl", [{"prompt_ids": [1, 2], "response_ids": [3]}] * 3)
     async with serve_mock("teacher", 1, options=MockOptions(api_key=key)) as teacher:
         common = ["--teacher", f"math={teacher.url}", "--input", str(tmp_path / "in.jsonl")]
-        with_key = await _run(
+        with_key = await run_cli(
+            "--log-level",
+            "debug",
+            "score",
             *common,
             "--output",
             str(tmp_path / "a.jsonl"),
             "--api-key-env",
             "OPD_TEST_TEACHER_KEY",
-            log_level="debug",
         )
         without = await _run(*common, "--output", str(tmp_path / "b.jsonl"))
     assert with_key == 0 and without == 1  # nothing scored without the key

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
-import structlog
-from pipeline_reference import MixtureTeacher, expected_result
+from support.cli import run_cli
+from support.pipeline_reference import MixtureTeacher, expected_result
 
 from opd_stream import ConfigError
 from opd_stream.cli._main import main
@@ -34,20 +32,10 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})  # serve_mock runs on asyncio
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in list(os.environ):
-        if var.startswith("OPD_STREAM_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
-async def _run(*argv: str) -> int:
-    code: int = await anyio.to_thread.run_sync(main, ["--log-level", "warning", "score", *argv])
-    return code
+_run = partial(run_cli, "--log-level", "warning", "score")  # in a worker thread
 
 
 def _lines(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:

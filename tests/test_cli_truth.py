@@ -7,20 +7,18 @@ teacher name from the line) and which answer parser runs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-import structlog
 from aiohttp import web
+from support.cli import ROOT, run_cli, run_module, subprocess_env
 
 from opd_stream import InvalidSampleError
 from opd_stream._errors import ServerHTTPError
@@ -30,7 +28,6 @@ from opd_stream.cli._score_schema import decode_line
 from opd_stream.testing.mock_sglang import serve_mock
 from opd_stream.wire._error_body import parse_error_message
 
-ROOT = Path(__file__).parent.parent
 LINE = {"prompt_ids": [1, 2], "response_ids": [3, 4]}
 
 
@@ -39,22 +36,7 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})  # serve_mock and aiohttp.web run on asyncio
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in list(os.environ):
-        if var.startswith("OPD_STREAM_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPD_STREAM_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 def _write(path: Path, lines: list[Any]) -> None:
@@ -65,9 +47,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-async def _score(*argv: str) -> int:
-    code: int = await anyio.to_thread.run_sync(main, ["score", "--no-progress", *argv])
-    return code
+_score = partial(run_cli, "score", "--no-progress")  # opd-stream score ..., in a thread
 
 
 def _closed_port() -> int:
@@ -158,7 +138,7 @@ def test_usage_and_file_errors_come_before_torch_is_imported(tmp_path: Path, cas
         [sys.executable, "-c", _BEFORE_TORCH, *_usage_case(tmp_path, case)],
         capture_output=True,
         text=True,
-        env=_env(OPD_STREAM_KL_DEVICE="auto"),  # auto: building the stream imports torch
+        env=subprocess_env(OPD_STREAM_KL_DEVICE="auto"),  # auto: building the stream imports torch
         timeout=120,
         check=False,
     )
@@ -219,7 +199,7 @@ def test_ctrl_c_at_start_up_is_one_line_and_exit_130(tmp_path: Path, milestone: 
         [*cmd, "--teacher", "http://127.0.0.1:9", *files],
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(OPD_STREAM_KL_DEVICE="cpu"),
+        env=subprocess_env(OPD_STREAM_KL_DEVICE="cpu"),
         cwd=ROOT,
     )
     assert proc.stderr is not None
@@ -433,17 +413,10 @@ async def test_a_routing_failure_does_not_repeat_the_teacher_name_of_the_line(
 def test_config_names_the_answer_parser(disabled: bool) -> None:
     import importlib.util
 
-    env = _env(NUMBA_DISABLE_JIT="1") if disabled else _env()
+    env = subprocess_env(NUMBA_DISABLE_JIT="1") if disabled else subprocess_env()
     env.pop("NUMBA_DISABLE_JIT", None) if not disabled else None
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd_stream", "config"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
+    proc = run_module("opd_stream", "config", env=env)
+    assert proc.returncode == 0, proc.stderr
     last = proc.stdout.splitlines()[-1]
     if disabled:
         assert last.startswith("answer parser: msgspec ")
@@ -476,11 +449,10 @@ async def test_score_says_in_one_line_when_the_scanner_is_unavailable(
     ]
 
 
-def test_the_repeated_key_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.line_keys_micro import main as bench_main
-
-    assert bench_main(["--response", "8", "--k", "2", "--repeats", "1"]) == 0
-    assert capsys.readouterr().out.count("x |") == 3  # no timing asserted: the bench runs
+def test_the_repeated_key_bench_runs() -> None:
+    proc = run_module("bench.line_keys_micro", "--response", "8", "--k", "2", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("x |") == 3  # no timing asserted: the bench runs
 
 
 @pytest.mark.parametrize(

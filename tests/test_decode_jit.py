@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import wire_fakes as wf
 from hypothesis import given
 from hypothesis import strategies as st
-from test_fuzz_decode import FUZZ, REQUESTS, VALID, _mutate, _paths, field_values, json_values
+from support import fake_generate as wf
+from support.fuzz_corpus import FUZZ, REQUESTS, VALID, field_values, json_values, mutate, paths_of
 
 from opd_stream import OPDStreamError
 from opd_stream._answers import ScoreRows
@@ -153,11 +153,11 @@ def test_mutated_answers_are_accepted_only_when_msgspec_accepts_them(
 ) -> None:
     obj = copy.deepcopy(VALID[name])
     for _ in range(n_mutations):
-        path = data.draw(st.sampled_from(_paths(obj)))
+        path = data.draw(st.sampled_from(paths_of(obj)))
         op = data.draw(
             st.sampled_from(["replace", "delete", "duplicate", "truncate", "bump", "b64-flip"])
         )
-        obj = _mutate(obj, path, op, data.draw(field_values) if op == "replace" else None)
+        obj = mutate(obj, path, op, data.draw(field_values) if op == "replace" else None)
     _differential(json.dumps(obj).encode(), REQUESTS[name])
 
 

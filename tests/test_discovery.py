@@ -7,9 +7,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.config import stream_config
 from trio.testing import MockClock
 
-from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample, StreamConfig
+from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample
 from opd_stream.fleet._discovery import FleetDirectory, parse_rl_workers, parse_router_workers
 from opd_stream.testing.inprocess import InProcessSGLang
 
@@ -119,7 +120,7 @@ async def test_off_never_asks() -> None:
 
 async def test_a_stream_scores_on_the_workers_and_says_so_in_its_stats() -> None:
     net = _Net()
-    cfg = StreamConfig.from_env({}, teachers=R, kl_device="cpu")
+    cfg = stream_config(R)
     samples = [Sample([1, 2, 3, 4 + i], 2, rollout_logprobs=[-1.0, -1.0]) for i in range(8)]
     async with OPDStream(cfg, transport=MockTransport(net.handle, routers=True)) as stream:
         async with stream.run(samples) as results:

@@ -15,13 +15,15 @@ import sys
 import typing
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample
 from opd_stream.integrations import miles
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
@@ -30,10 +32,7 @@ T = "http://teacher:1"
 S = "http://student:2"
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu"}
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T)
 
 
 def _servers() -> dict[str, InProcessSGLang]:

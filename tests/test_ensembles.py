@@ -21,7 +21,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_reference import MixtureTeacher, assert_matches, expected_result, rollout_topk_rows
+from support.config import stream_config
+from support.pipeline_reference import (
+    MixtureTeacher,
+    assert_matches,
+    expected_result,
+    rollout_topk_rows,
+)
 
 from opd_stream import (
     ConfigError,
@@ -222,9 +228,7 @@ def _samples(seed: int, n: int, *, with_topk: bool, teacher_prompt: bool = False
 
 
 async def _run(teachers: Any, servers: Any, samples: list[Any], **kw: Any) -> list[Any]:
-    cfg = StreamConfig.from_env(
-        {}, teachers=teachers, student_url=S, kl_device="cpu", backoff_initial_s=0.001, **kw
-    )
+    cfg = stream_config(teachers, student_url=S, backoff_initial_s=0.001, **kw)
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         async with stream.run(samples) as results:
             out = [r async for r in results]
@@ -466,10 +470,8 @@ async def test_members_are_asked_at_once_and_a_failure_cancels_the_others() -> N
 
     from opd_stream.transport._transports import MockTransport
 
-    cfg = StreamConfig.from_env(
-        {},
-        teachers="0.5*http://m1:1;0.5*http://m2:1",
-        kl_device="cpu",
+    cfg = stream_config(
+        "0.5*http://m1:1;0.5*http://m2:1",
         request_deadline_s=30.0,
         max_attempts=1,
     )

@@ -1,11 +1,11 @@
 """The fault matrix, asserted: every fault mode of the mock, over real HTTP, mixed workload.
 
-Each mode runs ``bench.reliability.run_fault_mode`` (the function that also writes
-docs/reliability.md) and checks: every sample comes out exactly once; retryable faults
-recover and the retries are counted; non-retryable faults fail their sample alone with the
-right reason; every scored result equals the independent closed-form reference (so none was
-computed from a bad answer); the run stays within its deadline budget; afterwards no task
-is pending and the connection pools are idle.
+Each mode runs ``opd_stream.testing.fault_matrix.run_fault_mode`` (the function that
+``bench/reliability.py`` renders as docs/reliability.md) and checks: every sample comes out
+exactly once; retryable faults recover and the retries are counted; non-retryable faults
+fail their sample alone with the right reason; every scored result equals the independent
+closed-form reference (so none was computed from a bad answer); the run stays within its
+deadline budget; afterwards no task is pending and the connection pools are idle.
 
 Real sockets, real clock (aiohttp needs asyncio), so every time limit here is one a busy
 machine cannot reach by itself: a healthy request has 30 s (``DEADLINE_S``), a hung one ends
@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.pipeline_reference import assert_matches, expected_result
 
-from bench.reliability import (
+from opd_stream import SampleFailure, ScoredSample
+from opd_stream.testing.fault_matrix import (
     DEFAULT_N,
     HANG_DEADLINE_S,
     MODES,
@@ -30,7 +31,6 @@ from bench.reliability import (
     run_fault_mode,
     teacher_model,
 )
-from opd_stream import SampleFailure, ScoredSample
 from opd_stream.testing.mock_sglang import FAULT_KINDS
 
 N = DEFAULT_N  # samples per stream: 240 per mode, as in docs/reliability.md

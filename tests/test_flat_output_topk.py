@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mock_helpers import load_sglang_api_types, post_json
+from support.sglang_api import post_json
 
 from opd_stream._answers import ScoreRows
 from opd_stream._errors import MalformedResponseError, MisalignedResponseError, OPDStreamError
@@ -63,17 +63,6 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 async def server() -> AsyncIterator[MockCluster]:
     async with serve_mock("teacher", SEED) as srv:
         yield srv
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api_types() -> ModuleType:
-    return load_sglang_api_types()
 
 
 # ---------------------------------------------------------------- helpers

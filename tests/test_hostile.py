@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import anyio
 import msgspec
 import pytest
 import structlog
+from support.cli import run_cli
+from support.config import FAST_BACKOFF, stream_config
 
 from opd_stream import (
     AiohttpTransport,
@@ -118,18 +121,13 @@ def _samples(n: int) -> list[Sample]:
     return [Sample([1, 2, 3, 4 + i], 1, rollout_logprobs=[-0.5], sample_id=i) for i in range(n)]
 
 
-def _cfg(url: str, **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": url,
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-        "request_deadline_s": 10.0,
-        "max_attempts": 2,
-        "router_discovery": "off",  # these servers answer every request alike
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(
+    stream_config,
+    **FAST_BACKOFF,
+    request_deadline_s=10.0,
+    max_attempts=2,
+    router_discovery="off",  # these servers answer every request alike
+)
 
 
 async def _run(cfg: StreamConfig, samples: list[Sample]) -> list[ScoredSample | SampleFailure]:
@@ -225,21 +223,18 @@ async def test_the_score_command_output_and_events_hold_no_part_of_an_echoed_key
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2], "response_ids": [3]}\n' * 2)
     try:
         async with raw_server(_echo_error(500 - 7 - 20, bearer=True)) as (url, _):
-            code = await anyio.to_thread.run_sync(
-                main,
-                [
-                    "--log-level",
-                    "debug",
-                    "score",
-                    "--teacher",
-                    f"t={url}",
-                    "--api-key-env",
-                    "OPD_TEST_HOSTILE_KEY",
-                    "--input",
-                    str(tmp_path / "in.jsonl"),
-                    "--output",
-                    str(tmp_path / "out.jsonl"),
-                ],
+            code = await run_cli(
+                "--log-level",
+                "debug",
+                "score",
+                "--teacher",
+                f"t={url}",
+                "--api-key-env",
+                "OPD_TEST_HOSTILE_KEY",
+                "--input",
+                str(tmp_path / "in.jsonl"),
+                "--output",
+                str(tmp_path / "out.jsonl"),
             )
     finally:
         structlog.configure(**saved)

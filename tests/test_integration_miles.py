@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_reference import expected_result, rollout_topk_rows
+from support.pipeline_reference import expected_result, rollout_topk_rows
 
 from opd_stream import ConfigError, MockTransport, Response, Sample, SampleFailure
 from opd_stream.integrations import miles
@@ -333,7 +333,7 @@ def _merged_reference(
     strategy: str,
     weight_mode: str,
 ) -> list[Any]:
-    from kl_reference import reference_position
+    from support.kl_reference import reference_position
 
     def f32(values: Any) -> list[float]:
         return [float(np.float32(v)) for v in np.asarray(values, dtype=np.float64).ravel()]

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from mock_helpers import post_json
+from support.sglang_api import post_json
 
 from opd_stream import ConfigError, MalformedResponseError, MisalignedResponseError
 from opd_stream.integrations.verl import (

@@ -11,8 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kl_padding import pad_batch, pad_topk_batch
-from kl_reference import Missing, reference_position, reference_sampled
+from support.kl_padding import pad_batch, pad_topk_batch
+from support.kl_reference import Missing, reference_position, reference_sampled
+from support.kl_rows import FIELDS
 
 from opd_stream._errors import MissingLogprobError
 from opd_stream.kl import _select as _klselect
@@ -54,14 +55,7 @@ def make_batch(samples: list[Sample], strategy: str, device: str = "cpu") -> Top
     needed = needed_inputs(strategy)  # type: ignore[arg-type]
     fields: dict[str, torch.Tensor | None] = {}
     valid = None
-    for name, attr in (
-        ("student_ids", "s_ids"),
-        ("student_lp", "s_lp"),
-        ("teacher_on_student", "t_on_s"),
-        ("teacher_ids", "t_ids"),
-        ("teacher_lp", "t_lp"),
-        ("student_on_teacher", "s_on_t"),
-    ):
+    for name, attr in FIELDS:
         if name not in needed:
             fields[name] = None
             continue

@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kl_reference import reference_divergence_position, reference_full_divergence
-from test_kl_tail import FIELDS, Rows, batch_of, distribution_rows, model_rows
+from support.kl_reference import reference_divergence_position, reference_full_divergence
+from support.kl_rows import FIELDS, Rows, batch_of, distribution_rows, model_rows
 
 from opd_stream._errors import MissingLogprobError
 from opd_stream.kl._math import STRATEGIES, Strategy, TopKBatch, topk_divergence

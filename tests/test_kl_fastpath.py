@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kl_reference import reference_position
+from support.kl_reference import reference_position
 
 import opd_stream.kl._math as kl
 import opd_stream.kl._select as klselect

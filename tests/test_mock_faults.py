@@ -13,7 +13,7 @@ import aiohttp
 import anyio
 import msgspec
 import pytest
-from mock_helpers import post_json
+from support.sglang_api import post_json
 
 from opd_stream.testing.mock_sglang import (
     FAULT_KINDS,
@@ -51,12 +51,6 @@ async def _until(predicate: Any, limit_s: float = 30.0) -> None:
 async def server() -> AsyncIterator[MockCluster]:
     async with serve_mock("teacher", 1) as srv:
         yield srv
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.mark.parametrize("status", [500, 503, 429])

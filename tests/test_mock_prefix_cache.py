@@ -3,14 +3,13 @@ reports it) and its compute-time model (a GPU-bound replica simulated on CPU).""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import anyio
 import numpy as np
 import pytest
-from mock_helpers import post_json
+from support.sglang_api import post_json
 
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 from opd_stream.testing.mock_sglang._prefix_cache import PrefixCache, reusable_limit
@@ -63,12 +62,6 @@ def test_a_logprob_request_reuses_at_most_its_logprob_start_len() -> None:
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _body(tokens: list[int], start: int) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import aiohttp
 import anyio
 import numpy as np
 import pytest
-from mock_helpers import load_sglang_api_types, post_json
+from support.sglang_api import post_json
 
 from opd_stream.testing.mock_sglang import MockCluster, MockModel, MockOptions, serve_mock
 
@@ -33,17 +33,6 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 async def server() -> AsyncIterator[MockCluster]:
     async with serve_mock("teacher", SEED) as srv:
         yield srv
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api_types() -> ModuleType:
-    return load_sglang_api_types()
 
 
 def score_body(**extra: Any) -> dict[str, Any]:

@@ -8,13 +8,15 @@ test_pipeline_http.py.)
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.config import FAST_BACKOFF, stream_config
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     MockTransport,
@@ -23,7 +25,6 @@ from opd_stream import (
     Sample,
     SampleFailure,
     ScoredSample,
-    StreamConfig,
 )
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
@@ -32,15 +33,7 @@ T2 = "http://teacher-b:2"
 ST = "http://student:3"
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": T1,
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T1, **FAST_BACKOFF)
 
 
 def _samples(n: int, *, seed: int = 0, p: int = 6, r: int = 5) -> list[Sample]:

@@ -7,10 +7,12 @@ and backoff sleeps; it never runs past it.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from typing import Any
 
 import anyio
 import pytest
+from support.config import stream_config
 from trio.testing import MockClock
 
 from opd_stream import MockTransport, OPDStream, Response, Sample, SampleFailure, StreamConfig
@@ -29,10 +31,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu"}
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T)
 
 
 async def _run(cfg: StreamConfig, handler: Any, n: int = 3) -> list[Any]:

@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
-from threaded_mock import serve_mock_threaded as serve_mock
+from support.config import stream_config
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.threaded_mock import serve_mock_threaded as serve_mock
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.fleet._router import generate_url
@@ -109,7 +110,7 @@ async def test_sampled_token_mode_matches_core_and_closed_form() -> None:
     async with serve_mock("teacher", 3) as teacher, serve_mock("student", 3) as student:
         samples = _samples(student.model, n=6, top_k=0, with_topk=False)
         samples.append(Sample(samples[0].tokens, samples[0].response_length))  # no rollout lps
-        cfg = StreamConfig.from_env({}, teachers=teacher.url, kl_device="cpu")
+        cfg = stream_config(teacher.url)
         results = await _score(cfg, samples)
         async with httpx.AsyncClient() as session:
             for res, smp in zip(results, samples, strict=True):
@@ -147,14 +148,12 @@ async def test_topk_every_strategy_and_weight_mode_matches_core_and_closed_form(
 ) -> None:
     async with serve_mock("teacher", 5) as teacher, serve_mock("student", 5) as student:
         samples = _samples(student.model, n=4, top_k=K, with_topk=True, seed=1)
-        cfg = StreamConfig.from_env(
-            {},
-            teachers=teacher.url,
+        cfg = stream_config(
+            teacher.url,
             student_url=student.url,
             top_k=K,
             strategy=strategy,
             weight_mode=weight_mode,
-            kl_device="cpu",
         )
         results = await _score(cfg, samples)
         async with httpx.AsyncClient() as session:
@@ -203,16 +202,14 @@ async def test_every_id_form_gives_the_same_answers(
         serve_mock("student", 7, options=opts) as student,
     ):
         samples = _samples(student.model, n=3, top_k=K, with_topk=False, seed=2)
-        cfg = StreamConfig.from_env(
-            {},
-            teachers=teacher.url,
+        cfg = stream_config(
+            teacher.url,
             student_url=student.url,
             top_k=K,
             strategy=strategy,
             weight_mode=weight_mode,
             id_scoring=id_scoring,
             id_block_size=3,
-            kl_device="cpu",
         )
         async with OPDStream(cfg) as stream, stream.run(samples) as results:
             out = sorted([r async for r in results], key=lambda r: r.index)
@@ -245,14 +242,7 @@ async def test_auto_against_unpatched_server_probes_once_then_uses_blocked() -> 
         serve_mock("student", 9) as student,
     ):
         samples = _samples(student.model, n=10, top_k=K, with_topk=True, seed=3)
-        cfg = StreamConfig.from_env(
-            {},
-            teachers=teacher.url,
-            student_url=student.url,
-            top_k=K,
-            kl_device="cpu",
-            max_inflight=1,
-        )
+        cfg = stream_config(teacher.url, student_url=student.url, top_k=K, max_inflight=1)
         await _score(cfg, samples)
         # one probe (answered without input_token_ids_logprobs) + one blocked request per sample
         assert teacher.stats[0].generate_requests == len(samples) + 1
@@ -262,11 +252,9 @@ async def test_api_key_is_sent_as_bearer_and_required() -> None:
     opts = MockOptions(api_key="s3cret-key")
     async with serve_mock("teacher", 1, options=opts) as teacher:
         samples = [Sample([1, 2, 3, 4], 2)]
-        good = StreamConfig.from_env(
-            {}, teachers=teacher.url, api_key="s3cret-key", kl_device="cpu"
-        )
+        good = stream_config(teacher.url, api_key="s3cret-key")
         await _score(good, samples)
-        bad = StreamConfig.from_env({}, teachers=teacher.url, kl_device="cpu")
+        bad = stream_config(teacher.url)
         async with OPDStream(bad) as stream, stream.run(samples) as results:
             out = [r async for r in results]
         assert isinstance(out[0], SampleFailure)

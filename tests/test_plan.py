@@ -11,8 +11,9 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, ScoredSample
 from opd_stream.kl._plan import RequestPlan, plan_requests
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
@@ -126,16 +127,14 @@ def _expected_bodies(
 )
 async def test_golden_payloads_for_every_strategy_and_id_form(strategy: str, form: str) -> None:
     servers = {T: InProcessSGLang("teacher", 4), S: InProcessSGLang("student", 4)}
-    cfg = StreamConfig.from_env(
-        {},
-        teachers=T,
+    cfg = stream_config(
+        T,
         student_url=S,
         top_k=2,
         strategy=strategy,
         id_scoring=form,
         id_block_size=1,
         topk_wire="json",
-        kl_device="cpu",
     )
     rows = [[[-0.5, S_IDS[t][0]], [-1.5, S_IDS[t][1]]] for t in range(2)]
     sample = Sample(TOKENS, 2, student_top_logprobs=rows)

@@ -9,14 +9,16 @@ import hashlib
 import math
 import random
 from collections import Counter
-from typing import Any
+from functools import partial
 
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.config import FAST_BACKOFF, one_pool, stream_config
+from support.pipeline_reference import assert_all_scored
+from support.samples import prefix_groups
 
-from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample, StreamConfig
+from opd_stream import MockTransport, OPDStream, Response, Sample, ScoredSample
 from opd_stream.fleet._balance import ROUTING_KEY_HEADER, EndpointPool, prefix_key
 from opd_stream.fleet._endpoints import Endpoints
 from opd_stream.testing.inprocess import InProcessSGLang
@@ -294,31 +296,7 @@ def _groups(seed: int = 0) -> list[Sample]:
     return out
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": {"default": list(URLS)},
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-        "max_inflight": 16,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
-
-
-def _check(out: list[Any], model: Any) -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=model,
-            student=model,
-            top_k=0,
-            strategy="only-student",
-            weight_mode="student_p",
-        )
-        assert_matches(item, exp)
+_cfg = partial(stream_config, one_pool(URLS), **FAST_BACKOFF, max_inflight=16)
 
 
 @pytest.mark.parametrize(
@@ -332,7 +310,7 @@ async def test_every_group_is_scored_on_one_replica_with_its_key_sent_along() ->
         async with stream.run(samples) as results:
             out = [r async for r in results]
     assert sorted(r.index for r in out) == list(range(len(samples)))
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     homes: dict[tuple[int, ...], set[str]] = {}
     for url, seen in fleet.prompts.items():
         for prompt in seen:
@@ -361,7 +339,7 @@ async def test_a_failing_first_choice_sends_its_groups_to_their_second_choice() 
         async with stream.run(samples) as results:
             out = [r async for r in results]
         st = stream.stats().endpoints
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     assert st[URLS[0]].ejected
     assert not fleet.prompts[URLS[0]]
     pool = _pool()
@@ -386,22 +364,11 @@ async def test_other_balances_send_no_routing_key() -> None:
 
 
 # --- over HTTP: mock replicas with prefix caches ------------------------------------------
-def _long_groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
-    rng = np.random.default_rng(5)
-    out = []
-    for g in range(groups):
-        head = rng.integers(0, 3000, prompt).tolist()
-        for _ in range(per_group):
-            tail = rng.integers(0, 3000, response).tolist()
-            out.append(Sample(head + tail, response, sample_id=g))
-    return out
-
-
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
 async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes_less() -> None:
     from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
-    samples = _long_groups(groups=8, per_group=8, prompt=64, response=8)
+    samples = prefix_groups(groups=8, per_group=8, prompt=64, response=8, seed=5)
     opts = MockOptions(prefix_cache_tokens=1 << 20, prefix_cache_page=1)
     computed: dict[str, int] = {}
     for balance in ("prefix", "least-outstanding"):
@@ -411,7 +378,7 @@ async def test_stats_report_prompt_and_cached_tokens_and_prefix_routing_computes
                 async with stream.run(samples) as results:
                     out = [r async for r in results]
                 st = stream.stats().endpoints
-            _check(out, fleet.model)
+            assert_all_scored(out, fleet.model)
             for url, mock in zip(fleet.urls, fleet.stats, strict=True):
                 assert st[url].prompt_tokens == mock.prompt_tokens
                 assert st[url].cached_tokens == mock.cached_tokens
@@ -451,5 +418,5 @@ async def test_a_transport_without_headers_still_gets_prefix_placement() -> None
     async with OPDStream(_cfg(), transport=transport) as stream:  # type: ignore[arg-type]
         async with stream.run(samples) as results:
             out = [r async for r in results]
-    _check(out, next(iter(fleet.servers.values())).model)
+    assert_all_scored(out, next(iter(fleet.servers.values())).model)
     assert transport.posts == len(samples)

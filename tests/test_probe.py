@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from typing import Any
 
-import anyio
 import msgspec
 import numpy as np
 import pytest
-from threaded_mock import serve_mock_threaded
+from support.cli import run_cli
+from support.config import stream_config
+from support.threaded_mock import serve_mock_threaded
 
 from opd_stream import (
     InvalidSampleError,
@@ -25,7 +27,6 @@ from opd_stream import (
     Response,
     Sample,
     ScoredSample,
-    StreamConfig,
 )
 from opd_stream.cli._main import main
 from opd_stream.fleet._probe import Answer, compare, default_probe_tokens, ejectable
@@ -37,10 +38,6 @@ A1, A2, A3 = "http://a1:1", "http://a2:2", "http://a3:3"
 B1 = "http://b1:4"
 OFF = 0.5  # nats
 TOL = 0.1
-
-
-def _cfg(teachers: Any, **kw: Any) -> StreamConfig:
-    return StreamConfig.from_env({}, teachers=teachers, kl_device="cpu", **kw)
 
 
 def _fleet(**third: Any) -> dict[str, InProcessSGLang]:
@@ -57,7 +54,7 @@ TEACHERS = {"a": [A1, A2, A3], "b": B1}
 
 
 async def _probe(servers: dict[str, InProcessSGLang], **kw: Any) -> ProbeReport:
-    async with OPDStream(_cfg(TEACHERS), transport=mock_transport(servers)) as stream:
+    async with OPDStream(stream_config(TEACHERS), transport=mock_transport(servers)) as stream:
         return await stream.probe(**kw)
 
 
@@ -199,7 +196,7 @@ async def test_the_probe_request_can_be_a_callers_sample() -> None:
         servers[A1].bodies[0], vocab_size=151936, context_length=1 << 20, per_position="patched"
     ).items
     assert item.input_ids.tolist() == [7, 8, 9, *tokens[-8:]]  # the teacher's own prompt
-    async with OPDStream(_cfg(TEACHERS), transport=mock_transport(_fleet())) as stream:
+    async with OPDStream(stream_config(TEACHERS), transport=mock_transport(_fleet())) as stream:
         for bad in (Sample([1, 2], 5), Sample([1, 2], 0)):
             with pytest.raises(InvalidSampleError, match="response_length"):
                 await stream.probe(bad)
@@ -207,7 +204,7 @@ async def test_the_probe_request_can_be_a_callers_sample() -> None:
 
 async def test_eject_takes_the_outliers_out_of_the_streams_rotation() -> None:
     servers = _fleet(logprob_offset=-OFF)
-    cfg = _cfg({"default": [A1, A2, A3]})
+    cfg = stream_config({"default": [A1, A2, A3]})
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         report = await stream.probe(eject=True)
         assert [r.url for r in report.replicas if r.ejected] == [A3]
@@ -225,7 +222,9 @@ async def test_eject_takes_the_outliers_out_of_the_streams_rotation() -> None:
 async def test_eject_never_takes_out_a_teacher_with_no_good_replica() -> None:
     servers = {A1: InProcessSGLang("teacher", 1), A2: InProcessSGLang("teacher", 1)}
     servers[A2] = InProcessSGLang("teacher", 1, logprob_offset=-OFF)
-    async with OPDStream(_cfg({"default": [A1, A2]}), transport=mock_transport(servers)) as stream:
+    async with OPDStream(
+        stream_config({"default": [A1, A2]}), transport=mock_transport(servers)
+    ) as stream:
         report = await stream.probe(eject=True)
         stats = stream.stats()
     assert set(report.outliers) == {A1, A2}
@@ -235,7 +234,7 @@ async def test_eject_never_takes_out_a_teacher_with_no_good_replica() -> None:
 
 async def test_probe_at_start_ejects_the_outliers_before_the_first_sample() -> None:
     servers = _fleet(logprob_offset=-OFF)
-    cfg = _cfg({"default": [A1, A2, A3]}, probe_at_start=True)
+    cfg = stream_config({"default": [A1, A2, A3]}, probe_at_start=True)
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         assert servers[A3].requests == 2  # probed, cold and warm
         assert stream.stats().endpoints[A3].ejected
@@ -245,7 +244,7 @@ async def test_probe_at_start_ejects_the_outliers_before_the_first_sample() -> N
 
 
 async def test_probe_outside_the_stream_is_an_error() -> None:
-    stream = OPDStream(_cfg(A1), transport=mock_transport(_fleet()))
+    stream = OPDStream(stream_config(A1), transport=mock_transport(_fleet()))
     with pytest.raises(RuntimeError, match="outside"):
         await stream.probe()
 
@@ -253,9 +252,7 @@ async def test_probe_outside_the_stream_is_an_error() -> None:
 # -- the command, against mock servers over HTTP ---------------------------------------------
 
 
-async def _cli(*argv: str) -> int:
-    code: int = await anyio.to_thread.run_sync(main, ["probe", *argv])
-    return code
+_cli = partial(run_cli, "probe")  # opd-stream probe ..., in a worker thread
 
 
 async def test_the_command_prints_the_report_and_exits_1_naming_the_outlier(
@@ -352,7 +349,7 @@ async def test_a_router_is_probed_through_its_workers() -> None:
         return workers[base].handle(method, url[len(base) :], body)
 
     transport = MockTransport(handle, routers=True)
-    async with OPDStream(_cfg(router), transport=transport) as stream:
+    async with OPDStream(stream_config(router), transport=transport) as stream:
         report = await stream.probe()
     assert [r.url for r in report.replicas] == [A1, A2, A3]
     assert report.outliers == (A3,)

@@ -13,8 +13,9 @@ import anyio
 import numpy as np
 import psutil
 import pytest
+from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, ScoredSample
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 
@@ -38,13 +39,11 @@ async def test_a_slow_consumer_over_http_keeps_every_bound() -> None:
         serve_mock("teacher", 1, options=opts) as teacher,
         serve_mock("student", 1, options=opts) as student,
     ):
-        cfg = StreamConfig.from_env(
-            {},
-            teachers=teacher.url,
+        cfg = stream_config(
+            teacher.url,
             student_url=student.url,
             top_k=3,
             strategy="union",
-            kl_device="cpu",
             max_inflight=5,
             max_inflight_per_endpoint=2,
             channel_capacity=3,
@@ -85,9 +84,7 @@ async def _kernels_ready() -> None:
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
 async def test_a_soak_of_thousands_of_samples_keeps_rss_bounded() -> None:
     servers = {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
-    cfg = StreamConfig.from_env(
-        {}, teachers=T, student_url=S, top_k=2, kl_device="cpu", max_inflight=32
-    )
+    cfg = stream_config(T, student_url=S, top_k=2, max_inflight=32)
     total = 3000
     proc = psutil.Process()
     rss: dict[int, int] = {}

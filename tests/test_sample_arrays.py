@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T = "http://teacher:1"
@@ -17,8 +19,7 @@ R = 4
 TOKENS = [11, 12, 13, 14, 15, 16, 17]
 
 
-def _cfg() -> StreamConfig:
-    return StreamConfig.from_env({}, teachers=T, top_k=K, kl_device="cpu")
+_cfg = partial(stream_config, T, top_k=K)
 
 
 def _arrays() -> tuple[np.ndarray, np.ndarray]:

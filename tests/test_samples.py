@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
 T = "http://teacher:1"
@@ -180,7 +181,7 @@ async def _run_cases(top_k: int) -> tuple[list[str], Any, InProcessSGLang]:
     cases = [c for c in CASES if c[3] == top_k]
     servers = {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
     extra: dict[str, Any] = {"top_k": top_k, "student_url": S} if top_k else {}
-    cfg = StreamConfig.from_env({}, teachers=T, kl_device="cpu", **extra)
+    cfg = stream_config(T, **extra)
     good = _topk() if top_k else Sample(TOKENS, R, rollout_logprobs=[-1.0] * R)
     samples: list[Any] = [good]
     for case in cases:
@@ -224,7 +225,7 @@ def test_every_sample_field_has_an_invalid_case() -> None:
 
 async def test_a_zero_length_response_with_empty_student_topk_is_scored_empty() -> None:
     servers = {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
-    cfg = StreamConfig.from_env({}, teachers=T, student_url=S, top_k=2, kl_device="cpu")
+    cfg = stream_config(T, student_url=S, top_k=2)
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         async with stream.run([Sample(TOKENS, 0, student_top_logprobs=[])]) as results:
             (res,) = [r async for r in results]

@@ -12,12 +12,14 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
+from support.config import FAST_BACKOFF, stream_config
 
 from opd_stream import (
     AiohttpTransport,
@@ -60,16 +62,7 @@ def _samples(n: int, *, seed: int = 0) -> list[Sample]:
     return out
 
 
-def _cfg(teachers: Any, **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": teachers,
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-        "request_deadline_s": 2.0,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, **FAST_BACKOFF, request_deadline_s=2.0)
 
 
 async def _run(
@@ -253,6 +246,8 @@ def _socket_buffers() -> int:
         except (OSError, ValueError, IndexError):
             pass
     return total
+
+
 _JSON_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
 
 

@@ -13,26 +13,29 @@ in CI and skips them, with the reason, on a machine without the tool.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import aiohttp
 import anyio
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.config import stream_config
+from support.routers import (
+    check_scored,
+    gateway_api,
+    gateway_fleet,
+    gateway_samples,
+    generate_counts,
+    launch_sglang_router,
+    mock_workers,
+    samples_until_routed,
+    score_all,
+)
 
-from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
-from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
-from opd_stream.testing.router import RouterUnavailable, SGLangRouter
+from opd_stream import OPDStream, Sample, SampleFailure
+from opd_stream.testing.mock_sglang import MockProcess
 
-TEACHER = MockModel("teacher", 1)
-STUDENT = MockModel("student", 1)
 K = 3
 
 
@@ -52,97 +55,22 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
 
 
-@contextmanager
-def _launch_router(urls: list[str]) -> Iterator[str]:
-    """sglang-router on 127.0.0.1 in front of ``urls`` (round robin); yields its URL."""
-    try:
-        with SGLangRouter(urls) as url:
-            yield url
-    except RouterUnavailable as exc:
-        # Skipped only where the tool is truly absent, never in CI (the test extra has it)
-        if importlib.util.find_spec("sglang_router") is None and not os.environ.get("CI"):
-            pytest.skip("sglang-router is not installed (the test extra has it on Linux)")
-        pytest.fail(f"{exc}: run `scripts/dev.sh setup`")
-
-
-def _workers(n: int) -> list[MockProcess]:
-    return [MockProcess("teacher", 1, options=MockOptions(info_endpoints=False)) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def router() -> Iterator[tuple[str, list[str]]]:
     """A router on 127.0.0.1 in front of two mock teacher replicas: (router URL, workers)."""
-    workers = _workers(2)
-    try:
-        urls = [w.start() for w in workers]
-        with _launch_router(urls) as url:
-            yield url, urls
-    finally:
-        for w in workers:
-            w.kill()
-
-
-def _samples(n: int, *, top_k: int, seed: int = 0) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p, r = int(rng.integers(3, 10)), int(rng.integers(1, 9))
-        tokens = rng.integers(0, 5000, p + r).tolist()
-        rollout = STUDENT.token_logprobs(np.asarray(tokens), np.arange(p, p + r))
-        rows = rollout_topk_rows(STUDENT, tokens, p, top_k) if top_k else None
-        out.append(
-            Sample(
-                tokens,
-                r,
-                rollout_logprobs=[float(np.float32(x)) for x in rollout],
-                student_top_logprobs=rows,
-                sample_id=i,
-            )
-        )
-    return out
-
-
-async def _score(cfg: StreamConfig, samples: list[Sample]) -> tuple[list[Any], Any]:
-    async with OPDStream(cfg) as stream:
-        async with stream.run(samples) as results:
-            out = sorted([r async for r in results], key=lambda r: r.index)
-        return out, stream.stats()
-
-
-async def _generate_counts(workers: list[str]) -> list[int]:
-    async with aiohttp.ClientSession() as session:
-        counts = []
-        for w in workers:
-            async with session.get(w + "/mock/stats") as resp:
-                counts.append(int(msgspec.json.decode(await resp.read())["generate_requests"]))
-        return counts
-
-
-def _check(out: list[Any], *, top_k: int, strategy: str = "only-student") -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=TEACHER,
-            student=STUDENT,
-            top_k=top_k,
-            strategy=strategy,
-            weight_mode="student_p",
-            rollout_logprobs=list(item.sample.rollout_logprobs),
-        )
-        assert_matches(item, exp)
+    with gateway_fleet(launch_sglang_router, 2, info_endpoints=False) as fleet:
+        yield fleet
 
 
 async def test_sampled_token_scoring_through_the_router_reaches_both_replicas(
     router: tuple[str, list[str]],
 ) -> None:
     url, workers = router
-    before = await _generate_counts(workers)
-    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", router_discovery="off")
-    out, _ = await _score(cfg, _samples(10, top_k=0))
-    _check(out, top_k=0)
-    after = await _generate_counts(workers)
+    before = await generate_counts(workers)
+    cfg = stream_config(url, router_discovery="off")
+    out, _ = await score_all(cfg, gateway_samples(10, top_k=0))
+    check_scored(out, top_k=0)
+    after = await generate_counts(workers)
     assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]  # round robin
 
 
@@ -150,12 +78,10 @@ async def test_per_position_dropped_by_the_router_is_detected_and_falls_back_und
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = StreamConfig.from_env(
-        {}, teachers=url, kl_device="cpu", top_k=K, id_scoring="auto", router_discovery="off"
-    )
-    samples = _samples(8, top_k=K, seed=1)
-    out, stats = await _score(cfg, samples)
-    _check(out, top_k=K)
+    cfg = stream_config(url, top_k=K, id_scoring="auto", router_discovery="off")
+    samples = gateway_samples(8, top_k=K, seed=1)
+    out, stats = await score_all(cfg, samples)
+    check_scored(out, top_k=K)
     ep = stats.endpoints[url]
     assert ep.per_position is False
     # The router also rejects the blocked form's batch (per-item logprob_start_len): 422,
@@ -170,16 +96,14 @@ async def test_top_k_intersection_through_the_router_matches_the_reference(
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = StreamConfig.from_env(
-        {},
-        teachers=url,
-        kl_device="cpu",
+    cfg = stream_config(
+        url,
         top_k=K,
         strategy="intersection",
         router_discovery="off",
     )
-    out, stats = await _score(cfg, _samples(8, top_k=K, seed=2))
-    _check(out, top_k=K, strategy="intersection")
+    out, stats = await score_all(cfg, gateway_samples(8, top_k=K, seed=2))
+    check_scored(out, top_k=K, strategy="intersection")
     assert stats.endpoints[url].b64_topk is not None
 
 
@@ -187,32 +111,21 @@ async def test_strict_per_position_through_the_router_fails_loudly(
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = StreamConfig.from_env(
-        {},
-        teachers=url,
-        kl_device="cpu",
+    cfg = stream_config(
+        url,
         top_k=K,
         id_scoring="per-position",
         router_discovery="off",
     )
-    out, _ = await _score(cfg, _samples(2, top_k=K, seed=3))
+    out, _ = await score_all(cfg, gateway_samples(2, top_k=K, seed=3))
     assert all(isinstance(r, SampleFailure) and r.reason == "capability" for r in out)
 
 
 # --- router discovery: the workers, addressed directly --------------------------------
 
 
-def _router_api(url: str, method: str, path: str, body: Any = None) -> Any:
-    data = None if body is None else msgspec.json.encode(body)
-    req = urllib.request.Request(
-        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return msgspec.json.decode(resp.read())
-
-
 def _listed(url: str) -> set[str]:
-    return {w["url"] for w in _router_api(url, "GET", "/workers")["workers"]}
+    return {w["url"] for w in msgspec.json.decode(gateway_api(url, "GET", "/workers"))["workers"]}
 
 
 async def _slowly(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
@@ -227,18 +140,18 @@ async def test_discovery_scores_per_position_on_the_workers_directly(
     router: tuple[str, list[str]],
 ) -> None:
     url, workers = router
-    before = await _generate_counts(workers)
-    cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, topk_wire="auto")
-    samples = _samples(12, top_k=K, seed=4)
-    out, stats = await _score(cfg, samples)
-    _check(out, top_k=K)
+    before = await generate_counts(workers)
+    cfg = stream_config(url, top_k=K, topk_wire="auto")
+    samples = gateway_samples(12, top_k=K, seed=4)
+    out, stats = await score_all(cfg, samples)
+    check_scored(out, top_k=K)
     fleet = stats.fleets[url]
     assert fleet.kind == "router" and fleet.direct
     assert set(fleet.workers) == set(workers)
     assert url not in stats.endpoints  # nothing went through the router
     for w in workers:
         assert stats.endpoints[w].per_position is True  # the field reached the workers
-    after = await _generate_counts(workers)
+    after = await generate_counts(workers)
     assert all(a > b for a, b in zip(after, before, strict=True))  # both used
     assert stats.requests == len(samples)  # one per-position request per sample
 
@@ -247,14 +160,12 @@ async def test_discovery_off_sends_blocks_through_the_router_with_the_same_value
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    samples = _samples(10, top_k=K, seed=5)
-    direct = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K)
-    through = StreamConfig.from_env(
-        {}, teachers=url, kl_device="cpu", top_k=K, router_discovery="off"
-    )
-    out_direct, _ = await _score(direct, samples)
-    out_router, stats = await _score(through, samples)
-    _check(out_router, top_k=K)
+    samples = gateway_samples(10, top_k=K, seed=5)
+    direct = stream_config(url, top_k=K)
+    through = stream_config(url, top_k=K, router_discovery="off")
+    out_direct, _ = await score_all(direct, samples)
+    out_router, stats = await score_all(through, samples)
+    check_scored(out_router, top_k=K)
     for a, b in zip(out_direct, out_router, strict=True):
         assert np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
         assert np.array_equal(a.reverse_kl, b.reverse_kl)
@@ -268,37 +179,30 @@ async def test_a_worker_added_through_the_router_gets_requests_during_a_run(
     from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
-    procs = _workers(3)
+    procs = mock_workers(3, info_endpoints=False)
     try:
         urls = [p.start() for p in procs]
-        with _launch_router(urls[:2]) as url:
-            cfg = StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K)
-            pool = _samples(200, top_k=K, seed=6)
+        with launch_sglang_router(urls[:2]) as url:
+            cfg = stream_config(url, top_k=K)
+            pool = gateway_samples(200, top_k=K, seed=6)
             async with OPDStream(cfg) as stream:
-
-                async def feed() -> AsyncIterator[Sample]:
-                    # until the new worker has been in our routing for 10 samples
-                    import anyio
-
-                    seen_at = None
-                    for n, sample in enumerate(pool):
-                        if n == 5:
-                            _router_api(url, "POST", "/workers", {"url": urls[2]})
-                        fleet = stream.stats().fleets.get(url)
-                        if seen_at is None and fleet and urls[2] in fleet.workers:
-                            seen_at = n
-                        if seen_at is not None and n >= seen_at + 10:
-                            return
-                        yield sample
-                        await anyio.sleep(0.05)
-
-                async with stream.run(feed()) as results:
+                async with stream.run(
+                    samples_until_routed(
+                        stream,
+                        pool,
+                        url,
+                        urls[2],
+                        lambda: msgspec.json.decode(
+                            gateway_api(url, "POST", "/workers", {"url": urls[2]})
+                        ),
+                    )
+                ) as results:
                     out = [item async for item in results]
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
-            _check(out, top_k=K)
+            check_scored(out, top_k=K)
             assert urls[2] in stats.fleets[url].workers
-            assert (await _generate_counts(urls[2:]))[0] > 0
+            assert (await generate_counts(urls[2:]))[0] > 0
     finally:
         for p in procs:
             p.kill()
@@ -309,9 +213,9 @@ def _take_away(how: str, proc: MockProcess, url: str) -> None:
     if how == "killed":
         proc.kill()
         return
-    listing = _router_api(url, "GET", "/workers")["workers"]
+    listing = msgspec.json.decode(gateway_api(url, "GET", "/workers"))["workers"]
     wid = next(w["id"] for w in listing if w["url"] == proc.url)
-    _router_api(url, "DELETE", f"/workers/{wid}")
+    msgspec.json.decode(gateway_api(url, "DELETE", f"/workers/{wid}"))
 
 
 @pytest.mark.parametrize("how", ["removed", "killed"])
@@ -321,14 +225,12 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
-    procs = _workers(2)
+    procs = mock_workers(2, info_endpoints=False)
     try:
         urls = [p.start() for p in procs]
-        with _launch_router(urls) as url:
-            cfg = StreamConfig.from_env(
-                {}, teachers=url, kl_device="cpu", top_k=K, backoff_initial_s=0.01
-            )
-            samples = _samples(30, top_k=K, seed=7)
+        with launch_sglang_router(urls) as url:
+            cfg = stream_config(url, top_k=K, backoff_initial_s=0.01)
+            samples = gateway_samples(30, top_k=K, seed=7)
             async with OPDStream(cfg) as stream:
                 async with stream.run(_slowly(samples, 0.05)) as results:
                     out = []
@@ -339,7 +241,7 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
             assert [r.index for r in out] == list(range(len(samples)))
-            _check(out, top_k=K)
+            check_scored(out, top_k=K)
             if how == "removed":
                 assert stats.fleets[url].workers == (urls[0],)
     finally:

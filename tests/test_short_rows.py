@@ -18,9 +18,10 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from kl_reference import reference_position
+from support.config import stream_config
+from support.kl_reference import reference_position
 
-from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample
 from opd_stream._sample import request_ids
 from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
@@ -94,7 +95,7 @@ class _Case:
 
 
 async def _run(case: _Case, **fields: Any) -> list[ScoredSample | SampleFailure]:
-    cfg = StreamConfig.from_env({}, teachers=T, student_url=S, top_k=K, kl_device="cpu", **fields)
+    cfg = stream_config(T, student_url=S, top_k=K, **fields)
     async with OPDStream(cfg, transport=case.transport()) as stream:
         async with stream.run(case.samples) as results:
             return sorted([r async for r in results], key=lambda r: r.index)
@@ -193,7 +194,7 @@ def _arrays() -> tuple[np.ndarray, np.ndarray]:
 
 async def _score_arrays(ids: np.ndarray, lps: np.ndarray) -> ScoredSample | SampleFailure:
     servers = {T: InProcessSGLang("teacher", 2)}
-    cfg = StreamConfig.from_env({}, teachers=T, top_k=K, kl_device="cpu")
+    cfg = stream_config(T, top_k=K)
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         sample = Sample([11, 12, 13, 14], 3, student_top_logprobs=(ids, lps))
         async with stream.run([sample]) as rs:

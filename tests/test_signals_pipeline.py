@@ -8,11 +8,13 @@ every strategy, with and without the tail bucket.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.config import stream_config
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 from opd_stream.kl._math import STRATEGIES
@@ -24,9 +26,7 @@ K = 3
 WEIGHTS = {"reverse_kl": "student_p", "forward_kl": "teacher_p", "jsd": "student_p"}
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu", "student_url": S}
-    return StreamConfig.from_env({}, **(base | kw))
+_cfg = partial(stream_config, T, student_url=S)
 
 
 def _servers() -> dict[str, InProcessSGLang]:

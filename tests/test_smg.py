@@ -14,27 +14,32 @@ missing install fails these tests in CI and skips them, with the reason, elsewhe
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
-import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.config import stream_config
+from support.routers import (
+    check_scored,
+    gateway_api,
+    gateway_fleet,
+    gateway_samples,
+    launch_smg,
+    mock_stats,
+    mock_workers,
+    samples_until_routed,
+    score_all,
+)
+from support.samples import prefix_groups
 
-from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
+from opd_stream import OPDStream, Sample, ScoredSample
 from opd_stream.fleet._discovery import parse_rl_workers, parse_router_workers
-from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess
-from opd_stream.testing.router import RouterUnavailable, SMGGateway
 
-TEACHER = MockModel("teacher", 1)
-STUDENT = MockModel("student", 1)
 K = 3
 
 
@@ -43,123 +48,40 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})
 
 
-@contextmanager
-def _launch(urls: list[str], **kw: Any) -> Iterator[str]:
-    """smg on 127.0.0.1 in front of ``urls``; yields its URL."""
-    try:
-        with SMGGateway(urls, **kw) as url:
-            yield url
-    except RouterUnavailable as exc:
-        # Skipped only where the tool is truly absent, never in CI (the test extra has it)
-        if importlib.util.find_spec("smg") is None and not os.environ.get("CI"):
-            pytest.skip("smg is not installed (the test extra has it on Linux)")
-        pytest.fail(f"{exc}: run `scripts/dev.sh setup`")
-
-
-def _workers(n: int, **options: Any) -> list[MockProcess]:
-    return [MockProcess("teacher", 1, options=MockOptions(**options)) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[tuple[str, list[str]]]:
     """smg (round robin, RL control plane on) in front of two mock teacher replicas."""
-    workers = _workers(2)
-    try:
-        urls = [w.start() for w in workers]
-        with _launch(urls, enable_rl=True) as url:
-            yield url, urls
-    finally:
-        for w in workers:
-            w.kill()
+    with gateway_fleet(partial(launch_smg, enable_rl=True), 2) as fleet:
+        yield fleet
 
 
-def _samples(n: int, *, top_k: int, seed: int = 0) -> list[Sample]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p, r = int(rng.integers(3, 10)), int(rng.integers(1, 9))
-        tokens = rng.integers(0, 5000, p + r).tolist()
-        rollout = STUDENT.token_logprobs(np.asarray(tokens), np.arange(p, p + r))
-        rows = rollout_topk_rows(STUDENT, tokens, p, top_k) if top_k else None
-        out.append(
-            Sample(
-                tokens,
-                r,
-                rollout_logprobs=[float(np.float32(x)) for x in rollout],
-                student_top_logprobs=rows,
-                sample_id=i,
-            )
-        )
-    return out
-
-
-async def _score(cfg: StreamConfig, samples: Any) -> tuple[list[Any], Any]:
-    async with OPDStream(cfg) as stream:
-        async with stream.run(samples) as results:
-            out = sorted([r async for r in results], key=lambda r: r.index)
-        return out, stream.stats()
-
-
-async def _mock_stats(workers: list[str]) -> list[dict[str, Any]]:
-    async with aiohttp.ClientSession() as session:
-        out = []
-        for w in workers:
-            async with session.get(w + "/mock/stats") as resp:
-                out.append(msgspec.json.decode(await resp.read()))
-        return out
-
-
-def _check(out: list[Any], *, top_k: int) -> None:
-    for item in out:
-        assert isinstance(item, ScoredSample), (item.reason, item.message)
-        exp = expected_result(
-            tokens=list(item.sample.tokens),
-            response_length=item.sample.response_length,
-            teacher=TEACHER,
-            student=STUDENT,
-            top_k=top_k,
-            strategy="only-student",
-            weight_mode="student_p",
-            rollout_logprobs=list(item.sample.rollout_logprobs),
-        )
-        assert_matches(item, exp)
-
-
-def _api(url: str, method: str, path: str, body: Any = None) -> Any:
-    data = None if body is None else msgspec.json.encode(body)
-    req = urllib.request.Request(
-        url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return resp.read()
-
-
-def _cfg(url: str, **kw: Any) -> StreamConfig:
-    return StreamConfig.from_env({}, teachers=url, kl_device="cpu", top_k=K, **kw)
+_cfg = partial(stream_config, top_k=K)
 
 
 # --- discovery ------------------------------------------------------------------------
 def test_both_listings_name_the_workers(gateway: tuple[str, list[str]]) -> None:
     url, workers = gateway
-    assert sorted(parse_router_workers(_api(url, "GET", "/workers")) or []) == sorted(workers)
-    assert sorted(parse_rl_workers(_api(url, "GET", "/v1/rl/workers")) or []) == sorted(workers)
+    listed = parse_router_workers(gateway_api(url, "GET", "/workers")) or []
+    rl_listed = parse_rl_workers(gateway_api(url, "GET", "/v1/rl/workers")) or []
+    assert sorted(listed) == sorted(workers)
+    assert sorted(rl_listed) == sorted(workers)
 
 
 async def test_discovery_scores_per_position_on_the_workers_directly(
     gateway: tuple[str, list[str]],
 ) -> None:
     url, workers = gateway
-    before = [s["generate_requests"] for s in await _mock_stats(workers)]
-    samples = _samples(12, top_k=K, seed=4)
-    out, stats = await _score(_cfg(url), samples)
-    _check(out, top_k=K)
+    before = [s["generate_requests"] for s in await mock_stats(workers)]
+    samples = gateway_samples(12, top_k=K, seed=4)
+    out, stats = await score_all(_cfg(url), samples)
+    check_scored(out, top_k=K)
     fleet = stats.fleets[url]
     assert fleet.kind == "router" and fleet.direct and set(fleet.workers) == set(workers)
     assert url not in stats.endpoints  # nothing went through smg
     for w in workers:
         assert stats.endpoints[w].per_position is True
     assert stats.requests == len(samples)  # one per-position request per sample
-    after = [s["generate_requests"] for s in await _mock_stats(workers)]
+    after = [s["generate_requests"] for s in await mock_stats(workers)]
     assert sum(after) - sum(before) == len(samples)
 
 
@@ -168,10 +90,10 @@ async def test_per_position_ids_pass_through_smg_with_discovery_off(
     gateway: tuple[str, list[str]],
 ) -> None:
     url, _ = gateway
-    samples = _samples(10, top_k=K, seed=5)
-    out_direct, _ = await _score(_cfg(url), samples)
-    out_smg, stats = await _score(_cfg(url, router_discovery="off"), samples)
-    _check(out_smg, top_k=K)
+    samples = gateway_samples(10, top_k=K, seed=5)
+    out_direct, _ = await score_all(_cfg(url), samples)
+    out_smg, stats = await score_all(_cfg(url, router_discovery="off"), samples)
+    check_scored(out_smg, top_k=K)
     for a, b in zip(out_direct, out_smg, strict=True):
         assert np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
         assert np.array_equal(a.reverse_kl, b.reverse_kl)
@@ -213,48 +135,35 @@ def test_smg_checks_a_batch_s_logprob_start_len_only_in_bodies_under_1_mib(
 async def test_unpatched_workers_behind_smg_get_the_blocks_as_separate_requests() -> None:
     """smg answers 422 to the blocked batch (list logprob_start_len / list-of-lists
     token_ids_logprob); the blocks then go one by one, with the same values."""
-    procs = _workers(2, per_position="unpatched")
+    procs = mock_workers(2, per_position="unpatched")
     try:
         urls = [p.start() for p in procs]
-        with _launch(urls) as url:
-            samples = _samples(8, top_k=K, seed=6)
-            out, stats = await _score(_cfg(url, router_discovery="off"), samples)
+        with launch_smg(urls) as url:
+            samples = gateway_samples(8, top_k=K, seed=6)
+            out, stats = await score_all(_cfg(url, router_discovery="off"), samples)
     finally:
         for p in procs:
             p.kill()
-    _check(out, top_k=K)
+    check_scored(out, top_k=K)
     ep = stats.endpoints[url]
     assert (ep.per_position, ep.blocked_batch) == (False, False)
 
 
-def _groups(groups: int, per_group: int, prompt: int, response: int) -> list[Sample]:
-    rng = np.random.default_rng(9)
-    out = []
-    for g in range(groups):
-        head = rng.integers(0, 3000, prompt).tolist()
-        for _ in range(per_group):
-            tail = rng.integers(0, 3000, response).tolist()
-            out.append(Sample(head + tail, response, sample_id=g))
-    return out
-
-
 async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_policy() -> None:
     groups, per_group, prompt, response = 8, 8, 64, 8
-    samples = _groups(groups, per_group, prompt, response)
-    procs = _workers(4, prefix_cache_tokens=1 << 20)
+    samples = prefix_groups(groups, per_group, prompt, response, seed=9)
+    procs = mock_workers(4, prefix_cache_tokens=1 << 20)
     computed: dict[str, int] = {}
     try:
         urls = [p.start() for p in procs]
-        with _launch(urls, policy="manual") as url:
+        with launch_smg(urls, policy="manual") as url:
             for balance in ("prefix", "least-outstanding"):  # with and without the key
                 for w in urls:
-                    _api(w, "POST", "/flush_cache")
-                before = sum(s["computed_tokens"] for s in await _mock_stats(urls))
-                out, stats = await _score(
-                    StreamConfig.from_env(
-                        {},
-                        teachers=url,
-                        kl_device="cpu",
+                    gateway_api(w, "POST", "/flush_cache")
+                before = sum(s["computed_tokens"] for s in await mock_stats(urls))
+                out, stats = await score_all(
+                    stream_config(
+                        url,
                         router_discovery="off",
                         balance=balance,
                         max_inflight=32,
@@ -262,7 +171,7 @@ async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_poli
                     samples,
                 )
                 assert all(isinstance(r, ScoredSample) for r in out)
-                after = await _mock_stats(urls)
+                after = await mock_stats(urls)
                 computed[balance] = sum(s["computed_tokens"] for s in after) - before
                 assert stats.endpoints[url].prompt_tokens == len(samples) * (prompt + response)
     finally:
@@ -287,38 +196,31 @@ async def _paced(samples: list[Sample], every: float) -> AsyncIterator[Sample]:
 async def test_a_worker_added_through_smg_gets_requests_during_a_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import anyio
 
     from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
-    procs = _workers(3)
+    procs = mock_workers(3)
     try:
         urls = [p.start() for p in procs]
-        with _launch(urls[:2], enable_rl=True) as url:
-            pool = _samples(200, top_k=K, seed=7)
+        with launch_smg(urls[:2], enable_rl=True) as url:
+            pool = gateway_samples(200, top_k=K, seed=7)
             async with OPDStream(_cfg(url)) as stream:
-
-                async def feed() -> AsyncIterator[Sample]:
-                    seen_at = None
-                    for n, sample in enumerate(pool):
-                        if n == 5:
-                            _api(url, "POST", "/workers", {"url": urls[2]})
-                        fleet = stream.stats().fleets.get(url)
-                        if seen_at is None and fleet and urls[2] in fleet.workers:
-                            seen_at = n
-                        if seen_at is not None and n >= seen_at + 10:
-                            return
-                        yield sample
-                        await anyio.sleep(0.05)
-
-                async with stream.run(feed()) as results:
+                async with stream.run(
+                    samples_until_routed(
+                        stream,
+                        pool,
+                        url,
+                        urls[2],
+                        lambda: gateway_api(url, "POST", "/workers", {"url": urls[2]}),
+                    )
+                ) as results:
                     out = sorted([item async for item in results], key=lambda r: r.index)
                 stats = stream.stats()
-            _check(out, top_k=K)
+            check_scored(out, top_k=K)
             assert [r.index for r in out] == list(range(len(out)))
             assert urls[2] in stats.fleets[url].workers
-            assert (await _mock_stats(urls[2:]))[0]["generate_requests"] > 0
+            assert (await mock_stats(urls[2:]))[0]["generate_requests"] > 0
     finally:
         for p in procs:
             p.kill()
@@ -331,11 +233,11 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
     from opd_stream.fleet import _discovery
 
     monkeypatch.setattr(_discovery, "REFRESH_S", 0.3)
-    procs = _workers(2)
+    procs = mock_workers(2)
     try:
         urls = [p.start() for p in procs]
-        with _launch(urls) as url:
-            samples = _samples(30, top_k=K, seed=8)
+        with launch_smg(urls) as url:
+            samples = gateway_samples(30, top_k=K, seed=8)
             async with OPDStream(_cfg(url, backoff_initial_s=0.01)) as stream:
                 async with stream.run(_paced(samples, 0.05)) as results:
                     out = []
@@ -345,15 +247,15 @@ async def test_a_worker_removed_or_killed_during_a_run_loses_no_sample(
                             if how == "killed":
                                 procs[1].kill()
                             else:
-                                listing = msgspec.json.decode(_api(url, "GET", "/workers"))
+                                listing = msgspec.json.decode(gateway_api(url, "GET", "/workers"))
                                 wid = next(
                                     w["id"] for w in listing["workers"] if w["url"] == urls[1]
                                 )
-                                _api(url, "DELETE", f"/workers/{wid}")
+                                gateway_api(url, "DELETE", f"/workers/{wid}")
                 stats = stream.stats()
             out.sort(key=lambda r: r.index)
             assert [r.index for r in out] == list(range(len(samples)))
-            _check(out, top_k=K)
+            check_scored(out, top_k=K)
             if how == "removed":
                 assert stats.fleets[url].workers == (urls[0],)
     finally:

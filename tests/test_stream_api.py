@@ -3,11 +3,13 @@ concurrent runs, and the log events it emits."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import stream_config
 
 from opd_stream import (
     AiohttpTransport,
@@ -15,7 +17,6 @@ from opd_stream import (
     OPDStream,
     Sample,
     ScoredSample,
-    StreamConfig,
 )
 from opd_stream.testing import capture_events
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
@@ -24,10 +25,7 @@ T = "http://teacher:1"
 S = "http://student:2"
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu"}
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T)
 
 
 def _samples(n: int, seed: int = 0) -> list[Sample]:

@@ -5,12 +5,14 @@ caller stops its requests; every call counted in ``stats()``."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.config import stream_config
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     InvalidSampleError,
@@ -22,7 +24,6 @@ from opd_stream import (
     SampleFailure,
     ScoredSample,
     ServerHTTPError,
-    StreamConfig,
 )
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
@@ -30,10 +31,7 @@ T = "http://teacher:1"
 S = "http://student:2"
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "student_url": S, "kl_device": "cpu"}
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T, student_url=S)
 
 
 def _servers() -> dict[str, InProcessSGLang]:

@@ -9,12 +9,14 @@ mock's closed form), whatever the strategy, weight mode, id form, top-k wire and
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result, rollout_topk_rows
+from support.config import stream_config
+from support.pipeline_reference import assert_matches, expected_result, rollout_topk_rows
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES
@@ -25,9 +27,7 @@ S = "http://student:2"
 K = 3
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {"teachers": T, "kl_device": "cpu", "student_url": S}
-    return StreamConfig.from_env({}, **(base | kw))
+_cfg = partial(stream_config, T, student_url=S)
 
 
 def _servers(per_position: Any = "patched") -> dict[str, InProcessSGLang]:

@@ -15,13 +15,13 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
+from support.config import stream_config
 
 from opd_stream import (
     AiohttpTransport,
     ConnectionFailed,
     MalformedResponseError,
     ResponseTooLarge,
-    StreamConfig,
 )
 from opd_stream._stream import default_transport
 from opd_stream.transport._budget import ByteBudget
@@ -186,7 +186,7 @@ async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given(make
 async def test_a_stream_picks_aiohttp_under_asyncio_and_httpx_under_trio(
     anyio_backend_name: str,
 ) -> None:
-    cfg = StreamConfig.from_env({}, teachers="http://127.0.0.1:1", kl_device="cpu")
+    cfg = stream_config("http://127.0.0.1:1")
     want = AiohttpTransport if anyio_backend_name == "asyncio" else HttpxTransport
     assert type(default_transport(cfg)) is want
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+from functools import partial
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from support.config import one_pool, stream_config
 from trio.testing import MockClock
 
 from opd_stream import (
@@ -134,18 +136,9 @@ def _samples(n: int, seed: int = 0) -> list[Sample]:
     return [Sample(rng.integers(0, 3000, 9).tolist(), 4, sample_id=i) for i in range(n)]
 
 
-def _cfg(urls: tuple[str, ...], window: float, **kw: Any) -> StreamConfig:
-    return StreamConfig.from_env(
-        {},
-        teachers={"default": list(urls)},
-        kl_device="cpu",
-        unreachable_after_s=window,
-        max_attempts=3,
-        backoff_initial_s=0.01,
-        backoff_max_s=0.02,
-        max_inflight=4,
-        **kw,
-    )
+_cfg = partial(
+    stream_config, max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.02, max_inflight=4
+)  # teachers: one_pool(urls), unreachable_after_s=window
 
 
 async def _run(stream: OPDStream, samples: list[Sample]) -> list[ScoredSample | SampleFailure]:
@@ -167,7 +160,9 @@ async def test_every_replica_refusing_makes_the_remaining_samples_fail_at_once()
     urls = (A, B)
     fleet = _Refusing(urls)
     window = 0.5
-    async with OPDStream(_cfg(urls, window), transport=fleet.transport) as stream:
+    async with OPDStream(
+        _cfg(one_pool(urls), unreachable_after_s=window), transport=fleet.transport
+    ) as stream:
         early = await _refuse_for(stream, window)
         before, start = fleet.refused, anyio.current_time()
         late = await _run(stream, _samples(40))
@@ -190,7 +185,9 @@ async def test_a_teacher_that_answers_again_is_used_again() -> None:
     urls = (A,)
     fleet = _Refusing(urls)
     window = 0.5
-    async with OPDStream(_cfg(urls, window), transport=fleet.transport) as stream:
+    async with OPDStream(
+        _cfg(one_pool(urls), unreachable_after_s=window), transport=fleet.transport
+    ) as stream:
         await _refuse_for(stream, window)
         down = await _run(stream, _samples(10))
         assert all(isinstance(r, SampleFailure) for r in down)
@@ -205,7 +202,7 @@ async def test_a_teacher_that_answers_again_is_used_again() -> None:
 
 async def test_only_the_refusing_teachers_samples_fail() -> None:
     fleet = _Refusing((A, B), up=(B,))
-    cfg = _cfg((A,), 0.5).evolve(teachers={"math": A, "code": B})
+    cfg = _cfg(one_pool((A,)), unreachable_after_s=0.5).evolve(teachers={"math": A, "code": B})
     samples = [
         Sample(s.tokens, s.response_length, sample_id=i, metadata={"opd_teacher": name})
         for i, (s, name) in enumerate(zip(_samples(40), ["math", "code"] * 20, strict=True))
@@ -230,7 +227,9 @@ async def test_only_the_refusing_teachers_samples_fail() -> None:
 async def test_a_window_of_zero_retries_every_sample() -> None:
     urls = (A,)
     fleet = _Refusing(urls)
-    async with OPDStream(_cfg(urls, 0.0), transport=fleet.transport) as stream:
+    async with OPDStream(
+        _cfg(one_pool(urls), unreachable_after_s=0.0), transport=fleet.transport
+    ) as stream:
         await _refuse_for(stream, 0.2)
         out = await _run(stream, _samples(6))
     assert all(isinstance(r, SampleFailure) and r.attempts == 3 for r in out)

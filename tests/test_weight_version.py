@@ -9,11 +9,13 @@ reports ``weight_versions[min(n, len - 1)]``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
-from pipeline_reference import assert_matches, expected_result
+from support.config import FAST_BACKOFF, stream_config
+from support.pipeline_reference import assert_matches, expected_result
 
 from opd_stream import (
     OPDStream,
@@ -36,16 +38,7 @@ K = 3
 P, R = 6, 5
 
 
-def _cfg(**kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "teachers": T,
-        "kl_device": "cpu",
-        "backoff_initial_s": 0.001,
-        "backoff_max_s": 0.002,
-        "top_k": K,
-    }
-    base.update(kw)
-    return StreamConfig.from_env({}, **base)
+_cfg = partial(stream_config, T, **FAST_BACKOFF, top_k=K)
 
 
 def _tokens(seed: int = 0) -> list[int]:
@@ -226,7 +219,7 @@ async def test_a_student_whose_versions_keep_changing_fails_the_sample() -> None
 
 
 async def test_over_http_a_scripted_weight_update_is_retried_and_scored() -> None:
-    from threaded_mock import serve_mock_threaded
+    from support.threaded_mock import serve_mock_threaded
 
     from opd_stream.testing.mock_sglang import MockOptions
 

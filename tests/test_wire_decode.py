@@ -1,7 +1,7 @@
 """Decoding and validation of SGLang answers by ``opd_stream.wire._request``.
 
-Well-formed answers come from the independent fake scorer in ``wire_fakes``; malformed ones
-are that fake's answer with one thing broken, or hand-written JSON.
+Well-formed answers come from the independent fake scorer in ``support.fake_generate``;
+malformed ones are that fake's answer with one thing broken, or hand-written JSON.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-import wire_fakes as wf
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import fake_generate as wf
 
 from opd_stream._answers import ScoreRows
 from opd_stream._errors import (

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from wire_fakes import SAMPLING_KEYS
+from support.fake_generate import SAMPLING_KEYS
 
 from opd_stream._errors import InvalidSampleError
 from opd_stream.wire._payloads import build_generate_payload, build_score_payload

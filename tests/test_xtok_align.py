@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from xtok_helpers import SPECIAL, family_vocab, small_json, small_vocab, write_small
+from support.xtok_vocabs import SPECIAL, family_vocab, small_json, small_vocab, write_small
 
 from opd_stream import ConfigError, InvalidSampleError
 from opd_stream.xtok._align import Alignment, align_response, span_signal

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
-import structlog
-from xtok_helpers import family_dir, family_vocab
+from support.cli import run_cli
+from support.xtok_vocabs import family_dir, family_vocab
 
-from opd_stream.cli._main import main
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
 from opd_stream.xtok._chat import ChatTemplate
 
@@ -33,15 +29,7 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
     return ("asyncio", {"debug": True})  # serve_mock runs on asyncio
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in list(os.environ):
-        if var.startswith("OPD_STREAM_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("OPD_STREAM_KL_DEVICE", "cpu")
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 def test_the_teacher_chat_templates_render_and_encode_their_special_tokens() -> None:
@@ -92,7 +80,7 @@ async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path
             "--output", str(tmp_path / "out.jsonl"),
             "--no-progress",
         ]  # fmt: skip
-        code = await anyio.to_thread.run_sync(main, argv)
+        code = await run_cli(*argv)
     assert code == 0
     out = {x["id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     template = ChatTemplate.load("t", family_dir("deepseek-v3"))

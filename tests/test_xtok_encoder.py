@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from xtok_helpers import FAMILIES, family_vocab, small_json, small_vocab
+from support.xtok_vocabs import FAMILIES, family_vocab, small_json, small_vocab
 
 from opd_stream.xtok import _encoder
 from opd_stream.xtok._align import align_response

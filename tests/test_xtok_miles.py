@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from xtok_helpers import small_vocab, write_small
+from support.xtok_vocabs import small_vocab, write_small
 
 from opd_stream import ConfigError
 from opd_stream.integrations import miles
@@ -69,9 +69,12 @@ def test_the_tokenizer_flags_map_to_the_settings(paths: tuple[str, str]) -> None
     assert cfg.student_tokenizer == paths[0]
     assert cfg.teacher_tokenizers == {"default": paths[1]}
     assert miles.config_from_miles_args(_args(*paths, opd_log_prob_top_k=4), environ={}).top_k == 4
-    with pytest.raises(ConfigError, match=r"strategy xor reads the teacher's top-k.*\(Miles "
-                       r"flags: --opd-teacher-tokenizers, --opd-log-prob-top-k, "
-                       r"--opd-top-k-strategy\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy xor reads the teacher's top-k.*\(Miles "
+        r"flags: --opd-teacher-tokenizers, --opd-log-prob-top-k, "
+        r"--opd-top-k-strategy\)",
+    ):
         args = _args(
             *paths,
             opd_log_prob_top_k=4,
@@ -80,8 +83,11 @@ def test_the_tokenizer_flags_map_to_the_settings(paths: tuple[str, str]) -> None
             sglang_router_port=1,
         )
         miles.config_from_miles_args(args, environ={})
-    with pytest.raises(ConfigError, match=r"--opd-student-tokenizer, --opd-teacher-tokenizers "
-                       r"given without --use-opd"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--opd-student-tokenizer, --opd-teacher-tokenizers "
+        r"given without --use-opd",
+    ):
         miles.config_from_miles_args(_args(*paths, use_opd=False), environ={})
 
 
@@ -103,11 +109,17 @@ async def test_the_teacher_prompt_is_rendered_from_the_samples_messages(
     miles.engine_for(args, transport=mock_transport(servers))
     try:
         rewards = await asyncio.gather(*(miles.reward_func(args, s) for s in samples))
-        with pytest.raises(miles.MilesInvalidSampleError, match=r"prompt: required: teacher "
-                           r"'default' has its own tokenizer"):
+        with pytest.raises(
+            miles.MilesInvalidSampleError,
+            match=r"prompt: required: teacher "
+            r"'default' has its own tokenizer",
+        ):
             await miles.reward_func(args, _MilesSample(student_prompt + response, 2, None))
-        with pytest.raises(miles.MilesInvalidSampleError, match=r"prompt: message 0 is not a "
-                           "mapping"):
+        with pytest.raises(
+            miles.MilesInvalidSampleError,
+            match=r"prompt: message 0 is not a "
+            "mapping",
+        ):
             await miles.reward_func(args, _MilesSample(student_prompt + response, 2, [3]))
     finally:
         await miles.close()
@@ -120,6 +132,8 @@ async def test_the_teacher_prompt_is_rendered_from_the_samples_messages(
         assert got.shape == (len(response),)
         # the teacher's log-probability of the whole response text
         assert math.isclose(float(got.double().sum()), math.fsum(lt), abs_tol=1e-4)
-    rollout = s_model.token_logprobs(np.array(student_prompt + response), np.arange(
-        len(student_prompt), len(student_prompt) + len(response)))
+    rollout = s_model.token_logprobs(
+        np.array(student_prompt + response),
+        np.arange(len(student_prompt), len(student_prompt) + len(response)),
+    )
     assert math.isclose(float(rollout.sum()), math.fsum(ls), abs_tol=1e-6)

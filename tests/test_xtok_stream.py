@@ -14,7 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from xtok_helpers import SPECIAL, family_dir, family_vocab, small_vocab, write_small
+from support.config import stream_config
+from support.xtok_vocabs import SPECIAL, family_dir, family_vocab, small_vocab, write_small
 
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
@@ -74,13 +75,11 @@ def make_sample(
 
 def config(student_path: str, teacher_path: str, **kw: Any) -> StreamConfig:
     base: dict[str, Any] = {
-        "teachers": T,
-        "kl_device": "cpu",
         "student_tokenizer": student_path,
         "teacher_tokenizers": {"default": teacher_path},
         "return_alignment": True,
     }
-    return StreamConfig.from_env({}, **(base | kw))
+    return stream_config(T, **(base | kw))
 
 
 async def run(cfg: StreamConfig, server: InProcessSGLang, samples: list[Any]) -> list[Any]:
@@ -182,7 +181,7 @@ async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values(
     server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
     path = family_dir("qwen-3.5")
     cross = await run(config(path, path), server, samples)
-    plain = await run(StreamConfig.from_env({}, teachers=T, kl_device="cpu"), server, samples)
+    plain = await run(stream_config(T), server, samples)
     for a, b in zip(cross, plain, strict=True):
         assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
         assert torch.equal(a.teacher_logprobs, b.teacher_logprobs)
@@ -306,7 +305,7 @@ async def test_every_bad_input_fails_alone_with_its_reason(
 async def test_text_the_teacher_tokenizer_cannot_round_trip_fails_alone(tmp_path: Path) -> None:
     import json
 
-    from xtok_helpers import small_json
+    from support.xtok_vocabs import small_json
 
     data = json.loads(small_json("b"))
     data["normalizer"] = {"type": "NFC"}
@@ -422,7 +421,7 @@ async def test_a_teacher_without_a_tokenizer_of_its_own_is_scored_as_before(
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         async with stream.run(samples) as results:
             mixed = sorted([r async for r in results], key=lambda r: r.index)
-    plain_cfg = StreamConfig.from_env({}, teachers=T, kl_device="cpu")
+    plain_cfg = stream_config(T)
     plain = await run(plain_cfg, servers[urls["same"]], samples[1::2])
     for res in mixed:
         assert isinstance(res, ScoredSample), res

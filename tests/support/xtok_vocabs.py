@@ -14,7 +14,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="the [xtok] extra is not i
 
 from opd_stream.xtok._vocab import Vocab, load_vocab, vocab_from_json  # noqa: E402
 
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / "xtok"
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "xtok"
 FAMILIES = ("qwen-3.5", "deepseek-v3", "glm-4.7-flash")
 
 CORPUS_A = [

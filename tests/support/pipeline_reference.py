@@ -16,11 +16,19 @@ import math
 from typing import Any
 
 import numpy as np
-from kl_reference import reference_divergence_position, reference_position
 
+from opd_stream import ScoredSample
 from opd_stream.testing.mock_sglang import MockModel
+from support.kl_reference import reference_divergence_position, reference_position
 
-__all__ = ("Expected", "MixtureTeacher", "expected_result", "rollout_topk_rows")
+__all__ = (
+    "Expected",
+    "MixtureTeacher",
+    "assert_all_scored",
+    "assert_matches",
+    "expected_result",
+    "rollout_topk_rows",
+)
 
 
 class Expected:
@@ -213,3 +221,30 @@ def assert_matches(
     for t, (ls, lt) in enumerate(expected.tails):
         assert abs(got_s[t] - ls) <= 1e-6 * abs(ls) + 1e-9, (t, got_s[t], ls)
         assert abs(got_t[t] - lt) <= 1e-6 * abs(lt) + 1e-9, (t, got_t[t], lt)
+
+
+def assert_all_scored(
+    out: list[Any],
+    teacher: Any,
+    student: Any = None,
+    *,
+    top_k: int = 0,
+    strategy: str = "only-student",
+) -> None:
+    """Every item is a ScoredSample that matches :func:`expected_result` of its own sample
+    (its tokens and rollout logprobs; ``student_p`` weights). ``student`` defaults to the
+    teacher's model (fleets of one model scoring samples without rollout logprobs)."""
+    for item in out:
+        assert isinstance(item, ScoredSample), (item.reason, item.message)
+        rollout = item.sample.rollout_logprobs
+        exp = expected_result(
+            tokens=list(item.sample.tokens),
+            response_length=item.sample.response_length,
+            teacher=teacher,
+            student=teacher if student is None else student,
+            top_k=top_k,
+            strategy=strategy,
+            weight_mode="student_p",
+            rollout_logprobs=None if rollout is None else list(rollout),
+        )
+        assert_matches(item, exp)

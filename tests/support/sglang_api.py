@@ -20,7 +20,7 @@ import pytest
 __all__ = ("API_TYPES_PATH", "load_sglang_api_types", "post_json")
 
 API_TYPES_PATH = (
-    Path(__file__).resolve().parents[1] / ".cache/sglang/src/sglang/api/v1/api_types.py"
+    Path(__file__).resolve().parents[2] / ".cache/sglang/src/sglang/api/v1/api_types.py"
 )
 _SETUP_HINT = (
     "run the set-up step: `pip download --no-deps sglang==0.5.23 -d .cache/sglang` and unzip "

@@ -106,7 +106,7 @@ lowest() {
     "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" "psutil>=5.9"
   "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
   (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
-    test_decode_jit.py test_jit_payloads.py test_jit_rows.py test_jit_startup.py)
+    test_scanner_decode.py test_scanner_payloads.py test_scanner_rows.py test_scanner_startup.py)
   wait_for_compile "$tmp/venv/"
 }
 

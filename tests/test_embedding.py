@@ -3,7 +3,7 @@ logging (silent unless the host configured logging), memory (nothing of a finish
 stays referenced), torch loading (not on ``import opd_stream``), cancellation (a Miles
 caller that stops waiting stops its requests), and the front door (what ``run`` accepts
 and what a bad input's failure holds). The KL device resolution is in test_config.py,
-torch's thread settings in test_klstage_threads.py, the trio transport in
+torch's thread settings in test_scoring_threads.py, the trio transport in
 test_transport_httpx.py, and the whole picture in test_acceptance_embedding.py."""
 
 from __future__ import annotations

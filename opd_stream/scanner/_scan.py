@@ -8,7 +8,7 @@ in this one file, and it takes from other files only what :mod:`opd_stream.scann
 holds (decorators, byte-access intrinsics, the bytes of JSON by name), whose digest it
 carries as ``SHARED_DIGEST``: numba's disk cache keys a compiled function on its own file
 only, so a callee in another file could be served stale after an edit
-(``tests/test_jit_cache.py`` holds both rules).
+(``tests/test_scanner_cache.py`` holds both rules).
 
 What the scan does, in one pass:
 
@@ -112,7 +112,7 @@ __all__ = (
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "304d7f0c12f7be2b"
+SHARED_DIGEST = "8bf75b6a394423db"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).

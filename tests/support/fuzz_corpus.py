@@ -1,4 +1,4 @@
-"""The corpora the answer decoders are fuzzed with (``test_fuzz_decode``, ``test_decode_jit``).
+"""The corpora the answer decoders are fuzzed with (``test_fuzz_decode``, ``test_scanner_decode``).
 
 ``REQUESTS``: one score request of every wire form; ``VALID``: the fake scorer's well-formed
 answer to each (parsed JSON, to mutate); ``FUZZ``: the hypothesis settings; ``json_values``

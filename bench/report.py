@@ -208,9 +208,7 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                         f"{v:.2f}x",
                     )
                 )
-        out.append(
-            _t("S8 values equal direct scoring in every run", s8["equal_to_direct"], "")
-        )
+        out.append(_t("S8 values equal direct scoring in every run", s8["equal_to_direct"], ""))
     s9 = res.get("9")
     if s9:
         for variant, v in s9["variants"].items():
@@ -223,12 +221,8 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             out += [
                 _t(f"S9 {variant}: teacher tokens computed <= 1.1x unique", c <= 1.1, f"{c:.3f}x"),
                 _t(f"S9 {variant}: max/mean replica load <= 1.25", m <= 1.25, f"{m:.3f}"),
-                _t(
-                    f"S9 {variant}: throughput >= least-outstanding", t_lo >= 1.0, f"{t_lo:.2f}x"
-                ),
-                _t(
-                    f"S9 {variant}: throughput >= smg cache_aware", t_smg >= 1.0, f"{t_smg:.2f}x"
-                ),
+                _t(f"S9 {variant}: throughput >= least-outstanding", t_lo >= 1.0, f"{t_lo:.2f}x"),
+                _t(f"S9 {variant}: throughput >= smg cache_aware", t_smg >= 1.0, f"{t_smg:.2f}x"),
             ]
             failed = sum(r["failures"] for r in v["runs"].values())
             out.append(_t(f"S9 {variant}: every sample scored in every run", failed == 0, ""))
@@ -481,8 +475,7 @@ def render_markdown(
     if "8" in res:
         s = res["8"]
         lines += [
-            "## 8. A fleet behind a gateway: sglang-router 0.3.2, smg 1.13 "
-            "(top-k 16 only-student)",
+            "## 8. A fleet behind a gateway: sglang-router 0.3.2, smg 1.13 (top-k 16 only-student)",
             "",
         ]
         lines += [f"sizes: {s['sizes']}", "", *_header()]

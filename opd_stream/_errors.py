@@ -107,8 +107,7 @@ class MissingLogprobError(OPDStreamError, ValueError):
 
     def __init__(self, side: str, token_id: int, position: int, batch_index: int = 0) -> None:
         super().__init__(
-            f"missing {side} logprob for a selected candidate token at response position "
-            f"{position}"
+            f"missing {side} logprob for a selected candidate token at response position {position}"
         )
         self.side = side
         self.token_id = token_id
@@ -252,6 +251,5 @@ class WeightVersionChanged(ProtocolError):
         # the side is known only once the attempt that decoded the answer names it
         shown = ", ".join("none" if v is None else repr(v[:64]) for v in self.versions)
         return (
-            f"{self.side}: {self.where} report different meta_info.weight_version values "
-            f"({shown})"
+            f"{self.side}: {self.where} report different meta_info.weight_version values ({shown})"
         )

@@ -121,6 +121,7 @@ case "$cmd" in
   test)
     setup
     "$VENV/bin/ruff" check opd_stream tests bench scripts
+    "$VENV/bin/ruff" format --check -q opd_stream tests bench scripts
     "$VENV/bin/mypy" --strict opd_stream
     exec "$PY" -m pytest -q "$@"
     ;;

@@ -60,7 +60,6 @@ __all__ = (
 )
 
 
-
 #: The kernels called from Python, each compiled (and cached) for the argument types of
 #: :func:`warm`: when numba's cache holds them all, a process loads rather than compiles
 #: (:mod:`opd_stream.scanner._loader`).

@@ -153,7 +153,16 @@ def build_item_response(
     if item.return_logprob:
         meta.update(
             _logprob_fields(
-                model, item, full, s, n_gen, flat_input, flat_output, b64, fault, shift,
+                model,
+                item,
+                full,
+                s,
+                n_gen,
+                flat_input,
+                flat_output,
+                b64,
+                fault,
+                shift,
                 byte_model,
             )
         )

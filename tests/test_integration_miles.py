@@ -1,5 +1,6 @@
 """Miles / slime drop-in: flag mapping, and reward_func + post_process_rewards against the
-spec §3 vectors (a fake SGLang answering exactly those numbers) and the mock servers."""
+worked example (``docs/semantics.md``, "Worked example"; a fake SGLang answering exactly
+those numbers) and the mock servers."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def test_strategy_needing_the_student_without_router_flags_names_them() -> None:
         miles.config_from_miles_args(_args(opd_log_prob_top_k=2, opd_top_k_strategy="union"))
 
 
-# --- spec §3 vectors ----------------------------------------------------------------------
+# --- the worked example (docs/semantics.md, "Worked example") -----------------------------
 TEACHER, STUDENT = "http://teacher:1", "http://student:2"
 S_TOP = [{1: 0.6, 2: 0.4}, {4: 0.7, 5: 0.3}]
 T_TOP = [{2: 0.5, 3: 0.5}, {4: 0.8, 6: 0.2}]
@@ -128,7 +129,7 @@ def _triples(table: dict[int, float], ids: list[int] | None = None) -> list[list
 
 
 def _vector_server(method: str, url: str, body: bytes) -> Response:
-    """A fake SGLang answering the spec vectors (P = 1, so entry j is response t = j - 1)."""
+    """A fake SGLang answering the worked example (P = 1, so entry j is response t = j - 1)."""
     req = json.loads(body)
     ids, start = req["input_ids"], req["logprob_start_len"]
     teacher = url.startswith(TEACHER)

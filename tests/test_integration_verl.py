@@ -32,7 +32,8 @@ def _t(lp: float | None, i: int) -> list[Any]:
     return [lp, i, None]
 
 
-# The spec §3 teacher top-k for tokens [10, 11, 12]: {2: .5, 3: .5}, then {4: .8, 6: .2}.
+# The teacher top-k of docs/semantics.md, "Worked example", for tokens [10, 11, 12]:
+# {2: .5, 3: .5}, then {4: .8, 6: .2}.
 SPEC_META = {
     "input_token_logprobs": [_t(None, 10), _t(math.log(0.1), 11), _t(math.log(0.2), 12)],
     "input_top_logprobs": [
@@ -426,7 +427,8 @@ def test_from_verl_config_reads_k_names_and_the_servers() -> None:
 
 
 def test_the_agent_loop_recipe_swaps_the_teacher_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl cannot be imported here: stub its contract (hosts.md §5) and check the wiring."""
+    """verl cannot be imported here: stub its contract (``docs/internals.md``, "The verl
+    contract") and check the wiring."""
     import importlib
     import sys
     import types

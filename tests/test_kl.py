@@ -1,4 +1,5 @@
-"""Tests for opd_stream.kl._math against the spec (opd-semantics §1-§3) and a float64 reference."""
+"""Tests for opd_stream.kl._math against ``docs/semantics.md``, "Top-k mode" and
+"Sampled-token mode" (with the floor and the edge cases), and a float64 reference."""
 
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def random_sample(
     """Random top-k rows: distinct ids per row, ``overlap`` = expected share of T taken from S.
 
     Empty slots (id -1) carry NaN values.  ``nan_unused_for`` = "union" or "xor" also puts
-    NaN in the slots that strategy never reads (spec: the value of an id in both sets).
+    NaN in the slots that strategy never reads (the value of an id in both sets:
+    ``docs/semantics.md``, "Which requests each strategy makes").
     """
     vocab = ks + kt + 3
     perm = np.argsort(rng.random((r, vocab)), axis=1) * 7 + 3
@@ -210,7 +212,8 @@ def samples_for(case: dict[str, Any], strategy: str) -> list[Sample]:
 
 
 def spec_vector_batch(*, with_student_topk: bool = True) -> TopKBatch:
-    """The test vector of spec §3 (logprob = ln p), B = 1, R = 2, K = 2."""
+    """The worked example of ``docs/semantics.md``, "Worked example" (logprob = ln p), B = 1,
+    R = 2, K = 2."""
 
     def lp(rows: list[list[float]]) -> torch.Tensor:
         return torch.tensor([rows], dtype=torch.float64).log().float()
@@ -254,7 +257,7 @@ def one_position_batch(
     )
 
 
-# ----------------------------------------------------------------------- spec test vector
+# --------------------------------------- the worked example (docs/semantics.md, "Worked example")
 
 
 def test_spec_vector_only_student_student_p() -> None:
@@ -610,7 +613,7 @@ def test_pad_topk_batch_builds_a_batch_the_kl_accepts() -> None:
         pad_topk_batch(student_ids=[samples[0].s_ids], student_lp=[s.s_lp for s in samples])
 
 
-# ------------------------------------------------- short student rows (spec §3 edge cases)
+# ------------------- short student rows (docs/semantics.md, "Missing values and empty rows")
 
 
 def short_rows_samples(rng: np.random.Generator, k: int, lengths: list[int]) -> list[Sample]:

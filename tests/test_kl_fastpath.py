@@ -321,7 +321,8 @@ def test_joined_columns_are_a_view_only_when_adjacent() -> None:
 
 
 def fetched(index: int, arrays: dict[str, np.ndarray], strategy: Strategy) -> Fetched:
-    """What the fetch workers hand the KL stage for ``strategy`` (opd-semantics §4)."""
+    """What the fetch workers hand the KL stage for ``strategy`` (``docs/semantics.md``,
+    "Which requests each strategy makes")."""
     r = arrays["s_ids"].shape[0]
     tokens = np.arange(3 + r, dtype=np.int64) + 100
     uses_s = strategy != "only-teacher"

@@ -1,4 +1,4 @@
-"""Conformance of the mock SGLang server with sglang-protocol.md (plain aiohttp client)."""
+"""Conformance of the mock SGLang server with ``docs/protocol.md`` (plain aiohttp client)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Which requests each strategy sends (opd-semantics §4), in which order, in each id form.
+"""Which requests each strategy sends (``docs/semantics.md``, "Which requests each strategy
+makes"), in which order, in each id form.
 
 Golden payloads: for a tiny sample (prompt [7, 8, 9], response [5, 6], student top-2
 S = [[4, 1], [3, 2]]) the exact bodies the teacher and student servers receive.

@@ -1,4 +1,5 @@
-"""Teacher routing and server URL validation (spec opd-semantics §6)."""
+"""Teacher routing and server URL validation (``docs/semantics.md``, "Teachers"; entries and
+URLs: ``docs/semantics.md``, "Teacher entries and server URLs")."""
 
 from __future__ import annotations
 

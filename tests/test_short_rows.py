@@ -1,4 +1,5 @@
-"""Student top-k rows with fewer than k entries, or none (spec opd-semantics §3, edge cases).
+"""Student top-k rows with fewer than k entries, or none (``docs/semantics.md``, "Missing
+values and empty rows").
 
 Miles' multi-turn merge leaves empty rows (``[]``) on observation spans, and a rollout
 engine may return fewer than k entries. The reference builds each position's candidate set

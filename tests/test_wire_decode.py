@@ -53,7 +53,7 @@ def decode(req: ScoreRequest, obj: Any) -> ScoreRows:
     return decode_score_response(wf.encode(obj), req)
 
 
-# --- the spec §2.5 worked example -----------------------------------------------------
+# --- the worked example (docs/protocol.md, "A worked example") ------------------------
 
 SPEC_EXAMPLE = b"""{"text": "", "output_ids": [],
  "meta_info": {

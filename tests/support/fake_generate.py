@@ -1,8 +1,8 @@
 """A tiny deterministic fake SGLang ``/generate`` scorer for wire tests.
 
-Written from ``sglang-protocol.md`` §1-§4 independently of ``opd_stream.wire._request``: it
-parses a request body with the stdlib ``json`` module and builds the answer with plain
-Python loops.
+Written from ``docs/protocol.md``, "Request fields" to "Per-position id scoring",
+independently of ``opd_stream.wire._request``: it parses a request body with the stdlib
+``json`` module and builds the answer with plain Python loops.
 
 The "model" is a deterministic function of (context, position, token):
 ``fake_logprob(context, token)`` hashes the whole context (so a row depends only on its

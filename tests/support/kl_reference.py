@@ -1,6 +1,7 @@
-"""Independent float64 reference for the KL math (spec opd-semantics §1-§3).
+"""Independent float64 reference for the KL math (``docs/semantics.md``, "Top-k mode", and
+its "Sampled-token mode").
 
-Plain Python over dicts, one position at a time, written from the spec text only (it imports
+Plain Python over dicts, one position at a time, written from the docs' text only (it imports
 nothing from ``opd_stream.kl._math``).  The floor ``-1e4`` and the smallest tail mass ``1e-6`` are
 the documented constants.
 

@@ -33,8 +33,8 @@ def rss(): return psutil.Process().memory_info().rss / 2**20
 what = sys.argv[1]
 r0, c0 = rss(), time.process_time()
 if what == "kernels":
-    from opd_stream.scanner import _loader as _jit
-    assert _jit.prepare()
+    from opd_stream.scanner import _loader
+    assert _loader.prepare()
     from opd_stream.scanner._calls import KERNELS
     hits = sum(sum(k.stats.cache_hits.values()) for k in KERNELS)
 else:
@@ -55,13 +55,13 @@ print(json.dumps({"cpu_s": time.process_time() - c0, "rss_mb": rss() - r0,
 #: only imports numba, the floor of that exit (numba's own teardown).
 _HOST = """
 import sys, time
-from opd_stream.scanner import _loader as _jit
+from opd_stream.scanner import _loader
 if sys.argv[1] == "numba":
     import numba
 else:
-    _jit.start()
+    _loader.start()
 time.sleep(1.0)
-print(time.time(), _jit.available(), flush=True)
+print(time.time(), _loader.available(), flush=True)
 """
 
 
@@ -86,10 +86,10 @@ def _run(code: str, cache: Path, *args: str) -> tuple[str, float]:
 
 def _child_cpu(cache: Path) -> float:
     """CPU seconds of the compiling process alone (what a cold start costs the machine)."""
-    from opd_stream.scanner import _loader as _jit
+    from opd_stream.scanner import _loader
 
     before = os.times()
-    _run(_jit._CHILD, cache, str(ROOT))
+    _run(_loader._CHILD, cache, str(ROOT))
     after = os.times()
     return (after.children_user - before.children_user) + (
         after.children_system - before.children_system

@@ -7,7 +7,7 @@ the CPU time per batch and per response token (``time.process_time``, the minimu
 several repeats, after a warm-up).
 
 Every configuration is checked before it is timed: the result of every sample is compared
-with the independent float64 reference ``tests/kl_reference.py`` (all arrays of a spread of
+with the independent float64 reference ``tests/support/kl_reference.py`` (all arrays of a spread of
 positions, with the tolerances of ``tests/test_kl.py``), and dtypes and shapes are checked.
 
 Before/after in one run: ``--baseline REV`` (default: the commit before the KL fast path)
@@ -53,9 +53,9 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_reference() -> Any:
-    """``tests/kl_reference.py`` (the independent float64 per-position reference)."""
+    """``tests/support/kl_reference.py`` (the independent float64 per-position reference)."""
     spec = importlib.util.spec_from_file_location(
-        "kl_reference", _ROOT / "tests" / "kl_reference.py"
+        "kl_reference", _ROOT / "tests" / "support" / "kl_reference.py"
     )
     assert spec is not None
     assert spec.loader is not None

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from opd_stream.cli import _score_schema as _scorefile_schema
+from opd_stream.cli import _score_schema
 
 __all__ = ("main",)
 
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=20, help="top-k entries per response token")
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    check = _scorefile_schema._check_duplicate_keys
+    check = _score_schema._check_duplicate_keys
     print("| line | bytes | decode_line, ms | without the check, ms | ratio |")
     print("|---|---|---|---|---|")
     gc.disable()
@@ -79,14 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, line in _lines(args.response, args.k).items():
 
             def decode(data: bytes = line) -> object:
-                return _scorefile_schema.decode_line(data, line=1, seq=0)
+                return _score_schema.decode_line(data, line=1, seq=0)
 
             with_check = _cpu(decode, args.repeats)
-            _scorefile_schema._check_duplicate_keys = lambda data, distinct: None
+            _score_schema._check_duplicate_keys = lambda data, distinct: None
             try:
                 without = _cpu(decode, args.repeats)
             finally:
-                _scorefile_schema._check_duplicate_keys = check
+                _score_schema._check_duplicate_keys = check
             print(
                 f"| {name} | {len(line)} | {with_check * 1e3:.3f} | {without * 1e3:.3f} | "
                 f"{with_check / without:.2f}x |"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_stream.scanner import _loader as _jit
+from opd_stream.scanner import _loader
 from opd_stream.wire._student_topk import parse_student_topk
 
 __all__ = ("main",)
@@ -42,11 +42,11 @@ def _rows(r: int, k: int, width: int, seed: int = 0) -> list[list[list[Any]]]:
 
 
 def _entry_by_entry(rows: list[Any], r: int, k: int) -> Any:
-    kernel, _jit._kernel = _jit._kernel, None
+    kernel, _loader._kernel = _loader._kernel, None
     try:
         return parse_student_topk(rows, r, k)
     finally:
-        _jit._kernel = kernel
+        _loader._kernel = kernel
 
 
 def _nested_array(rows: list[Any], r: int, k: int) -> Any:
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--response", type=int, default=2048)
     p.add_argument("--k", type=int, default=16)
     a = p.parse_args(argv)
-    if not _jit.prepare():
+    if not _loader.prepare():
         print("numba unavailable: both opd_stream rows are the entry-by-entry path")
     print(f"R = {a.response}, k = {a.k}; us of CPU per response token (GC off)")
     print("| rows | way | us/token | checks |")

@@ -22,7 +22,7 @@ import gc
 import time
 from typing import Any
 
-from opd_stream.scanner import _loader as _jit
+from opd_stream.scanner import _loader
 from opd_stream.wire._codec import PARSERS
 
 from .harness import LagTicker, mocks, run_opd
@@ -34,7 +34,7 @@ __all__ = ("main",)
 
 async def _run(parser: str, n: int, passes: int) -> None:
     if parser == "msgspec":
-        _jit._failed = True  # as without numba: msgspec in the decode threads
+        _loader._failed = True  # as without numba: msgspec in the decode threads
     pauses: list[tuple[int, float]] = []
     started: dict[str, float] = {}
     measuring = False

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from opd_stream.scanner import _loader as _jit
+from opd_stream.scanner import _loader
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.wire._codec import decode_score_response
 from opd_stream.wire._payloads import build_score_payload
@@ -80,14 +80,14 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
 
 def measure(response: int, k: int, reps: int) -> dict[str, dict[str, float]]:
     """ns per byte, by answer shape then by way."""
-    from opd_stream.scanner import _calls as _jit_calls
+    from opd_stream.scanner import _calls
 
     out: dict[str, dict[str, float]] = {}
     for name, (body, req) in shapes(response, k).items():
         assert decode_score_response(body, req, parser="jit") is not None
-        assert _jit_calls.run_scan(body, False, _SCHEMA).status == _jit_calls.OK, name
+        assert _calls.run_scan(body, False, _SCHEMA).status == _calls.OK, name
         ways: dict[str, Callable[[], Any]] = {
-            "scan": lambda body=body: _jit_calls.run_scan(body, False, _SCHEMA),
+            "scan": lambda body=body: _calls.run_scan(body, False, _SCHEMA),
             "scanner decode": lambda body=body, req=req: decode_score_response(
                 body, req, parser="jit"
             ),
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=16)
     p.add_argument("--reps", type=int, default=9)
     a = p.parse_args(argv)
-    if not _jit.prepare():
+    if not _loader.prepare():
         print("numba unavailable: nothing to measure")
         return 1
     res = measure(a.response, a.k, a.reps)

@@ -86,3 +86,18 @@ def test_prefix_locality_scenario_runs_end_to_end(tmp_path: Path) -> None:
             assert run["computed_tokens"] > 0
             assert run["gpu_bound_share"] > 0  # the replicas' simulated compute was read
     assert "## 9. Prefix locality" in (tmp_path / "results.md").read_text()
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(p.stem for p in BENCH.glob("*.py") if "__main__" in p.read_text() and p.stem != "run"),
+)
+def test_every_bench_command_starts(module: str) -> None:
+    # each micro-benchmark at least imports and parses its flags (a moved module or file
+    # otherwise breaks it unseen: no test runs them whole)
+    proc = run_module(f"bench.{module}", "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout

@@ -54,10 +54,10 @@ def _answer(req: ScoreRequest) -> bytes:
 def _compiled() -> None:
     # prepare() answers False at once while another thread (a stream of an earlier test)
     # compiles: wait for that compile, and fail only when it failed
-    from opd_stream.scanner import _loader as _jit
+    from opd_stream.scanner import _loader
 
     while not prepare():
-        assert not _jit._failed, "numba could not compile the scanner"
+        assert not _loader._failed, "numba could not compile the scanner"
         time.sleep(0.05)
 
 

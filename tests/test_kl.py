@@ -17,7 +17,7 @@ from support.kl_reference import Missing, reference_position, reference_sampled
 from support.kl_rows import FIELDS
 
 from opd_stream._errors import MissingLogprobError
-from opd_stream.kl import _select as _klselect
+from opd_stream.kl import _select
 from opd_stream.kl._math import (
     LOGPROB_FLOOR,
     STRATEGIES,
@@ -327,11 +327,11 @@ def test_membership_paths_agree_with_reference(
     monkeypatch: pytest.MonkeyPatch, path: str, k: int, device: str
 ) -> None:
     if path == "sort-searchsorted":
-        monkeypatch.setattr(_klselect, "_BROADCAST_MAX_K", 1)
+        monkeypatch.setattr(_select, "_BROADCAST_MAX_K", 1)
     else:
-        monkeypatch.setattr(_klselect, "_BROADCAST_MAX_K", 1000)
+        monkeypatch.setattr(_select, "_BROADCAST_MAX_K", 1000)
     if path == "broadcast-chunked":
-        monkeypatch.setattr(_klselect, "_EQ_CHUNK_ELEMENTS", 3 * k * k)  # 3 rows per chunk
+        monkeypatch.setattr(_select, "_EQ_CHUNK_ELEMENTS", 3 * k * k)  # 3 rows per chunk
     rng = np.random.default_rng(k)
     samples = [
         random_sample(rng, r, k, k, overlap=0.6, p_inf=0.1, p_hole=0.05, nan_unused_for="xor")
@@ -642,7 +642,7 @@ def test_short_and_empty_student_rows_match_reference(
     k: int,
     backend: str,
 ) -> None:
-    monkeypatch.setattr(_klselect, "_CPU_INDEX_BACKEND", backend)
+    monkeypatch.setattr(_select, "_CPU_INDEX_BACKEND", backend)
     rng = np.random.default_rng(k * 31 + len(strategy))
     samples = short_rows_samples(rng, k, [9, 0, 17])
     check_against_reference(samples, strategy, weight_mode)

@@ -271,7 +271,7 @@ def test_tail_is_at_least_zero_and_at_most_the_full_reverse_kl_of_the_mock_model
 def test_the_torch_index_backend_gives_the_same_tails(
     strategy: Strategy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from opd_stream.kl import _select as _klselect
+    from opd_stream.kl import _select
 
     rng = np.random.default_rng(7)
     samples = [
@@ -279,7 +279,7 @@ def test_the_torch_index_backend_gives_the_same_tails(
         for r in (5, 9)
     ]
     numpy_res, _ = check(samples, strategy)
-    monkeypatch.setattr(_klselect, "_CPU_INDEX_BACKEND", "torch")
+    monkeypatch.setattr(_select, "_CPU_INDEX_BACKEND", "torch")
     torch_res, _ = check(samples, strategy)
     for name in ("reverse_kl", "student_tail_lp", "teacher_tail_lp", "weights"):
         assert torch.equal(getattr(numpy_res, name), getattr(torch_res, name)), name

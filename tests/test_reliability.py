@@ -72,11 +72,11 @@ async def _kernels_ready() -> None:
     """Wait until the compiled kernels are ready (a stream compiles them, or loads them from
     numba's cache, in a background thread as it starts): their one-time memory must not land
     between the soak's two readings, as it would when a busy machine slows that thread."""
-    from opd_stream.scanner import _loader as _jit
+    from opd_stream.scanner import _loader
 
     with anyio.fail_after(600):  # a cold compile on a busy machine: minutes at most
-        while not (_jit.available() or await anyio.to_thread.run_sync(_jit.prepare)):
-            if getattr(_jit, "_failed", False):
+        while not (_loader.available() or await anyio.to_thread.run_sync(_loader.prepare)):
+            if getattr(_loader, "_failed", False):
                 return  # no kernels here: nothing will arrive
             await anyio.sleep(0.1)
 

@@ -34,18 +34,18 @@ _SCRIPT = textwrap.dedent(
     import sys, time
     import anyio, psutil
     from opd_stream import OPDStream, StreamConfig
-    from opd_stream.scanner import _loader as _jit
+    from opd_stream.scanner import _loader
 
     async def main(hold):
         async with OPDStream(StreamConfig(teachers={"t": "http://127.0.0.1:9"})):
             me = psutil.Process()
             deadline = time.monotonic() + 180  # a loaded machine
             while not me.children(recursive=True) and time.monotonic() < deadline:
-                if _jit.available() or _jit._failed:
+                if _loader.available() or _loader._failed:
                     break
                 await anyio.sleep(0.01)
-            print("compiling", bool(me.children(recursive=True)), _jit.available(), flush=True)
-            print("kernels", _jit.available(), _jit._failed, _jit._thread, file=sys.stderr)
+            print("compiling", bool(me.children(recursive=True)), _loader.available(), flush=True)
+            print("kernels", _loader.available(), _loader._failed, _loader._thread, file=sys.stderr)
             if hold:
                 await anyio.sleep(600)
 
@@ -148,12 +148,12 @@ def test_the_cli_says_once_that_it_compiles(tmp_path: Path) -> None:
 def test_with_numba_disabled_msgspec_parses_and_nothing_compiles(tmp_path: Path) -> None:
     # NUMBA_DISABLE_JIT would run the kernels as Python, byte by byte: they are refused
     script = (
-        "from opd_stream.scanner import _loader as _jit\n"
+        "from opd_stream.scanner import _loader\n"
         "from opd_stream.wire._codec import parser_for\n"
-        "_jit.start()\n"
-        "assert _jit._thread is not None\n"
-        "_jit._thread.join(120)\n"
-        "print(_jit._failed, _jit.available(), parser_for())\n"
+        "_loader.start()\n"
+        "assert _loader._thread is not None\n"
+        "_loader._thread.join(120)\n"
+        "print(_loader._failed, _loader.available(), parser_for())\n"
     )
     env = {
         **os.environ,

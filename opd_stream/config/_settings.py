@@ -80,7 +80,8 @@ _GIB: Final = 1024 * _MIB
 
 def _doc(description: str, *, advanced: bool = False, **constraints: Any) -> msgspec.Meta:
     """A field's ``Meta``: its description, bounds, and in ``extra`` the ``advanced`` flag
-    and the custom ``problem``/``above`` phrases (see :class:`~._config_fields.FieldSpec`)."""
+    and the custom ``problem``/``above`` phrases (see
+    :class:`~opd_stream.config._fields.FieldSpec`)."""
     extra: dict[str, Any] = {
         key: constraints.pop(key) for key in ("problem", "above") if key in constraints
     }

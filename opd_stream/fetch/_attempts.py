@@ -1,7 +1,7 @@
 """One HTTP attempt at a time: send to a replica (hedged to another when it is slow),
 check the status, decode, and keep per-endpoint health; re-admission probes.
 
-The retry loop and the request plan live in ``_scorer``; replica choice and health
+The retry loop and the request plan live in ``_fetcher``; replica choice and health
 bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 """
 

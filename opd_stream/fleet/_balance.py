@@ -3,7 +3,7 @@ when a replica is taken out (passive health), and how long to wait before hedgin
 
 Sans-IO: plain synchronous bookkeeping. The caller passes the clock (``now``, seconds on
 any monotonic clock) and performs the I/O (requests, ``/health`` probes); see
-``_scorer.py`` for the async side.
+``fetch/_fetcher.py`` for the async side.
 
 Rules, per replica URL:
 

@@ -204,10 +204,10 @@ def prepare() -> bool:
         if _kernel is None and not _failed:
             try:
                 _check_usable()
-                from . import _calls as _jit_calls
+                from . import _calls
 
-                _jit_calls.warm()
-                _kernel = _jit_calls
+                _calls.warm()
+                _kernel = _calls
             except Exception as exc:  # numba absent or unusable here: msgspec remains
                 _failed = True
                 _log.debug("opd_stream: compiled kernels unavailable: %s", type(exc).__name__)
@@ -264,9 +264,9 @@ def _cache_state() -> str:
     except Exception:
         return "none"
     try:
-        from . import _calls as _jit_calls
+        from . import _calls
 
-        files = [k._cache._cache_file for k in _jit_calls.KERNELS]
+        files = [k._cache._cache_file for k in _calls.KERNELS]
     except Exception:  # no cache (numba compiled them uncached), or another numba
         return "none"
     try:

@@ -117,7 +117,7 @@ SHARED_DIGEST = "8bf75b6a394423db"
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
 UNUSUAL = 1
-#: The output buffers were too small (cannot happen with ``_jit_calls``' sizes).
+#: The output buffers were too small (cannot happen with ``_calls``' sizes).
 CAPACITY = 2
 
 #: The kinds of value (``kinds``), as the wire numbers them (:data:`opd_stream.wire.
@@ -131,7 +131,7 @@ _EXACT_MANTISSA = 2**53
 _F32_SAFE = 1e38  # well below float32's max (3.4e38): the range check stays exact
 _2_POW_M26 = 2.0**-26
 _F32_TINY = 1.2e-38  # float32's smallest normal: below it, fall back
-_TOLERANCE = 1e-4  # _decode_checks.LOGPROB_TOLERANCE: a logprob near it falls back
+_TOLERANCE = 1e-4  # wire._checks.LOGPROB_TOLERANCE: a logprob near it falls back
 
 # record columns (int64 [n_records, 8])
 R_KEY, R_ITEM, R_START, R_END, R_ROW0, R_ROW1, R_ENT0, R_ENT1 = range(8)

@@ -38,9 +38,9 @@ def main() -> None:
     """Compile (or find in the cache) every kernel; exit 0, or 1 when numba cannot."""
     try:
         with _one_at_a_time():
-            from opd_stream.scanner import _calls as _jit_calls
+            from opd_stream.scanner import _calls
 
-            _jit_calls.warm()
+            _calls.warm()
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception:

@@ -167,7 +167,7 @@ class MockTransport:
 
 
 class PooledTransport(abc.ABC):
-    """What both pooled HTTP transports share (aiohttp here, httpx in ``_transport_httpx``):
+    """What both pooled HTTP transports share (aiohttp here, httpx in ``_httpx``):
     the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
     refusal of a compressed answer, reading a body under the byte cap while charging the
     budget lease it was given, and turning connection problems into a redacted

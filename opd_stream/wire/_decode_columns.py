@@ -229,7 +229,7 @@ def _b64_topk_from_columns(
     top_k: int,
     n_entries: npt.NDArray[np.intp],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], bool] | None:
-    """The b64 flat top-k of every item (the checks of ``_decode_checks.flat_topk``)."""
+    """The b64 flat top-k of every item (the checks of ``_checks.flat_topk``)."""
     shapes = metas.values("input_top_logprobs_shape")
     prefixes = metas.values("input_top_logprobs_null_prefix")
     vals = metas.b64("input_top_logprobs_val_flat_b64")

@@ -34,6 +34,7 @@ from ..fleet._balance import Balance
 from ..fleet._ensemble import Ensemble
 from ..fleet._router import Teacher, normalize_server_url, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
+from ..wire._request import IdForm
 from ..xtok._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
 from ._fields import (
@@ -71,7 +72,8 @@ MAX_TOP_K: Final = 1024
 costs O(k) response bytes per position; 1024 bounds a configuration mistake, not a server
 limit."""
 
-IdScoring: TypeAlias = Literal["per-position", "flat", "blocked", "blocks", "auto"]
+#: The id forms of the wire (:data:`~opd_stream.wire._request.IdForm`), or ``auto``.
+IdScoring: TypeAlias = Literal[IdForm, "auto"]
 CacheSalt: TypeAlias = Literal["none", "per-sample", "per-request"]
 
 _MIB: Final = 1024 * 1024

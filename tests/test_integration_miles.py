@@ -163,7 +163,7 @@ def _xlnx(p: float, q: float) -> float:
     return math.log(p / q)
 
 
-SPEC_EXPECTED = {
+EXAMPLE_EXPECTED = {
     ("only-student", "student_p"): [
         0.6 * _xlnx(0.6, 0.3) + 0.4 * _xlnx(0.4, 0.7),
         0.7 * _xlnx(0.7, 0.4) + 0.3 * _xlnx(0.3, 0.6),
@@ -177,8 +177,8 @@ SPEC_EXPECTED = {
 }
 
 
-@pytest.mark.parametrize(("strategy", "weight_mode"), list(SPEC_EXPECTED))
-async def test_reward_func_and_post_process_give_the_spec_vectors(
+@pytest.mark.parametrize(("strategy", "weight_mode"), list(EXAMPLE_EXPECTED))
+async def test_reward_func_and_post_process_give_the_worked_example(
     strategy: str, weight_mode: str
 ) -> None:
     args = _args(
@@ -200,7 +200,7 @@ async def test_reward_func_and_post_process_give_the_spec_vectors(
     assert raw == processed == [0.0]
     got = sample.opd_reverse_kl  # type: ignore[attr-defined]
     assert got.dtype.is_floating_point and str(got.dtype) == "torch.float32"
-    for g, e in zip(got.tolist(), SPEC_EXPECTED[(strategy, weight_mode)], strict=True):
+    for g, e in zip(got.tolist(), EXAMPLE_EXPECTED[(strategy, weight_mode)], strict=True):
         assert abs(g - e) < 1e-5, (g, e)
 
 

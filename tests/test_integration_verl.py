@@ -34,7 +34,7 @@ def _t(lp: float | None, i: int) -> list[Any]:
 
 # The teacher top-k of docs/semantics.md, "Worked example", for tokens [10, 11, 12]:
 # {2: .5, 3: .5}, then {4: .8, 6: .2}.
-SPEC_META = {
+EXAMPLE_META = {
     "input_token_logprobs": [_t(None, 10), _t(math.log(0.1), 11), _t(math.log(0.2), 12)],
     "input_top_logprobs": [
         None,
@@ -45,7 +45,7 @@ SPEC_META = {
 
 
 def test_spec_teacher_top_k_becomes_best_first_rows_and_one_pad_row() -> None:
-    ids, lps = extract_prompt_logprobs(SPEC_META, 2, 3)
+    ids, lps = extract_prompt_logprobs(EXAMPLE_META, 2, 3)
     assert ids == [[2, 3], [4, 6], [0, 0]]
     want = [[math.log(0.5)] * 2, [math.log(0.8), math.log(0.2)], [0.0, 0.0]]
     assert lps == want
@@ -53,31 +53,36 @@ def test_spec_teacher_top_k_becomes_best_first_rows_and_one_pad_row() -> None:
 
 def test_sampled_token_rows_hold_the_scored_token_and_position_zero_is_skipped() -> None:
     result: dict[str, Any] = {}
-    fill_prompt_logprobs(SPEC_META, 0, 3, result)
+    fill_prompt_logprobs(EXAMPLE_META, 0, 3, result)
     assert result["prompt_ids"] == [[11], [12], [0]]
     assert result["prompt_logprobs"] == [[math.log(0.1)], [math.log(0.2)], [0.0]]
 
 
 def test_fewer_top_entries_than_asked_is_a_validation_error_naming_the_position() -> None:
-    meta = {**SPEC_META, "input_top_logprobs": [None, SPEC_META["input_top_logprobs"][1], None]}
+    meta = {
+        **EXAMPLE_META,
+        "input_top_logprobs": [None, EXAMPLE_META["input_top_logprobs"][1], None],
+    }
     with pytest.raises(MisalignedResponseError, match=r"0 top logprobs at position 2, expected 2"):
         extract_prompt_logprobs(meta, 2, 3)
-    short = {**SPEC_META, "input_top_logprobs": SPEC_META["input_top_logprobs"][:2]}
+    short = {**EXAMPLE_META, "input_top_logprobs": EXAMPLE_META["input_top_logprobs"][:2]}
     with pytest.raises(MisalignedResponseError, match=r"2 entries, expected 3"):
         extract_prompt_logprobs(short, 2, 3)
 
 
 def test_length_mismatch_missing_field_and_bad_arguments_are_errors() -> None:
     with pytest.raises(MisalignedResponseError, match=r"length \(3\) does not match .* \(4\)"):
-        extract_prompt_logprobs(SPEC_META, 0, 4)
+        extract_prompt_logprobs(EXAMPLE_META, 0, 4)
     with pytest.raises(MalformedResponseError, match="input_top_logprobs is missing"):
-        extract_prompt_logprobs({"input_token_logprobs": SPEC_META["input_token_logprobs"]}, 2, 3)
+        extract_prompt_logprobs(
+            {"input_token_logprobs": EXAMPLE_META["input_token_logprobs"]}, 2, 3
+        )
     with pytest.raises(ConfigError, match="num_prompt_logprobs"):
-        extract_prompt_logprobs(SPEC_META, -1, 3)
+        extract_prompt_logprobs(EXAMPLE_META, -1, 3)
     with pytest.raises(ConfigError, match="num_prompt_logprobs"):
         sglang_prompt_logprobs_params(-2)
     with pytest.raises(MisalignedResponseError, match=r"input_token_logprobs\[2\] echoes"):
-        extract_prompt_logprobs(SPEC_META, 0, 3, input_ids=[10, 11, 99])
+        extract_prompt_logprobs(EXAMPLE_META, 0, 3, input_ids=[10, 11, 99])
 
 
 def test_null_logprob_is_minus_infinity() -> None:
@@ -89,7 +94,7 @@ def test_b64_top_k_gives_the_same_lists_as_nested() -> None:
     vals = np.log(np.array([[0.5, 0.5], [0.8, 0.2]], dtype=np.float32)).astype("<f4")
     idx = np.array([[2, 3], [4, 6]], dtype="<i4")
     meta = {
-        "input_token_logprobs": SPEC_META["input_token_logprobs"],
+        "input_token_logprobs": EXAMPLE_META["input_token_logprobs"],
         "input_top_logprobs_shape": [2, 2],
         "input_top_logprobs_null_prefix": 1,
         "input_top_logprobs_val_flat_b64": base64.b64encode(vals.tobytes()).decode(),
@@ -143,17 +148,17 @@ async def test_mock_server_answers_match_the_closed_form_model(k: int, b64: bool
 # --- issue 14: converter fixes -------------------------------------------------------------
 def test_nan_is_minus_infinity_in_the_nested_and_b64_forms_alike() -> None:
     nested = {
-        **SPEC_META,
+        **EXAMPLE_META,
         "input_top_logprobs": [
             None,
             [_t(math.nan, 2), _t(math.log(0.5), 3)],
-            SPEC_META["input_top_logprobs"][2],
+            EXAMPLE_META["input_top_logprobs"][2],
         ],
     }
     vals = np.array([[np.nan, math.log(0.5)], [math.log(0.8), math.log(0.2)]], dtype="<f4")
     idx = np.array([[2, 3], [4, 6]], dtype="<i4")
     b64 = {
-        "input_token_logprobs": SPEC_META["input_token_logprobs"],
+        "input_token_logprobs": EXAMPLE_META["input_token_logprobs"],
         "input_top_logprobs_shape": [2, 2],
         "input_top_logprobs_null_prefix": 1,
         "input_top_logprobs_val_flat_b64": base64.b64encode(vals.tobytes()).decode(),
@@ -168,7 +173,7 @@ def test_nan_is_minus_infinity_in_the_nested_and_b64_forms_alike() -> None:
 
 def test_plain_flat_top_k_is_read() -> None:
     meta = {
-        "input_token_logprobs": SPEC_META["input_token_logprobs"],
+        "input_token_logprobs": EXAMPLE_META["input_token_logprobs"],
         "input_top_logprobs_shape": [2, 2],
         "input_top_logprobs_null_prefix": 1,
         "input_top_logprobs_val_flat": [math.log(0.5), math.log(0.5), math.log(0.8), None],
@@ -206,7 +211,7 @@ async def test_mock_server_plain_and_b64_flat_answers_are_read(b64: bool) -> Non
 def test_an_aborted_answer_names_finish_reason_abort() -> None:
     from opd_stream import ServerAbortError
 
-    meta = {**SPEC_META, "finish_reason": {"type": "abort", "message": "out of memory"}}
+    meta = {**EXAMPLE_META, "finish_reason": {"type": "abort", "message": "out of memory"}}
     with pytest.raises(ServerAbortError, match=r"finish_reason=abort: out of memory"):
         extract_prompt_logprobs(meta, 2, 3)
 

@@ -211,7 +211,7 @@ def samples_for(case: dict[str, Any], strategy: str) -> list[Sample]:
     ]
 
 
-def spec_vector_batch(*, with_student_topk: bool = True) -> TopKBatch:
+def worked_example_batch(*, with_student_topk: bool = True) -> TopKBatch:
     """The worked example of ``docs/semantics.md``, "Worked example" (logprob = ln p), B = 1,
     R = 2, K = 2."""
 
@@ -260,8 +260,8 @@ def one_position_batch(
 # --------------------------------------- the worked example (docs/semantics.md, "Worked example")
 
 
-def test_spec_vector_only_student_student_p() -> None:
-    res = topk_reverse_kl(spec_vector_batch(), "only-student", "student_p")
+def test_worked_example_only_student_student_p() -> None:
+    res = topk_reverse_kl(worked_example_batch(), "only-student", "student_p")
     expected = [
         0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7),
         0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6),
@@ -270,15 +270,17 @@ def test_spec_vector_only_student_student_p() -> None:
     assert res.weights[0].flatten().tolist() == pytest.approx([0.6, 0.4, 0.7, 0.3], abs=1e-6)
 
 
-def test_spec_vector_intersection_none() -> None:
-    res = topk_reverse_kl(spec_vector_batch(), "intersection", "none")
+def test_worked_example_intersection_none() -> None:
+    res = topk_reverse_kl(worked_example_batch(), "intersection", "none")
     expected = [math.log(0.4 / 0.5), math.log(0.7 / 0.8)]
     assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
     assert res.ids[0].tolist() == [[2, -1], [4, -1]]
 
 
-def test_spec_vector_only_teacher_student_p_without_student_topk() -> None:
-    res = topk_reverse_kl(spec_vector_batch(with_student_topk=False), "only-teacher", "student_p")
+def test_worked_example_only_teacher_student_p_without_student_topk() -> None:
+    res = topk_reverse_kl(
+        worked_example_batch(with_student_topk=False), "only-teacher", "student_p"
+    )
     expected = [
         (2 / 3) * math.log(0.4 / 0.5) + (1 / 3) * math.log(0.2 / 0.5),
         (7 / 8) * math.log(0.7 / 0.8) + (1 / 8) * math.log(0.1 / 0.2),
@@ -286,8 +288,8 @@ def test_spec_vector_only_teacher_student_p_without_student_topk() -> None:
     assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
-def test_spec_vector_xor_none() -> None:
-    res = topk_reverse_kl(spec_vector_batch(), "xor", "none")
+def test_worked_example_xor_none() -> None:
+    res = topk_reverse_kl(worked_example_batch(), "xor", "none")
     expected = [
         math.log(0.6 / 0.3) + math.log(0.2 / 0.5),
         math.log(0.3 / 0.6) + math.log(0.1 / 0.2),
@@ -297,7 +299,7 @@ def test_spec_vector_xor_none() -> None:
 
 
 def test_union_takes_student_value_from_s_and_teacher_value_from_t() -> None:
-    res = topk_reverse_kl(spec_vector_batch(), "union", "none")
+    res = topk_reverse_kl(worked_example_batch(), "union", "none")
     # Position 0: S = [1, 2], T \ S = [3]; id 2 is in both: student .4 (S), teacher .5 (T).
     assert res.ids[0, 0].tolist() == [1, 2, 3, -1]
     assert res.student_lp[0, 0, :3].tolist() == pytest.approx(
@@ -500,25 +502,25 @@ def test_needed_inputs_follow_the_contract() -> None:
 
 
 def test_missing_needed_field_is_a_value_error_naming_it() -> None:
-    batch = spec_vector_batch()._replace(teacher_on_student=None)
+    batch = worked_example_batch()._replace(teacher_on_student=None)
     with pytest.raises(ValueError, match="teacher_on_student"):
         topk_reverse_kl(batch, "union", "none")
 
 
 def test_unknown_strategy_and_weight_mode_are_value_errors() -> None:
     with pytest.raises(ValueError, match="strategy"):
-        topk_reverse_kl(spec_vector_batch(), "both", "none")  # type: ignore[arg-type]
+        topk_reverse_kl(worked_example_batch(), "both", "none")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weight mode"):
-        topk_reverse_kl(spec_vector_batch(), "union", "uniform")  # type: ignore[arg-type]
+        topk_reverse_kl(worked_example_batch(), "union", "uniform")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="strategy"):
         needed_inputs("both")  # type: ignore[arg-type]
 
 
 def test_mismatched_shapes_are_value_errors() -> None:
-    batch = spec_vector_batch()._replace(teacher_on_student=torch.zeros((1, 2, 3)))
+    batch = worked_example_batch()._replace(teacher_on_student=torch.zeros((1, 2, 3)))
     with pytest.raises(ValueError, match="widths disagree"):
         topk_reverse_kl(batch, "only-student", "none")
-    batch = spec_vector_batch()._replace(valid=torch.ones((1, 3), dtype=torch.bool))
+    batch = worked_example_batch()._replace(valid=torch.ones((1, 3), dtype=torch.bool))
     with pytest.raises(ValueError, match="shape"):
         topk_reverse_kl(batch, "only-student", "none")
 

@@ -55,7 +55,7 @@ def decode(req: ScoreRequest, obj: Any) -> ScoreRows:
 
 # --- the worked example (docs/protocol.md, "A worked example") ------------------------
 
-SPEC_EXAMPLE = b"""{"text": "", "output_ids": [],
+WORKED_EXAMPLE = b"""{"text": "", "output_ids": [],
  "meta_info": {
   "id": "6f1c0d2e9a6b4c0f8e1d2a3b4c5d6e7f",
   "finish_reason": {"type": "length", "length": 0},
@@ -75,12 +75,12 @@ SPEC_EXAMPLE = b"""{"text": "", "output_ids": [],
   "reasoning_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
   "e2e_latency": 0.0123, "response_sent_to_client_ts": 1790000000.123}}"""  # noqa: E501
 
-SPEC_TOKENS = np.array([151644, 872, 198, 14958, 13, 151645], dtype=np.int64)
+EXAMPLE_TOKENS = np.array([151644, 872, 198, 14958, 13, 151645], dtype=np.int64)
 
 
-def spec_request(r: int, ids_row: list[int]) -> ScoreRequest:
+def example_request(r: int, ids_row: list[int]) -> ScoreRequest:
     return ScoreRequest(
-        tokens=SPEC_TOKENS,
+        tokens=EXAMPLE_TOKENS,
         response_length=r,
         top_k=2,
         ids=np.array([ids_row] * r, dtype=np.int64),
@@ -89,10 +89,10 @@ def spec_request(r: int, ids_row: list[int]) -> ScoreRequest:
     )
 
 
-def test_spec_example_request_matches_the_canonical_scoring_request() -> None:
-    got = json.loads(build_score_payload(spec_request(3, [5, 7])))
+def test_worked_example_request_matches_the_canonical_scoring_request() -> None:
+    got = json.loads(build_score_payload(example_request(3, [5, 7])))
     assert got == {
-        "input_ids": SPEC_TOKENS.tolist(),
+        "input_ids": EXAMPLE_TOKENS.tolist(),
         "sampling_params": {"temperature": 0, "max_new_tokens": 0},
         "return_logprob": True,
         "logprob_start_len": 0,
@@ -103,8 +103,8 @@ def test_spec_example_request_matches_the_canonical_scoring_request() -> None:
     }
 
 
-def test_spec_example_decodes_the_response_rows() -> None:
-    rows = decode_score_response(SPEC_EXAMPLE, spec_request(3, [5, 7]))
+def test_worked_example_decodes_the_response_rows() -> None:
+    rows = decode_score_response(WORKED_EXAMPLE, example_request(3, [5, 7]))
     f32 = np.float32
     np.testing.assert_array_equal(rows.token_ids, [14958, 13, 151645])
     np.testing.assert_array_equal(rows.token_logprobs, np.array([-4, -5, -6], dtype=f32))
@@ -118,21 +118,21 @@ def test_spec_example_decodes_the_response_rows() -> None:
     assert rows.weight_version == "default"
 
 
-def test_spec_example_maps_id_columns_in_the_callers_order() -> None:
-    rows = decode_score_response(SPEC_EXAMPLE, spec_request(3, [7, 5]))
+def test_worked_example_maps_id_columns_in_the_callers_order() -> None:
+    rows = decode_score_response(WORKED_EXAMPLE, example_request(3, [7, 5]))
     expected = np.array([[-11.7, -12.1], [-12.7, -13.1], [-13.7, -14.1]], dtype=np.float32)
     np.testing.assert_array_equal(rows.id_logprobs, expected)
 
 
-def test_spec_example_with_a_one_token_prompt_keeps_every_row_after_entry_zero() -> None:
-    rows = decode_score_response(SPEC_EXAMPLE, spec_request(5, [5, 7]))
+def test_worked_example_with_a_one_token_prompt_keeps_every_row_after_entry_zero() -> None:
+    rows = decode_score_response(WORKED_EXAMPLE, example_request(5, [5, 7]))
     np.testing.assert_array_equal(rows.token_logprobs, np.array([-2, -3, -4, -5, -6], np.float32))
     assert rows.top_ids is not None
     np.testing.assert_array_equal(rows.top_ids[:, 0], [1001, 1002, 1003, 1004, 1005])
 
 
 def test_decoded_arrays_have_the_contract_dtypes_and_shapes() -> None:
-    rows = decode_score_response(SPEC_EXAMPLE, spec_request(3, [5, 7]))
+    rows = decode_score_response(WORKED_EXAMPLE, example_request(3, [5, 7]))
     i64, f32 = np.dtype(np.int64), np.dtype(np.float32)
     assert (rows.token_ids.dtype, rows.token_ids.shape) == (i64, (3,))
     assert (rows.token_logprobs.dtype, rows.token_logprobs.shape) == (f32, (3,))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 import opd_stream
 
 
@@ -80,3 +82,12 @@ def test_importing_the_package_loads_none_of_its_modules() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert set(dir(opd_stream)) >= set(opd_stream.__all__)
+
+
+def test_the_kl_module_loads_its_torch_names_on_first_use_and_no_others() -> None:
+    from opd_stream import kl
+
+    assert set(dir(kl)) >= set(kl.__all__)
+    assert all(getattr(kl, name) is not None for name in kl.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'topk_forward_kl'"):
+        _ = kl.topk_forward_kl  # type: ignore[attr-defined]

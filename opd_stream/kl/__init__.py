@@ -62,14 +62,11 @@ __all__ = (
     "topk_reverse_kl",
 )
 
-#: The names that need torch, from :mod:`opd_stream.kl._math`, loaded on first use.
-_WITH_TORCH = frozenset(
-    ("TopKBatch", "TopKResult", "sampled_reverse_kl", "topk_divergence", "topk_reverse_kl")
-)
-
 
 def __getattr__(name: str) -> Any:
-    if name not in _WITH_TORCH:
+    """A public name not yet defined here is one of :mod:`opd_stream.kl._math`'s (they need
+    torch): loaded on first use, then a plain attribute."""
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import _math
 

@@ -1,1 +1,1 @@
-"""Benchmarks of ``opd_stream`` against a reference-style baseline client (see README.md)."""
+"""Benchmarks of ``opd_stream`` against a reference-style baseline client (see bench/README.md)."""

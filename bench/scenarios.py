@@ -1,4 +1,4 @@
-"""The benchmark scenarios (see README.md). Each is ``async def sN(sizes) -> dict``.
+"""The benchmark scenarios (see bench/README.md). Each is ``async def sN(sizes) -> dict``.
 
 Every scenario runs the mock SGLang servers as subprocesses and both clients (the baseline
 of :mod:`bench.baseline` and ``opd_stream``) in this process, one after the other, on the same

@@ -18,7 +18,7 @@ which replica), ``wire/`` (request bodies out, answers decoded in; the compiled
 over ``transport/``), then the KL stage's work (``_scoring``, the math in ``kl/``;
 ``_cross`` and ``xtok/`` for a teacher with another tokenizer). ``_stream`` owns a run and
 ``_pipeline`` joins its stages by bounded channels; ``cli/`` is the ``opd-stream`` command.
-The README's Layout section lists every module.
+Every module is in ``docs/internals.md``, "Module map".
 
 Importing the package is cheap: each name is loaded from its module on first use (so the
 ``opd-stream`` command starts, and answers Ctrl-C, before any of them is loaded). It does

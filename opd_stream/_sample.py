@@ -118,8 +118,8 @@ class Candidates(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TokenAlignment(msgspec.Struct, frozen=True, kw_only=True):
-    """What a teacher with its own tokenizer was compared on (README "Teachers with another
-    tokenizer"): the response's teacher ids and the ``n`` spans of coinciding byte
+    """What a teacher with its own tokenizer was compared on (``docs/cross-tokenizer.md``):
+    the response's teacher ids and the ``n`` spans of coinciding byte
     boundaries (CPU tensors).
 
     Attributes:

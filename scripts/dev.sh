@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up .venv (torch==2.13.0 CPU first), then
-#   scripts/dev.sh demo [flags]   runs the main job (mock SGLang teacher + student, real scoring)
-#   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite
-#   scripts/dev.sh bench [flags]  runs the benchmarks in bench/
-#   scripts/dev.sh setup          only sets up
+#   scripts/dev.sh demo [flags]   runs the main job (mock SGLang teacher + student, real scoring);
+#                                 installs only torch and the package
+#   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite; installs
+#                                 everything (test and bench extras, the gateways, SGLang's
+#                                 api_types.py, the tokenizer files)
+#   scripts/dev.sh bench [flags]  runs the benchmarks in bench/ (the same set-up as test)
+#   scripts/dev.sh setup          only sets up (the same set-up as test)
 #   scripts/dev.sh fresh          pip install . (no extras) into a new venv, then the demo
 #   scripts/dev.sh lowest         the compiled kernels' tests on the lowest supported numba (0.65.0)
 # OPD_DEV_VENV names the venv (default .venv); not OPD_STREAM_*, which the library reads strictly.
@@ -12,7 +15,8 @@ cd "$(dirname "$0")/.."
 VENV="${OPD_DEV_VENV:-.venv}"
 PY="$VENV/bin/python"
 
-setup() {
+# What the demo needs: a venv, the pinned CPU torch, the package (editable, no extras).
+setup_demo() {
   if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
   fi
@@ -20,7 +24,19 @@ setup() {
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   fi
-  if ! "$PY" -c "import opd_stream, pytest, trio, hypothesis, matplotlib, httpx" 2>/dev/null \
+  # (the command, not an import: from the checkout, `import opd_stream` works uninstalled; a
+  # venv that the full set-up installed since pyproject.toml last changed has it too)
+  if [ ! -x "$VENV/bin/opd-stream" ] || { [ pyproject.toml -nt "$VENV/.opd_stream_demo" ] \
+     && [ pyproject.toml -nt "$VENV/.opd_stream_installed" ]; }; then
+    "$PY" -m pip install -q --disable-pip-version-check -e .
+    touch "$VENV/.opd_stream_demo"
+  fi
+}
+
+# Everything the tests and the benchmarks need, on top of the demo's set-up.
+setup() {
+  setup_demo
+  if ! "$PY" -c "import pytest, trio, hypothesis, matplotlib, httpx, tokenizers" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.opd_stream_installed" ]; then
     "$PY" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch "$VENV/.opd_stream_installed"
@@ -116,7 +132,7 @@ case "$cmd" in
   setup) setup ;;
   fresh) fresh ;;
   lowest) lowest ;;
-  demo)  setup; exec "$VENV/bin/opd-stream" demo "$@" ;;
+  demo)  setup_demo; exec "$VENV/bin/opd-stream" demo "$@" ;;
   bench) setup; exec "$VENV/bin/python" -m bench.run "$@" ;;
   test)
     setup

@@ -1,6 +1,6 @@
 """The docs are in the repository and say what is there.
 
-* The README's Layout section names every module of the package.
+* The module map of docs/internals.md names every module of the package.
 * No docstring or comment of the package, the benchmarks, the scripts or the tests cites a
   document that is not in the repository: the spec the project started from lives
   elsewhere, so a citation goes to ``docs/`` (``docs/protocol.md``, "Answer rows and
@@ -94,10 +94,11 @@ def citation_problems(text: str) -> list[str]:
     return problems
 
 
-def layout_section(readme: str) -> str:
-    start = readme.index("\n## Layout\n")
-    end = readme.find("\n## ", start + 1)
-    return readme[start : None if end < 0 else end]
+def module_map(internals: str) -> str:
+    """The "Module map" section of docs/internals.md (its room subsections included)."""
+    start = internals.index("\n## Module map\n")
+    end = internals.find("\n## ", start + 1)
+    return internals[start : None if end < 0 else end]
 
 
 def missing_from_layout(layout: str, package: Path) -> list[str]:
@@ -127,8 +128,8 @@ def link_problems(text: str, where: Path) -> list[str]:
 # --- the repository as it is ----------------------------------------------------------------
 
 
-def test_the_readme_layout_names_every_module_of_the_package() -> None:
-    layout = layout_section((ROOT / "README.md").read_text())
+def test_the_internals_module_map_names_every_module_of_the_package() -> None:
+    layout = module_map((ROOT / "docs" / "internals.md").read_text())
     assert missing_from_layout(layout, PACKAGE) == []
 
 
@@ -190,8 +191,11 @@ def test_a_module_left_out_of_the_layout_is_found(tmp_path: Path) -> None:
     (tmp_path / "room").mkdir()
     for name in ("__init__.py", "_a.py", "room/_b.py"):
         (tmp_path / name).write_text("")
-    layout = "## Layout\n* `__init__.py`: the names\n* `_a.py`: a\n"
-    assert missing_from_layout(layout, tmp_path) == ["room/_b.py"]
+    internals = (
+        "# Internals\n## Module map\n### top\n| `__init__.py` | the names |\n| `_a.py` | a |\n"
+        "## Conventions\n`room/_b.py` is named here, outside the map\n"
+    )
+    assert missing_from_layout(module_map(internals), tmp_path) == ["room/_b.py"]
 
 
 def test_a_link_to_a_missing_file_or_heading_is_found() -> None:

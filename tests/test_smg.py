@@ -107,8 +107,8 @@ async def test_per_position_ids_pass_through_smg_with_discovery_off(
 def test_smg_checks_a_batch_s_logprob_start_len_only_in_bodies_under_1_mib(
     gateway: tuple[str, list[str]], pad: int, status: int
 ) -> None:
-    """A fact of smg 1.13 the README states: the blocked batch's list-valued fields are
-    refused (422) unless the body is over 1 MiB, which it forwards unchecked."""
+    """A fact of smg 1.13 that docs/deployments.md states: the blocked batch's list-valued
+    fields are refused (422) unless the body is over 1 MiB, which it forwards unchecked."""
     url, _ = gateway
     body = {
         "input_ids": [list(range(100, 120)), list(range(100, 115))],

@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         "score",
         help="score a JSON Lines file of rollouts against real SGLang servers",
         description="Score a JSON Lines file of rollouts against real SGLang servers "
-        "(one output line per input line; see the README for both line schemas). Every "
-        "StreamConfig field not set by a flag comes from its OPD_STREAM_* variable.",
+        "(one output line per input line; docs/cli.md in the repository has both line "
+        "schemas). Every StreamConfig field not set by a flag comes from its OPD_STREAM_* "
+        "variable.",
     )
     add_score_arguments(score)
     probe = sub.add_parser(

@@ -76,9 +76,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME=PATH",
         help="a teacher with its own tokenizer (repeatable): its tokenizer.json or a "
-        "directory holding one (sampled-token mode or top-k only-student; see README "
-        "'Teachers with another tokenizer'); such a teacher's lines need teacher_prompt_ids "
-        "or prompt_messages",
+        "directory holding one (sampled-token mode or top-k only-student; see "
+        "docs/cross-tokenizer.md in the repository); such a teacher's lines need "
+        "teacher_prompt_ids or prompt_messages",
     )
     p.add_argument(
         "--with-alignment",

@@ -3,9 +3,9 @@
 Each field is declared once, on :class:`StreamConfig`: type, default, bounds and
 description, as ``Annotated[int, msgspec.Meta(ge=1, description=...)]``. The checks, the
 ``OPD_STREAM_<FIELD>`` environment parsing (:mod:`opd_stream.config._fields`), the rules
-between fields (:mod:`opd_stream.config._rules`), ``opd-stream config`` and the README's
-configuration table are all derived from it. Fields marked ``advanced`` are tuning and
-benchmarking knobs; the defaults are right for a training job.
+between fields (:mod:`opd_stream.config._rules`), ``opd-stream config`` and the
+configuration table of ``docs/configuration.md`` are all derived from it. Fields marked
+``advanced`` are tuning and benchmarking knobs; the defaults are right for a training job.
 
 Precedence is explicit arguments, then ``OPD_STREAM_<FIELD>`` environment variables, then
 the defaults. Every problem raises :class:`ConfigError` (a ``ValueError``) whose message
@@ -541,7 +541,7 @@ CONFIG_FIELDS: Final[tuple[ConfigField, ...]] = tuple(
 
 
 def render_config_table() -> str:
-    """Return :data:`CONFIG_FIELDS` as a Markdown table (the README's configuration table)."""
+    """Return :data:`CONFIG_FIELDS` as a Markdown table (``docs/configuration.md``'s table)."""
     lines = ["| field | env variable | default | meaning |", "|---|---|---|---|"]
     for row in CONFIG_FIELDS:
         meaning = row.meaning.replace("|", "\\|")

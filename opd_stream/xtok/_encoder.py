@@ -4,8 +4,9 @@
 Re-tokenising the response is most of a cross-tokenizer sample's client CPU, and most of
 that is the tokenizer's own encoding. ``tiktoken`` (optional: ``pip install tiktoken``)
 runs the same two steps (a pre-tokenisation regex, then byte-pair merges by rank) 5-10x
-faster than ``tokenizers`` (README "Teachers with another tokenizer", Cost). It is built
-from the file, never downloaded, and only for the shapes whose ids are provably the same:
+faster than ``tokenizers`` (``docs/cross-tokenizer.md``, "Teachers with another
+tokenizer", Cost). It is built from the file, never downloaded, and only for the shapes
+whose ids are provably the same:
 
 * **Merges**: a BPE model without dropout, byte fallback or affixes. An entry's rank is
   the index of the first merge that makes it (bytes first, 0-255), so "the adjacent pair

@@ -395,7 +395,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _doc(
             "how long the probe waits for each replica's two answers (cold, then warm), in "
             "seconds (finite, > 0); a replica with no answer by then is named (failed: "
-            "deadline_exceeded) and ejected like an outlier",
+            "deadline_exceeded) and, like an outlier, ejected by probe_at_start",
             gt=0.0,
         ),
     ] = 10.0

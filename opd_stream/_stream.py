@@ -266,8 +266,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         A replica is named when its cold answer is more than ``tolerance`` nats from its
         teacher's median replica at some position (with two replicas: from the other
         one), or its warm answer from its cold one. Routers are expanded to their workers
-        (``router_discovery``). Each replica's two requests share ``request_deadline_s``;
-        a failed one is reported (``failed``), not retried.
+        (``router_discovery``). Each replica's two requests share ``probe_deadline_s``;
+        a failed one is reported (``failed``), not retried; one with no answer by then has
+        error ``deadline_exceeded``.
 
         Args:
             sample: the request to send (its tokens, its teacher prompt when it has one,
@@ -275,8 +276,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 in ``[100, 1000)``, its last 32 positions scored. A real sample probes
                 with the numbers training will see.
             tolerance: in nats; default ``probe_tolerance``.
-            eject: take the named replicas out of this stream's rotation for its life
-                (never a teacher's last good one). ``probe_at_start`` does this as the
+            eject: take the named replicas (outliers, and replicas with no answer within
+                ``probe_deadline_s``) out of this stream's rotation for its life (never a
+                teacher's last good one). ``probe_at_start`` does this as the
                 stream starts.
 
         Raises:
@@ -302,7 +304,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             r,
             tolerance=cfg.probe_tolerance if tolerance is None else tolerance,
             start=cfg.logprob_start,
-            deadline_s=cfg.request_deadline_s,
+            deadline_s=cfg.probe_deadline_s,
             max_bytes=cfg.max_response_bytes,
             secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
         )
@@ -316,9 +318,17 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         if not eject:
             return report
         out = set(ejectable(report))
-        for url in out:
-            parts.fetcher.eject_for_good(url)
-            log.warning("replica_ejected_by_probe", url=url, tolerance=report.tolerance)
+        for replica in report.replicas:
+            if replica.url in out:
+                parts.fetcher.eject_for_good(replica.url)
+                log.warning(
+                    "replica_ejected_by_probe",
+                    teacher=replica.teacher,
+                    url=replica.url,
+                    reason="outlier" if replica.outlier else replica.error,
+                    tolerance=report.tolerance,
+                    deadline_s=cfg.probe_deadline_s,
+                )
         return msgspec.structs.replace(
             report,
             replicas=tuple(

@@ -232,6 +232,8 @@ INVALID: list[tuple[str, Any]] = [
     ("cache_salt", "per_sample"),
     ("probe_tolerance", 0.0),
     ("probe_tolerance", math.inf),
+    ("probe_deadline_s", 0.0),
+    ("probe_deadline_s", math.inf),
     ("probe_at_start", "yes"),
     ("student_tokenizer", "/nonexistent/tokenizer.json"),
     ("student_tokenizer", 3),
@@ -317,6 +319,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("router_discovery", "sometimes"),
     ("cache_salt", "always"),
     ("probe_tolerance", "-1"),
+    ("probe_deadline_s", "never"),
     ("probe_at_start", "2"),
     ("student_tokenizer", "/nonexistent"),
     ("teacher_tokenizers", "default="),
@@ -493,6 +496,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_ROUTER_DISCOVERY": "off",
         "OPD_STREAM_CACHE_SALT": "per-request",
         "OPD_STREAM_PROBE_TOLERANCE": "0.5",
+        "OPD_STREAM_PROBE_DEADLINE_S": "2.5",
         "OPD_STREAM_PROBE_AT_START": "1",
         "OPD_STREAM_STUDENT_TOKENIZER": "",  # empty: unset (see test_xtok_stream for paths)
         "OPD_STREAM_TEACHER_TOKENIZERS": "",
@@ -543,6 +547,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         router_discovery="off",
         cache_salt="per-request",
         probe_tolerance=0.5,
+        probe_deadline_s=2.5,
         probe_at_start=True,
         return_alignment=True,
     )

@@ -475,3 +475,140 @@ def test_the_agent_loop_recipe_swaps_the_teacher_manager(monkeypatch: pytest.Mon
     assert isinstance(worker, recipe.OPDStreamAgentLoopWorker)
     assert isinstance(worker.teacher_server_manager, TeacherManager)
     assert worker.teacher_server_manager.top_k == 16
+
+
+# --- issue 32: verl's configuration decides the loss; teachers verl cannot use --------------
+def _one_teacher(loss_mode: str, topk: int = 4) -> dict[str, Any]:
+    return {
+        "distillation": {
+            "teacher_models": {"teacher_model": {"model_path": "x"}},
+            "distillation_loss": {"loss_mode": loss_mode, "topk": topk},
+        }
+    }
+
+
+SERVER = {"OPD_STREAM_TEACHERS": "http://t:1"}
+
+
+@pytest.mark.parametrize(
+    ("loss_mode", "env", "named"),
+    [
+        ("forward_kl_topk", {"OPD_STREAM_DIVERGENCE": "jsd"}, "OPD_STREAM_DIVERGENCE"),
+        ("k3", {"OPD_STREAM_DIVERGENCE": "jsd"}, "OPD_STREAM_DIVERGENCE"),
+        (  # a valid opd_stream loss, silently not verl's: refused too
+            "forward_kl_topk",
+            {
+                "OPD_STREAM_TOP_K": "4",
+                "OPD_STREAM_DIVERGENCE": "forward_kl",
+                "OPD_STREAM_WEIGHT_MODE": "teacher_p",
+            },
+            "OPD_STREAM_DIVERGENCE, OPD_STREAM_WEIGHT_MODE",
+        ),
+        ("forward_kl_topk_tail", {"OPD_STREAM_TAIL": "1"}, "OPD_STREAM_TAIL"),
+        ("k3", {"OPD_STREAM_STRATEGY": "union"}, "OPD_STREAM_STRATEGY"),
+        ("k3", {"OPD_STREAM_JSD_BETA": "0.3"}, "OPD_STREAM_JSD_BETA"),
+    ],
+)
+def test_an_opd_stream_loss_variable_is_refused_naming_it_and_verls_loss_mode(
+    loss_mode: str, env: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        TeacherManager.from_verl_config(_one_teacher(loss_mode), environ=SERVER | env)
+    message = str(caught.value)
+    assert message.startswith(f"{named} set, but in verl the loss is verl's own "), message
+    assert f"distillation.distillation_loss.loss_mode={loss_mode!r}" in message
+    assert f"unset {named}" in message
+
+
+def test_opd_stream_top_k_must_be_verls_k() -> None:
+    with pytest.raises(ConfigError) as caught:
+        TeacherManager.from_verl_config(
+            _one_teacher("forward_kl_topk", 16), environ=SERVER | {"OPD_STREAM_TOP_K": "8"}
+        )
+    assert str(caught.value).startswith("OPD_STREAM_TOP_K='8', but verl decides K: ")
+    assert "loss_mode='forward_kl_topk', topk=16) reads the teacher's top-16 ids" in str(
+        caught.value
+    )
+    with pytest.raises(ConfigError, match=r"loss_mode='k3'\) reads the teacher's logprob of each"):
+        TeacherManager.from_verl_config(
+            _one_teacher("k3"), environ=SERVER | {"OPD_STREAM_TOP_K": "4"}
+        )
+    same = TeacherManager.from_verl_config(
+        _one_teacher("forward_kl_topk", 16), environ=SERVER | {"OPD_STREAM_TOP_K": "16"}
+    )
+    assert same.top_k == 16 and same.config.top_k == 16
+
+
+@pytest.mark.parametrize("k", [0, 2])
+async def test_a_direct_manager_ignores_the_loss_settings_of_its_stream_config(k: int) -> None:
+    cfg = StreamConfig.from_env(
+        {},
+        teachers="http://t:1",
+        topk_wire="json",
+        top_k=8,
+        strategy="union",
+        student_url="http://s:1",
+        divergence="jsd",
+        jsd_beta=0.3,
+        tail=True,
+    )
+    manager = TeacherManager(cfg, top_k=k, transport=MockTransport(_null_rows_server))
+    try:
+        ids, lps = await manager.compute_teacher_logprobs_single([3, 4, 5, 6])
+    finally:
+        await manager.aclose()
+    assert (manager.config.divergence, manager.config.tail, manager.config.top_k) == (
+        "reverse_kl",
+        False,
+        k,
+    )
+    if k == 0:  # verl's rows, as without the settings (test_null_logprobs_are_...)
+        assert ids.tolist() == [[4], [5], [6], [0]]
+        assert lps.tolist() == [[-1.5], [-math.inf], [-1.5], [0.0]]
+    else:
+        assert ids.tolist() == [[7, 9]] * 3 + [[0, 0]]
+        assert lps.tolist() == [[-0.5, -math.inf]] * 3 + [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("loss_mode", "needs"),
+    [("k3", "logprob of each of the student's tokens"), ("forward_kl_topk", "top-4 ids")],
+)
+def test_a_teacher_with_its_own_tokenizer_is_refused_at_construction_in_verls_terms(
+    loss_mode: str, needs: str, tmp_path: Any
+) -> None:
+    from support.xtok_vocabs import write_small
+
+    env = SERVER | {
+        "OPD_STREAM_STUDENT_TOKENIZER": write_small(tmp_path, "a"),
+        "OPD_STREAM_TEACHER_TOKENIZERS": write_small(tmp_path, "b"),
+    }
+    with pytest.raises(ConfigError) as caught:
+        TeacherManager.from_verl_config(_one_teacher(loss_mode), environ=env)
+    message = str(caught.value)
+    assert message.startswith(
+        "teacher 'default' has its own tokenizer (OPD_STREAM_TEACHER_TOKENIZERS), which "
+        "verl cannot distill from: verl's loss (distillation.distillation_loss."
+    ), message
+    assert needs in message and f"loss_mode={loss_mode!r}" in message
+    assert "leave OPD_STREAM_TEACHER_TOKENIZERS unset" in message
+    assert "OPDStream.score" not in message and "strategy" not in message
+    k = verl_top_k(_one_teacher(loss_mode))
+    cfg = StreamConfig.from_env(env)
+    with pytest.raises(ConfigError, match=r"^teacher 'default' has its own tokenizer"):
+        TeacherManager(cfg, top_k=k)
+
+
+async def test_an_empty_sequence_is_an_invalid_sample_as_documented() -> None:
+    from opd_stream import InvalidSampleError
+
+    transport = MockTransport(_null_rows_server)
+    manager = TeacherManager(
+        StreamConfig.from_env({}, teachers="http://t:1"), top_k=2, transport=transport
+    )
+    try:
+        with pytest.raises(InvalidSampleError, match=r"^sequence_ids: empty") as caught:
+            await manager.compute_teacher_logprobs_single([])
+    finally:
+        await manager.aclose()
+    assert caught.value.field == "sequence_ids" and transport.requests == 0

@@ -2,26 +2,32 @@
 replica of every teacher, cold (a fresh ``cache_salt``) and warm (the same request and salt
 again), the largest differences reported and the replicas beyond the tolerance named.
 
-The faults are the mock's: ``logprob_offset`` (a replica off by a set amount) and
-``warm_drift`` (a replica whose answers to a repeated request move by a set amount).
+The faults are the mock's: ``logprob_offset`` (a replica off by a set amount),
+``warm_drift`` (a replica whose answers to a repeated request move by a set amount) and
+``fault_hang`` (a replica that never answers a scoring request, though its ``/health``
+does); in-process, a handler that never returns.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from functools import partial
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
 from support.cli import run_cli
 from support.config import stream_config
 from support.threaded_mock import serve_mock_threaded
+from trio.testing import MockClock
 
 from opd_stream import (
     InvalidSampleError,
+    MockTransport,
     OPDStream,
     ProbeReport,
     Response,
@@ -30,8 +36,9 @@ from opd_stream import (
 )
 from opd_stream.cli._main import main
 from opd_stream.fleet._probe import Answer, compare, default_probe_tokens, ejectable
+from opd_stream.testing import capture_events
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
-from opd_stream.testing.mock_sglang import MockOptions
+from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 from opd_stream.testing.mock_sglang._request import parse_generate_request
 
 A1, A2, A3 = "http://a1:1", "http://a2:2", "http://a3:3"
@@ -118,6 +125,16 @@ def test_compare_reports_a_failed_replica_without_comparing_it() -> None:
     report = compare([_answer("x", [-1.0]), failed], 0.1, 1)
     assert report.failed == ("f",) and report.outliers == () and not report.ok
     assert _by_url(report)["f"].vs_replicas is None
+
+
+def test_ejectable_takes_out_a_replica_that_did_not_answer_but_not_one_that_failed() -> None:
+    hung = Answer(teacher="a", url="h", error="deadline_exceeded")
+    failed = Answer(teacher="a", url="f", error="teacher_http_500")
+    report = compare([_answer("x", [-1.0]), hung, failed], 0.1, 1)
+    assert set(report.failed) == {"h", "f"}
+    assert ejectable(report) == ("h",)  # an HTTP error is the health checks' to judge
+    alone = compare([Answer(teacher="a", url="h", error="deadline_exceeded")], 0.1, 1)
+    assert ejectable(alone) == ()  # a teacher's only replica stays
 
 
 def test_the_default_probe_sequence_is_fixed_and_in_every_vocabulary() -> None:
@@ -243,6 +260,121 @@ async def test_probe_at_start_ejects_the_outliers_before_the_first_sample() -> N
     assert servers[A3].requests == 2
 
 
+# -- a replica that hangs: the probe's own deadline ----------------------------------------
+
+MILES_DEADLINE = 4 * 3600.0  # Miles' request deadline: what a hung probe used to wait
+GUARD_S = 60.0  # far above the probe's deadline, far below the request deadline
+PROBE_DEADLINE = 2.0  # far above what a good in-process or local replica takes
+
+
+def _hanging_third(servers: dict[str, InProcessSGLang]) -> tuple[Any, list[str]]:
+    """A transport to ``servers`` where A3's scoring requests never answer (its ``/health``
+    does); the list records each hung request's start and its cancellation."""
+    hung: list[str] = []
+
+    async def handle(method: str, url: str, body: bytes) -> Response:
+        if url.startswith(A3) and url.endswith("/generate"):
+            hung.append("started")
+            try:
+                await anyio.sleep_forever()
+            finally:
+                hung.append("cancelled")
+        base = next(u for u in servers if url.startswith(u))
+        return servers[base].handle(method, url[len(base) :], body)
+
+    return MockTransport(handle), hung
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+        pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock"),
+    ],
+)
+async def test_a_hanging_replica_is_named_at_the_probe_deadline_and_ejected(
+    anyio_backend_name: str,
+) -> None:
+    transport, hung = _hanging_third(_fleet())
+    cfg = stream_config(
+        {"default": [A1, A2, A3]},
+        request_deadline_s=MILES_DEADLINE,
+        probe_deadline_s=PROBE_DEADLINE,
+    )
+    with anyio.fail_after(GUARD_S):
+        async with OPDStream(cfg, transport=transport) as stream:
+            start = anyio.current_time()
+            report = await stream.probe(eject=True)
+            elapsed = anyio.current_time() - start
+            stats = stream.stats()
+    if anyio_backend_name == "trio":  # the virtual clock: exactly the probe's deadline
+        assert elapsed == pytest.approx(PROBE_DEADLINE, abs=1e-9)
+    by = _by_url(report)
+    assert report.failed == (A3,) and report.outliers == ()
+    assert by[A3].error == "deadline_exceeded" and by[A3].ejected
+    assert not by[A1].ejected and not by[A2].ejected
+    assert hung == ["started", "cancelled"]  # the cold request, cancelled at the deadline
+    assert stats.endpoints[A3].ejected and stats.endpoints[A3].ejections == 1
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {"debug": True}), id="asyncio"),
+        pytest.param(("trio", {"clock": MockClock(autojump_threshold=0)}), id="trio-mockclock"),
+    ],
+)
+async def test_probe_at_start_ejects_a_hanging_replica_and_samples_avoid_it(
+    anyio_backend_name: str,
+) -> None:
+    transport, hung = _hanging_third(_fleet())
+    cfg = stream_config(
+        {"default": [A1, A2, A3]},
+        request_deadline_s=MILES_DEADLINE,
+        probe_deadline_s=PROBE_DEADLINE,
+        probe_at_start=True,
+    )
+    samples = [Sample(list(range(1, 13)), 4) for _ in range(10)]
+    with capture_events(logging.WARNING) as events, anyio.fail_after(GUARD_S):
+        start = anyio.current_time()
+        async with OPDStream(cfg, transport=transport) as stream:
+            started = anyio.current_time() - start
+            async with stream.run(samples) as results:
+                out = [r async for r in results]
+    if anyio_backend_name == "trio":
+        assert started == pytest.approx(PROBE_DEADLINE, abs=1e-9)
+    assert all(isinstance(r, ScoredSample) for r in out)
+    assert hung == ["started", "cancelled"]  # the probe's request only: no sample went there
+    (ejected,) = [e for e in events if e["event"] == "replica_ejected_by_probe"]
+    assert ejected["url"] == A3 and ejected["reason"] == "deadline_exceeded"
+    assert ejected["deadline_s"] == PROBE_DEADLINE
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})], ids=["asyncio"])
+async def test_a_mock_server_that_hangs_is_ejected_at_start_over_http() -> None:
+    """The aiohttp mock's ``fault_hang`` on one replica of three: its ``/health`` answers,
+    its scoring never does."""
+    async with serve_mock("teacher", 1, replicas=3) as fleet:
+        fleet.set_options(2, fault_hang=1.0)
+        cfg = stream_config(
+            {"default": fleet.urls},
+            request_deadline_s=MILES_DEADLINE,
+            probe_deadline_s=PROBE_DEADLINE,
+            probe_at_start=True,
+        )
+        with anyio.fail_after(GUARD_S):
+            async with OPDStream(cfg) as stream:
+                assert stream.stats().endpoints[fleet.urls[2]].ejected
+                samples = [Sample(list(range(1, 13)), 4) for _ in range(10)]
+                async with stream.run(samples) as results:
+                    assert all([isinstance(r, ScoredSample) async for r in results])
+            with anyio.fail_after(60):
+                while fleet.stats[2].disconnects < 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+    assert fleet.stats[2].generate_requests == 1  # the probe's cold request alone
+    assert fleet.stats[0].generate_requests + fleet.stats[1].generate_requests >= 10 + 4
+
+
 async def test_probe_outside_the_stream_is_an_error() -> None:
     stream = OPDStream(stream_config(A1), transport=mock_transport(_fleet()))
     with pytest.raises(RuntimeError, match="outside"):
@@ -324,8 +456,6 @@ def test_the_mock_drifts_only_for_a_repeated_item_under_the_same_salt() -> None:
 
 
 async def test_a_router_is_probed_through_its_workers() -> None:
-    from opd_stream import MockTransport
-
     router = "http://router:9"
     workers = {A1: InProcessSGLang("teacher", 1), A2: InProcessSGLang("teacher", 1)}
     workers[A3] = InProcessSGLang("teacher", 1, logprob_offset=-OFF)

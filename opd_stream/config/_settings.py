@@ -390,11 +390,21 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             gt=0.0,
         ),
     ] = 0.1
+    probe_deadline_s: Annotated[
+        float,
+        _doc(
+            "how long the probe waits for each replica's two answers (cold, then warm), in "
+            "seconds (finite, > 0); a replica with no answer by then is named (failed: "
+            "deadline_exceeded) and, like an outlier, ejected by probe_at_start",
+            gt=0.0,
+        ),
+    ] = 10.0
     probe_at_start: Annotated[
         bool,
         _doc(
             "run the probe (OPDStream.probe) as the stream starts and eject, for the stream's "
-            "life, the replicas it names (never a teacher's last one). Env: 1/0/true/false"
+            "life, the replicas it names: beyond probe_tolerance, or no answer within "
+            "probe_deadline_s (never a teacher's last good one). Env: 1/0/true/false"
         ),
     ] = False
     student_tokenizer: Annotated[

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 __all__ = (
     "PROBE_RESPONSE_LENGTH",
+    "UNANSWERED",
     "Answer",
     "ProbeReport",
     "ReplicaProbe",
@@ -34,6 +35,9 @@ __all__ = (
     "default_probe_tokens",
     "ejectable",
 )
+
+UNANSWERED = "deadline_exceeded"
+"""``ReplicaProbe.error`` of a replica that did not answer within the probe's deadline."""
 
 PROBE_RESPONSE_LENGTH = 32
 """Scored positions of the default probe request (the last 32 of 64 tokens)."""
@@ -62,9 +66,13 @@ class ReplicaProbe(msgspec.Struct, frozen=True, kw_only=True):
             replicas there is no majority: their difference); ``None`` when it did not
             answer, ``0`` for a teacher's only replica.
         cold_vs_warm: the largest difference between its cold and warm answers.
-        error: the failure's reason when a request failed (then not compared).
+        error: the failure's reason when a request failed (then not compared):
+            ``deadline_exceeded`` when it did not answer within the probe's deadline
+            (``probe_deadline_s``), else the reason of the failed request (such as
+            ``teacher_http_500``).
         outlier: ``vs_replicas`` or ``cold_vs_warm`` is beyond the tolerance.
-        ejected: the probe took it out of the stream's rotation.
+        ejected: the probe took it out of the stream's rotation (an outlier, or a replica
+            that did not answer in time).
     """
 
     teacher: str
@@ -89,7 +97,8 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
         max_cold_warm_diff: the largest difference between a replica's cold and warm
             answers at one position, over every replica.
         outliers: the URLs of the replicas beyond the tolerance.
-        failed: the URLs of the replicas whose requests failed.
+        failed: the URLs of the replicas whose requests failed or did not answer in time
+            (each one's ``error`` says which).
     """
 
     tolerance: float
@@ -178,10 +187,15 @@ def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> Prob
 
 
 def ejectable(report: ProbeReport) -> tuple[str, ...]:
-    """The outliers to take out: those of a teacher that keeps at least one replica the
-    probe found good (when every replica is off there is no telling which is right)."""
+    """The replicas to take out: the outliers, and those that did not answer within the
+    probe's deadline (a replica that hangs on scoring may still answer ``/health``), of a
+    teacher that keeps at least one replica the probe found good (when every replica is
+    off there is no telling which is right). A replica whose request failed at once (an
+    HTTP error, a refused connection) is left to the stream's own health checks."""
     keep: set[str] = set()
     for r in report.replicas:
         if not r.outlier and r.error is None:
             keep.add(r.teacher)
-    return tuple(r.url for r in report.replicas if r.outlier and r.teacher in keep)
+    return tuple(
+        r.url for r in report.replicas if (r.outlier or r.error == UNANSWERED) and r.teacher in keep
+    )

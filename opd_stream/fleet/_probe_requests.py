@@ -17,7 +17,7 @@ from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_score_payload
 from ..wire._request import ScoreRequest, layout
 from ._discovery import FleetDirectory
-from ._probe import Answer, ProbeReport, compare
+from ._probe import UNANSWERED, Answer, ProbeReport, compare
 from ._router import generate_url
 
 __all__ = ("run_probe",)
@@ -65,7 +65,7 @@ async def _probe_replica(
             )
             answer.warm, _ = await _ask(transport, url, req, max_bytes=max_bytes, secret=secret)
     except TimeoutError:
-        answer.error = "deadline_exceeded"
+        answer.error = UNANSWERED
         answer.cold = answer.warm = None
     except ServerError as exc:
         answer.error = exc.reason
@@ -87,8 +87,10 @@ async def run_probe(
     secret: str | None = None,
 ) -> ProbeReport:
     """Probe every replica of every teacher at once (routers expanded to their workers);
-    each replica's cold and warm requests within ``deadline_s``. Raises only for a probe
-    request the caller's sample cannot make (:class:`InvalidSampleError`)."""
+    each replica's cold and warm requests within ``deadline_s`` (``probe_deadline_s``: one
+    that does not answer in time is reported with error ``deadline_exceeded``, and the
+    probe ends at that deadline). Raises only for a probe request the caller's sample
+    cannot make (:class:`InvalidSampleError`)."""
     layout(ScoreRequest(tokens=tokens, response_length=response_length))  # checks the sample
     targets: list[tuple[str, str]] = []
     for name, urls in teachers.items():

@@ -4,15 +4,17 @@ configuration it is built from (:func:`verl_top_k`, :func:`verl_teacher_names`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+import msgspec
 import numpy as np
 
-from ..._errors import ConfigError
+from ..._errors import ConfigError, InvalidSampleError
 from ..._sample import Sample, prepare_sample
 from ..._stream import OPDStream
-from ...config._settings import StreamConfig
+from ...config._settings import ENV_PREFIX, StreamConfig
 from ...transport._transports import Transport
 from .._shared import SharedStream
 from ._prompt_logprobs import check_k
@@ -21,6 +23,14 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ("TeacherManager", "verl_teacher_names", "verl_top_k")
+
+_LOSS_FIELDS: Final = ("strategy", "divergence", "jsd_beta", "weight_mode", "tail")
+"""The settings of opd_stream's own loss: verl computes its loss itself, so they do nothing
+there (``top_k`` is verl's ``K``, read from its configuration)."""
+
+_LOSS_DEFAULTS: Final[dict[str, Any]] = {
+    f.name: f.default for f in msgspec.structs.fields(StreamConfig) if f.name in _LOSS_FIELDS
+}
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -66,6 +76,82 @@ def verl_top_k(config: Any) -> int:
     return topk
 
 
+def _loss_mode(config: Any) -> str | None:
+    loss = _get(_distillation(config), "distillation_loss") or {}
+    mode = _get(loss, "loss_mode")
+    return None if mode is None else str(mode)
+
+
+def _verl_loss(top_k: int, loss_mode: str | None) -> str:
+    """verl's loss setting behind ``top_k``, in its own keys, for messages."""
+    at = "distillation.distillation_loss"
+    if loss_mode is None:
+        return f"{at}.topk={top_k}" if top_k else f"{at} with no top-k loss_mode"
+    return f"{at}.loss_mode={loss_mode!r}" + (f", topk={top_k}" if top_k else "")
+
+
+def _verl_reads(top_k: int) -> str:
+    """What verl's loss reads of the teacher, per position of the student's sequence."""
+    if top_k == 0:
+        return "the teacher's logprob of each of the student's tokens"
+    return f"the teacher's top-{top_k} ids in the student's vocabulary and their logprobs"
+
+
+def _own_tokenizer_problem(config: StreamConfig, top_k: int, loss_mode: str | None) -> str | None:
+    """Why verl cannot distill from a teacher with its own tokenizer, or None."""
+    names = sorted(config.teacher_tokenizers or ())
+    if not names:
+        return None
+    if top_k == 0:
+        why = (
+            "a teacher with another vocabulary scores the student's text span by span, and no "
+            "per-token value gives a span's signal through verl's per-token estimators"
+        )
+    else:
+        why = (
+            "verl looks those ids up in the student's logits, while a teacher with another "
+            "vocabulary has its top-k in its own ids"
+        )
+    return (
+        f"teacher {', '.join(map(repr, names))} has its own tokenizer "
+        f"({ENV_PREFIX}TEACHER_TOKENIZERS), which verl cannot distill from: verl's loss "
+        f"({_verl_loss(top_k, loss_mode)}) reads {_verl_reads(top_k)}; {why}. With verl, "
+        "serve a teacher that shares the student's tokenizer and leave "
+        f"{ENV_PREFIX}TEACHER_TOKENIZERS unset"
+    )
+
+
+def _check_verl_environment(environ: Mapping[str, str], top_k: int, loss_mode: str | None) -> None:
+    """Refuse an ``OPD_STREAM_*`` loss setting: in verl, verl's configuration decides them.
+
+    ``OPD_STREAM_TOP_K`` may repeat verl's ``K``; the settings of opd_stream's own loss
+    (``_LOSS_FIELDS``) do nothing in verl, so setting one is an error rather than ignored.
+    """
+    value = environ.get(ENV_PREFIX + "TOP_K")
+    if value is not None:
+        try:
+            same = int(value.strip()) == top_k
+        except ValueError:
+            same = False
+        if not same:
+            raise ConfigError(
+                f"{ENV_PREFIX}TOP_K={value!r}, but verl decides K: its loss "
+                f"({_verl_loss(top_k, loss_mode)}) reads {_verl_reads(top_k)}; "
+                f"unset {ENV_PREFIX}TOP_K (or set it to {top_k})"
+            )
+    given = [ENV_PREFIX + f.upper() for f in _LOSS_FIELDS if ENV_PREFIX + f.upper() in environ]
+    if given:
+        mode = "distillation.distillation_loss.loss_mode" + (
+            "" if loss_mode is None else f"={loss_mode!r}"
+        )
+        raise ConfigError(
+            f"{', '.join(given)} set, but in verl the loss is verl's own ({mode}): opd_stream "
+            "only returns the teacher's logprobs, so strategy, divergence, jsd_beta, "
+            f"weight_mode and tail would change nothing; unset {', '.join(given)} and choose "
+            "the loss with verl's loss_mode"
+        )
+
+
 def verl_teacher_names(config: Any) -> list[str]:
     """The routing names of verl's teachers, as verl resolves them: one teacher is
     ``default``; with several, each entry's ``key`` (else its entry name).
@@ -94,14 +180,19 @@ class TeacherManager:
 
     Args:
         stream_config: teachers (names as verl routes them), transport settings and tuning.
-            ``top_k`` and ``strategy`` in it are ignored (only the teacher is asked).
+            The settings of opd_stream's loss in it (``top_k``, ``strategy``,
+            ``divergence``, ``jsd_beta``, ``weight_mode``, ``tail``) are ignored: only the
+            teacher is asked, and verl computes the loss.
         top_k: verl's ``K`` (``distillation_loss.topk`` with a top-k loss); 0 means verl's
             K = 1, the logprob of each next token.
         transport: passed to :class:`~opd_stream.OPDStream` (default: pooled aiohttp).
         teacher_key: verl's ``distillation.teacher_key``, named in routing errors.
 
     Raises:
-        ConfigError: ``top_k`` is not an integer >= 0.
+        ConfigError: ``top_k`` is not an integer >= 0, or a teacher has its own tokenizer
+            (``teacher_tokenizers``): verl's loss reads the teacher's logprobs of the
+            student's own tokens (or its top-k ids in the student's vocabulary), which such a
+            teacher does not have.
     """
 
     def __init__(
@@ -117,11 +208,13 @@ class TeacherManager:
                 f"stream_config must be a StreamConfig, got {type(stream_config).__name__}"
             )
         k = check_k(top_k)
+        problem = _own_tokenizer_problem(stream_config, k, None)
+        if problem is not None:
+            raise ConfigError(problem)
         # Teacher top-k with no student at all: the "intersection" plan with an empty
         # student top-k asks the teacher for top_logprobs_num = K and nothing else.
-        self.config = stream_config.evolve(
-            top_k=k, strategy="intersection" if k > 0 else "only-student"
-        )
+        strategy = "intersection" if k > 0 else "only-student"
+        self.config = stream_config.evolve(**(_LOSS_DEFAULTS | {"top_k": k, "strategy": strategy}))
         self.top_k = k
         self.teacher_key = teacher_key
         self._names = sorted(stream_config.teachers)
@@ -143,7 +236,11 @@ class TeacherManager:
         :func:`verl_teacher_names`) and ``distillation.teacher_key``; the servers and every
         other setting come from the ``OPD_STREAM_*`` variables (:meth:`StreamConfig.from_env`):
         ``OPD_STREAM_TEACHERS`` must name exactly verl's teachers (with one teacher, any one
-        name, or a plain URL).
+        name, or a plain URL). verl's configuration decides the loss: ``OPD_STREAM_TOP_K``
+        other than verl's ``K``, or any of ``OPD_STREAM_STRATEGY``, ``_DIVERGENCE``,
+        ``_JSD_BETA``, ``_WEIGHT_MODE``, ``_TAIL`` (settings of opd_stream's own loss,
+        which would change nothing in verl) is refused, and so is a teacher with its own
+        tokenizer (``OPD_STREAM_TEACHER_TOKENIZERS``).
 
         Args:
             config: verl's whole configuration (an OmegaConf node, a dataclass or a dict),
@@ -155,13 +252,23 @@ class TeacherManager:
 
         Raises:
             ConfigError: (a ``ValueError``) no teacher servers, names that do not match
-                verl's teachers, or an invalid ``OPD_STREAM_*`` variable.
+                verl's teachers, an invalid ``OPD_STREAM_*`` variable, one of the loss
+                variables above, or a teacher with its own tokenizer; the message names
+                the variable and verl's setting.
         """
         del teacher_client
         dist = _distillation(config)
         top_k = verl_top_k(dist)
+        loss_mode = _loss_mode(dist)
         names = verl_teacher_names(dist)
-        stream_config = StreamConfig.from_env(environ)
+        env = os.environ if environ is None else environ
+        _check_verl_environment(env, top_k, loss_mode)
+        stream_config = StreamConfig.from_env(
+            {name: value for name, value in env.items() if name != ENV_PREFIX + "TOP_K"}
+        )
+        problem = _own_tokenizer_problem(stream_config, top_k, loss_mode)
+        if problem is not None:
+            raise ConfigError(problem)
         servers = sorted(stream_config.teachers)
         if len(names) > 1 and set(servers) != set(names):
             raise ConfigError(
@@ -234,7 +341,9 @@ class TeacherManager:
         teacher = self._resolve(routing_key)
         seq = len(sequence_ids)
         if seq < 1:
-            raise ConfigError("sequence_ids is empty")
+            raise InvalidSampleError(
+                "sequence_ids", "empty (verl sends prompt_ids + response_ids: at least one id)"
+            )
         width = max(self.top_k, 1)
         ids = np.zeros((seq, width), dtype=np.int32)
         lps = np.zeros((seq, width), dtype=np.float32)

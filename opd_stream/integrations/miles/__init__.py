@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from ..._sample import SampleFailure
+from ..._sample import SampleFailure, ScoredSample
 from ...config._settings import StreamConfig
 from ...transport._transports import Transport
 from ._engine import (
@@ -162,9 +162,29 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
         assert result.signal is not None
         out["opd_reverse_kl"] = _as_float32(result.signal)
         out[_RESULT_KEY]["divergence"] = result.divergence
+    elif result.teacher in (engine.config.teacher_tokenizers or {}):
+        out["teacher_log_probs"] = _trainer_teacher_logprobs(result)
     else:
         out["teacher_log_probs"] = _as_float32(result.teacher_logprobs)
     return out
+
+
+def _trainer_teacher_logprobs(result: ScoredSample) -> torch.Tensor:
+    """A teacher with its own tokenizer, sampled-token mode: ``rollout_log_probs -
+    reverse_kl``, so that Miles' trainer, which takes ``student_logp - teacher_log_probs``
+    per token, gets each span's value on the span's last token and 0 on every other
+    (inner tokens of a span, textless tokens, masked tokens), with ``student_logp`` =
+    ``rollout_log_probs`` (on-policy; see the module docstring). float64 differences,
+    float32 result."""
+    import numpy as np
+    import torch
+
+    rollout = result.sample.rollout_logprobs
+    assert rollout is not None  # required by the engine, as are the span values
+    assert result.reverse_kl is not None
+    rkl = result.reverse_kl.detach().to(device="cpu", dtype=torch.float64).numpy()
+    values = np.asarray(rollout, dtype=np.float64) - rkl
+    return torch.from_numpy(values.astype(np.float32))
 
 
 def _reward_of(args: Any, sample: Any) -> Mapping[str, Any]:

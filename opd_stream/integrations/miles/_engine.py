@@ -7,20 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import msgspec
 
+from ..._cross import CrossTokenizers
 from ..._errors import InvalidSampleError, OPDStreamError
-from ..._sample import Sample, SampleFailure, ScoredSample
+from ..._sample import PreparedSample, Sample, SampleFailure, ScoredSample, prepare_sample
 from ..._stream import OPDStream
 from ...config._settings import StreamConfig
 from ...fleet._router import DEFAULT_TEACHER, show_value
 from ...transport._transports import Transport
 from ...xtok._chat import TeacherPrompts
 from .._shared import SharedStream
+from ._turns import Turn, plan_turns, special_texts
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = (
     "MilesEngine",
@@ -91,8 +97,10 @@ def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
     (``metadata["opd_student_top_logprobs"]``, its last R rows) when the strategy reads the
     student's top-k, never ``rollout_log_probs`` (the reference does not use them: a
     merged multi-turn sample's 0.0 on observation spans, or any other value there, must not
-    fail the sample). Rows may be short or empty (``[]``), and hold ``None`` entries. The
-    teacher's own prompt, when the sample has one, is ``metadata[TEACHER_PROMPT_KEY]``.
+    fail the sample; a teacher with its own tokenizer takes them in
+    :meth:`MilesEngine.score`). Rows may be short or empty (``[]``), and hold ``None``
+    entries. The teacher's own prompt, when the sample has one, is
+    ``metadata[TEACHER_PROMPT_KEY]``.
     """
     response_length = int(sample.response_length)
     metadata = getattr(sample, "metadata", None)
@@ -143,14 +151,22 @@ class MilesEngine:
     Args:
         config: the stream configuration.
         transport: passed to :class:`OPDStream` (default: pooled aiohttp).
+
+    Raises:
+        ConfigError: a teacher with its own tokenizer whose folder holds no chat template
+            (checked here, from the small files only: the teacher's prompts and turns are
+            rendered with it).
     """
 
     def __init__(self, config: StreamConfig, *, transport: Transport | None = None) -> None:
         self.config = config
         self._keys = itertools.count()
-        self._shared = SharedStream(config, transport=transport, owner="MilesEngine")
-        # teachers with their own tokenizer: prompts rendered from the sample's messages
+        # teachers with their own tokenizer: prompts rendered with their chat templates
         self._prompts = TeacherPrompts(config.teacher_tokenizers)
+        self._prompts.check()
+        self._shared = SharedStream(config, transport=transport, owner="MilesEngine")
+        self._specials: re.Pattern[str] | None = None  # the student's special tokens' text
+        self._specials_read = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -165,6 +181,13 @@ class MilesEngine:
     async def score(self, sample: Any) -> ScoredSample | SampleFailure:
         """Score one duck-typed sample through the shared stream; wait for its result.
 
+        A sample routed to a teacher with its own tokenizer is scored turn by turn (see
+        :mod:`._turns`): each trained turn (a run of ``loss_mask`` 1) is one
+        :meth:`OPDStream.score` after the teacher's context for it, all at once, and the
+        result holds their values on the turns' tokens, 0 elsewhere (one turn covering the
+        whole response: that call's result as it is). Its ``sample`` carries the
+        rollout logprobs (sampled-token mode: required, ``rollout_log_probs``).
+
         A cancelled caller cancels its sample's requests (see :meth:`OPDStream.score`)."""
         key = next(self._keys)
         prepared = _to_sample(sample, key, self.config)
@@ -174,35 +197,158 @@ class MilesEngine:
                 sample=prepared, index=-1, reason="routing", message=message, attempts=0
             )
             raise MilesRoutingError(failure, message)
-        if prepared.teacher_prompt_ids is None and self._prompts:
-            prepared = await self._teacher_prompt(sample, prepared)
-        return await self._shared.score(prepared)
-
-    async def _teacher_prompt(self, sample: Any, prepared: Sample) -> Sample:
-        """A teacher with its own tokenizer: its prompt from the sample's ``prompt`` (chat
-        messages, or a string), rendered with its chat template in a worker thread."""
         name = prepared.metadata.get(self.config.teacher_key)
         teacher = str(name) if name is not None and str(name) in self.config.teachers else None
         teacher = teacher or DEFAULT_TEACHER
         if teacher not in (self.config.teacher_tokenizers or {}):
-            return prepared
-        prompt = getattr(sample, "prompt", None)
+            return await self._shared.score(prepared)
         try:
-            if prompt is None:
-                raise InvalidSampleError(
-                    "prompt",
-                    f"required: teacher {teacher!r} has its own tokenizer and the sample has "
-                    f"neither metadata[{TEACHER_PROMPT_KEY!r}] nor a prompt (chat messages or "
-                    "text) to render its prompt from",
-                )
-            ids = await anyio.to_thread.run_sync(self._prompts.ids, teacher, prompt, "prompt")
+            return await self._score_turns(sample, prepared, teacher)
         except InvalidSampleError as exc:
-            failure = SampleFailure(
+            return SampleFailure(
                 sample=prepared, index=-1, reason=exc.reason, message=str(exc), attempts=0
             )
-            raise sample_error(failure) from None
-        return msgspec.structs.replace(prepared, teacher_prompt_ids=ids)
+
+    async def _score_turns(
+        self, sample: Any, prepared: Sample, teacher: str
+    ) -> ScoredSample | SampleFailure:
+        """A sample of a teacher with its own tokenizer: its trained turns, each scored
+        after the teacher's context for it."""
+        if self.config.top_k == 0:
+            rollout = getattr(sample, "rollout_log_probs", None)
+            if rollout is None:
+                raise InvalidSampleError(
+                    "rollout_log_probs",
+                    f"required: teacher {teacher!r} has its own tokenizer, and Miles' trainer "
+                    "takes student_logp - teacher_log_probs per token: the values that give "
+                    "each span's signal are computed from the student's logprob of each "
+                    "response token",
+                )
+            prepared = msgspec.structs.replace(prepared, rollout_logprobs=rollout)
+        xtok = await self._shared.cross_tokenizers()
+        if xtok is None:  # pragma: no cover  (a stream with teacher_tokenizers loads them)
+            raise OPDStreamError("the shared stream has no tokenizers loaded")
+        checked, turns = await anyio.to_thread.run_sync(self._plan, sample, prepared, teacher, xtok)
+        full = msgspec.structs.replace(prepared, rollout_logprobs=checked.rollout_logprobs)
+        r = checked.response_length
+        if len(turns) == 1 and (turns[0].start, turns[0].end) == (0, r):
+            one = msgspec.structs.replace(full, teacher_prompt_ids=turns[0].teacher_prompt_ids)
+            return await self._shared.score(one)
+        parts = [_turn_sample(full, checked, turn) for turn in turns]
+        results: list[ScoredSample | SampleFailure | None] = [None] * len(parts)
+
+        async def score_one(i: int) -> None:
+            results[i] = await self._shared.score(parts[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(parts)):
+                tg.start_soon(score_one, i)
+        done = [x for x in results if x is not None]
+        return _joined(full, turns, done, teacher, r)
+
+    def _plan(
+        self, sample: Any, prepared: Sample, teacher: str, xtok: CrossTokenizers
+    ) -> tuple[PreparedSample, list[Turn]]:
+        """(worker thread) The sample checked, and its trained turns with the teacher's
+        context for each."""
+        checked = prepare_sample(prepared, -1, teacher=teacher, top_k=self.config.top_k)
+        if not self._specials_read:
+            self._specials = special_texts(xtok.student)
+            self._specials_read = True
+        vocab = xtok.teacher(teacher)
+        assert vocab is not None  # a teacher of teacher_tokenizers
+        r = checked.response_length
+        turns = plan_turns(
+            teacher=teacher,
+            prompts=self._prompts,
+            student=xtok.student,
+            teacher_vocab=vocab,
+            response=checked.tokens[checked.tokens.shape[0] - r :],
+            loss_mask=getattr(sample, "loss_mask", None),
+            prompt=getattr(sample, "prompt", None),
+            metadata=prepared.metadata,
+            prompt_key=TEACHER_PROMPT_KEY,
+            student_specials=self._specials,
+        )
+        return checked, turns
 
     async def aclose(self) -> None:
         """Let the samples already sent finish, then end the shared stream."""
         await self._shared.aclose()
+
+
+def _turn_sample(full: Sample, checked: PreparedSample, turn: Turn) -> Sample:
+    """One trained turn as a sample of its own: the tokens up to its end, its rows."""
+    s, e = turn.start, turn.end
+    top = None
+    if checked.student_top_ids is not None and checked.student_top_logprobs is not None:
+        top = (checked.student_top_ids[s:e], checked.student_top_logprobs[s:e])
+    rollout = checked.rollout_logprobs
+    return msgspec.structs.replace(
+        full,
+        tokens=checked.tokens[: checked.prompt_length + e],
+        response_length=e - s,
+        rollout_logprobs=None if rollout is None else rollout[s:e],
+        student_top_logprobs=top,
+        teacher_prompt_ids=turn.teacher_prompt_ids,
+    )
+
+
+def _signal(x: ScoredSample) -> torch.Tensor | None:
+    """The result's signal (its reverse KL when that is the divergence)."""
+    if x.signal is not None or x.divergence != "reverse_kl":
+        return x.signal
+    return x.reverse_kl
+
+
+def _joined(
+    full: Sample,
+    turns: list[Turn],
+    results: list[ScoredSample | SampleFailure],
+    teacher: str,
+    r: int,
+) -> ScoredSample | SampleFailure:
+    """The sample's result from its turns': their values on the turns' tokens, 0 on every
+    other (CPU float32 tensors; no candidate arrays or alignment), or the first failure."""
+    import torch
+
+    attempts = sum(x.attempts for x in results)
+    for i, (turn, x) in enumerate(zip(turns, results, strict=True)):
+        if isinstance(x, SampleFailure):
+            return SampleFailure(
+                sample=full,
+                index=x.index,
+                reason=x.reason,
+                message=f"trained turn {i + 1} of {len(turns)} (response positions "
+                f"{turn.start}:{turn.end}): {x.message}",
+                attempts=attempts,
+            )
+    scored = [x for x in results if isinstance(x, ScoredSample)]
+
+    def join(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if any(v is None for v in values):
+            return None
+        out = torch.zeros(r, dtype=torch.float32)
+        for turn, v in zip(turns, values, strict=True):
+            assert v is not None
+            out[turn.start : turn.end] = v.detach().to(device="cpu", dtype=torch.float32)
+        return out
+
+    divergence = scored[0].divergence if scored else "reverse_kl"
+    teacher_lps = join([x.teacher_logprobs for x in scored])
+    reverse_kl = join([x.reverse_kl for x in scored])
+    signal = join([_signal(x) for x in scored])
+    assert teacher_lps is not None  # no turn (no trained token): 0 everywhere
+    return ScoredSample(
+        sample=full,
+        index=scored[0].index if scored else -1,
+        teacher=teacher,
+        teacher_logprobs=teacher_lps,
+        reverse_kl=reverse_kl,
+        candidates=None,
+        attempts=attempts,
+        latency_s=max((x.latency_s for x in scored), default=0.0),
+        alignment=None,
+        signal=signal,
+        divergence=divergence,
+    )

@@ -306,3 +306,80 @@ async def test_a_bad_loss_mask_or_conversation_fails_the_sample(paths: tuple[str
     assert sent == []
     rollout = np.asarray(_sample("fox?").rollout_log_probs, dtype=np.float32)
     assert reward["teacher_log_probs"].tolist() == rollout.tolist()
+
+
+async def test_merged_turns_in_top_k_mode_are_the_turns_scored_alone(
+    paths: tuple[str, str],
+) -> None:
+    """Only-student top-k: each trained turn gets what ``OPDStream.score`` gives it scored
+    alone after the teacher's own rendering of the conversation before it; observation rows
+    (empty student rows, loss_mask 0) get 0."""
+    from support.xtok_vocabs import small_json
+    from tokenizers import Tokenizer
+
+    from opd_stream import OPDStream, Sample, ScoredSample
+
+    a, b = small_vocab("a"), small_vocab("b")
+    end = a.tokenizer.token_to_id(SPECIAL)
+    turns = ["the quick fox 🎉", "brown dogs, naïve café"]
+    obs = a.encode("\n[tool] 42\n").tolist()
+    head = a.encode(STUDENT_PROMPT).tolist()
+    response: list[int] = []
+    mask: list[int] = []
+    for i, text in enumerate(turns):
+        ids = [*a.encode(text).tolist(), end]
+        response += ids
+        mask += [1] * len(ids)
+        if i == 0:
+            response += obs
+            mask += [0] * len(obs)
+    rows = [
+        [[-0.25, tok], [-1.75, (tok + 7) % 300]] if m else []
+        for tok, m in zip(response, mask, strict=True)
+    ]
+    conversation = [
+        {"role": "user", "content": "fox?"},
+        {"role": "assistant", "content": turns[0]},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": turns[1]},
+    ]
+    meta = {"opd_student_top_logprobs": rows, "messages": conversation}
+    sample = _MilesSample(head + response, len(response), "fox?", meta, loss_mask=mask)
+    server = InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes, q=T_MODEL_Q))
+    transport, _ = _recording(server)
+    args = _args(*paths, opd_log_prob_top_k=2)
+    miles.engine_for(args, transport=transport)
+    try:
+        sample.reward = await miles.reward_func(args, sample)
+    finally:
+        await miles.close()
+    miles.post_process_rewards(args, [sample])
+    got = sample.opd_reverse_kl.tolist()  # type: ignore[attr-defined]
+    # the teacher's context of each turn, by hand: the small template's lines
+    b_file = Tokenizer.from_str(small_json("b"))
+    contexts = [
+        "<s>[user] fox?\n[assistant] ",
+        f"<s>[user] fox?\n[assistant] {turns[0]}\n[tool] 42\n[assistant] ",
+    ]
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    spans = list(zip(edges[0::2], edges[1::2], strict=True))
+    alone = []
+    async with OPDStream(
+        miles.config_from_miles_args(args, environ={}), transport=transport
+    ) as stream:
+        for (s, e), context in zip(spans, contexts, strict=True):
+            one = Sample(
+                head + response[:e],
+                int(e - s),
+                student_top_logprobs=rows[s:e],
+                teacher_prompt_ids=b_file.encode(context, add_special_tokens=False).ids,
+            )
+            result = await stream.score(one)
+            assert isinstance(result, ScoredSample)
+            assert result.signal is not None
+            alone.append((int(s), int(e), result.signal.tolist()))
+    want = [0.0] * len(response)
+    for s, e, values in alone:
+        want[s:e] = values
+    assert got == want
+    assert any(want[: edges[1]]) and any(want[edges[2] :])

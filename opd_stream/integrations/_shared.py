@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from .._answers import ScoreRows
+from .._cross import CrossTokenizers
 from .._errors import OPDStreamError
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
@@ -68,6 +69,15 @@ class SharedStream:
         with self._caller():
             stream = await self._started()
             return await stream.teacher_rows(sample)
+
+    async def cross_tokenizers(self) -> CrossTokenizers | None:
+        """The shared stream's tokenizers, loaded as it starts (started by the first call):
+        the student's and each teacher's own, or None when every teacher shares the
+        student's vocabulary."""
+        with self._caller():
+            stream = await self._started()
+            parts = stream._parts  # the stream's own, loaded once: never a second copy
+            return None if parts is None else parts.fetcher.xtok
 
     @contextlib.contextmanager
     def _caller(self) -> Iterator[None]:

@@ -31,7 +31,7 @@ from ._vocab import resolve_tokenizer_path
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ("ChatTemplate", "TeacherPrompts", "as_messages")
+__all__ = ("ChatTemplate", "TeacherPrompts", "as_messages", "read_template")
 
 _TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token")
 
@@ -61,6 +61,44 @@ def as_messages(value: Any, field: str) -> list[dict[str, Any]]:
             raise InvalidSampleError(field, f"message {i} is not a mapping with a string 'role'")
         out.append(dict(message))
     return out
+
+
+def read_template(setting: str, path: str) -> tuple[str, dict[str, str]]:
+    """The chat template beside the tokenizer that ``path`` names, and its special tokens
+    (``bos_token``, ...), from the small files only (``tokenizer_config.json``,
+    ``chat_template.jinja``; never the tokenizer itself): cheap enough to check a
+    configuration with.
+
+    Raises:
+        ConfigError: no template there, or an unreadable file; naming ``setting`` and the
+            folder.
+    """
+    folder = os.path.dirname(resolve_tokenizer_path(setting, path))
+    config: Any = {}
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    try:
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("tokenizer_config.json is not a JSON object")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not template and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{setting}: cannot read the chat template in {folder}: {exc}") from None
+    if not isinstance(template, str) or not template:
+        raise ConfigError(
+            f"{setting}: no chat template in {folder} (tokenizer_config.json "
+            "'chat_template' or chat_template.jinja): the teacher's prompts are rendered "
+            "with its own chat template"
+        )
+    return template, {key: _token_text(config.get(key)) for key in _TOKEN_KEYS}
 
 
 class ChatTemplate:
@@ -103,6 +141,7 @@ class ChatTemplate:
         """
         file = resolve_tokenizer_path(setting, path)
         folder = os.path.dirname(file)
+        template, tokens = read_template(setting, path)
         try:
             import jinja2  # noqa: F401
             from tokenizers import Tokenizer
@@ -111,53 +150,53 @@ class ChatTemplate:
                 f"{setting}: rendering a teacher prompt needs jinja2 and tokenizers "
                 "(pip install 'opd-stream[xtok]')"
             ) from None
-        config: dict[str, Any] = {}
-        config_file = os.path.join(folder, "tokenizer_config.json")
         try:
-            if os.path.isfile(config_file):
-                with open(config_file, encoding="utf-8") as f:
-                    config = json.load(f)
-            template = config.get("chat_template")
-            if isinstance(template, list):  # named templates: the default one
-                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-                template = named.get("default")
-            jinja_file = os.path.join(folder, "chat_template.jinja")
-            if not template and os.path.isfile(jinja_file):
-                with open(jinja_file, encoding="utf-8") as f:
-                    template = f.read()
             tokenizer = Tokenizer.from_file(file)
-        except (OSError, ValueError, Exception) as exc:
+        except Exception as exc:  # the tokenizers parser: the file is not readable
             raise ConfigError(f"{setting}: cannot read the tokenizer in {folder}: {exc}") from None
-        if not isinstance(template, str) or not template:
-            raise ConfigError(
-                f"{setting}: no chat template in {folder} (tokenizer_config.json "
-                "'chat_template' or chat_template.jinja)"
-            )
-        tokens = {key: _token_text(config.get(key)) for key in _TOKEN_KEYS}
         return cls(setting, template, tokens, tokenizer)
 
-    def render(self, messages: list[dict[str, Any]], field: str = "prompt_messages") -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        field: str = "prompt_messages",
+        *,
+        tools: Any = None,
+    ) -> str:
         """The prompt text, ending where the assistant's answer starts.
+
+        Args:
+            messages: the chat messages.
+            field: the sample field named in errors.
+            tools: the tool definitions the template is given as ``tools`` (None: the
+                variable is left undefined, as a template expects without tools).
 
         Raises:
             InvalidSampleError: the template refuses the messages (its own message).
         """
+        extra = {} if tools is None else {"tools": tools}
         try:
             return str(
-                self._template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+                self._template.render(
+                    messages=messages, add_generation_prompt=True, **self.tokens, **extra
+                )
             )
         except self._error as exc:
             raise InvalidSampleError(field, f"the teacher's chat template failed: {exc}") from None
 
     def prompt_ids(
-        self, messages: list[dict[str, Any]], field: str = "prompt_messages"
+        self,
+        messages: list[dict[str, Any]],
+        field: str = "prompt_messages",
+        *,
+        tools: Any = None,
     ) -> npt.NDArray[np.int64]:
         """The teacher prompt's ids (special tokens of the text recognised, none added).
 
         Raises:
             InvalidSampleError: the template refuses the messages, or renders nothing.
         """
-        text = self.render(messages, field)
+        text = self.render(messages, field, tools=tools)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise InvalidSampleError(field, "the teacher's chat template rendered no tokens")
@@ -166,7 +205,8 @@ class ChatTemplate:
 
 class TeacherPrompts:
     """Teacher prompts from chat messages, for each teacher with its own tokenizer: each
-    template loaded on first use (thread-safe; blocking), then kept for the run.
+    template loaded on first use (thread-safe; blocking), then kept for the run; a template
+    that does not load is not tried again (its error is kept).
 
     Args:
         tokenizers: teacher name -> tokenizer path (``StreamConfig.teacher_tokenizers``).
@@ -177,19 +217,30 @@ class TeacherPrompts:
 
         self._paths = dict(tokenizers or {})
         self._templates: dict[str, ChatTemplate] = {}
+        self._errors: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self._paths)
 
-    def ids(self, teacher: str, messages: Any, field: str) -> npt.NDArray[np.int64]:
-        """``messages`` rendered with ``teacher``'s chat template, as its ids.
+    def check(self) -> None:
+        """Check that every teacher's folder holds a chat template (the small files only:
+        ``tokenizer_config.json``, ``chat_template.jinja``; a few KB, not the tokenizer).
 
         Raises:
-            InvalidSampleError: (naming ``field``) bad messages, a teacher without a
-                tokenizer of its own, no usable template, or the template refusing them.
+            ConfigError: a teacher without one, naming the setting and the folder.
         """
-        chat = as_messages(messages, field)
+        for teacher, path in self._paths.items():
+            read_template(f"teacher_tokenizers[{teacher}]", path)
+
+    def template(self, teacher: str, field: str) -> ChatTemplate:
+        """``teacher``'s chat template (loaded on first use: blocking, ~1 s).
+
+        Raises:
+            InvalidSampleError: (naming ``field``) a teacher without a tokenizer of its own,
+                or a template that does not load (the same error again, without reading
+                the files again).
+        """
         path = self._paths.get(teacher)
         if path is None:
             raise InvalidSampleError(
@@ -200,9 +251,27 @@ class TeacherPrompts:
         with self._lock:
             template = self._templates.get(teacher)
             if template is None:
-                try:
-                    template = ChatTemplate.load(f"teacher_tokenizers[{teacher}]", path)
-                except ConfigError as exc:
-                    raise InvalidSampleError(field, str(exc)) from None
-                self._templates[teacher] = template
-        return template.prompt_ids(chat, field)
+                error = self._errors.get(teacher)
+                if error is None:
+                    try:
+                        template = ChatTemplate.load(f"teacher_tokenizers[{teacher}]", path)
+                    except ConfigError as exc:
+                        error = self._errors[teacher] = str(exc)
+                    else:
+                        self._templates[teacher] = template
+                if error is not None:
+                    raise InvalidSampleError(field, error)
+        assert template is not None
+        return template
+
+    def ids(
+        self, teacher: str, messages: Any, field: str, *, tools: Any = None
+    ) -> npt.NDArray[np.int64]:
+        """``messages`` rendered with ``teacher``'s chat template, as its ids.
+
+        Raises:
+            InvalidSampleError: (naming ``field``) bad messages, a teacher without a
+                tokenizer of its own, no usable template, or the template refusing them.
+        """
+        chat = as_messages(messages, field)
+        return self.template(teacher, field).prompt_ids(chat, field, tools=tools)

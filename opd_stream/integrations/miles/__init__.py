@@ -31,7 +31,22 @@ reference gives it: nothing under only-student, the teacher's top-k under union)
 sampled-token mode) or ``opd_reverse_kl`` (float32 ``[R]``, top-k mode), and
 ``post_process_rewards`` sets those attributes on each sample and returns
 ``(rewards, rewards)`` of zeros, like the reference (pure OPD). ``rollout_log_probs`` is
-never read (the reference does not use it either).
+never read (the reference does not use it either), but for a teacher with another
+tokenizer in sampled-token mode.
+
+A teacher with another tokenizer (``--opd-student-tokenizer``, ``--opd-teacher-tokenizers``):
+each trained turn of the sample (a run of ``loss_mask`` 1; the whole response of a
+single-turn sample) is scored after the teacher's own context for it, rendered with its chat
+template (:mod:`._engine` says what the teacher sees in each case), and the values land on
+trained tokens only. Sampled-token mode: Miles' trainer takes ``student_logp -
+teacher_log_probs`` per token (``apply_opd_kl_to_advantages``), so ``teacher_log_probs``
+is ``rollout_log_probs - signal``, where ``signal`` is the documented span signal (each
+span's value on its last token, 0 on its other tokens, on textless tokens and on masked
+ones): the trainer gets ``signal + (student_logp - rollout_log_probs)``, the signal itself
+when its ``student_logp`` is the rollout's (on-policy, or ``--use-rollout-logprobs``), and
+off it by what a same-tokenizer teacher's signal is off by. A sample without
+``rollout_log_probs`` is refused (:class:`MilesInvalidSampleError`). Top-k mode
+(``only-student``): ``opd_reverse_kl`` is the signal itself.
 
 Errors keep the reference's families: a bad flag or teacher configuration raises a
 ``ValueError`` (:class:`~opd_stream.ConfigError`), a sample whose teacher key is missing or
@@ -49,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from ..._sample import SampleFailure
+from ..._sample import SampleFailure, ScoredSample
 from ...config._settings import StreamConfig
 from ...transport._transports import Transport
 from ._engine import (
@@ -129,7 +144,8 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
     """Score one sample (Miles' ``reward_func`` signature).
 
     Returns:
-        ``{"teacher_log_probs": float32 [R]}`` in sampled-token mode, or
+        ``{"teacher_log_probs": float32 [R]}`` in sampled-token mode (a teacher with
+        another tokenizer: ``rollout_log_probs - signal``, see the module docstring), or
         ``{"opd_reverse_kl": float32 [R]}`` in top-k mode (the signal of the configured
         ``divergence``, reverse KL by default: the name is the one Miles' trainer reads),
         plus ``"opd_stream"``: the teacher name, attempts and latency (and the divergence
@@ -162,9 +178,29 @@ async def reward_func(args: Any, sample: Any, **kwargs: Any) -> dict[str, Any]:
         assert result.signal is not None
         out["opd_reverse_kl"] = _as_float32(result.signal)
         out[_RESULT_KEY]["divergence"] = result.divergence
+    elif result.teacher in (engine.config.teacher_tokenizers or {}):
+        out["teacher_log_probs"] = _trainer_teacher_logprobs(result)
     else:
         out["teacher_log_probs"] = _as_float32(result.teacher_logprobs)
     return out
+
+
+def _trainer_teacher_logprobs(result: ScoredSample) -> torch.Tensor:
+    """A teacher with its own tokenizer, sampled-token mode: ``rollout_log_probs -
+    reverse_kl``, so that Miles' trainer, which takes ``student_logp - teacher_log_probs``
+    per token, gets each span's value on the span's last token and 0 on every other
+    (inner tokens of a span, textless tokens, masked tokens), with ``student_logp`` =
+    ``rollout_log_probs`` (on-policy; see the module docstring). float64 differences,
+    float32 result."""
+    import numpy as np
+    import torch
+
+    rollout = result.sample.rollout_logprobs
+    assert rollout is not None  # required by the engine, as are the span values
+    assert result.reverse_kl is not None
+    rkl = result.reverse_kl.detach().to(device="cpu", dtype=torch.float64).numpy()
+    values = np.asarray(rollout, dtype=np.float64) - rkl
+    return torch.from_numpy(values.astype(np.float32))
 
 
 def _reward_of(args: Any, sample: Any) -> Mapping[str, Any]:

@@ -100,11 +100,11 @@ def config_from_miles_args(
     * ``--opd-cache-salt none|per-sample|per-request`` (opd_stream's own flag; add it to
       the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
     * ``--opd-student-tokenizer PATH`` -> ``student_tokenizer``;
-      ``--opd-teacher-tokenizers NAME=PATH ...`` (a list, or one comma-separated string) ->
+      ``--opd-teacher-tokenizers NAME=PATH ...`` (a list, or one comma-separated string; one
+      plain ``PATH``, alone or as a one-item list: the teacher ``default``) ->
       ``teacher_tokenizers`` (teachers with another tokenizer; not reference flags: Miles
-      declares them only with this adapter). Such a teacher's prompt is
-      ``metadata["opd_teacher_prompt_ids"]``, else the sample's ``prompt`` (chat messages,
-      or a string: one user message) rendered with the teacher's chat template.
+      declares them only with this adapter). Such a teacher's context is rendered with its
+      chat template (see :mod:`opd_stream.integrations.miles._engine`).
     * ``--opd-divergence`` -> ``divergence`` and ``--opd-jsd-beta`` -> ``jsd_beta``
       (opd_stream's own flags, for a Miles launcher that declares them: the reference has
       neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).
@@ -211,9 +211,13 @@ def config_from_miles_args(
         fields["student_tokenizer"] = str(get("opd_student_tokenizer"))
     teacher_tokenizers = get("opd_teacher_tokenizers")
     if teacher_tokenizers:
-        fields["teacher_tokenizers"] = (
-            teacher_tokenizers if isinstance(teacher_tokenizers, str) else list(teacher_tokenizers)
-        )
+        if not isinstance(teacher_tokenizers, str):
+            teacher_tokenizers = list(teacher_tokenizers)
+            if len(teacher_tokenizers) == 1 and isinstance(teacher_tokenizers[0], str):
+                # argparse nargs='+' gives a list: one item reads as the string form does
+                # (one plain path: the teacher default; or comma-separated NAME=PATH)
+                teacher_tokenizers = teacher_tokenizers[0]
+        fields["teacher_tokenizers"] = teacher_tokenizers
     fields.update(overrides)
     try:
         return StreamConfig.from_env(environ, **fields)

@@ -46,6 +46,7 @@ __all__ = (
     "THREAD_TOKENS",
     "CrossSample",
     "CrossTokenizers",
+    "empty_alignment",
     "empty_rows",
     "score_cross",
     "token_alignment",
@@ -133,6 +134,11 @@ class CrossTokenizers:
         """The teacher's own tokenizer, or None (it shares the student's vocabulary)."""
         return self.teachers.get(name)
 
+    def aligns(self, name: str) -> bool:
+        """Results of teacher ``name`` carry an alignment (it has its own tokenizer, and
+        ``return_alignment`` is set)."""
+        return self.return_alignment and name in self.teachers
+
     def check_prompt(self, prepared: PreparedSample) -> None:
         """A sample routed to a teacher with its own tokenizer carries the teacher prompt.
 
@@ -174,6 +180,21 @@ class CrossTokenizers:
         return CrossSample(teacher_prepared=teacher_prepared, alignment=alignment)
 
 
+def empty_alignment() -> TokenAlignment:
+    """The alignment of an empty response (``R = 0``): no teacher ids, no spans (each span
+    boundary array holds its one ``0``)."""
+    import torch
+
+    return TokenAlignment(
+        teacher_ids=torch.zeros(0, dtype=torch.int64),
+        teacher_token_logprobs=torch.zeros(0, dtype=torch.float32),
+        student_spans=torch.zeros(1, dtype=torch.int64),
+        teacher_spans=torch.zeros(1, dtype=torch.int64),
+        span_bytes=torch.zeros(1, dtype=torch.int64),
+        scored=torch.zeros(0, dtype=torch.bool),
+    )
+
+
 def token_alignment(f: Fetched) -> TokenAlignment | None:
     """The result's alignment: when the sample's teacher has its own tokenizer and
     ``return_alignment`` asked for it, else None."""
@@ -203,16 +224,20 @@ def score_cross(f: Fetched) -> ScoredSample:
     assert a is not None
     teacher, rkl = span_signal(a, f.teacher_rows.token_logprobs, f.prepared.rollout_logprobs)
     p = f.prepared
+    signal = None if rkl is None else torch.from_numpy(rkl)
     return ScoredSample(
         sample=p.sample,
         index=p.index,
         teacher=p.teacher,
         teacher_logprobs=torch.from_numpy(teacher),
-        reverse_kl=None if rkl is None else torch.from_numpy(rkl),
+        reverse_kl=signal,
         candidates=None,
         attempts=f.attempts,
         latency_s=time.monotonic() - f.admitted_at,
         alignment=token_alignment(f),
+        # sampled-token mode's one divergence: ``signal`` is ``reverse_kl`` (the same tensor)
+        signal=signal,
+        divergence="reverse_kl",
     )
 
 

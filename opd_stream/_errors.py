@@ -230,7 +230,10 @@ class WeightVersionChanged(ProtocolError):
     Not retried as an attempt: the fetcher asks the side's requests once more as a whole,
     and fails the sample with this error (reason ``weight_version_changed``) when the
     versions differ again. ``versions`` lists the distinct versions seen, in answer order
-    (``None`` where an answer carried none).
+    (``None`` where an answer carried none). ``member``: the ensemble member whose answers
+    differ (``member 2 of 3 (URLS)``; the rule holds per member, whose versions may differ
+    from each other's), named first in the message; None for a teacher that is not an
+    ensemble, and for the student.
     """
 
     reason = "weight_version_changed"
@@ -242,14 +245,18 @@ class WeightVersionChanged(ProtocolError):
         side: str = "teacher",
         url: str | None = None,
         where: str = "the answers",
+        member: str | None = None,
     ) -> None:
         super().__init__("weight_version changed", side=side, url=url)
         self.versions = versions
         self.where = where
+        self.member = member
 
     def __str__(self) -> str:
         # the side is known only once the attempt that decoded the answer names it
         shown = ", ".join("none" if v is None else repr(v[:64]) for v in self.versions)
+        named = "" if self.member is None else f"ensemble {self.member}: "
         return (
-            f"{self.side}: {self.where} report different meta_info.weight_version values ({shown})"
+            f"{named}{self.side}: {self.where} report different meta_info.weight_version "
+            f"values ({shown})"
         )

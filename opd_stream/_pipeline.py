@@ -345,8 +345,15 @@ class _Pipeline:
 
         from ._scoring import empty_scored_sample  # torch: loaded by OPDStream already
 
+        xtok = self.fetcher.xtok
         return empty_scored_sample(
-            prepared, job.admitted_at, cfg.top_k, cfg.strategy, cfg.tail, cfg.divergence
+            prepared,
+            job.admitted_at,
+            cfg.top_k,
+            cfg.strategy,
+            cfg.tail,
+            cfg.divergence,
+            aligned=xtok is not None and xtok.aligns(prepared.teacher),
         )
 
     async def fetch_one(

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._cross import score_cross, token_alignment
+from ._cross import empty_alignment, score_cross, token_alignment
 from ._errors import MissingLogprobError
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
 from .config._settings import StreamConfig
@@ -239,9 +239,12 @@ def empty_scored_sample(
     strategy: Strategy,
     tail: bool,
     divergence: Divergence = "reverse_kl",
+    *,
+    aligned: bool = False,
 ) -> ScoredSample:
     """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
-    shapes."""
+    shapes; ``aligned`` (its teacher has its own tokenizer, and ``return_alignment`` is
+    set): with the empty alignment."""
     width = candidate_width(strategy, top_k)
     cands = None
     if top_k > 0:
@@ -265,6 +268,7 @@ def empty_scored_sample(
         candidates=cands,
         attempts=0,
         latency_s=time.monotonic() - admitted_at,
+        alignment=empty_alignment() if aligned else None,
         signal=signal,
         divergence=divergence,
     )

@@ -178,14 +178,18 @@ def test_the_union_keeps_first_occurrences_in_member_order(rows: list[list[list[
     rows = [r[:members] + [r[0]] * (members - len(r)) for r in rows]
     tops = [np.array([r[m] for r in rows], dtype=np.int64) for m in range(members)]
     got = union_ids(tops)
-    assert got.shape == (len(rows), 3 * members)
-    for i, r in enumerate(rows):
+    wants: list[list[int]] = []
+    for r in rows:
         want: list[int] = []
         for m in range(members):
             for v in r[m]:
                 if v >= 0 and v not in want:
                     want.append(v)
-        assert got[i].tolist() == want + [-1] * (3 * members - len(want))
+        wants.append(want)
+    width = max(3, *(len(w) for w in wants))  # the widest row, at least one member's k
+    assert got.shape == (len(rows), width)
+    for i, want in enumerate(wants):
+        assert got[i].tolist() == want + [-1] * (width - len(want))
 
 
 def test_the_mixtures_top_k_ranks_by_value_padding_last() -> None:
@@ -393,6 +397,65 @@ async def test_sampled_token_mode_mixes_the_sampled_tokens() -> None:
             rollout_logprobs=smp.rollout_logprobs,
         )
         assert_matches(res, expected, teacher_rtol=1e-6)
+
+
+V_SMALL, K_WIDE = 64, 40  # two members' top-k (80 ids) are more than the vocabulary
+
+
+@pytest.mark.parametrize("strategy", ["only-teacher", "union"])
+async def test_members_top_k_wider_than_the_vocabulary_send_only_ids_in_it(strategy: str) -> None:
+    """n x k > V: the union of the members' top-k has at most V ids, and every id sent is
+    one of the vocabulary (the mock answers 400 to any other, like SGLang)."""
+    from support.threaded_mock import serve_mock_threaded
+
+    from opd_stream.testing.mock_sglang import MockOptions
+
+    opts = MockOptions(vocab_size=V_SMALL, head_size=8)
+    rng = np.random.default_rng(12)
+    samples = []
+    for i in range(4):
+        p, r = int(rng.integers(2, 6)), int(rng.integers(1, 6))
+        samples.append(Sample(rng.integers(0, V_SMALL - 2, p + r).tolist(), r, sample_id=i))
+    async with (
+        serve_mock_threaded("teacher", 3, options=opts) as m1,
+        serve_mock_threaded("teacher", 5, options=opts) as m2,
+        serve_mock_threaded("student", 1, options=opts) as student,
+    ):
+        cfg = stream_config(
+            f"0.3*{m1.url};0.7*{m2.url}",
+            student_url=student.url,
+            top_k=K_WIDE,
+            strategy=strategy,
+            id_scoring="per-position",
+            max_attempts=1,
+        )
+        async with OPDStream(cfg) as stream:
+            async with stream.run(samples) as results:
+                out = sorted([r async for r in results], key=lambda r: r.index)
+        mixture = MixtureTeacher([m1.model, m2.model], [0.3, 0.7])
+        for res in out:
+            assert isinstance(res, ScoredSample), res
+            smp = samples[res.index]
+            expected = expected_result(
+                tokens=list(smp.tokens),
+                response_length=smp.response_length,
+                teacher=mixture,
+                student=student.model,
+                top_k=K_WIDE,
+                strategy=strategy,
+                weight_mode="student_p",
+            )
+            assert_matches(res, expected, teacher_rtol=1e-6)
+
+
+def test_the_union_is_as_wide_as_its_widest_row() -> None:
+    a = np.array([[5, 1, 2], [7, 8, 9]], dtype=np.int64)
+    b = np.array([[1, 5, 2], [3, 7, -1]], dtype=np.int64)
+    got = union_ids([a, b])
+    assert got.tolist() == [[5, 1, 2, -1], [7, 8, 9, 3]]  # not [R, 6]
+    same = union_ids([a, a])
+    assert same.tolist() == a.tolist()  # never narrower than a member's top-k
+    assert union_ids([a[:0], b[:0]]).shape == (0, 3)
 
 
 def _fails_on(marker: int, status: int) -> Any:

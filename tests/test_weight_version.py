@@ -245,3 +245,95 @@ def test_the_mock_command_line_takes_the_signal_options() -> None:
     assert args.weight_versions == ("v1", "v2")
     assert (args.logprob_offset, args.warm_drift) == (-0.5, 0.2)
     assert build_parser().parse_args([]).weight_versions == ()
+
+
+# -- an ensemble: the rule holds per member --------------------------------------------------
+
+M1, M2 = "http://m1:1", "http://m2:1"
+ENSEMBLE = f"0.4*{M1};0.6*{M2}"
+
+
+def _ensemble_servers(v1: tuple[str, ...], v2: tuple[str, ...]) -> dict[str, InProcessSGLang]:
+    return {
+        M1: InProcessSGLang("teacher", 3, weight_versions=v1),
+        M2: InProcessSGLang("teacher", 5, weight_versions=v2),
+        ST: InProcessSGLang("student", 1),
+    }
+
+
+def _mixture_expected(sample: Sample, servers: dict[str, InProcessSGLang], strategy: str) -> Any:
+    from support.pipeline_reference import MixtureTeacher
+
+    return expected_result(
+        tokens=list(sample.tokens),
+        response_length=R,
+        teacher=MixtureTeacher([servers[M1].model, servers[M2].model], [0.4, 0.6]),
+        student=servers[ST].model,
+        top_k=K,
+        strategy=strategy,
+        weight_mode="student_p",
+    )
+
+
+def test_a_members_weight_version_error_names_the_member() -> None:
+    import pickle
+
+    from opd_stream.fleet._ensemble import member_error
+
+    exc = WeightVersionChanged(("a", "b"), where="the items of one answer")
+    named = member_error(exc, "member 2 of 3 (http://b:1)")
+    assert isinstance(named, WeightVersionChanged) and named.reason == exc.reason
+    assert named.member == "member 2 of 3 (http://b:1)" and exc.member is None
+    assert str(named) == (
+        "ensemble member 2 of 3 (http://b:1): teacher: the items of one answer report "
+        "different meta_info.weight_version values ('a', 'b')"
+    )
+    assert str(pickle.loads(pickle.dumps(named))) == str(named)  # back from a decode worker
+
+
+@pytest.mark.parametrize("strategy", ["only-teacher", "union"])
+async def test_an_ensemble_member_updated_between_its_two_requests_is_asked_again(
+    strategy: str,
+) -> None:
+    # member 1 answers its top-k from weights a1, then the union's ids from a2; member 2
+    # reports b7 throughout (members may differ from each other: the rule is per member)
+    servers = _ensemble_servers(("a1", "a2"), ("b7",))
+    sample = (
+        _with_student_topk(servers[ST], _tokens(9))
+        if strategy == "union"
+        else Sample(_tokens(9), R)
+    )
+    cfg = _cfg(teachers=ENSEMBLE, student_url=ST, strategy=strategy, id_scoring="per-position")
+    (res,) = await _run(cfg, servers, [sample])
+    assert isinstance(res, ScoredSample), res
+    assert_matches(res, _mixture_expected(sample, servers, strategy), teacher_rtol=1e-6)
+    # the whole teacher side asked again: two requests per member per pass
+    assert servers[M1].requests == servers[M2].requests == 4
+    assert servers[ST].requests == 1  # it scores T's ids, after the teacher's second pass
+    assert res.attempts == 9
+
+
+async def test_an_ensemble_member_whose_versions_keep_changing_fails_the_sample_named() -> None:
+    servers = _ensemble_servers(("a", "b", "c", "d"), ("b7",))
+    cfg = _cfg(teachers=ENSEMBLE, student_url=ST, strategy="only-teacher")
+    (res,) = await _run(cfg, servers, [Sample(_tokens(10), R)])
+    assert isinstance(res, SampleFailure), res
+    assert res.reason == "weight_version_changed"
+    assert res.message == (
+        f"ensemble member 1 of 2 ({M1}): teacher: the requests for one sample report "
+        "different meta_info.weight_version values ('c', 'd')"
+    )
+    assert servers[M1].requests == servers[M2].requests == 4
+    assert servers[ST].requests == 0
+
+
+async def test_a_weight_update_within_one_members_answer_names_the_member() -> None:
+    # the items of member 2's blocked answer disagree, on both passes
+    servers = _ensemble_servers(("a1",), ("x", "y") * 8)
+    sample = _with_student_topk(servers[ST], _tokens(11))
+    cfg = _cfg(teachers=ENSEMBLE, id_scoring="blocked", id_block_size=2)
+    (res,) = await _run(cfg, servers, [sample])
+    assert isinstance(res, SampleFailure), res
+    assert res.reason == "weight_version_changed"
+    assert res.message.startswith(f"ensemble member 2 of 2 ({M2}): teacher: the items of one")
+    assert "'x'" in res.message and "'y'" in res.message

@@ -260,6 +260,59 @@ async def test_without_return_alignment_results_have_none(small_paths: tuple[str
     assert float(res.reverse_kl.abs().max()) < 1e-5  # type: ignore[union-attr]
 
 
+async def test_sampled_token_mode_sets_signal_the_reverse_kl(small_paths: tuple[str, str]) -> None:
+    """``signal`` is ``reverse_kl`` (the same tensor) under the default divergence, with a
+    teacher of another tokenizer too; its values are the byte reference's."""
+    a, b = small_vocab("a"), small_vocab("b")
+    s_model, t_model = ByteModel(a.token_bytes), ByteModel(b.token_bytes, q=0.7)
+    texts = ["the quick brown fox", "jumps over"]
+    samples = [make_sample(a, b, s_model, a.encode(t), i) for i, t in enumerate(texts)]
+    server = InProcessSGLang("teacher", 1, byte_model=t_model)
+    out = await run(config(*small_paths), server, samples)
+    for text, res in zip(texts, out, strict=True):
+        assert isinstance(res, ScoredSample), res
+        assert res.divergence == "reverse_kl"
+        assert res.signal is not None and res.signal is res.reverse_kl
+        al = res.alignment
+        assert al is not None
+        ref = byte_reference(
+            PROMPT.encode(), text.encode(), al.span_bytes.tolist(), s_model, t_model
+        )
+        expected = np.zeros(res.sample.response_length)
+        for j, value in enumerate(ref):
+            if al.scored[j]:
+                expected[int(al.student_spans[j + 1]) - 1] = value
+        assert float(np.abs(expected).max()) > 0.1
+        np.testing.assert_allclose(res.signal.numpy(), expected, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+async def test_an_empty_response_has_the_empty_alignment(
+    small_paths: tuple[str, str], top_k: int
+) -> None:
+    from opd_stream.xtok._align import align_response
+
+    a, b = small_vocab("a"), small_vocab("b")
+    empty = make_sample(a, b, ByteModel(a.token_bytes), np.zeros(0, np.int64), 0)
+    assert empty.response_length == 0
+    server = InProcessSGLang("teacher", 1, byte_model=ByteModel(b.token_bytes))
+    cfg = config(*small_paths, top_k=top_k)
+    (res,) = await run(cfg, server, [msgspec.structs.replace(empty, student_top_logprobs=[])])
+    assert isinstance(res, ScoredSample), res
+    al = res.alignment
+    assert al is not None
+    # what the alignment of no tokens is: no teacher ids, no spans (one boundary, 0)
+    want = align_response(a, b, np.zeros(0, np.int64), "default")
+    for name in ("teacher_ids", "student_spans", "teacher_spans", "span_bytes", "scored"):
+        got = getattr(al, name)
+        assert got.tolist() == getattr(want, name).tolist(), name
+        assert got.dtype == torch.from_numpy(np.asarray(getattr(want, name))).dtype, name
+    assert al.teacher_token_logprobs.shape == (0,)
+    assert al.teacher_token_logprobs.dtype == torch.float32
+    assert res.signal is not None and res.signal.shape == (0,)
+    assert server.requests == 0
+
+
 async def test_every_bad_input_fails_alone_with_its_reason(
     small_paths: tuple[str, str], tmp_path: Path
 ) -> None:

@@ -276,6 +276,10 @@ class SampleFetcher:
         each then scores every id of the union of their top-k, and the mixture's top-k is
         chosen there (:mod:`opd_stream.fleet._ensemble`). A member that fails (after its
         retries) fails the whole answer, the member named in the error.
+
+        One set of weights per member: a member's two answers (its top-k, then the union's
+        ids) must report one ``weight_version`` (members may differ from each other), else
+        :class:`WeightVersionChanged` naming the member (:meth:`fetch` asks again, once).
         """
         if not isinstance(teacher, Ensemble):
             return await self._request("teacher", teacher, make(top_k, ids), counter, key)
@@ -289,6 +293,8 @@ class SampleFetcher:
                 union = union_ids(tops)
                 sent = request_ids(union)
                 scored = await self._members(teacher, lambda i: make(0, sent), counter, key)
+                for i, pair in enumerate(zip(answers, scored, strict=True)):
+                    same_weights(pair, "teacher", member=teacher.member_name(i))
                 parts = [present(a.id_logprobs, "id_logprobs") for a in scored]
                 top = mixture_topk(union, mix_logprobs(parts, teacher.weights), top_k)
         return mixed_rows(teacher, answers, top)
@@ -462,10 +468,11 @@ class SampleFetcher:
         sampled-token logprobs always), whatever the strategy; nothing of the student.
 
         One side's answers for the sample must all report the same
-        ``meta_info.weight_version`` (the items of one answer, and the student's requests
-        of one sample together). When they do not, that side's requests are asked once
-        more (and the teacher's too when it scored the student's ids), then the sample
-        fails with :class:`WeightVersionChanged`.
+        ``meta_info.weight_version`` (the items of one answer, the student's requests of
+        one sample together, and an ensemble member's requests together: per member).
+        When they do not, that side's requests are asked once more (and the teacher's too
+        when it scored the student's ids), then the sample fails with
+        :class:`WeightVersionChanged`.
         """
         if self.xtok is not None and self.xtok.teacher(prepared.teacher) is not None:
             # (config rule: a teacher with its own tokenizer is never an ensemble; the
@@ -484,7 +491,7 @@ class SampleFetcher:
                 return await self._fetch_once(*args)
             except WeightVersionChanged as exc:
                 self._stats.retries += 1
-                log.info("weight_version_changed", side=exc.side, retry=True)
+                log.info("weight_version_changed", side=exc.side, member=exc.member, retry=True)
                 got.forget(exc.side, plan)
                 return await self._fetch_once(*args)
         except OPDStreamError as exc:
@@ -618,8 +625,9 @@ class _Progress:
             self.teacher = None
 
 
-def same_weights(answers: tuple[ScoreRows, ...], side: Side) -> None:
-    """Check that ``answers`` (one side's, for one sample) report one weight version.
+def same_weights(answers: tuple[ScoreRows, ...], side: Side, *, member: str | None = None) -> None:
+    """Check that ``answers`` (one side's, for one sample; ``member``: of that ensemble
+    member, named in the error) report one weight version.
 
     Raises:
         WeightVersionChanged: they do not.
@@ -630,4 +638,5 @@ def same_weights(answers: tuple[ScoreRows, ...], side: Side) -> None:
             tuple(dict.fromkeys(versions)),
             side=side,
             where="the requests for one sample",
+            member=member,
         )

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._answers import ScoreRows
-from .._errors import ConfigError, OPDStreamError
+from .._errors import ConfigError, OPDStreamError, WeightVersionChanged
 
 __all__ = (
     "WEIGHT_SUM_TOLERANCE",
@@ -186,9 +186,15 @@ def ensemble_from_mapping(who: str, value: Any, normalise_urls: Any) -> Ensemble
 
 def member_error(exc: OPDStreamError, member: str) -> OPDStreamError:
     """A copy of ``exc`` (same type, reason and attributes) whose message starts with the
-    ensemble member that failed: ``ensemble member 2 of 3 (URLS): <message>``."""
+    ensemble member that failed: ``ensemble member 2 of 3 (URLS): <message>``. (A
+    :class:`WeightVersionChanged`, whose message is made from its attributes, gets the
+    member as its ``member``.)"""
     named = copy.copy(exc)
-    named.args = (f"ensemble {member}: {exc}",)
+    if isinstance(named, WeightVersionChanged):
+        if named.member is None:
+            named.member = member
+    else:
+        named.args = (f"ensemble {member}: {exc}",)
     return named
 
 
@@ -217,7 +223,14 @@ def mix_logprobs(
 def union_ids(tops: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
     """Per row, the distinct ids of the members' top-k rows (``[R, k_i]`` each), member 1's
     first, then each next member's new ones, in rank order; padded at the end with ``-1``
-    to ``[R, sum k_i]``. Negative ids (padding) are dropped."""
+    to the width of the row with the most ids (at least the widest ``k_i``; at most
+    ``sum k_i``). Negative ids (padding) are dropped.
+
+    The width is the union's real one, not ``sum k_i``: the union is sent to the members
+    with its padding replaced by the smallest ids absent from the row
+    (:func:`~opd_stream._sample.request_ids`), which stay below the vocabulary size ``V``
+    only when the row is at most ``V`` wide (members' top-k ids are distinct ids below
+    ``V``, so a union row never holds more than ``V``; ``sum k_i`` may exceed it)."""
     joined = np.concatenate(tops, axis=1)
     w = joined.shape[1]
     if w == 0:
@@ -234,7 +247,9 @@ def union_ids(tops: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
     keep_order = np.argsort(drop * w + col, axis=1, kind="stable")
     out = np.take_along_axis(joined, keep_order, axis=1)
     out[np.take_along_axis(drop, keep_order, axis=1)] = -1
-    return out.astype(np.int64)
+    most = int((~drop).sum(axis=1).max()) if joined.shape[0] else 0
+    width = max(most, max(t.shape[1] for t in tops))
+    return np.ascontiguousarray(out[:, :width], dtype=np.int64)
 
 
 def mixture_topk(

@@ -22,7 +22,8 @@ Every module is in ``docs/internals.md``, "Module map".
 
 Importing the package is cheap: each name is loaded from its module on first use (so the
 ``opd-stream`` command starts, and answers Ctrl-C, before any of them is loaded). It does
-not import torch; :class:`OPDStream` does when it is created.
+not import torch; an :class:`OPDStream` does as it is entered, in a worker thread (creating
+one imports nothing heavy).
 """
 
 from __future__ import annotations

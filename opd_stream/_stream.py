@@ -15,14 +15,22 @@ endpoint state (concurrency limiters, detected capabilities), handed to each run
 :class:`~opd_stream._pipeline.StreamParts`. Leaving ``results`` early, or cancelling the
 caller, cancels the run: in-flight HTTP requests are cancelled and no task is left behind;
 a cancelled :meth:`OPDStream.score` call cancels its sample's requests.
+
+A guest on the caller's event loop: building an ``OPDStream`` imports nothing heavy, and
+entering it (:meth:`OPDStream.load` first) imports torch, the KL code and the HTTP client
+in a worker thread (:mod:`opd_stream._loading`) and makes the httpx client there too: no
+call of ours holds a running loop more than 50 ms (``tests/test_loop_stall.py``), but for
+one: a teacher with its own tokenizer, whose tables ``tokenizers`` and ``tiktoken`` build
+holding the GIL (0.2-0.7 s at a time for a 150k vocabulary, in the loading thread).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from contextlib import asynccontextmanager
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import anyio
 import msgspec
@@ -31,6 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._answers import ScoreRows
 from ._cross import CrossTokenizers
 from ._errors import ConfigError, OPDStreamError
+from ._loading import import_off_loop, is_imported
 from ._logging import get_logger
 from ._pipeline import Call, Result, RunState, StreamParts, TeacherRows, run_pipeline
 from ._sample import Sample, SampleFailure, ScoredSample, prepare_sample
@@ -42,6 +51,9 @@ from .fleet._probe_requests import run_probe
 from .fleet._router import TeacherRouter, replica_groups
 from .scanner._loader import start as start_kernels
 from .transport._transports import AiohttpTransport, Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ("OPDStream", "Results", "default_transport")
 
@@ -59,6 +71,29 @@ def _on_asyncio() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _default_transport_modules() -> tuple[str, ...]:
+    """The modules :func:`default_transport` imports, for the running backend."""
+    return ("aiohttp",) if _on_asyncio() else (f"{__package__}.transport._httpx",)
+
+
+def _kl_device_now(config: StreamConfig) -> str | None:
+    """``kl_device`` resolved in the calling thread where that is cheap and needed there, or
+    None: resolved when the stream loads (:meth:`OPDStream.load`, in a worker thread).
+
+    ``cpu`` is ``cpu``. ``auto`` and ``cuda`` mean the calling thread's current CUDA device
+    (:func:`~opd_stream.config._device.resolve_kl_device`), which can differ from a new
+    thread's only once CUDA is initialized in the process (``torch.cuda.set_device``
+    initializes it): then it is read here, at once. Before that, every thread's current
+    device is the same, and torch need not be imported here (nor CUDA started) to read it.
+    """
+    if config.kl_device.strip().lower() == "cpu":
+        return "cpu"
+    torch = sys.modules.get("torch")
+    if torch is not None and is_imported("torch") and torch.cuda.is_initialized():
+        return resolve_kl_device(config)
+    return None
 
 
 def default_transport(config: StreamConfig) -> Transport:
@@ -145,6 +180,10 @@ class Results:
 class OPDStream(anyio.AsyncContextManagerMixin):
     """Streaming teacher scoring for on-policy distillation.
 
+    Building one is cheap and may be done on the event loop: torch is loaded as the stream
+    is entered (:meth:`load`), off the loop. Until then ``stats().kl.device`` is
+    ``kl_device`` as configured (``"auto"``) unless it could be resolved at once.
+
     Args:
         config: the validated configuration (see :class:`StreamConfig`).
         transport: the HTTP transport; by default (see :func:`default_transport`) a pooled
@@ -162,17 +201,14 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
         self.config = config
         self._router = TeacherRouter(config.teachers, config.teacher_key)
-        # torch is loaded here, where the stream will make tensors (not by importing
-        # opd_stream), and the KL device is resolved in the caller's thread: "auto" and
-        # "cuda" become the caller's current CUDA device, cuda:N (see resolve_kl_device).
-        import torch
-
-        from . import _scoring  # noqa: F401  (the KL code, loaded now, not in the first batch)
-
-        self._device = torch.device(resolve_kl_device(config))
+        # Nothing slow here (the caller may be on its event loop): torch and the KL code
+        # are loaded by load(), off the loop; kl_device is resolved here only where it must
+        # be read in the caller's thread (see _kl_device_now), else there.
+        self._device_name = _kl_device_now(config)
+        self._device: torch.device | None = None
         self._transport = transport
         self._stats = StatsRecorder()
-        self._stats.kl_device = str(self._device)
+        self._stats.kl_device = self._device_name or config.kl_device
         self._tg: anyio.abc.TaskGroup | None = None
         self._parts: StreamParts | None = None  # what every run shares (set on entry)
         self._in_use: Transport | None = None
@@ -186,14 +222,43 @@ class OPDStream(anyio.AsyncContextManagerMixin):
     def __repr__(self) -> str:
         return f"OPDStream(teachers={sorted(self.config.teachers)}, top_k={self.config.top_k})"
 
+    async def load(self) -> None:
+        """Load what scoring needs, off the event loop, and resolve ``kl_device``: torch
+        and the KL code are imported in a worker thread (torch's shared libraries loaded
+        first without holding the GIL: :mod:`opd_stream._loading`), so that the caller's
+        loop keeps running meanwhile (asyncio or trio).
+
+        Entering the stream does this first; call it before to have the loading done (and
+        a ``kl_device`` error raised) earlier. Once done, it returns at once.
+
+        Raises:
+            ConfigError: ``kl_device`` asks for CUDA that is not there.
+        """
+        if self._device is not None:
+            return
+        await import_off_loop(("torch", f"{__package__}._scoring"))
+        name = self._device_name
+        if name is None:
+            name = await anyio.to_thread.run_sync(resolve_kl_device, self.config)
+            self._device_name = name
+            self._stats.kl_device = name
+        import torch  # (imported by now: a look-up)
+
+        self._device = torch.device(name)
+
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
+        await self.load()
         # teachers with their own tokenizer: loaded once, off the loop (a ConfigError here
         # names the setting and the file)
         xtok = None
         if self.config.teacher_tokenizers:
             xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
-        transport = self._transport or default_transport(self.config)
+        transport = self._transport
+        if transport is None:
+            await import_off_loop((), optional=_default_transport_modules())
+            transport = default_transport(self.config)
+        assert self._device is not None
         async with transport, anyio.create_task_group() as tg:
             fetcher = SampleFetcher(
                 self.config,

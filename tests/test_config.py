@@ -794,6 +794,8 @@ def test_auto_and_cuda_resolve_to_the_callers_current_device(
 def test_the_stream_resolves_its_kl_device_in_the_constructing_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A rank that called torch.cuda.set_device(2): CUDA is initialized, and the current
+    # device is read in the caller's thread.
     import threading
 
     import torch
@@ -807,10 +809,52 @@ def test_the_stream_resolves_its_kl_device_in_the_constructing_thread(
         return 2
 
     _fake_cuda(monkeypatch, True, 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", current)
     stream = OPDStream(_config(kl_device="auto"))
     assert stream.stats().kl.device == "cuda:2"
     assert seen == [threading.current_thread().name]
+
+
+async def test_before_cuda_starts_the_stream_resolves_its_kl_device_as_it_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No thread has chosen a device yet (CUDA is not initialized): every thread's current
+    # device is the same, and the stream reads it off the caller's loop, as it loads.
+    import threading
+
+    import torch
+
+    from opd_stream import OPDStream
+
+    seen: list[str] = []
+
+    def current() -> int:
+        seen.append(threading.current_thread().name)
+        return 0
+
+    _fake_cuda(monkeypatch, True, 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", current)
+    stream = OPDStream(_config(kl_device="auto"))
+    assert seen == [] and stream.stats().kl.device == "auto"
+    await stream.load()
+    assert stream.stats().kl.device == "cuda:0"
+    assert len(seen) == 1 and seen[0] != threading.current_thread().name
+
+
+async def test_a_kl_device_without_cuda_is_a_config_error_when_the_stream_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opd_stream import OPDStream
+
+    _fake_cuda(monkeypatch, False, 0)
+    stream = OPDStream(_config(kl_device="cuda:1"))
+    with pytest.raises(ConfigError, match=r"^kl_device: .*CUDA is not available"):
+        await stream.load()
+    with pytest.raises(ConfigError, match=r"^kl_device: .*CUDA is not available"):
+        async with stream:
+            pass
 
 
 def test_resolve_kl_device_rejects_a_bad_string() -> None:

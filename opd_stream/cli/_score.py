@@ -229,7 +229,8 @@ async def run_score(args: argparse.Namespace) -> int:
         except UsageError as exc:
             return _fail(str(exc))
         try:
-            stream = OPDStream(cfg)  # imports torch, resolves kl_device
+            stream = OPDStream(cfg)
+            await stream.load()  # imports torch (off the loop), resolves kl_device
             truncate_output(sink, args.output)
         except (ConfigError, OSError) as exc:
             discard_output(sink, args.output, created)

@@ -1,6 +1,8 @@
 """Where the work runs: ``kl_device`` and ``decode_threads`` resolved to concrete values.
 
-Both are resolved when an :class:`~opd_stream.OPDStream` is built, in the caller's thread.
+``decode_threads`` is resolved when an :class:`~opd_stream.OPDStream` is built;
+``kl_device`` then too, in the caller's thread, when it is ``cpu`` or CUDA is initialized
+already, else when the stream loads (see ``_kl_device_now`` in :mod:`opd_stream._stream`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def resolve_kl_device(cfg: _DeviceSettings | str) -> str:
     0), and the KL runs in a worker thread: a bare ``"cuda"`` there would mean GPU 0 on every
     rank of a job whose ranks called ``torch.cuda.set_device(local_rank)``. So
     :class:`~opd_stream.OPDStream` calls this in its constructor, in the caller's thread,
-    and the KL thread uses the explicit index. torch is imported only when CUDA has to be
-    probed.
+    once CUDA is initialized (a thread can have chosen a device only then; before, every
+    thread's current device is the same, and the stream calls this as it loads, in a
+    worker thread), and the KL thread uses the explicit index. torch is imported only
+    when CUDA has to be probed.
 
     Args:
         cfg: a configuration (a :class:`~opd_stream.StreamConfig`), or a ``kl_device`` string.

@@ -20,6 +20,13 @@ Once ready it gives :class:`Kernels`, the typed calls of :mod:`opd_stream.scanne
 (mypy checks that module against it, and every caller against it).
 A failure is logged once at DEBUG and never retried. Nothing is printed: the CLI asks for
 its one line with :func:`announce_compile`.
+
+The thread holds the host's event loop no more than any thread of ours may (50 ms): numba's
+import is Python (which yields the GIL every 5 ms) but for llvmlite's LLVM library (~180
+MB), which ``ctypes.CDLL`` maps holding the GIL: ~10 ms from the page cache, 0.1 s and more
+from the disk. So the thread first loads that file itself with the GIL released
+(:func:`opd_stream._loading.preload_library`, same file and flags as llvmlite's
+``ctypes.CDLL``), and llvmlite then finds it loaded.
 """
 
 from __future__ import annotations
@@ -242,16 +249,53 @@ def _check_usable() -> None:
         raise RuntimeError("a big-endian machine")
 
 
-def _background() -> None:
-    """The daemon thread of :func:`start`."""
+def _preload_llvm() -> None:
+    """llvmlite's shared library, loaded with the GIL released before llvmlite loads it
+    (see the module docstring): ``ctypes.CDLL(path)``'s flags, ``RTLD_NOW | RTLD_LOCAL``."""
+    import importlib.util
+
+    from .._loading import preload_library
+
+    if "llvmlite.binding.ffi" in sys.modules:
+        return
     try:
-        if _cache_state() == "cold":
+        spec = importlib.util.find_spec("llvmlite")
+    except (ImportError, ValueError):
+        return
+    if spec is not None and spec.submodule_search_locations:
+        folder = spec.submodule_search_locations[0]
+        preload_library(
+            os.path.join(folder, "binding", "libllvmlite.so"), os.RTLD_NOW | os.RTLD_LOCAL
+        )
+
+
+def _background() -> None:
+    """The daemon thread of :func:`start`; what it loads in this process, it loads under
+    :data:`opd_stream._loading.loading_lock` (never at once with torch's loading)."""
+    from .._loading import loading_lock
+
+    state = "none"
+    with loading_lock:
+        try:
+            _preload_llvm()
+        except Exception as exc:  # (the import loads it then)
+            _log.debug("opd_stream: llvmlite not preloaded: %s", type(exc).__name__)
+        try:
+            state = _cache_state()
+        except Exception as exc:
+            _log.debug("opd_stream: kernel cache not read: %s", type(exc).__name__)
+    try:
+        if state == "cold":
             if _notice is not None:
                 _notice()
             _compile_elsewhere()
     except Exception as exc:  # then compile here, below
         _log.debug("opd_stream: kernels not compiled apart: %s", type(exc).__name__)
-    prepare()
+    if _cache_state() == "warm":  # loaded from the cache: ~0.4 s
+        with loading_lock:
+            prepare()
+    else:  # compiled here: seconds, not keeping a stream from loading torch meanwhile
+        prepare()
 
 
 def _cache_state() -> str:

@@ -23,10 +23,12 @@ picks it by itself under trio, where aiohttp cannot run; under asyncio the defau
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import AsyncIterator, Mapping
 from typing import Self
 
+import anyio.to_thread
 import httpx
 
 from .._errors import ResponseTooLarge
@@ -57,12 +59,17 @@ class HttpxTransport(PooledTransport):
             keepalive_expiry=_KEEPALIVE_S,
         )
         timeout = httpx.Timeout(connect=self._connect_timeout_s, read=None, write=None, pool=None)
-        self._client = httpx.AsyncClient(
-            headers=self._headers,
-            timeout=timeout,
-            limits=limits,
-            follow_redirects=False,
-            trust_env=False,
+        # made in a worker thread: its TLS context (OpenSSL's, the CA bundle read) is 20-40
+        # ms of CPU, 0.1 s the first time, that the caller's loop would wait out
+        self._client = await anyio.to_thread.run_sync(
+            functools.partial(
+                httpx.AsyncClient,
+                headers=self._headers,
+                timeout=timeout,
+                limits=limits,
+                follow_redirects=False,
+                trust_env=False,
+            )
         )
         return self
 

@@ -101,7 +101,8 @@ class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
     """The KL stage, apart from the network: where it runs and what its batches cost.
 
     Attributes:
-        device: the torch device the KL math runs on (``"cpu"``, ``"cuda:0"``, ...).
+        device: the torch device the KL math runs on (``"cpu"``, ``"cuda:0"``, ...); before
+            the stream has loaded (:meth:`OPDStream.load`), ``kl_device`` as configured.
         batches: KL batches scored.
         samples: samples in those batches.
         seconds: total time inside the KL function (padding, transfer to the device,

@@ -13,6 +13,7 @@ from ..config._settings import CacheSalt, IdScoring, StreamConfig
 from ..fleet._router import Teacher, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
 from ._score_files import DEFAULT_MAX_LINE_BYTES, UsageError
+from ._teachers import flag_teachers
 
 __all__ = ("add_score_arguments", "score_config")
 
@@ -26,8 +27,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME=URL",
         help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
-        "as NAME=W*URLS;W*URLS (weights summing to 1); a URL without a name is the teacher "
-        "'default'; required unless OPD_STREAM_TEACHERS is set (the flags then replace it)",
+        "as NAME=W*URLS;W*URLS (weights summing to 1); a value without a name (a URL, "
+        "replicas or W*URLS;W*URLS) is the teacher 'default'; required unless "
+        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -145,7 +147,7 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     if args.teacher:
         try:
             # a plain URL (no NAME=) is the teacher "default", as in OPD_STREAM_TEACHERS
-            teachers = normalize_teachers([entry.strip() for entry in args.teacher])
+            teachers = flag_teachers(args.teacher)
         except ConfigError as exc:
             raise UsageError(f"--teacher: {exc}") from None
     elif env_teachers is not None:

@@ -14,9 +14,10 @@ import anyio
 import pytest
 from support.cli import ROOT, subprocess_env
 
-from opd_stream.testing.mock_sglang import MockOptions
+from opd_stream.testing.mock_sglang import MockOptions, options_to_argv
 from opd_stream.testing.mock_sglang.__main__ import build_parser
 from opd_stream.testing.mock_sglang.__main__ import main as mock_main
+from opd_stream.testing.mock_sglang._options import CLI_VOCAB_SIZE
 
 
 @pytest.fixture
@@ -93,3 +94,11 @@ def test_a_byte_model_tokenizer_that_does_not_load_is_one_line_and_exit_2(
     assert mock_main(["--byte-model-tokenizer", str(tmp_path / "tokenizer.json")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --byte-model-tokenizer: ")
+
+
+def test_a_mock_process_serves_the_vocabulary_of_its_options() -> None:
+    # the command's default differs from MockOptions': a MockProcess passes it on
+    assert options_to_argv(MockOptions()) == ["--vocab-size", "151936"]
+    assert options_to_argv(MockOptions(vocab_size=CLI_VOCAB_SIZE)) == []
+    args = build_parser().parse_args(options_to_argv(MockOptions(head_size=64)))
+    assert (args.vocab_size, args.head_size) == (151_936, 64)

@@ -19,7 +19,7 @@ from .._logging import LOG_LEVELS
 from .._sample import Sample
 from ..config._settings import StreamConfig
 from ..fleet._router import normalize_teachers
-from ._teachers import flag_teachers
+from ._score_options import flag_teachers
 
 __all__ = ("add_probe_arguments", "run_probe_command")
 

@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 from support.cli import run_cli
-from support.xtok_vocabs import family_dir, family_vocab
+from support.xtok_vocabs import family_dir, family_vocab, small_json
+from tokenizers import Tokenizer, models
 
+from opd_stream import InvalidSampleError
+from opd_stream.cli._main import main
+from opd_stream.cli._score_schema import decode_line
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
 from opd_stream.xtok._chat import ChatTemplate
 
@@ -103,5 +107,56 @@ async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path
     assert out["both"]["ok"] is False and "not both" in out["both"]["message"]
     assert out["none"]["reason"] == "invalid_sample"
     assert out["none"]["message"].startswith("teacher_prompt_ids: required: teacher 'ds'")
+    assert "prompt_messages" in out["none"]["message"]  # what a line of the command can give
     assert out["shared"]["ok"] is False
     assert "teacher 'same' has no tokenizer of its own" in out["shared"]["message"]
+
+
+# --- issue 32: a tokenizer file that does not load; the missing teacher prompt --------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not json", "not a readable tokenizer.json (Expecting value"),
+        (  # a model type the tokenizers library does not know
+            json.dumps({"version": "1.0", "model": {"type": "Unknown", "vocab": {}}}),
+            "not a readable tokenizer.json (",
+        ),
+        (  # a model the library reads, but not a byte-level BPE
+            Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).to_str(),
+            "only byte-level BPE tokenizers are supported",
+        ),
+    ],
+    ids=["not-json", "unknown-model-type", "word-level"],
+)
+def test_a_tokenizer_file_that_does_not_load_is_one_line_and_exit_2_before_the_output_is_touched(
+    text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "student.json").write_text(small_json("a"))
+    (tmp_path / "teacher.json").write_text(text)
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
+    kept = tmp_path / "kept.jsonl"
+    kept.write_bytes(b'{"an earlier": "run"}\n')
+    for output in (kept, tmp_path / "new.jsonl"):
+        argv = ["score", "--teacher", "t=http://127.0.0.1:9", "--no-progress"]
+        argv += ["--student-tokenizer", str(tmp_path / "student.json")]
+        argv += ["--teacher-tokenizer", f"t={tmp_path / 'teacher.json'}"]
+        argv += ["--input", str(tmp_path / "in.jsonl"), "--output", str(output)]
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        prefix = f"opd-stream score: error: configuration: teacher_tokenizers[t]: {tmp_path}"
+        assert line.startswith(prefix) and message in line, line
+    assert kept.read_bytes() == b'{"an earlier": "run"}\n'
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+def test_a_line_without_the_teacher_prompt_names_prompt_messages() -> None:
+    line = b'{"prompt_ids": [1, 2], "response_ids": [3], "teacher": "ds"}'
+    with pytest.raises(InvalidSampleError) as info:
+        decode_line(line, line=1, seq=0, own_tokenizer=frozenset({"ds"}))
+    assert info.value.reason == "invalid_sample" and info.value.field == "teacher_prompt_ids"
+    assert "prompt_messages" in str(info.value) and "teacher_prompt_ids" in str(info.value)
+    # a teacher that shares the student's tokenizer needs neither
+    sample = decode_line(line.replace(b'"ds"', b'"same"'), line=1, seq=0, own_tokenizer={"ds"})
+    assert sample.teacher_prompt_ids is None

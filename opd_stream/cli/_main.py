@@ -77,9 +77,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``opd-stream`` command; the exit code (130 after Ctrl-C, at any moment)."""
+    """The ``opd-stream`` command; the exit code (130 after Ctrl-C, at any moment).
+
+    Returns once the answer scanner's background thread has ended (see :func:`_settle`)."""
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:
+            _settle()
     except KeyboardInterrupt:
         args = sys.argv[1:] if argv is None else list(argv)
         command = next((a for a in args if a in _COMMANDS), None)
@@ -136,6 +141,15 @@ def _run(
     except KeyboardInterrupt:
         print(f"opd-stream {command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _settle() -> None:
+    """Let the answer scanner's background thread end before the interpreter does: Python
+    running there during the interpreter's shutdown can abort the process (exit 134; see
+    :func:`opd_stream.scanner._loader.settle`). A compile running apart is not waited for."""
+    from ..scanner._loader import settle
+
+    settle()
 
 
 def _announce_compile(command: str) -> None:

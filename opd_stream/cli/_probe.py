@@ -15,9 +15,11 @@ from typing import Any
 import msgspec
 
 from .._errors import ConfigError, InvalidSampleError
+from .._logging import LOG_LEVELS
 from .._sample import Sample
 from ..config._settings import StreamConfig
 from ..fleet._router import normalize_teachers
+from ._score_options import flag_teachers
 
 __all__ = ("add_probe_arguments", "run_probe_command")
 
@@ -30,8 +32,10 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
         "--teacher",
         action="append",
         metavar="NAME=URL",
-        help="a teacher server (repeatable); replicas joined with '|'; required unless "
-        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
+        help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
+        "as NAME=W*URLS;W*URLS (each member's replicas are probed); a value without a name "
+        "is the teacher 'default'; required unless OPD_STREAM_TEACHERS is set (the flags "
+        "then replace it)",
     )
     p.add_argument(
         "--tolerance",
@@ -56,6 +60,12 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
         metavar="VAR",
         help="read the API key from environment variable VAR (never from the command line)",
     )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,  # keeps a value given before the sub-command
+        help="structlog level, also accepted before 'probe' (default warning)",
+    )
 
 
 class _Usage(Exception):
@@ -66,7 +76,7 @@ def _config(args: argparse.Namespace) -> StreamConfig:
     overrides: dict[str, Any] = {"kl_device": "cpu", "probe_at_start": False}
     if args.teacher:
         try:
-            overrides["teachers"] = normalize_teachers([entry.strip() for entry in args.teacher])
+            overrides["teachers"] = flag_teachers(args.teacher)
         except ConfigError as exc:
             raise _Usage(f"--teacher: {exc}") from None
     elif _TEACHERS_VAR in os.environ:

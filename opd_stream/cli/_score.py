@@ -89,6 +89,7 @@ class _Run:
         # prompt_messages -> a teacher's own chat template (loaded on first use, in the
         # reader thread)
         self._teacher_prompts = TeacherPrompts(cfg.teacher_tokenizers)
+        self._own_tokenizer = frozenset(cfg.teacher_tokenizers or ())
         # input order: one ticket per non-blank line (its seq, or its failure)
         self._tickets_send, self._tickets_recv = anyio.create_memory_object_stream[
             int | SampleFailure
@@ -102,6 +103,7 @@ class _Run:
             teacher_key=self._teacher_key,
             default_teacher=self._default_teacher,
             teacher_prompts=self._teacher_prompts,
+            own_tokenizer=self._own_tokenizer,
         )
 
     async def _samples(self, out: MemoryObjectSendStream[Result]) -> AsyncIterator[Sample]:
@@ -196,11 +198,12 @@ class _Run:
                 self.progress.update(ok=len(reasons) - len(failed), failed=len(failed))
 
     async def run(self) -> None:
+        """Score the input into the output (the stream entered already)."""
         send, receive = anyio.create_memory_object_stream[Result](self.cfg.channel_capacity)
         with self._tickets_send, self._tickets_recv, send, receive:
-            async with self.stream as stream, anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as tg:
                 tg.start_soon(self._writer, receive, tg.cancel_scope)
-                tg.start_soon(self._merge if self.ordered else self._pump, stream, send)
+                tg.start_soon(self._merge if self.ordered else self._pump, self.stream, send)
 
 
 async def run_score(args: argparse.Namespace) -> int:
@@ -228,32 +231,39 @@ async def run_score(args: argparse.Namespace) -> int:
             sink, created = open_output(args.output)  # not truncated yet
         except UsageError as exc:
             return _fail(str(exc))
-        try:
-            stream = OPDStream(cfg)
-            await stream.load()  # imports torch (off the loop), resolves kl_device
-            truncate_output(sink, args.output)
-        except (ConfigError, OSError) as exc:
-            discard_output(sink, args.output, created)
-            if isinstance(exc, ConfigError):
+        async with contextlib.AsyncExitStack() as entered:
+            try:
+                stream = OPDStream(cfg)
+                # entered before the output is emptied: torch is imported (off the loop)
+                # and kl_device resolved, the tokenizers of teachers with their own are
+                # loaded, so that a file that does not load (or a missing [xtok] extra)
+                # leaves the output as it was
+                await entered.enter_async_context(stream)
+            except ConfigError as exc:
+                discard_output(sink, args.output, created)
                 return _fail(f"configuration: {exc}")
-            return _fail(f"cannot write output: {exc.strerror or exc}")
-        notice = scanner_notice()
-        if notice is not None:
-            print(f"{_PROG}: {notice}", file=sys.stderr)
-        run = _Run(args, stream, default, source, sink)
-        log.info(
-            "score_started",
-            teachers=sorted(cfg.teachers),
-            default_teacher=default,
-            top_k=cfg.top_k,
-            order=cfg.order,
-        )
-        try:
-            await run.run()
-        finally:
-            run.progress.close()
-            closed = close_file(sink, args.output)
-            run.output_error = run.output_error or closed
+            try:
+                truncate_output(sink, args.output)
+            except OSError as exc:
+                discard_output(sink, args.output, created)
+                return _fail(f"cannot write output: {exc.strerror or exc}")
+            notice = scanner_notice()
+            if notice is not None:
+                print(f"{_PROG}: {notice}", file=sys.stderr)
+            run = _Run(args, stream, default, source, sink)
+            log.info(
+                "score_started",
+                teachers=sorted(cfg.teachers),
+                default_teacher=default,
+                top_k=cfg.top_k,
+                order=cfg.order,
+            )
+            try:
+                await run.run()
+            finally:
+                run.progress.close()
+                closed = close_file(sink, args.output)
+                run.output_error = run.output_error or closed
     finally:
         if args.input != "-":
             source.close()

@@ -1,20 +1,23 @@
 """The command line of ``opd-stream score``: its options (:func:`add_score_arguments`) and
-the configuration they give (:func:`score_config`: ``OPD_STREAM_*`` variables, then flags)."""
+the configuration they give (:func:`score_config`: ``OPD_STREAM_*`` variables, then flags);
+the teachers of ``--teacher`` flags (:func:`flag_teachers`, ``probe``'s too)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from typing import Any, get_args
 
 from .._errors import ConfigError
 from .._logging import LOG_LEVELS
 from ..config._settings import CacheSalt, IdScoring, StreamConfig
-from ..fleet._router import Teacher, normalize_teachers
+from ..fleet._ensemble import is_ensemble_text
+from ..fleet._router import DEFAULT_TEACHER, Teacher, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
 from ._score_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
-__all__ = ("add_score_arguments", "score_config")
+__all__ = ("add_score_arguments", "flag_teachers", "score_config")
 
 _TEACHERS_VAR = "OPD_STREAM_TEACHERS"
 
@@ -26,8 +29,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME=URL",
         help="a teacher server (repeatable); replicas joined with '|'; a weighted ensemble "
-        "as NAME=W*URLS;W*URLS (weights summing to 1); a URL without a name is the teacher "
-        "'default'; required unless OPD_STREAM_TEACHERS is set (the flags then replace it)",
+        "as NAME=W*URLS;W*URLS (weights summing to 1); a value without a name (a URL, "
+        "replicas or W*URLS;W*URLS) is the teacher 'default'; required unless "
+        "OPD_STREAM_TEACHERS is set (the flags then replace it)",
     )
     p.add_argument(
         "--default-teacher",
@@ -145,7 +149,7 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     if args.teacher:
         try:
             # a plain URL (no NAME=) is the teacher "default", as in OPD_STREAM_TEACHERS
-            teachers = normalize_teachers([entry.strip() for entry in args.teacher])
+            teachers = flag_teachers(args.teacher)
         except ConfigError as exc:
             raise UsageError(f"--teacher: {exc}") from None
     elif env_teachers is not None:
@@ -185,3 +189,35 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
     if args.with_candidates and cfg.top_k == 0:
         raise UsageError("--with-candidates needs top-k mode (--top-k > 0)")
     return cfg, default
+
+
+def flag_teachers(entries: Sequence[str]) -> dict[str, Teacher]:
+    """The teachers that the ``--teacher`` flags ``entries`` name (``score``, ``probe``).
+
+    Each flag is a ``NAME=URL`` entry or, without a name, a value of the teacher
+    ``default`` spelled as in ``OPD_STREAM_TEACHERS``: a URL, replicas joined with ``|``,
+    or a weighted ensemble ``W*URLS;W*URLS``. Several flags without a name are replicas of
+    ``default``.
+
+    Raises:
+        ConfigError: a bad entry, name, URL or ensemble; an ensemble given with other
+            values of ``default``.
+    """
+    values = [entry.strip() for entry in entries]
+    plain = [v for v in values if _is_plain(v)]
+    if len(values) == 1 and plain:
+        # one value of the teacher 'default': a URL, replicas or an ensemble
+        return normalize_teachers({DEFAULT_TEACHER: values[0]})
+    if len(values) > 1 and any(is_ensemble_text(v) for v in plain):
+        raise ConfigError(
+            "an ensemble (W*URLS;W*URLS) is one --teacher value: give it alone, or name it "
+            "(NAME=W*URLS;W*URLS)"
+        )
+    return normalize_teachers(values)
+
+
+def _is_plain(value: str) -> bool:
+    """A value without a name: a ``://`` comes before any ``=`` (as the router reads it)."""
+    scheme_at = value.find("://")
+    equals_at = value.find("=")
+    return scheme_at >= 0 and (equals_at < 0 or scheme_at < equals_at)

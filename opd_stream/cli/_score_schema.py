@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -255,6 +256,7 @@ def decode_line(
     teacher_key: str = "opd_teacher",
     default_teacher: str | None = None,
     teacher_prompts: TeacherPrompts | None = None,
+    own_tokenizer: Collection[str] = (),
 ) -> Sample:
     """Turn one input line into a :class:`Sample` (``sample_id`` = :class:`LineRef`).
 
@@ -269,13 +271,16 @@ def decode_line(
         teacher_key: the metadata key that names the teacher.
         default_teacher: put into ``metadata[teacher_key]`` when the line names no teacher.
         teacher_prompts: renders ``prompt_messages`` with the line's teacher's chat template.
+        own_tokenizer: the teachers with a tokenizer of their own (``--teacher-tokenizer``):
+            a line of one of them gives ``prompt_messages`` or ``teacher_prompt_ids``.
 
     Raises:
         InvalidSampleError: not JSON (field ``json``; nesting too deep included), not the
             schema (the field named by the error path, or ``schema``), an ``id`` that is not
             valid UTF-8, a missing or conflicting token key, an empty ``prompt_ids``, or
-            ``teacher`` disagreeing with ``metadata[teacher_key]``. Messages carry field
-            names, positions and types, never values.
+            ``teacher`` disagreeing with ``metadata[teacher_key]``, no teacher prompt for a
+            teacher with its own tokenizer. Messages carry field names, positions and
+            types, never values.
     """
     try:
         parsed = _DECODER.decode(data)
@@ -336,14 +341,21 @@ def decode_line(
     teacher_prompt = None
     if parsed.teacher_prompt_ids is not None:  # (an empty one fails at intake, named)
         teacher_prompt = np.array(parsed.teacher_prompt_ids, dtype=np.int64)
+    name = metadata.get(teacher_key)
     if parsed.prompt_messages is not None:
         if teacher_prompt is not None:
             raise InvalidSampleError(
                 "prompt_messages", "give teacher_prompt_ids or prompt_messages, not both"
             )
         prompts = teacher_prompts if teacher_prompts is not None else TeacherPrompts(None)
-        name = metadata.get(teacher_key)
         teacher_prompt = prompts.ids(str(name), parsed.prompt_messages, "prompt_messages")
+    elif teacher_prompt is None and name is not None and str(name) in own_tokenizer:
+        raise InvalidSampleError(
+            "teacher_prompt_ids",
+            f"required: teacher {str(name)!r} has its own tokenizer (--teacher-tokenizer), "
+            "so the line gives its prompt: as prompt_messages (chat messages, rendered with "
+            "the teacher's chat template) or as teacher_prompt_ids (the teacher's own ids)",
+        )
     return Sample(
         tokens,
         response_length,

@@ -11,7 +11,9 @@ machine, and loads them when it is done; ``bench/jit_startup.py`` measures both.
 host's process is never held: its exit does not wait for the thread (a daemon) nor for the
 compiling process, which finishes writing the cache for the next run on its own (a Ctrl-C
 in the terminal stops it too). Where no process can be started, or numba cannot cache
-here, the thread compiles in-process instead (still a daemon).
+here, the thread compiles in-process instead (still a daemon). A command about to exit
+(the CLI) calls :func:`settle` first, so that no Python runs in the thread while the
+interpreter shuts down.
 
 Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
 ``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a
@@ -39,6 +41,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from . import _warm
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -52,6 +56,7 @@ __all__ = (
     "available",
     "compiled",
     "prepare",
+    "settle",
     "start",
     "unavailable_reason",
 )
@@ -161,6 +166,8 @@ _kernel: Kernels | None = None
 _failed = False
 _thread: threading.Thread | None = None
 _notice: Callable[[], None] | None = None
+_exiting = threading.Event()  # settle(): the command exits, the thread loads nothing more
+_compiling: subprocess.Popen[bytes] | None = None  # the compiling process, once started
 
 #: What the compiling process runs (``sys.argv[1]``: the folder that holds this package, so
 #: that it compiles these very files).
@@ -181,9 +188,32 @@ def available() -> bool:
 
 def announce_compile(notice: Callable[[], None] | None) -> None:
     """Have ``notice`` called (from the background thread) when the kernels must be compiled
-    rather than loaded from the cache: the CLI's one line. Library use sets none."""
+    rather than loaded from the cache, and no other process is compiling them already (it
+    said so): the CLI's one line. Library use sets none."""
     global _notice
     _notice = notice
+
+
+def settle() -> None:
+    """For a command about to exit (the CLI; never a library): return once the background
+    thread has ended. A thread importing numba or loading the kernels is waited for (a
+    fraction of a second; a compile in this process, where none can run apart, for all of
+    it); one waiting for the compiling process stops waiting (that process fills the cache
+    on its own) and loads nothing.
+
+    Python must not run in that daemon thread while the interpreter shuts down: a garbage
+    collection there that frees a tensor made by ``torch.from_numpy`` re-takes the GIL in
+    torch's C++, the finalising interpreter ends the thread there, and the process aborts
+    ("terminate called without an active exception", exit 134).
+    """
+    thread = _thread
+    if thread is None or thread is threading.current_thread():
+        return
+    _exiting.set()
+    try:
+        thread.join()
+    finally:
+        _exiting.clear()
 
 
 def start() -> None:
@@ -285,12 +315,15 @@ def _background() -> None:
         except Exception as exc:
             _log.debug("opd_stream: kernel cache not read: %s", type(exc).__name__)
     try:
-        if state == "cold":
-            if _notice is not None:
+        if state == "cold" and not _exiting.is_set():
+            if _notice is not None and not _warm.compiling():  # (else the compiling one did)
                 _notice()
-            _compile_elsewhere()
+            if not _compile_elsewhere():
+                return  # the command exits, or the compile was interrupted: load nothing
     except Exception as exc:  # then compile here, below
         _log.debug("opd_stream: kernels not compiled apart: %s", type(exc).__name__)
+    if _exiting.is_set():
+        return  # the command exits (settle): load nothing
     if _cache_state() == "warm":  # loaded from the cache: ~0.4 s
         with loading_lock:
             prepare()
@@ -319,19 +352,25 @@ def _cache_state() -> str:
         return "cold"
 
 
-def _compile_elsewhere() -> None:
-    """Compile the kernels into numba's cache in a process of its own, and wait for it."""
+def _compile_elsewhere() -> bool:
+    """Compile the kernels into numba's cache in a process of its own, and wait for it;
+    False when :func:`settle` stopped the wait or the process was interrupted (a Ctrl-C
+    in the terminal: the next stream to start tries again)."""
+    global _compiling
     if not sys.executable:
         raise RuntimeError("no interpreter to start")
     # the directory that holds the package: opd_stream/scanner/_loader.py, three up
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run(
+    _compiling = subprocess.Popen(
         [sys.executable, "-c", _CHILD, here],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        check=False,
     )
+    while _compiling.poll() is None:
+        if _exiting.wait(0.1):
+            return False
+    return _compiling.returncode >= 0 and _compiling.returncode != 130  # (_warm: Ctrl-C)
 
 
 def _after_fork() -> None:

@@ -16,7 +16,14 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ("main",)
+__all__ = ("compiling", "main")
+
+
+def _lock_path() -> str:
+    """The lock file of this package folder and numba cache directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    key = hashlib.sha256(f"{here}\0{os.environ.get('NUMBA_CACHE_DIR', '')}".encode()).hexdigest()
+    return os.path.join(tempfile.gettempdir(), f"opd_stream-kernels-{key[:16]}.lock")
 
 
 @contextlib.contextmanager
@@ -26,12 +33,26 @@ def _one_at_a_time() -> Iterator[None]:
     except ImportError:  # not POSIX: no lock
         yield
         return
-    here = os.path.dirname(os.path.abspath(__file__))
-    key = hashlib.sha256(f"{here}\0{os.environ.get('NUMBA_CACHE_DIR', '')}".encode()).hexdigest()
-    path = os.path.join(tempfile.gettempdir(), f"opd_stream-kernels-{key[:16]}.lock")
-    with open(path, "a+b") as f:
+    with open(_lock_path(), "a+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
+
+
+def compiling() -> bool:
+    """Whether a compiling process holds the lock now (another process started it): the
+    kernels are on their way into the cache. False where there is no lock to look at."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        with open(_lock_path(), "rb") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file: nobody compiles
+        return False
+    return False
 
 
 def main() -> None:

@@ -3,6 +3,17 @@
 Every :class:`MockOptions` field is a flag (``--fault-http-503 0.1``, ``--per-position
 unpatched``, ``--api-key KEY``, ``--masked-ids 5,7``, ``--no-info-endpoints``). The first line
 printed is ``listening on http://HOST:PORT``; SIGTERM/SIGINT stop the server.
+
+``--vocab-size V``: the ids the server accepts, ``[0, V)`` (any other id is answered 400, as
+SGLang does). The command's default, :data:`CLI_VOCAB_SIZE` (248,320), holds the ids of
+every tokenizer the README names (Qwen 3.5: 248,070; GLM 4.7: 154,856; DeepSeek V3:
+128,815; Llama 3: 128,256); :class:`MockOptions`' own default, for Python use, stays
+Qwen 2.5 / 3's 151,936.
+
+``--byte-model-tokenizer PATH`` (a ``tokenizer.json`` or its directory; the ``[xtok]``
+extra): the sampled tokens' logprobs come from a :class:`ByteModel` over that tokenizer's
+ids (``--byte-model-q``, ``--byte-model-salt``), so that a text has the same logprob in any
+tokenization: for a teacher with another tokenizer. ``--vocab-size`` must hold its ids.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import msgspec
 
 from ._app import MockServer
 from ._bytemodel import ByteModel
-from ._options import MockOptions
+from ._options import CLI_VOCAB_SIZE, MockOptions
 
 __all__ = ("build_parser", "main")
 
@@ -47,16 +58,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--byte-model-tokenizer",
         metavar="PATH",
         help="serve sampled-token logprobs from a ByteModel over this tokenizer.json's ids "
-        "(a file or a directory holding one; the [xtok] extra)",
+        "(a file or a directory holding one; the [xtok] extra): the same logprob for a text "
+        "in any tokenization, for a teacher with another tokenizer; --vocab-size must hold "
+        "its ids",
     )
-    p.add_argument("--byte-model-q", type=float, default=0.5, help="the ByteModel's q")
-    p.add_argument("--byte-model-salt", type=int, default=0, help="the ByteModel's salt")
+    p.add_argument(
+        "--byte-model-q",
+        type=float,
+        default=0.5,
+        help="the ByteModel's geometric ratio q in (0, 1) (default 0.5)",
+    )
+    p.add_argument(
+        "--byte-model-salt",
+        type=int,
+        default=0,
+        help="the ByteModel's salt: two models of another salt or q differ (default 0)",
+    )
     default = MockOptions()
     hints = typing.get_type_hints(MockOptions)
     for name in MockOptions.__struct_fields__:
         flag = "--" + name.replace("_", "-")
         value = getattr(default, name)
-        if name == "masked_ids":
+        if name == "vocab_size":
+            p.add_argument(
+                flag,
+                dest=name,
+                type=int,
+                default=CLI_VOCAB_SIZE,
+                metavar="V",
+                help="token ids accepted: [0, V); others are answered 400 (default "
+                f"{CLI_VOCAB_SIZE}: holds the ids of every tokenizer the README names, "
+                "Qwen 3.5's 248070 the most)",
+            )
+        elif name == "masked_ids":
             p.add_argument(flag, dest=name, type=_int_tuple, default=None, help="comma list")
         elif name == "weight_versions":
             p.add_argument(flag, dest=name, type=_str_tuple, default=(), help="comma list")
@@ -71,13 +105,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(args: argparse.Namespace, options: MockOptions) -> None:
-    byte_model = None
-    if args.byte_model_tokenizer:
-        from ...xtok._vocab import load_vocab
+def _byte_model(args: argparse.Namespace, options: MockOptions) -> ByteModel | None:
+    """The ByteModel of ``--byte-model-tokenizer``, or None.
 
-        vocab = load_vocab("--byte-model-tokenizer", args.byte_model_tokenizer)
-        byte_model = ByteModel(vocab.token_bytes, q=args.byte_model_q, salt=args.byte_model_salt)
+    Raises:
+        ConfigError: the tokenizer does not load, or its ids do not fit ``--vocab-size``.
+        ValueError: a bad ``--byte-model-q``.
+    """
+    if not args.byte_model_tokenizer:
+        return None
+    from ..._errors import ConfigError
+    from ...xtok._vocab import load_vocab
+
+    vocab = load_vocab("--byte-model-tokenizer", args.byte_model_tokenizer)
+    if len(vocab.token_bytes) > options.vocab_size:
+        raise ConfigError(
+            f"--byte-model-tokenizer: its {len(vocab.token_bytes)} ids do not fit "
+            f"--vocab-size {options.vocab_size}"
+        )
+    return ByteModel(vocab.token_bytes, q=args.byte_model_q, salt=args.byte_model_salt)
+
+
+async def _run(
+    args: argparse.Namespace, options: MockOptions, byte_model: ByteModel | None
+) -> None:
     server = MockServer(
         args.role, args.seed, options, host=args.host, port=args.port, byte_model=byte_model
     )
@@ -103,7 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run(args, options))
+        byte_model = _byte_model(args, options)
+    except ValueError as exc:  # ConfigError included
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(args, options, byte_model))
     except OSError as exc:  # e.g. the port is in use
         print(
             f"error: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",

@@ -1,6 +1,7 @@
 """Runtime options of a mock SGLang server: model knobs, protocol mode, latency, capacity, faults.
 
-Every field is also a CLI flag (``--field-name VALUE``, generated from this Struct) and can be
+Every field is also a CLI flag (``--field-name VALUE``, generated from this Struct; the
+command's default ``--vocab-size`` is :data:`CLI_VOCAB_SIZE`) and can be
 changed at runtime, programmatically (``MockServer.set_options``) or over HTTP
 (``POST /mock/options`` with a JSON object of fields).
 """
@@ -11,7 +12,13 @@ from typing import Literal, get_args
 
 import msgspec
 
-__all__ = ("FAULT_KINDS", "FaultKind", "MockOptions")
+__all__ = ("CLI_VOCAB_SIZE", "FAULT_KINDS", "FaultKind", "MockOptions")
+
+CLI_VOCAB_SIZE = 248_320
+"""The command's default ``--vocab-size`` (``python -m opd_stream.testing.mock_sglang``): the
+largest vocabulary the README names (Qwen 3.5's 248,070 ids) rounded up to a multiple of
+256, so that the server takes the ids of any of them. :attr:`MockOptions.vocab_size`
+keeps Qwen 2.5 / 3's 151,936 for Python use."""
 
 FaultKind = Literal[
     "http_500",

@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
+
 from .._process import stop_process
 from ._app import MockServer
 from ._bytemodel import ByteModel
 from ._model import Role
-from ._options import MockOptions
+from ._options import CLI_VOCAB_SIZE, MockOptions
 from ._stats import MockStats
 
 __all__ = ("MockCluster", "MockProcess", "options_to_argv", "serve_mock")
@@ -102,9 +104,10 @@ async def serve_mock(
 
 
 def options_to_argv(options: MockOptions) -> list[str]:
-    """CLI flags reproducing the non-default fields of ``options``."""
+    """CLI flags reproducing the fields of ``options`` that differ from the command's
+    defaults (``--vocab-size``'s is :data:`CLI_VOCAB_SIZE`, not ``MockOptions``')."""
     argv: list[str] = []
-    default = MockOptions()
+    default = msgspec.structs.replace(MockOptions(), vocab_size=CLI_VOCAB_SIZE)
     for name in options.__struct_fields__:
         value = getattr(options, name)
         if value == getattr(default, name):

@@ -258,13 +258,26 @@ def test_tail_is_at_least_zero_and_at_most_the_full_reverse_kl_of_the_mock_model
     tokens = rng.integers(0, 4000, size=24)
     positions = np.arange(1, 24)
     rows, full = model_rows(student, teacher, tokens, positions, min(k, head_size))
-    res, refs = check([rows], strategy)
+    res, _ = check([rows], strategy)  # the library on the servers' float32 rows == reference
     got = res.reverse_kl[0].double().numpy()
+    # The bound is a fact of the exact distributions (the tail bucket merges tokens, and
+    # merging never raises a KL): checked on the closed form's float64 rows. The servers'
+    # float32 rows may exceed it: rounding each head logprob moves the tail's mass
+    # (1 - sum of the head), tiny here, by a large relative amount (found by hypothesis:
+    # seed=0, divergence=0.75, logit_scale=4, tail_logit=-18, head 8, k=7: +4.4e-4 nats
+    # over the bound in the library and in the float64 reference alike).
+    exact, _ = model_rows(student, teacher, tokens, positions, min(k, head_size), np.float64)
+    columns = {key: exact[key].tolist() for _, key in FIELDS}
     for j, bound in enumerate(full):
         assert got[j] >= 0.0
-        # float32 inputs move the values by ~1e-7 relative; the clamp by at most ~TAIL_MIN
-        assert got[j] <= bound + 1e-5 * (1.0 + bound), (strategy, j, got[j], bound)
-        assert refs[j].r <= bound + 1e-5 * (1.0 + bound)
+        ref = reference_position(
+            strategy=strategy,
+            weight_mode="student_p",
+            tail=True,
+            **{key: values[j] for key, values in columns.items()},
+        )
+        # the clamp of the tail's masses (at TAIL_MIN) moves it by at most ~TAIL_MIN
+        assert ref.r <= bound + TAIL_MIN * (1.0 + bound), (strategy, j, ref.r, bound)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -81,16 +81,22 @@ def distribution_rows(
 
 
 def model_rows(
-    student: MockModel, teacher: MockModel, tokens: np.ndarray, positions: np.ndarray, k: int
+    student: MockModel,
+    teacher: MockModel,
+    tokens: np.ndarray,
+    positions: np.ndarray,
+    k: int,
+    dtype: type[np.floating[Any]] = np.float32,
 ) -> tuple[Rows, list[float]]:
-    """What the servers would send (float32) at ``positions``, and the full-vocabulary
-    reverse KL there (float64, from the closed form)."""
+    """What the servers would send (float32; ``dtype=np.float64``: the closed form's exact
+    values) at ``positions``, and the full-vocabulary reverse KL there (float64, from the
+    closed form)."""
     rows_s = student.head_rows(tokens, positions)
     rows_t = teacher.head_rows(tokens, positions)
     assert (rows_s.ids == rows_t.ids).all()  # one candidate pool for both roles
     s_ids, s_lp = student.topk_in(rows_s, k)
     t_ids, t_lp = teacher.topk_in(rows_t, k)
-    f32 = np.float32
+    f32 = dtype
     rows = {
         "s_ids": s_ids,
         "s_lp": s_lp.astype(f32),

@@ -37,7 +37,7 @@ tokenizer in sampled-token mode.
 A teacher with another tokenizer (``--opd-student-tokenizer``, ``--opd-teacher-tokenizers``):
 each trained turn of the sample (a run of ``loss_mask`` 1; the whole response of a
 single-turn sample) is scored after the teacher's own context for it, rendered with its chat
-template (:mod:`._engine` says what the teacher sees in each case), and the values land on
+template (:mod:`._turns` says what the teacher sees in each case), and the values land on
 trained tokens only. Sampled-token mode: Miles' trainer takes ``student_logp -
 teacher_log_probs`` per token (``apply_opd_kl_to_advantages``), so ``teacher_log_probs``
 is ``rollout_log_probs - signal``, where ``signal`` is the documented span signal (each

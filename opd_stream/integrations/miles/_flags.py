@@ -104,7 +104,7 @@ def config_from_miles_args(
       plain ``PATH``, alone or as a one-item list: the teacher ``default``) ->
       ``teacher_tokenizers`` (teachers with another tokenizer; not reference flags: Miles
       declares them only with this adapter). Such a teacher's context is rendered with its
-      chat template (see :mod:`opd_stream.integrations.miles._engine`).
+      chat template (see :mod:`opd_stream.integrations.miles._turns`).
     * ``--opd-divergence`` -> ``divergence`` and ``--opd-jsd-beta`` -> ``jsd_beta``
       (opd_stream's own flags, for a Miles launcher that declares them: the reference has
       neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from support.xtok_vocabs import (
     write_small,
 )
 
+import opd_stream
 from opd_stream import ConfigError, OPDStream, Sample
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.xtok._vocab import Vocab, load_vocab_process, vocab_from_json
@@ -137,3 +140,48 @@ async def test_a_streams_tokenizer_processes_stop_as_it_ends(
         scored = await stream.score(sample)
         assert scored.reverse_kl is not None, scored
     assert all(p is not None and not p.running for p in processes)
+
+
+def test_special_token_strings_are_those_tokens_for_a_chat_templates_text() -> None:
+    local = family_vocab("deepseek-v3")
+    assert local.tokenizer is not None
+    remote = load_vocab_process("teacher_tokenizers[ds]", family_dir("deepseek-v3"))
+    assert remote.process is not None
+    text = "<｜begin▁of▁sentence｜>Hi<｜User｜>Say hi 🎉<｜Assistant｜>"  # noqa: RUF001
+    try:
+        local.tokenizer.encode_special_tokens = False
+        want = local.tokenizer.encode(text, add_special_tokens=False).ids
+    finally:
+        local.tokenizer.encode_special_tokens = True
+    try:
+        assert remote.process.encode(text, specials=True).tolist() == want
+        assert remote.encode(text).tolist() == local.encode(text).tolist() != want
+    finally:
+        remote.close()
+
+
+def test_the_host_process_builds_no_tokenizer_of_a_stream_or_chat_template() -> None:
+    """Loading the stream's tokenizers and a teacher's chat template leaves ``tokenizers``
+    and ``tiktoken`` unimported in the host: every construction holding the GIL (0.1-0.6 s
+    at a stretch) runs in another process."""
+    code = (
+        "import sys\n"
+        "from opd_stream import StreamConfig\n"
+        "from opd_stream._cross import CrossTokenizers\n"
+        "from opd_stream.xtok._chat import ChatTemplate\n"
+        f"config = StreamConfig.from_env({{}}, teachers='http://127.0.0.1:9',"
+        f" student_tokenizer={family_dir('qwen-3.5')!r},"
+        f" teacher_tokenizers={{'default': {family_dir('deepseek-v3')!r}}})\n"
+        "xtok = CrossTokenizers.load(config)\n"
+        f"chat = ChatTemplate.load('teacher_tokenizers[ds]', {family_dir('deepseek-v3')!r})\n"
+        "assert xtok is not None and len(chat.prompt_ids([{'role': 'user', 'content': 'hi'}]))\n"
+        "print(sorted(m for m in ('tokenizers', 'tiktoken') if m in sys.modules))\n"
+        "xtok.close(); chat.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPD_STREAM_")}
+    env["PYTHONPATH"] = str(Path(opd_stream.__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"

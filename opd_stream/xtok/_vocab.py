@@ -2,8 +2,10 @@
 
 Loaded once per stream from a Hugging Face ``tokenizer.json`` (a file, or a model
 directory holding one) with the ``tokenizers`` package (the ``[xtok]`` extra); never
-downloaded. Only byte-level BPE tokenizers (GPT-2 style: Qwen, DeepSeek, GLM, Llama 3,
-MiniMax, ...) are accepted: their every vocabulary entry is a string of byte symbols, so
+downloaded. A stream loads it in a process of its own (:func:`load_vocab_process`,
+:mod:`opd_stream.xtok._worker`), which encodes; the host keeps the bytes of every id.
+Only byte-level BPE tokenizers (GPT-2 style: Qwen, DeepSeek, GLM, Llama 3, MiniMax, ...)
+are accepted: their every vocabulary entry is a string of byte symbols, so
 every token id has exact bytes, and a token may hold part of a UTF-8 character (the bytes
 of one character split over two tokens join again when the tokens are concatenated).
 
@@ -354,14 +356,19 @@ def load_vocab_process(setting: str, path: str) -> Vocab:
     """:func:`load_vocab`'s :class:`Vocab`, its tokenizer loaded and run in a process of
     its own (:mod:`opd_stream.xtok._worker`): what a stream uses, so that no library's
     construction holds the host's GIL. Blocking (the process's start and load, 1-4 s);
-    stop the process with :meth:`Vocab.close`.
+    stop the process with :meth:`Vocab.close`. Where :data:`sys.executable` is empty (an
+    embedded interpreter), :func:`load_vocab`'s, in this process.
 
     Raises:
         ConfigError: as :func:`load_vocab`, or the process cannot start.
     """
+    import sys
+
     from ._worker import EncoderProcess
 
     file = resolve_tokenizer_path(setting, path)
+    if not sys.executable:  # an embedded interpreter with no Python to start: in-process
+        return load_vocab(setting, file)
     process = EncoderProcess(setting, file)
     try:
         loaded = process.loaded

@@ -13,7 +13,8 @@ file as :func:`~opd_stream.xtok._vocab.load_vocab` does, sends back every token'
 standard input closes.
 
 The pipe carries frames: a 4-byte little-endian length, then the payload. Host to worker:
-one byte (``e``: encode, ``r``: with ``tokenizers`` itself), then the text in UTF-8.
+one byte (``e``: encode, ``r``: with ``tokenizers`` itself, ``s``: with ``tokenizers``,
+special-token strings recognised), then the text in UTF-8.
 Worker to host: one byte, then ``L``: the :class:`Loaded` tables (msgpack), once, first;
 ``C``: a configuration error's message (the file does not load; then it exits); ``I``: the
 ids, int64, little-endian; ``E``: an encoding error's message.
@@ -33,13 +34,16 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError
+
+if TYPE_CHECKING:
+    from ._vocab import Vocab
 
 __all__ = ("EncoderError", "EncoderProcess", "Loaded", "main")
 
@@ -85,6 +89,19 @@ def _write_frame(stream: IO[bytes], payload: bytes) -> None:
 # ----------------------------------------------------------------------------- the worker
 
 
+def _with_specials(vocab: Vocab, text: str) -> npt.NDArray[np.int64]:
+    """``tokenizers``' ids of ``text`` with special-token strings recognised as those
+    tokens (a rendered chat template's text), none added. (The worker is single-threaded:
+    the setting is switched back before the next text.)"""
+    tokenizer = vocab.tokenizer
+    assert tokenizer is not None
+    tokenizer.encode_special_tokens = False
+    try:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    finally:
+        tokenizer.encode_special_tokens = True
+
+
 def _serve(path: str, setting: str, inp: IO[bytes], out: IO[bytes]) -> None:
     from ._vocab import load_vocab
 
@@ -106,7 +123,10 @@ def _serve(path: str, setting: str, inp: IO[bytes], out: IO[bytes]) -> None:
     while (frame := _read_frame(inp)) is not None:
         op, text = frame[:1], frame[1:].decode("utf-8", "surrogatepass")
         try:
-            ids = vocab.encode_reference(text) if op == b"r" else vocab.encode(text)
+            if op == b"s":
+                ids = _with_specials(vocab, text)
+            else:
+                ids = vocab.encode_reference(text) if op == b"r" else vocab.encode(text)
         except Exception as exc:  # the libraries' own: the host raises it as EncoderError
             _write_frame(out, b"E" + f"{type(exc).__name__}: {exc}".encode())
             continue
@@ -195,14 +215,19 @@ class EncoderProcess:
         why = f": {lines[-1]}" if lines else ""
         return f"the tokenizer process exited (code {self._proc.returncode}){why}"
 
-    def encode(self, text: str, *, reference: bool = False) -> npt.NDArray[np.int64]:
-        """The ids of ``text`` (as :meth:`~opd_stream.xtok._vocab.Vocab.encode`, or with
-        ``reference``, :meth:`~opd_stream.xtok._vocab.Vocab.encode_reference`).
+    def encode(
+        self, text: str, *, reference: bool = False, specials: bool = False
+    ) -> npt.NDArray[np.int64]:
+        """The ids of ``text``: as :meth:`~opd_stream.xtok._vocab.Vocab.encode`; with
+        ``reference``, as :meth:`~opd_stream.xtok._vocab.Vocab.encode_reference`; with
+        ``specials``, ``tokenizers``' with special-token strings recognised as those
+        tokens (a chat template's text).
 
         Raises:
             EncoderError: the worker exited, or its tokenizer raised.
         """
-        payload = (b"r" if reference else b"e") + text.encode("utf-8", "surrogatepass")
+        op = b"s" if specials else b"r" if reference else b"e"
+        payload = op + text.encode("utf-8", "surrogatepass")
         with self._lock:
             assert self._proc.stdin is not None
             try:

@@ -24,7 +24,7 @@ from support.xtok_vocabs import (
 )
 
 import opd_stream
-from opd_stream import ConfigError, OPDStream, Sample
+from opd_stream import ConfigError, OPDStream, Sample, SampleFailure
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.xtok._vocab import Vocab, load_vocab_process, vocab_from_json
 from opd_stream.xtok._worker import EncoderError
@@ -110,10 +110,7 @@ def test_a_worker_exits_when_its_input_closes_and_ignores_ctrl_c(tmp_path: Path)
     vocab.close()
 
 
-@pytest.mark.anyio
-async def test_a_streams_tokenizer_processes_stop_as_it_ends(
-    tmp_path: Path, anyio_backend: str
-) -> None:
+def _stream_and_sample(tmp_path: Path) -> tuple[OPDStream, Sample]:
     t = "http://teacher:1"
     cfg = stream_config(
         t,
@@ -131,7 +128,15 @@ async def test_a_streams_tokenizer_processes_stop_as_it_ends(
         teacher_prompt_ids=teacher.encode("Question: ").tolist(),
     )
     server = InProcessSGLang("teacher", 1, vocab_size=4096)
-    async with OPDStream(cfg, transport=mock_transport({t: server})) as stream:
+    return OPDStream(cfg, transport=mock_transport({t: server})), sample
+
+
+@pytest.mark.anyio
+async def test_a_streams_tokenizer_processes_stop_as_it_ends(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    stream, sample = _stream_and_sample(tmp_path)
+    async with stream:
         assert stream._parts is not None
         xtok = stream._parts.fetcher.xtok
         assert xtok is not None
@@ -185,3 +190,21 @@ def test_the_host_process_builds_no_tokenizer_of_a_stream_or_chat_template() -> 
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.anyio
+async def test_samples_after_a_teachers_process_died_fail_saying_so(
+    tmp_path: Path, anyio_backend: str
+) -> None:
+    stream, sample = _stream_and_sample(tmp_path)
+    async with stream:
+        assert stream._parts is not None and stream._parts.fetcher.xtok is not None
+        process = stream._parts.fetcher.xtok.teachers["default"].process
+        assert process is not None
+        os.kill(process._proc.pid, signal.SIGKILL)
+        async with stream.run([sample, sample, sample]) as results:
+            got = [r async for r in results]
+    assert len(got) == 3  # nothing lost: each one out, saying why
+    for failure in got:
+        assert isinstance(failure, SampleFailure), failure
+        assert "teacher_tokenizers[default]: the tokenizer process exited" in failure.message

@@ -40,7 +40,7 @@ from .xtok._align import (
     span_signal,
     teacher_candidates,
 )
-from .xtok._vocab import Vocab, load_vocab
+from .xtok._vocab import Vocab, load_vocab_process
 
 __all__ = (
     "THREAD_TOKENS",
@@ -102,8 +102,11 @@ class CrossTokenizers:
 
     @classmethod
     def load(cls, config: StreamConfig) -> CrossTokenizers | None:
-        """Load the configured tokenizers (blocking: ~0.5-3 s each; one load per file), or
-        None when no teacher has its own.
+        """Load the configured tokenizers, or None when no teacher has its own (blocking:
+        ~1-4 s each; one load per file). Each is loaded and run in a process of its own
+        (:mod:`opd_stream.xtok._worker`: building a tokenizer holds the GIL for up to
+        0.6 s at a stretch, which no thread of the host's process may do); stop them with
+        :meth:`close`.
 
         Raises:
             ConfigError: a missing, unreadable or unsupported file, naming the setting and
@@ -115,20 +118,30 @@ class CrossTokenizers:
 
         def load(setting: str, path: str) -> Vocab:
             if path not in loaded:
-                loaded[path] = load_vocab(setting, path)
+                loaded[path] = load_vocab_process(setting, path)
             return loaded[path]
 
-        student = load("student_tokenizer", config.student_tokenizer)
-        teachers = {
-            name: load(f"teacher_tokenizers[{name}]", path)
-            for name, path in config.teacher_tokenizers.items()
-        }
-        return cls(
-            student,
-            teachers,
-            return_alignment=config.return_alignment,
-            top_k=config.top_k > 0,
-        )
+        try:
+            student = load("student_tokenizer", config.student_tokenizer)
+            teachers = {
+                name: load(f"teacher_tokenizers[{name}]", path)
+                for name, path in config.teacher_tokenizers.items()
+            }
+            return cls(
+                student,
+                teachers,
+                return_alignment=config.return_alignment,
+                top_k=config.top_k > 0,
+            )
+        except BaseException:
+            for vocab in loaded.values():
+                vocab.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tokenizers' processes (blocking, briefly)."""
+        for vocab in {id(v): v for v in (self.student, *self.teachers.values())}.values():
+            vocab.close()
 
     def teacher(self, name: str) -> Vocab | None:
         """The teacher's own tokenizer, or None (it shares the student's vocabulary)."""

@@ -254,43 +254,48 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         xtok = None
         if self.config.teacher_tokenizers:
             xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
-        transport = self._transport
-        if transport is None:
-            await import_off_loop((), optional=_default_transport_modules())
-            transport = default_transport(self.config)
-        assert self._device is not None
-        async with transport, anyio.create_task_group() as tg:
-            fetcher = SampleFetcher(
-                self.config,
-                transport,
-                self._stats,
-                threads=self._decode_limiter,
-                xtok=xtok,
-            )
-            self._parts = StreamParts(
-                config=self.config,
-                fetcher=fetcher,
-                router=self._router,
-                stats=self._stats,
-                kl_device=self._device,
-                kl_limiter=anyio.CapacityLimiter(1),
-            )
-            self._in_use = transport
-            self._tg = tg
-            tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
-            # the compiled kernels, once per process, in the background; never waited for
-            # (msgspec decodes until they are ready), and never holding the process (_jit)
-            start_kernels()
-            log.info("stream_started", **self.config.to_log_dict())
-            try:
-                if self.config.probe_at_start:
-                    await self.probe(eject=True)
-                yield self
-            finally:
-                self._tg = None
-                tg.cancel_scope.cancel()
-                for results in list(self._runs):
-                    results.close_receiver()  # handles the caller never closed
+        try:
+            transport = self._transport
+            if transport is None:
+                await import_off_loop((), optional=_default_transport_modules())
+                transport = default_transport(self.config)
+            assert self._device is not None
+            async with transport, anyio.create_task_group() as tg:
+                fetcher = SampleFetcher(
+                    self.config,
+                    transport,
+                    self._stats,
+                    threads=self._decode_limiter,
+                    xtok=xtok,
+                )
+                self._parts = StreamParts(
+                    config=self.config,
+                    fetcher=fetcher,
+                    router=self._router,
+                    stats=self._stats,
+                    kl_device=self._device,
+                    kl_limiter=anyio.CapacityLimiter(1),
+                )
+                self._in_use = transport
+                self._tg = tg
+                tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
+                # the compiled kernels, once per process, in the background; never waited for
+                # (msgspec decodes until they are ready), and never holding the process (_jit)
+                start_kernels()
+                log.info("stream_started", **self.config.to_log_dict())
+                try:
+                    if self.config.probe_at_start:
+                        await self.probe(eject=True)
+                    yield self
+                finally:
+                    self._tg = None
+                    tg.cancel_scope.cancel()
+                    for results in list(self._runs):
+                        results.close_receiver()  # handles the caller never closed
+        finally:
+            if xtok is not None:  # the tokenizers' processes, stopped off the loop
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(xtok.close)
 
     async def _lag_ticker(self) -> None:
         while True:

@@ -41,12 +41,18 @@ def test_the_teacher_chat_templates_render_and_encode_their_special_tokens() -> 
     text = ds.render(MESSAGES)
     assert text.startswith(ds.tokens["bos_token"]) and text.endswith("<｜Assistant｜>")  # noqa: RUF001
     ids = ds.prompt_ids(MESSAGES).tolist()
-    assert ids[0] == ds.tokenizer.token_to_id(ds.tokens["bos_token"])
-    assert ids[-1] == ds.tokenizer.token_to_id("<｜Assistant｜>")  # noqa: RUF001
+    ds_tokenizer = family_vocab("deepseek-v3").tokenizer
+    assert ds_tokenizer is not None
+    assert ids[0] == ds_tokenizer.token_to_id(ds.tokens["bos_token"])
+    assert ids[-1] == ds_tokenizer.token_to_id("<｜Assistant｜>")  # noqa: RUF001
     glm = ChatTemplate.load("t", family_dir("glm-4.7-flash"))  # from chat_template.jinja
     ids = glm.prompt_ids(MESSAGES).tolist()
-    assert ids[0] == glm.tokenizer.token_to_id("[gMASK]")
-    assert glm.tokenizer.decode(ids, skip_special_tokens=False) == glm.render(MESSAGES)
+    glm_tokenizer = family_vocab("glm-4.7-flash").tokenizer
+    assert glm_tokenizer is not None
+    assert ids[0] == glm_tokenizer.token_to_id("[gMASK]")
+    assert glm_tokenizer.decode(ids, skip_special_tokens=False) == glm.render(MESSAGES)
+    ds.close()
+    glm.close()
 
 
 async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ Modules (all private; the public names come from :mod:`opd_stream`):
 * ``_encoder``: an exact tiktoken encoder rebuilt from ``tokenizer.json``
 * ``_align``: one response aligned, and the signal per span
 * ``_chat``: a teacher's chat template
+* ``_worker``: a tokenizer loaded and run in a process of its own (what a stream uses)
 """
 
 __all__: tuple[str, ...] = ()

@@ -29,7 +29,7 @@ from .._errors import ConfigError, InvalidSampleError
 from ._vocab import resolve_tokenizer_path
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from ._worker import EncoderProcess
 
 __all__ = ("ChatTemplate", "TeacherPrompts", "as_messages", "read_template")
 
@@ -102,12 +102,18 @@ def read_template(setting: str, path: str) -> tuple[str, dict[str, str]]:
 
 
 class ChatTemplate:
-    """One teacher's chat template and tokenizer (special tokens recognised in prompts).
+    """One teacher's chat template and tokenizer (special tokens recognised in prompts);
+    the tokenizer is loaded and run in a process of its own
+    (:class:`~opd_stream.xtok._worker.EncoderProcess`: building it in this one would hold
+    the GIL, so the host's event loop, for up to 0.6 s).
 
-    Build it with :meth:`load`; :meth:`prompt_ids` is blocking CPU work (~1 ms).
+    Build it with :meth:`load`; :meth:`prompt_ids` is blocking (~1 ms: the rendering, and a
+    round trip to that process).
     """
 
-    def __init__(self, setting: str, template: str, tokens: dict[str, str], tokenizer: Tokenizer):
+    def __init__(
+        self, setting: str, template: str, tokens: dict[str, str], encoder: EncoderProcess
+    ):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -129,11 +135,12 @@ class ChatTemplate:
         self._error = jinja2.TemplateError
         self.setting = setting
         self.tokens = tokens
-        self.tokenizer = tokenizer
+        self.encoder = encoder
 
     @classmethod
     def load(cls, setting: str, path: str) -> ChatTemplate:
-        """The chat template beside the tokenizer that ``path`` names (blocking, ~1 s).
+        """The chat template beside the tokenizer that ``path`` names, its tokenizer's
+        process started (blocking, 1-4 s).
 
         Raises:
             ConfigError: no template there, or jinja2/tokenizers missing, or an unreadable
@@ -144,17 +151,18 @@ class ChatTemplate:
         template, tokens = read_template(setting, path)
         try:
             import jinja2  # noqa: F401
-            from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError(
                 f"{setting}: rendering a teacher prompt needs jinja2 and tokenizers "
                 "(pip install 'opd-stream[xtok]')"
             ) from None
-        try:
-            tokenizer = Tokenizer.from_file(file)
-        except Exception as exc:  # the tokenizers parser: the file is not readable
-            raise ConfigError(f"{setting}: cannot read the tokenizer in {folder}: {exc}") from None
-        return cls(setting, template, tokens, tokenizer)
+        from ._worker import EncoderProcess
+
+        try:  # in a process of its own: building it would hold the host's GIL ~0.3-0.6 s
+            process = EncoderProcess(setting, file)
+        except ConfigError as exc:
+            raise ConfigError(f"{setting}: cannot read the tokenizer in {folder} ({exc})") from None
+        return cls(setting, template, tokens, process)
 
     def render(
         self,
@@ -197,10 +205,14 @@ class ChatTemplate:
             InvalidSampleError: the template refuses the messages, or renders nothing.
         """
         text = self.render(messages, field, tools=tools)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if not ids:
+        ids = self.encoder.encode(text, specials=True)
+        if not ids.shape[0]:
             raise InvalidSampleError(field, "the teacher's chat template rendered no tokens")
-        return np.asarray(ids, dtype=np.int64)
+        return ids
+
+    def close(self) -> None:
+        """Stop the tokenizer's process (blocking, briefly)."""
+        self.encoder.close()
 
 
 class TeacherPrompts:

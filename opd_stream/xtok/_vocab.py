@@ -2,8 +2,10 @@
 
 Loaded once per stream from a Hugging Face ``tokenizer.json`` (a file, or a model
 directory holding one) with the ``tokenizers`` package (the ``[xtok]`` extra); never
-downloaded. Only byte-level BPE tokenizers (GPT-2 style: Qwen, DeepSeek, GLM, Llama 3,
-MiniMax, ...) are accepted: their every vocabulary entry is a string of byte symbols, so
+downloaded. A stream loads it in a process of its own (:func:`load_vocab_process`,
+:mod:`opd_stream.xtok._worker`), which encodes; the host keeps the bytes of every id.
+Only byte-level BPE tokenizers (GPT-2 style: Qwen, DeepSeek, GLM, Llama 3, MiniMax, ...)
+are accepted: their every vocabulary entry is a string of byte symbols, so
 every token id has exact bytes, and a token may hold part of a UTF-8 character (the bytes
 of one character split over two tokens join again when the tokens are concatenated).
 
@@ -12,7 +14,8 @@ DeepSeek's end of sentence, ...) is **textless**: it has no bytes (it is a contr
 not text; see :mod:`opd_stream.xtok._align` for what its signal is). A non-special added token
 (``<think>`` in Qwen 3.5 and GLM 4.7) is its text, UTF-8 encoded.
 
-Nothing here does I/O but :func:`load_vocab` (which reads one file).
+Nothing here does I/O but :func:`load_vocab` (which reads one file) and
+:func:`load_vocab_process` (which starts a process that does).
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from ._encoder import FastEncoder, fast_encoder
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from ._worker import EncoderProcess
+
 __all__ = (
     "Vocab",
     "byte_symbols",
     "load_vocab",
+    "load_vocab_process",
     "normalize_teacher_tokenizers",
     "normalize_tokenizer_path",
     "resolve_tokenizer_path",
@@ -145,7 +151,9 @@ class Vocab:
         lengths: int64 ``[size]``, ``len(token_bytes[id])``.
         textless: bool ``[size]``: special added tokens (no bytes).
         tokenizer: the ``tokenizers.Tokenizer``, set to encode special-token strings as
-            plain text (a response's text is text, whatever it spells).
+            plain text (a response's text is text, whatever it spells); None when the
+            tokenizer runs in a process of its own (:attr:`process`).
+        process: that process (:func:`load_vocab_process`), which encodes; else None.
     """
 
     def __init__(
@@ -154,8 +162,10 @@ class Vocab:
         path: str,
         token_bytes: list[bytes],
         textless: npt.NDArray[np.bool_],
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         fast: FastEncoder | None = None,
+        *,
+        process: EncoderProcess | None = None,
     ) -> None:
         self.setting = setting
         self.path = path
@@ -168,19 +178,43 @@ class Vocab:
         self.textless = textless
         self.tokenizer = tokenizer
         self.fast = fast
+        self.process = process
 
     @property
     def encoder(self) -> str:
         """What encodes text: ``"tiktoken"`` (the exact fast encoder of
         :mod:`opd_stream.xtok._encoder`) or ``"tokenizers"``."""
+        if self.process is not None:
+            return self.process.loaded.encoder
         return "tokenizers" if self.fast is None else "tiktoken"
+
+    def special_texts(self) -> dict[int, str]:
+        """The text that names each textless (special) token, by id (``<|im_end|>``)."""
+        if self.process is not None:
+            return dict(self.process.loaded.special)
+        assert self.tokenizer is not None
+        return {
+            int(i): str(self.tokenizer.id_to_token(int(i)) or "")
+            for i in np.flatnonzero(self.textless)
+        }
+
+    def close(self) -> None:
+        """Stop :attr:`process`, if any (blocking, briefly); nothing otherwise."""
+        if self.process is not None:
+            self.process.close()
 
     def __repr__(self) -> str:
         return f"Vocab({self.setting}={self.path!r}, size={self.size})"
 
     def encode(self, text: str) -> npt.NDArray[np.int64]:
         """The ids of ``text`` (no special tokens added; special-token strings are text):
-        :attr:`fast`'s when it can say, else ``tokenizers``' (the same ids)."""
+        :attr:`fast`'s when it can say, else ``tokenizers``' (the same ids).
+
+        Raises:
+            EncoderError: :attr:`process` exited.
+        """
+        if self.process is not None:
+            return self.process.encode(text)
         if self.fast is not None:
             ids = self.fast.encode(text)
             if ids is not None:
@@ -189,6 +223,9 @@ class Vocab:
 
     def encode_reference(self, text: str) -> npt.NDArray[np.int64]:
         """The ids of ``text`` from ``tokenizers`` itself."""
+        if self.process is not None:
+            return self.process.encode(text, reference=True)
+        assert self.tokenizer is not None
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets: half the CPU
         fast = getattr(self.tokenizer, "encode_batch_fast", None)
         if fast is not None:
@@ -313,3 +350,34 @@ def load_vocab(setting: str, path: str) -> Vocab:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{setting}: cannot read tokenizer file {file}: {exc}") from None
     return vocab_from_json(setting, file, text)
+
+
+def load_vocab_process(setting: str, path: str) -> Vocab:
+    """:func:`load_vocab`'s :class:`Vocab`, its tokenizer loaded and run in a process of
+    its own (:mod:`opd_stream.xtok._worker`): what a stream uses, so that no library's
+    construction holds the host's GIL. Blocking (the process's start and load, 1-4 s);
+    stop the process with :meth:`Vocab.close`. Where :data:`sys.executable` is empty (an
+    embedded interpreter), :func:`load_vocab`'s, in this process.
+
+    Raises:
+        ConfigError: as :func:`load_vocab`, or the process cannot start.
+    """
+    import sys
+
+    from ._worker import EncoderProcess
+
+    file = resolve_tokenizer_path(setting, path)
+    if not sys.executable:  # an embedded interpreter with no Python to start: in-process
+        return load_vocab(setting, file)
+    process = EncoderProcess(setting, file)
+    try:
+        loaded = process.loaded
+        lengths = np.frombuffer(loaded.lengths, dtype="<i8").astype(np.int64)
+        ends = np.cumsum(lengths).tolist()
+        flat = loaded.flat
+        token_bytes = [flat[e - n : e] for e, n in zip(ends, lengths.tolist(), strict=True)]
+        textless = np.frombuffer(loaded.textless, dtype=np.bool_).copy()
+        return Vocab(setting, file, token_bytes, textless, None, process=process)
+    except BaseException:
+        process.close()
+        raise

@@ -2,8 +2,14 @@
 how long did any of our calls hold its loop? Run by tests/test_loop_stall.py as
 
     python tests/support/loop_stall.py BACKEND TEACHER_URL STUDENT_URL
+    python tests/support/loop_stall.py BACKEND TEACHER_URL --xtok SAMPLES_JSON
 
 (BACKEND ``asyncio`` or ``trio``); it prints one JSON object (see :func:`report`).
+
+With ``--xtok``, the host's teacher has another tokenizer: SAMPLES_JSON holds the two
+tokenizer paths (``student_tokenizer``, ``teacher_tokenizer``) and the samples (student
+ids, the teacher prompt in the teacher's ids); the stream loads both tokenizers as it
+starts, scores the samples in sampled-token mode, and leaves.
 
 The host imports what it uses at the top of its module, as hosts do, before its loop runs;
 torch is not imported (the process is cold: nothing of torch, numba or the tokenizers is
@@ -31,11 +37,12 @@ import json
 import sys
 import threading
 import time
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
-from opd_stream import OPDStream, Sample, StreamConfig
+from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 
 SLEEP_S = 0.005
 
@@ -123,6 +130,31 @@ async def _use(teacher: str, student: str) -> None:
     await anyio.sleep(0.05)
 
 
+async def _use_xtok(teacher: str, given: dict[str, Any]) -> None:
+    samples = [Sample(**fields) for fields in given["samples"]]
+    _phase("construct")
+    config = StreamConfig.from_env(
+        {},
+        teachers=teacher,
+        student_tokenizer=given["student_tokenizer"],
+        teacher_tokenizers={"default": given["teacher_tokenizer"]},
+    )
+    stream = OPDStream(config)
+    _phase("enter")
+    async with stream:
+        _phase("run")
+        async with stream.run(samples) as results:
+            got = [item async for item in results]
+        failed = [item for item in got if not isinstance(item, ScoredSample)]
+        assert len(got) == len(samples) and not failed, failed
+        _phase("score")
+        scored = await stream.score(samples[0])
+        assert scored.reverse_kl is not None, scored
+        _phase("exit")
+    _phase("after")
+    await anyio.sleep(0.05)
+
+
 def _gc_within(start: float, end: float) -> float:
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in _collections)
 
@@ -168,16 +200,26 @@ def report() -> dict[str, object]:
     }
 
 
-async def main(teacher: str, student: str) -> None:
+async def main(teacher: str, student: str, xtok: dict[str, Any] | None) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_heartbeat)
         await anyio.sleep(0.05)
-        await _use(teacher, student)
+        if xtok is None:
+            await _use(teacher, student)
+        else:
+            await _use_xtok(teacher, xtok)
         tg.cancel_scope.cancel()
 
 
 if __name__ == "__main__":
-    backend, teacher_url, student_url = sys.argv[1:4]
+    backend, teacher_url = sys.argv[1:3]
+    xtok = None
+    if sys.argv[3] == "--xtok":
+        student_url = ""
+        with open(sys.argv[4], encoding="utf-8") as f:
+            xtok = json.load(f)
+    else:
+        student_url = sys.argv[3]
     gc.callbacks.append(_on_gc)
-    anyio.run(main, teacher_url, student_url, backend=backend)
+    anyio.run(main, teacher_url, student_url, xtok, backend=backend)
     print(json.dumps(report()))

@@ -108,7 +108,7 @@ def trained_turns(loss_mask: Any, r: int) -> list[tuple[int, int]]:
 def special_texts(vocab: Vocab) -> re.Pattern[str] | None:
     """A pattern matching the text of any textless (special) token of ``vocab``
     (``<|im_start|>``, ...), longest first; None when it has none."""
-    texts = {vocab.tokenizer.id_to_token(int(i)) for i in np.flatnonzero(vocab.textless)}
+    texts = set(vocab.special_texts().values())
     ordered = sorted((t for t in texts if t), key=len, reverse=True)
     return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 

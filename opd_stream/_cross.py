@@ -7,7 +7,8 @@
   ``teacher_prompt_ids + teacher ids of the response text``. The fetch stage runs it, in a
   decode thread for a response of :data:`THREAD_TOKENS` tokens or more (re-tokenisation
   costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3 with tokenizers;
-  the loop keeps the short ones).
+  the loop keeps the short ones), and always in a decode thread where the teacher's encoder
+  runs in a process of its own (a pipe is never waited on from the loop).
 * :func:`score_cross`: the KL stage's result for such a sample in sampled-token mode (one
   value per student token, :func:`~opd_stream.xtok._align.span_signal`, and the alignment when
   asked for); in top-k mode (only-student) :func:`topk_candidates` picks what the teacher
@@ -137,6 +138,13 @@ class CrossTokenizers:
             for vocab in loaded.values():
                 vocab.close()
             raise
+
+    @property
+    def encodes_apart(self) -> bool:
+        """Whether a teacher's encoder runs in a process of its own
+        (:mod:`opd_stream.xtok._worker`): :meth:`prepare` then waits on a pipe, so it never
+        runs on the event loop, however short the response."""
+        return any(vocab.process is not None for vocab in self.teachers.values())
 
     def close(self) -> None:
         """Stop the tokenizers' processes (blocking, briefly)."""

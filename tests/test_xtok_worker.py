@@ -207,4 +207,6 @@ async def test_samples_after_a_teachers_process_died_fail_saying_so(
     assert len(got) == 3  # nothing lost: each one out, saying why
     for failure in got:
         assert isinstance(failure, SampleFailure), failure
+        assert failure.reason == "encoder_failed", failure
         assert "teacher_tokenizers[default]: the tokenizer process exited" in failure.message
+        assert "please report" not in failure.message  # not a bug of ours

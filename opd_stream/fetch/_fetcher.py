@@ -33,7 +33,6 @@ from .._errors import (
     CapabilityError,
     ConnectionFailed,
     DeadlineExceeded,
-    InvalidSampleError,
     OPDStreamError,
     WeightVersionChanged,
 )
@@ -376,7 +375,8 @@ class SampleFetcher:
         return new_salt() if self._cfg.cache_salt == "per-sample" else None
 
     async def _cross(self, prepared: PreparedSample, xtok: CrossTokenizers) -> CrossSample:
-        """Re-tokenise the response for its teacher (in a decode thread when it is long)."""
+        """Re-tokenise the response for its teacher (in a decode thread when it is long, or
+        when the teacher's encoder runs in a process of its own: never a pipe on the loop)."""
 
         def timed() -> CrossSample:
             start = time.thread_time()
@@ -386,10 +386,10 @@ class SampleFetcher:
                 self._stats.cpu.align += time.thread_time() - start
 
         try:
-            if prepared.response_length >= THREAD_TOKENS:
+            if xtok.encodes_apart or prepared.response_length >= THREAD_TOKENS:
                 return await anyio.to_thread.run_sync(timed, limiter=self._threads)
             return timed()
-        except InvalidSampleError as exc:
+        except OPDStreamError as exc:  # a bad sample; the tokenizer's process gone (EncoderError)
             raise ScoreAttemptError(exc, 0) from None
 
     async def _fetch_cross(

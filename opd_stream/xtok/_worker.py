@@ -40,7 +40,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import ConfigError
+from .._errors import ConfigError, OPDStreamError
 
 if TYPE_CHECKING:
     from ._vocab import Vocab
@@ -52,8 +52,12 @@ _LENGTH: Final = struct.Struct("<I")
 STOP_S: Final = 5.0
 
 
-class EncoderError(RuntimeError):
-    """The encoder process failed: it exited, or could not encode a text."""
+class EncoderError(OPDStreamError, RuntimeError):
+    """The encoder process failed: it exited (killed, out of memory), or could not encode a
+    text. The samples that need it fail with reason ``encoder_failed``; it is not restarted
+    (a new stream starts a new one)."""
+
+    reason = "encoder_failed"
 
 
 class Loaded(msgspec.Struct, frozen=True):

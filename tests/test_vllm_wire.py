@@ -1,4 +1,4 @@
-"""The vLLM wire (issue 33 §1): request bodies for vLLM 0.34.0's scale-out generate and
+"""The vLLM wire (issue 33, part 1): request bodies for vLLM 0.34.0's scale-out generate and
 OpenAI completions, and their answers decoded into the same ScoreRows as SGLang's.
 
 Answers are written here by hand the way vLLM writes them (``np.save`` + base64 as

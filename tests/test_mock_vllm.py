@@ -542,3 +542,18 @@ def test_cli_serves_and_no_scale_out_answers_403() -> None:
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == 403
         err.value.close()
+
+
+async def test_an_actual_token_inside_the_top_n_keeps_first_place_with_its_top_rank(
+    vllm: MockCluster, session: aiohttp.ClientSession
+) -> None:
+    prefix = TOKENS[:5]
+    second = int(MODEL.topk(np.array([*prefix, 0]), [5], 2)[0][0, 1])
+    toks = [*prefix, second]
+    _, ans = await post(
+        session, vllm.url, "/inference/v1/generate", gen_body(toks, prompt_logprobs=3)
+    )
+    d = ans["prompt_logprobs"][5]
+    best, _, third = MODEL.topk(np.array(toks), [5], 3)[0][0].tolist()
+    assert list(d) == [str(second), str(best), str(third)]
+    assert [e["rank"] for e in d.values()] == [2, 1, 3]

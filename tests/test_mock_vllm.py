@@ -557,3 +557,15 @@ async def test_an_actual_token_inside_the_top_n_keeps_first_place_with_its_top_r
     best, _, third = MODEL.topk(np.array(toks), [5], 3)[0][0].tolist()
     assert list(d) == [str(second), str(best), str(third)]
     assert [e["rank"] for e in d.values()] == [2, 1, 3]
+
+
+async def test_what_the_mock_does_not_serve_is_refused_not_ignored(
+    vllm: MockCluster, session: aiohttp.ClientSession
+) -> None:
+    for body in (gen_body(logprobs=2), {**gen_body(), "stream": True}):
+        status, ans = await post(session, vllm.url, "/inference/v1/generate", body)
+        assert status == 400 and "mock vLLM server" in ans["error"]["message"]
+    status, ans = await post(
+        session, vllm.url, "/v1/completions", {"prompt": "text", "max_tokens": 1}
+    )
+    assert status == 400 and "no tokenizer" in ans["error"]["message"]

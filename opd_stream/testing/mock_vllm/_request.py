@@ -436,6 +436,11 @@ def parse_generate(
         )
     if stream:
         raise VllmError("The mock vLLM server does not stream: send stream=false.")
+    if s.logprobs is not None:
+        raise VllmError(
+            "The mock vLLM server does not return output-token logprobs "
+            "(sampling_params.logprobs): score the tokens as prompt rows instead."
+        )
     # Engine layer.
     arr = _validate_logprobs(s, lim)
     return _item(tokens, s, arr, lim, f"generate-tokens-{base}", salt, return_ids), stream

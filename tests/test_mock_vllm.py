@@ -18,7 +18,13 @@ import aiohttp
 import numpy as np
 import pytest
 
-from opd_stream.testing.mock_sglang import MockCluster, MockModel, MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import (
+    ByteModel,
+    MockCluster,
+    MockModel,
+    MockOptions,
+    serve_mock,
+)
 from opd_stream.testing.mock_vllm import (
     SCALE_OUT_DISABLED,
     VllmMockOptions,
@@ -569,3 +575,45 @@ async def test_what_the_mock_does_not_serve_is_refused_not_ignored(
         session, vllm.url, "/v1/completions", {"prompt": "text", "max_tokens": 1}
     )
     assert status == 400 and "no tokenizer" in ans["error"]["message"]
+
+
+async def test_byte_model_and_offset_move_vllm_values_as_sglang_ones(
+    session: aiohttp.ClientSession,
+) -> None:
+    bm = ByteModel([bytes([i % 251 + 1]) * (1 + i % 3) for i in range(V)], q=0.6)
+    sg = MockOptions(vocab_size=V, head_size=H, logprob_offset=-0.25)
+    vo = VllmMockOptions(vocab_size=V, head_size=H, logprob_offset=-0.25)
+    start = 4
+    rows = [[TOKENS[start + i + 1], 2] for i in range(L - 1 - start)]
+    async with (
+        serve_vllm_mock(options=vo, byte_model=bm) as v,
+        serve_mock(options=sg, byte_model=bm) as s,
+    ):
+        _, va = await post(
+            session,
+            v.url,
+            "/inference/v1/generate",
+            gen_body(prompt_logprob_start=start, prompt_logprob_token_ids=rows, prompt_logprobs=2),
+        )
+        _, sa = await post(
+            session,
+            s.url,
+            "/generate",
+            {
+                "input_ids": TOKENS,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "top_logprobs_num": 2,
+                "token_ids_logprob": [2],
+            },
+        )
+    meta = sa["meta_info"]
+    arr = npy(va)
+    want = [row[0] for row in meta["input_token_logprobs"][1:]]
+    assert arr[:, 0].tolist() == want  # the byte model's values, offset
+    assert want[0] == float(np.float32(bm.token_logprobs(np.array(TOKENS), [start + 1])[0] - 0.25))
+    assert arr[:, 1].tolist() == [r[0][0] for r in meta["input_token_ids_logprobs"][1:]]
+    for p, top in zip(range(start + 1, L), meta["input_top_logprobs"][1:], strict=True):
+        d = va["prompt_logprobs"][p]
+        assert [d[str(t[1])]["logprob"] for t in top] == [t[0] for t in top]

@@ -267,3 +267,23 @@ async def test_the_mocks_400_messages_are_vllms(session: aiohttp.ClientSession) 
             # A body-layer error wraps the sentence in pydantic's report; the sentence is vLLM's.
             sentence = message.rsplit("Value error, ", 1)[-1]
             assert any(p.fullmatch(sentence) for p in patterns), (sp, sentence)
+
+
+COMPLETION_REJECTED = [
+    {"prompt_logprobs": -3},
+    {"prompt_logprobs": 2, "stream": True},
+    {"prompt_logprobs": 21},
+    {"max_tokens": 0},
+]
+
+
+async def test_the_completions_400_messages_are_vllms(session: aiohttp.ClientSession) -> None:
+    patterns = _message_patterns(COMPLETION) + _message_patterns(SAMPLING)
+    async with serve_vllm_mock(options=VllmMockOptions(vocab_size=V, head_size=16)) as srv:
+        for extra in COMPLETION_REJECTED:
+            body = {"prompt": TOKENS, "max_tokens": 1, **extra}
+            async with session.post(srv.url + "/v1/completions", json=body) as r:
+                assert r.status == 400, extra
+                message = (await r.json())["error"]["message"]
+            sentence = message.rsplit("Value error, ", 1)[-1]
+            assert any(p.fullmatch(sentence) for p in patterns), (extra, sentence)

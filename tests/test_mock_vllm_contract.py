@@ -287,3 +287,22 @@ async def test_the_completions_400_messages_are_vllms(session: aiohttp.ClientSes
                 message = (await r.json())["error"]["message"]
             sentence = message.rsplit("Value error, ", 1)[-1]
             assert any(p.fullmatch(sentence) for p in patterns), (extra, sentence)
+
+
+def test_the_mock_is_independent_of_the_client_code() -> None:
+    """The mock is the reference the client is tested against: it imports nothing of the
+    client (wire, fetch, fleet, config), only the SGLang mock it shares the model with."""
+    import opd_stream.testing.mock_vllm as pkg
+
+    client = ("wire", "fetch", "fleet", "config", "stream", "kl")
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                parts = module.split(".")
+                if node.level == 0:
+                    assert parts[0] != "opd_stream" or parts[1] == "testing", (path, module)
+                else:  # relative: at most up to opd_stream.testing
+                    assert node.level <= 2 and parts[0] not in client, (path, module)
+            elif isinstance(node, ast.Import):
+                assert all(not a.name.startswith("opd_stream") for a in node.names), path

@@ -404,7 +404,7 @@ async def test_answer_fields_request_id_usage_weight_versions_and_prompt_ids(
     assert plain["prompt_token_ids"] is None
 
 
-async def test_greedy_generation_matches_the_sglang_mock(session: aiohttp.ClientSession) -> None:
+async def test_generation_matches_the_sglang_mock(session: aiohttp.ClientSession) -> None:
     async with (
         serve_vllm_mock(options=OPTS) as v,
         serve_mock(options=MockOptions(vocab_size=V, head_size=H)) as s,
@@ -418,6 +418,23 @@ async def test_greedy_generation_matches_the_sglang_mock(session: aiohttp.Client
         )
         assert va["choices"][0]["token_ids"] == sa["output_ids"]
         assert va["usage"]["completion_tokens"] == 6
+        # Sampled with a seed: the same draw as the SGLang mock's sampling_seed.
+        _, va = await post(
+            session,
+            v.url,
+            "/inference/v1/generate",
+            gen_body(max_tokens=8, temperature=1.5, seed=7),
+        )
+        _, sa = await post(
+            session,
+            s.url,
+            "/generate",
+            {
+                "input_ids": TOKENS,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.5, "sampling_seed": 7},
+            },
+        )
+        assert va["choices"][0]["token_ids"] == sa["output_ids"]
 
 
 # ---------------------------------------------------------------- completions
@@ -575,6 +592,30 @@ async def test_what_the_mock_does_not_serve_is_refused_not_ignored(
         session, vllm.url, "/v1/completions", {"prompt": "text", "max_tokens": 1}
     )
     assert status == 400 and "no tokenizer" in ans["error"]["message"]
+
+
+async def test_another_model_name_is_vllms_404(
+    vllm: MockCluster, session: aiohttp.ClientSession
+) -> None:
+    for path, body in (
+        ("/inference/v1/generate", {**gen_body(), "model": "other"}),
+        ("/v1/completions", {"prompt": TOKENS, "max_tokens": 1, "model": "other"}),
+    ):
+        status, ans = await post(session, vllm.url, path, body)
+        assert status == 404
+        assert ans["error"] == {
+            "message": "The model `other` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    status, _ = await post(
+        session,
+        vllm.url,
+        "/v1/completions",
+        {"prompt": TOKENS, "max_tokens": 1, "model": "mock-teacher"},
+    )
+    assert status == 200
 
 
 async def test_byte_model_and_offset_move_vllm_values_as_sglang_ones(

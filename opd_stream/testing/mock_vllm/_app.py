@@ -206,7 +206,7 @@ class VllmMockServer:
 
     def _limits(self) -> Limits:
         o = self.options
-        return Limits(o.vocab_size, o.context_length, o.effective_max_logprobs())
+        return Limits(o.vocab_size, o.context_length, o.effective_max_logprobs(), self.model_name)
 
     # ------------------------------------------------------------------ middleware
 

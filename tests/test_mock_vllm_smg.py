@@ -9,7 +9,8 @@ binary: which scoring paths pass.
   refused with 400 (``prompt`` must be a string or a list of strings), and the body needs a
   ``model``; only text prompts reach a worker.
 
-So vLLM teachers are scored directly (their URLs as replicas), not through smg 1.13.0.
+So vLLM teachers behind smg 1.13.0 are scored directly: router discovery (``GET /workers``)
+lists them, and requests then go to the workers, never through smg.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 from support.routers import _launched
 
+from opd_stream.fleet._discovery import parse_router_workers
 from opd_stream.testing.mock_vllm import VllmMockOptions, VllmMockProcess
 from opd_stream.testing.router import SMGGateway
 
@@ -63,11 +65,18 @@ def fleet() -> Iterator[tuple[str, list[str]]]:
             w.kill()
 
 
-def test_smg_registers_vllm_workers(fleet: tuple[str, list[str]]) -> None:
+def test_smg_registers_vllm_workers_and_discovery_lists_them(
+    fleet: tuple[str, list[str]],
+) -> None:
     gateway, urls = fleet
-    listed = get(gateway + "/workers")["workers"]
+    with urllib.request.urlopen(gateway + "/workers", timeout=5) as resp:
+        body = resp.read()
+    listed = json.loads(body)["workers"]
     assert {w["url"] for w in listed} == set(urls)
     assert {w["runtime_type"] for w in listed} == {"vllm"}
+    # The client's router discovery reads the same listing: its workers are then scored
+    # directly, the scale-out path included.
+    assert sorted(parse_router_workers(body) or []) == sorted(urls)
 
 
 def test_the_scale_out_path_is_not_routed(fleet: tuple[str, list[str]]) -> None:

@@ -258,8 +258,10 @@ class EngineDirectory:
         return self._endpoints(url).engine
 
     def detects(self, url: str) -> bool:
-        """A 404/405 from ``url``'s ``/generate`` means: detect its engine (auto, unknown)."""
-        return self.known(url) is None
+        """A 404/405 from ``url``'s ``/generate`` means: ask again in its engine, detected
+        now (auto, unknown) or already (a request sent as SGLang's while a concurrent one
+        detected it); not for a URL known or set to be SGLang."""
+        return self.known(url) != "sglang"
 
     def answered(self, url: str, engine: Engine) -> None:
         """``url`` answered a request of ``engine`` (200): under auto, its engine is known."""

@@ -51,9 +51,14 @@ def test_score_flags_replace_the_environment_and_default_to_it(
     assert cfg.server_engines == {T: "sglang"}
 
 
-def test_an_unknown_engine_is_a_usage_error() -> None:
+def test_an_unknown_engine_is_a_usage_error_naming_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args([*_SCORE, "--teacher", T, "--engine", "tgi"])
+    err = capsys.readouterr().err
+    assert "--engine: invalid choice: 'tgi'" in err
+    assert "'vllm-completions'" in err
 
 
 def test_probe_flags_set_the_engines() -> None:

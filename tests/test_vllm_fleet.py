@@ -285,14 +285,14 @@ async def test_a_detected_completions_server_fails_an_ids_strategy_per_sample() 
 
 
 @pytest.mark.anyio
-async def test_the_probe_names_each_replicas_engine_and_a_mixed_pool_agrees() -> None:
+async def test_probe_at_start_finds_every_servers_engine_and_a_mixed_pool_agrees() -> None:
     a, b = "http://a:1", "http://b:1"
-    vllm = FakeVLLM()
-    cfg = stream_config({"default": [a, b]}, **FAST_BACKOFF, probe_at_start=True)
-    transport = MockTransport(route({a: InProcessSGLang("teacher", 1), b: vllm}))
-    async with OPDStream(cfg, transport=transport) as stream:
-        assert stream.stats().endpoints[b].engine == "vllm"  # detected at start
+    servers = {a: InProcessSGLang("teacher", 1), b: FakeVLLM(), ST: FakeVLLM("student", 1)}
+    cfg = stream_config({"default": [a, b]}, student_url=ST, probe_at_start=True)
+    async with OPDStream(cfg, transport=MockTransport(route(servers))) as stream:
+        found = {url: ep.engine for url, ep in stream.stats().endpoints.items()}
+        assert found == {a: "sglang", b: "vllm", ST: "vllm"}  # at start, the student too
         report = await stream.probe()
-    engines = {r.url: r.engine for r in report.replicas}
-    assert engines == {a: "sglang", b: "vllm"}
-    assert report.ok, report
+    assert {r.url: r.engine for r in report.replicas} == {a: "sglang", b: "vllm"}
+    assert report.servers == {a: "sglang", b: "vllm", ST: "vllm"}
+    assert report.ok, report  # the same model: SGLang and vLLM give the same numbers

@@ -306,6 +306,26 @@ class EngineDirectory:
                 mine.done.set()
             log.info("engine_detected", side=side, url=url, engine=ep.engine)
 
+    async def discover(self, side: str, url: str) -> Engine:
+        """The engine of ``url``: the known one, or (auto) found now with a tiny scoring
+        request to ``/generate`` (200: SGLang), then :meth:`detect` on a 404/405 (what
+        ``probe_at_start`` does for a server it has no other request for: the student).
+
+        Raises:
+            CapabilityError: ``"engine"``: no scoring API there.
+            ServerError: another answer or a connection failure (the engine stays unknown).
+        """
+        known = self.known(url)
+        if known is not None:
+            return known
+        status, message = await self._ask(side, url, ENGINE_PATHS["sglang"], probe_body("sglang"))
+        if status == 200:
+            self.answered(url, "sglang")
+            return "sglang"
+        if status in DETECT_STATUSES:
+            return await self.detect(side, url, status)
+        raise ServerHTTPError(status, message, side=side, url=url)
+
     async def _probe(self, side: str, url: str, status: int) -> Engine:
         tried: list[tuple[str, int, str]] = [(ENGINE_PATHS["sglang"], status, "")]
         for engine in _DETECTED:

@@ -11,6 +11,7 @@ fleet's results must equal an SGLang fleet's exactly.
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -22,7 +23,7 @@ from support.fake_vllm import FakeVLLM, route
 
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample
 from opd_stream.testing.inprocess import InProcessSGLang
-from opd_stream.transport._transports import MockTransport
+from opd_stream.transport._transports import MockTransport, Response
 
 T = "http://teacher:1"
 ST = "http://student:2"
@@ -135,6 +136,27 @@ async def test_server_engines_speak_per_server_in_one_pool() -> None:
     assert set(vllm.paths) == {"/inference/v1/generate"}
     assert set(comp.paths) == {"/v1/completions"}
     _same(got, await _score(_cfg(), {T: InProcessSGLang("teacher", 1)}, _samples(4)))
+
+
+@pytest.mark.anyio
+async def test_workers_found_behind_a_gateway_speak_the_gateways_engine() -> None:
+    gateway, worker = "http://gateway:1", "http://w1:2"
+    vllm = FakeVLLM()
+    listing = {"workers": [{"url": worker, "is_healthy": True, "worker_type": "regular"}]}
+
+    async def handler(method: str, url: str, body: bytes) -> Response:
+        if url == f"{gateway}/workers":
+            return Response(200, json.dumps(listing).encode())
+        if url.startswith(gateway):
+            return Response(502, b'{"error": {"message": "not through the gateway"}}')
+        return await route({worker: vllm})(method, url, body)
+
+    cfg = stream_config(gateway, **FAST_BACKOFF, server_engines={gateway: "vllm"})
+    async with OPDStream(cfg, transport=MockTransport(handler, routers=True)) as stream:
+        got = [await stream.score(s) for s in _samples(2)]
+    assert all(isinstance(r, ScoredSample) for r in got)
+    assert vllm.paths.count("/inference/v1/generate") == 2
+    assert "/generate" not in vllm.paths
 
 
 # -- detection (auto) ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ kept on the URL's :class:`~opd_stream.fleet._endpoints.Endpoint` (``engine``, sh
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Literal
 
 import anyio
@@ -234,6 +234,7 @@ class EngineDirectory:
         server_engines: Mapping[str, Engine] | None = None,
         max_logprobs: int = 20,
         secret: str | None = None,
+        gateway_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._transport = transport
@@ -241,6 +242,7 @@ class EngineDirectory:
         self._server_engines = dict(server_engines or {})
         self._running: dict[str, _Detection] = {}
         self._secret = secret
+        self._gateway_of = gateway_of  # a discovered worker's gateway (its engine setting)
         self.max_ids = max(max_logprobs, 0)
         """``ScoreRequest.max_ids`` of a vLLM request (``vllm_max_logprobs``; -1 -> 0)."""
 
@@ -250,6 +252,10 @@ class EngineDirectory:
         ep = self._endpoints(url)
         if ep.engine is None:
             ep.engine = configured_engine(url, self._setting, self._server_engines)
+            gateway = None if self._gateway_of is None else self._gateway_of(url)
+            if gateway is not None and url not in self._server_engines:
+                # a worker found behind a gateway speaks what the gateway was set to
+                ep.engine = configured_engine(gateway, self._setting, self._server_engines)
         return "sglang" if ep.engine is None else ep.engine
 
     def known(self, url: str) -> Engine | None:

@@ -252,6 +252,25 @@ async def test_a_cancelled_detection_leaves_the_engine_unknown() -> None:
     assert engines.known(T) == "vllm"
 
 
+@pytest.mark.anyio
+async def test_a_503_during_detection_is_retried_and_leaves_the_engine_to_find() -> None:
+    vllm = FakeVLLM()
+    busy = [1]
+
+    async def handler(method: str, url: str, body: bytes) -> Response:
+        if url.endswith("/inference/v1/generate") and busy:
+            busy.pop()
+            return Response(503, b'{"error": {"message": "overloaded"}}')
+        return await route({T: vllm})(method, url, body)
+
+    async with OPDStream(_cfg(), transport=MockTransport(handler)) as stream:
+        got = await stream.score(_samples(1)[0])
+        engine = stream.stats().endpoints[T].engine
+    assert isinstance(got, ScoredSample), got
+    assert engine == "vllm"
+    assert got.attempts == 3  # the 404, the 503 (a failed attempt), the answer
+
+
 # -- max_logprobs ---------------------------------------------------------------------------
 
 
@@ -301,6 +320,25 @@ async def test_a_detected_completions_server_fails_an_ids_strategy_per_sample() 
         assert isinstance(r, SampleFailure) and r.reason == "capability"
         assert "--enable-scale-out" in r.message
     assert "/v1/completions" in comp.paths  # detected, then refused without asking
+
+
+def test_the_refusal_read_is_vllms_own_wording() -> None:
+    from pathlib import Path
+
+    from opd_stream.fleet._engines import max_logprobs_problem
+
+    src = (Path(__file__).parents[1] / ".cache/vllm/src/vllm/sampling_params.py").read_text()
+    assert 'per row in "\n' in src or "token ids per row in" in src
+    for wording in ("which is greater than max allowed: ", "Set max_logprobs (--max-logprobs)"):
+        assert wording in src
+    message = (
+        "Requested 21 token ids per row in prompt_logprob_token_ids, which is greater than "
+        "max allowed: 20. Set max_logprobs (--max-logprobs) to at least 21."
+    )
+    problem = max_logprobs_problem("vllm", 400, message)
+    assert problem is not None and "--max-logprobs 21 or more" in problem
+    assert max_logprobs_problem("vllm", 400, "prompt_logprob_token_ids must be...") is None
+    assert max_logprobs_problem("sglang", 400, message) is None
 
 
 # -- the probe ------------------------------------------------------------------------------

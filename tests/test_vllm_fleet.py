@@ -1,4 +1,4 @@
-"""vLLM servers in a fleet (issue 33 §1): each server's engine, set (``engine``,
+"""vLLM servers in a fleet (issue 33, part 1): each server's engine, set (``engine``,
 ``server_engines``) or detected once under ``auto`` (SGLang pays nothing), the path each
 engine is spoken to on, ``--max-logprobs`` (rows split, or a refusal naming the flag), and
 what an engine cannot serve refused clearly (at construction when set; per sample when

@@ -1,4 +1,4 @@
-"""The engine settings from the command line and the hosts' flags (issue 33 §1):
+"""The engine settings from the command line and the hosts' flags (issue 33, part 1):
 ``opd-stream score`` / ``probe`` ``--engine``, ``--server-engine URL=ENGINE`` (repeatable),
 ``--vllm-max-logprobs``; Miles' ``--opd-engine``, ``--opd-server-engines``,
 ``--opd-vllm-max-logprobs``."""

@@ -1,8 +1,8 @@
 """A tiny fake vLLM 0.34.0 server for fleet tests (a :class:`MockTransport` handler).
 
 Written from vLLM 0.34.0's own source (``sampling_params.py``, the scale-out and completions
-routers), independently of ``opd_stream.wire``: it parses bodies with ``json`` and writes the answers
-as vLLM does (``np.save`` + base64 for ``prompt_token_id_logprobs``; prompt-logprob dicts
+routers), independently of ``opd_stream.wire``: it parses bodies with ``json`` and writes
+the answers as vLLM does (``np.save`` + base64 for ``prompt_token_id_logprobs``; prompt-logprob dicts
 keyed by id, -inf as -9999.0). Its values come from the SGLang mock's model
 (:class:`~opd_stream.testing.inprocess.InProcessSGLang`'s), so the same tokens give the same
 float32 numbers as an SGLang mock of that role and seed.

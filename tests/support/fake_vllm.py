@@ -2,10 +2,10 @@
 
 Written from vLLM 0.34.0's own source (``sampling_params.py``, the scale-out and completions
 routers), independently of ``opd_stream.wire``: it parses bodies with ``json`` and writes
-the answers as vLLM does (``np.save`` + base64 for ``prompt_token_id_logprobs``; prompt-logprob dicts
-keyed by id, -inf as -9999.0). Its values come from the SGLang mock's model
-(:class:`~opd_stream.testing.inprocess.InProcessSGLang`'s), so the same tokens give the same
-float32 numbers as an SGLang mock of that role and seed.
+the answers as vLLM does (``np.save`` + base64 for ``prompt_token_id_logprobs``;
+prompt-logprob dicts keyed by id, -inf as -9999.0). Its values come from the SGLang mock's
+model (:class:`~opd_stream.testing.inprocess.InProcessSGLang`'s), so the same tokens give
+the same float32 numbers as an SGLang mock of that role and seed.
 
 ``scale_out``: ``/inference/v1/generate`` answers (else 403, vLLM's words); ``completions``:
 ``/v1/completions`` answers (else 404); ``/generate`` always answers 404 (vLLM has none).

@@ -1,10 +1,15 @@
-"""``opd-stream demo``: score real rollouts against embedded mock SGLang servers.
+"""``opd-stream demo``: score real rollouts against embedded mock SGLang or vLLM servers.
 
-Starts mock teacher servers (one per teacher name) and a mock student server in this
-process, generates rollouts from the student the way a rollout engine does
-(``/generate`` with ``max_new_tokens > 0``), streams them through :class:`OPDStream` while
-they are still being generated, and prints a summary. A sample of the results is checked
-against the mock's closed-form model.
+Starts mock teacher servers (one per teacher name; SGLang, or vLLM with ``--engine vllm`` /
+``vllm-completions``) and a mock SGLang student server as subprocesses, generates rollouts
+from the student the way a rollout engine does (``/generate`` with ``max_new_tokens > 0``),
+streams them through :class:`OPDStream` while they are still being generated, and prints a
+summary. A sample of the results is checked against the mock's closed-form model (the vLLM
+mock serves the same model: the same values).
+
+With a vLLM engine the stream is left to detect each server's engine (``engine="auto"``):
+the summary shows what it found. A mode the engine cannot serve is refused before any
+server starts, by the same configuration rule a stream configured with that engine applies.
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import numpy as np
 
 from .._logging import LOG_LEVELS
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
 from ..config._settings import StreamConfig
-from ..fleet._router import generate_url
+from ..fleet._router import generate_url, normalize_server_url
 from ..kl._names import STRATEGIES, WEIGHT_MODES
+from ..kl._plan import STRATEGY_NEEDS
 from ..wire._decode_generate import decode_generate_response
 from ..wire._payloads import build_generate_payload
+from ..wire._request import Engine
+from ..wire._vllm import engine_problem
 from ._parser_notice import scanner_notice
 from ._progress import Progress
 
@@ -38,6 +47,12 @@ if TYPE_CHECKING:
 __all__ = ("add_demo_arguments", "run_demo")
 
 _TEACHER_NAMES = ("math", "code", "chat", "science")
+_DEMO_ENGINES = ("sglang", "vllm", "vllm-completions")
+_MOCK_NAMES = {
+    "sglang": "",
+    "vllm": " (mock vLLM subprocesses, vllm serve --enable-scale-out)",
+    "vllm-completions": " (mock vLLM subprocesses without --enable-scale-out: /v1/completions)",
+}
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -75,8 +90,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--strategy",
-        default="union",
+        default=None,
         choices=STRATEGIES,
+        help="default union (only-teacher with --engine vllm-completions)",
     )
     p.add_argument("--weight-mode", default="student_p", choices=WEIGHT_MODES)
     p.add_argument(
@@ -86,10 +102,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help=f"number of teacher servers (1-{len(_TEACHER_NAMES)})",
     )
     p.add_argument(
+        "--engine",
+        default="sglang",
+        choices=_DEMO_ENGINES,
+        help="the teacher servers' engine: sglang (default), vllm (vLLM's scale-out API) or "
+        "vllm-completions (vLLM's /v1/completions: sampled-token mode and only-teacher); "
+        "the student stays a mock SGLang rollout engine, and the stream detects each "
+        "server's engine",
+    )
+    p.add_argument(
         "--per-position",
         default="patched",
         choices=["patched", "unpatched"],
-        help="teacher servers' support of per-position id scoring",
+        help="SGLang teacher servers' support of per-position id scoring",
     )
     p.add_argument(
         "--fault-rate",
@@ -165,6 +190,7 @@ def _verify(results: list[ScoredSample], models: dict[str, Any]) -> float:
 
 async def run_demo(args: argparse.Namespace) -> int:
     from ..testing.mock_sglang import MockModel, MockOptions, MockProcess
+    from ..testing.mock_vllm import VllmMockOptions, VllmMockProcess
 
     if not 1 <= args.teachers <= len(_TEACHER_NAMES):
         print(
@@ -173,18 +199,26 @@ async def run_demo(args: argparse.Namespace) -> int:
         )
         return 2
     names = list(_TEACHER_NAMES[: args.teachers])
+    engine: Engine = args.engine
+    strategy = args.strategy or ("only-teacher" if engine == "vllm-completions" else "union")
     # Validated (OPD_STREAM_* variables included) before any server starts; the real
-    # URLs are known once they listen.
+    # URLs are known once they listen. The stream detects each server's engine ("auto").
     placeholder = "http://127.0.0.1:1"
     cfg = StreamConfig.from_env(
         teachers=dict.fromkeys(names, placeholder),
         student_url=placeholder,
         top_k=args.top_k,
-        strategy=args.strategy if args.top_k else "only-student",
+        strategy=strategy if args.top_k else "only-student",
         weight_mode=args.weight_mode,
         max_inflight=args.max_inflight,
         kl_device="cpu",
+        engine="auto",  # the demo's own servers: each one's engine is detected
+        server_engines={},
     )
+    problem = _engine_problem(engine, cfg)
+    if problem is not None:
+        print(f"opd-stream demo: error: {problem}", file=sys.stderr)
+        return 2
     notice = scanner_notice()
     if notice is not None:
         print(f"opd-stream demo: {notice}", file=sys.stderr)
@@ -194,9 +228,17 @@ async def run_demo(args: argparse.Namespace) -> int:
         fault_seed=args.seed,
         latency_fixed_s=0.002,
     )
+    # the vLLM servers' --max-logprobs, as the stream is configured to expect
+    vllm_opts = VllmMockOptions(**msgspec.structs.asdict(opts), max_logprobs=cfg.vllm_max_logprobs)
     # Real server processes, so that the event-loop lag and CPU we report are the client's.
-    procs = {
-        name: MockProcess("teacher", args.seed + 1 + i, options=opts)
+    procs: dict[str, MockProcess] = {
+        name: (
+            MockProcess("teacher", args.seed + 1 + i, options=opts)
+            if engine == "sglang"
+            else VllmMockProcess(
+                "teacher", args.seed + 1 + i, options=vllm_opts, scale_out=engine == "vllm"
+            )
+        )
         for i, name in enumerate(names)
     }
     student = MockProcess("student", args.seed)
@@ -205,10 +247,11 @@ async def run_demo(args: argparse.Namespace) -> int:
             for proc in [student, *procs.values()]:
                 stack.callback(proc.kill)
                 tg.start_soon(anyio.to_thread.run_sync, proc.start)
-        cfg = cfg.evolve(teachers={n: p.url for n, p in procs.items()}, student_url=student.url)
+        real = {n: p.url for n, p in procs.items()}
+        cfg = cfg.evolve(teachers=real, student_url=student.url)
         mode = f"top-k {args.top_k} {cfg.strategy}" if args.top_k else "sampled-token"
         print(
-            f"teachers: {', '.join(f'{n}={p.url}' for n, p in procs.items())}; "
+            f"teachers: {', '.join(f'{n}={u}' for n, u in real.items())}{_MOCK_NAMES[engine]}; "
             f"student: {student.url} (mock SGLang subprocesses)"
         )
         print(
@@ -236,12 +279,47 @@ async def run_demo(args: argparse.Namespace) -> int:
         progress.close()
     models = {n: MockModel("teacher", args.seed + 1 + i) for i, n in enumerate(names)}
     worst = _verify(scored, models)
-    _summary(scored, failed, stats, wall, worst)
+    found = _engines_line(stats, {**real, "student": student.url}, cfg.engine)
+    _summary(scored, failed, stats, wall, worst, engines=found)
     return 0 if not failed else 1
 
 
+def _engine_problem(engine: Engine, cfg: StreamConfig) -> str | None:
+    """Why teachers of ``engine`` cannot serve the demo's mode, or ``None``."""
+    if cfg.top_k == 0:
+        top_k, ids = 0, False
+    else:
+        needs = STRATEGY_NEEDS[cfg.strategy]
+        top_k, ids = (cfg.top_k if needs.teacher_topk else 0), needs.teacher_scores_student_ids
+    limit = max(cfg.vllm_max_logprobs, 0)
+    problem = engine_problem(engine, top_k=top_k, ids=ids, max_logprobs=limit)
+    if problem is None:
+        return None
+    mode = f"--strategy {cfg.strategy} --top-k {cfg.top_k}" if cfg.top_k else "--top-k 0"
+    if 0 < limit < top_k:  # the demo starts its servers with the configured limit
+        problem += " (OPD_STREAM_VLLM_MAX_LOGPROBS sets it for the demo's servers)"
+    return f"--engine {engine} cannot serve {mode}: {problem}"
+
+
+def _engines_line(stats: Any, servers: dict[str, str], setting: str) -> str:
+    """Each server's engine as the stream knows it after the run (``stats().endpoints``)."""
+    parts = []
+    for name, url in servers.items():
+        ep = stats.endpoints.get(normalize_server_url(url))
+        known = None if ep is None else ep.engine
+        parts.append(f"{name} {known or 'not contacted'}")
+    how = "detected" if setting == "auto" else f"set: {setting}"
+    return f"{', '.join(parts)} ({how})"
+
+
 def _summary(
-    scored: list[ScoredSample], failed: list[SampleFailure], stats: Any, wall: float, worst: float
+    scored: list[ScoredSample],
+    failed: list[SampleFailure],
+    stats: Any,
+    wall: float,
+    worst: float,
+    *,
+    engines: str | None = None,
 ) -> None:
     tokens = sum(s.sample.response_length for s in scored)
     per_teacher: dict[str, list[float]] = defaultdict(list)
@@ -267,6 +345,8 @@ def _summary(
         f"  requests {stats.requests}, retries {stats.retries}, "
         f"{stats.bytes_received / 1e6:.1f} MB received"
     )
+    if engines is not None:
+        print(f"  engines: {engines}")
     if stats.failures:
         print(f"  failures by reason: {stats.failures}")
     for name in sorted(per_teacher):

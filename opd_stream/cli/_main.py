@@ -18,7 +18,7 @@ _COMMANDS = ("demo", "score", "probe", "config")
 
 _DESCRIPTION = (
     "Streaming teacher scoring for on-policy distillation against SGLang servers. "
-    "demo: score rollouts against embedded mock SGLang servers (the main job); "
+    "demo: score rollouts against embedded mock SGLang or vLLM servers (the main job); "
     "score: score a JSON Lines file of rollouts against real servers; "
     "probe: ask every teacher replica the same request, cold and warm, and report how far "
     "their logprobs are apart; "
@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="score rollouts against embedded mock SGLang servers",
-        description="Score rollouts against mock SGLang servers started by the command "
+        help="score rollouts against embedded mock SGLang or vLLM servers",
+        description="Score rollouts against mock SGLang or vLLM servers started by the command "
         "(subprocesses), and check a few results against the mock's closed form.",
     )
     add_demo_arguments(demo)

@@ -88,6 +88,30 @@ def test_prefix_locality_scenario_runs_end_to_end(tmp_path: Path) -> None:
     assert "## 9. Prefix locality" in (tmp_path / "results.md").read_text()
 
 
+def test_vllm_cpu_bench_runs_and_both_engines_agree(tmp_path: Path) -> None:
+    """``bench.vllm_cpu`` on a minuscule size: every mode scores every sample on both
+    engines, with the same values, and vLLM's binary ids are the smaller answer (no timing
+    asserted)."""
+    proc = run_module(
+        "bench.vllm_cpu",
+        *("--n", "2", "--prompt", "8", "--response", "16", "--top-k", "4", "--repeats", "1"),
+        *("--out", str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "vllm_cpu.json").read_text())
+    modes = data["modes"]
+    assert set(modes) == {"sampled-token", "top-k 4 only-student", "top-k 4 intersection"}
+    for row in modes.values():
+        assert row["agreement"]["compared"] == 2 and row["agreement"]["same_samples"]
+        assert row["agreement"]["teacher_logprobs_max_diff"] == 0.0
+        assert row["agreement"]["signal_max_diff"] == 0.0
+        for engine in ("sglang", "vllm"):
+            assert len(row[engine]["cpu_us_per_token_runs"]) == 1
+    ids = modes["top-k 4 only-student"]
+    assert ids["vllm"]["bytes_per_token"] < ids["sglang"]["bytes_per_token"]
+    assert "| top-k 4 intersection | vLLM scale-out |" in proc.stdout
+
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

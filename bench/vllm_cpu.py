@@ -38,9 +38,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -124,6 +126,76 @@ class _Run:
         }
 
 
+def _requests(samples: list[Sample], k: int, strategy: str, engine: str, limit: int) -> list[Any]:
+    """The scoring requests a stream of ``engine`` sends for ``samples`` in this mode."""
+    from opd_stream.wire._request import ScoreRequest
+
+    out = []
+    for x in samples:
+        ids = None
+        if k and strategy == "only-student":
+            top = x.student_top_logprobs
+            assert isinstance(top, tuple)
+            ids = np.asarray(top[0], dtype=np.int64)
+        out.append(
+            ScoreRequest(
+                tokens=np.asarray(x.tokens, dtype=np.int64),
+                response_length=x.response_length,
+                top_k=k if strategy == "intersection" else 0,
+                ids=ids,
+                topk_wire="b64",
+                engine=engine,  # type: ignore[arg-type]
+                max_ids=limit if engine != "sglang" else 0,
+            )
+        )
+    return out
+
+
+async def decode_alone(
+    url: str, samples: list[Sample], k: int, strategy: str, engine: str, limit: int
+) -> dict[str, float]:
+    """The decode of the very answers a stream gets in this mode, alone, in this thread
+    (least of 5, us per response token): opd_stream's decoder, every check
+    (``decoder``; SGLang's: the compiled scanner where it runs), and msgspec's untyped JSON
+    parse of the same bodies (``json_untyped``: a floor for the JSON; base64 strings stay
+    strings)."""
+    import aiohttp
+    import msgspec
+
+    from opd_stream.wire._codec import decode, timed_build
+    from opd_stream.wire._vllm import ENGINE_PATHS
+
+    reqs = _requests(samples, k, strategy, engine, limit)
+    built = [timed_build(r) for r in reqs]
+    answers: list[bytes] = []
+    async with aiohttp.ClientSession() as session:
+        for body, _, _ in built:
+            path = ENGINE_PATHS[engine]  # type: ignore[index]
+            async with session.post(f"{url}/{path}", data=body) as resp:
+                answers.append(await resp.read())
+                if resp.status != 200:
+                    raise RuntimeError(f"{engine} answered {resp.status}: {answers[-1][:200]!r}")
+    tokens = sum(r.response_length for r in reqs)
+
+    def least(fn: Any) -> float:
+        best = float("inf")
+        gc.disable()
+        try:
+            for _ in range(5):
+                t = time.thread_time()
+                fn()
+                best = min(best, time.thread_time() - t)
+        finally:
+            gc.enable()
+        return best / tokens * 1e6
+
+    pairs = list(zip(answers, reqs, (lay for _, lay, _ in built), strict=True))
+    return {
+        "decoder": least(lambda: [decode(a, r, lay=lay) for a, r, lay in pairs]),
+        "json_untyped": least(lambda: [msgspec.json.decode(a) for a in answers]),
+    }
+
+
 def _agreement(a: dict[int, ScoredSample], b: dict[int, ScoredSample]) -> dict[str, Any]:
     """Largest difference between two engines' results of the same samples."""
     lp = kl = 0.0
@@ -196,6 +268,10 @@ async def run(n: int, prompt: int, response: int, top_k: int, repeats: int) -> d
             )
             row["bytes_ratio_vllm_over_sglang"] = v["bytes_per_token"] / s["bytes_per_token"]
             row["agreement"] = _agreement(runs["sglang"].results, runs["vllm"].results)
+            for engine in ENGINES:
+                row[engine]["decode_alone_us_per_token"] = await decode_alone(
+                    procs[engine].url, samples, k, strategy, engine, limit
+                )
             out[name] = row
     finally:
         for p in procs.values():
@@ -260,6 +336,18 @@ def render(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {engine} | " + " | ".join(f"{by[s]:.2f}" for s in steps) + " |"
             )
+    lines += [
+        "",
+        "The decode of the same answers alone, us per response token (least of 5, one "
+        "thread): opd_stream's decoder with every check, and msgspec's untyped JSON parse:",
+        "",
+        "| mode | engine | decoder | msgspec untyped |",
+        "|---|---|---|---|",
+    ]
+    for name, row in result["modes"].items():
+        for engine in ENGINES:
+            d = row[engine]["decode_alone_us_per_token"]
+            lines.append(f"| {name} | {engine} | {d['decoder']:.2f} | {d['json_untyped']:.2f} |")
     worst = max(
         max(r["agreement"]["teacher_logprobs_max_diff"], r["agreement"]["signal_max_diff"])
         for r in result["modes"].values()

@@ -53,13 +53,14 @@ import numpy as np
 from opd_stream import OPDStream, Sample, ScoredSample, StreamConfig
 from opd_stream.testing.mock_sglang import MockOptions, MockProcess
 from opd_stream.testing.mock_vllm import VllmMockOptions, VllmMockProcess
+from opd_stream.wire._request import Engine, ScoreRequest
 
 from .harness import ClientMeter, pid_list
 from .workload import TEACHER_SEED, make_samples
 
 __all__ = ("ENGINES", "main", "run")
 
-ENGINES = ("sglang", "vllm")
+ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
 #: the vLLM servers' --max-logprobs (vLLM's default)
 MAX_LOGPROBS = 20
 
@@ -126,10 +127,10 @@ class _Run:
         }
 
 
-def _requests(samples: list[Sample], k: int, strategy: str, engine: str, limit: int) -> list[Any]:
+def _requests(
+    samples: list[Sample], k: int, strategy: str, engine: Engine, limit: int
+) -> list[ScoreRequest]:
     """The scoring requests a stream of ``engine`` sends for ``samples`` in this mode."""
-    from opd_stream.wire._request import ScoreRequest
-
     out = []
     for x in samples:
         ids = None
@@ -144,7 +145,7 @@ def _requests(samples: list[Sample], k: int, strategy: str, engine: str, limit: 
                 top_k=k if strategy == "intersection" else 0,
                 ids=ids,
                 topk_wire="b64",
-                engine=engine,  # type: ignore[arg-type]
+                engine=engine,
                 max_ids=limit if engine != "sglang" else 0,
             )
         )
@@ -152,7 +153,7 @@ def _requests(samples: list[Sample], k: int, strategy: str, engine: str, limit: 
 
 
 async def decode_alone(
-    url: str, samples: list[Sample], k: int, strategy: str, engine: str, limit: int
+    url: str, samples: list[Sample], k: int, strategy: str, engine: Engine, limit: int
 ) -> dict[str, float]:
     """The decode of the very answers a stream gets in this mode, alone, in this thread
     (least of 5, us per response token): opd_stream's decoder, every check
@@ -170,7 +171,7 @@ async def decode_alone(
     answers: list[bytes] = []
     async with aiohttp.ClientSession() as session:
         for body, _, _ in built:
-            path = ENGINE_PATHS[engine]  # type: ignore[index]
+            path = ENGINE_PATHS[engine]
             async with session.post(f"{url}/{path}", data=body) as resp:
                 answers.append(await resp.read())
                 if resp.status != 200:

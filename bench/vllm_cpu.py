@@ -164,18 +164,23 @@ async def decode_alone(
     import msgspec
 
     from opd_stream.wire._codec import decode, timed_build
+    from opd_stream.wire._payloads import build_block_payloads
+    from opd_stream.wire._request import multi_body
     from opd_stream.wire._vllm import ENGINE_PATHS
 
     reqs = _requests(samples, k, strategy, engine, limit)
-    built = [timed_build(r) for r in reqs]
-    answers: list[bytes] = []
+    # one body per request, or (ids beyond --max-logprobs) one per chunk of id columns
+    bodies = [build_block_payloads(r) if multi_body(r) else [timed_build(r)[0]] for r in reqs]
+    answers: list[Any] = []
     async with aiohttp.ClientSession() as session:
-        for body, _, _ in built:
-            path = ENGINE_PATHS[engine]
-            async with session.post(f"{url}/{path}", data=body) as resp:
-                answers.append(await resp.read())
-                if resp.status != 200:
-                    raise RuntimeError(f"{engine} answered {resp.status}: {answers[-1][:200]!r}")
+        for parts in bodies:
+            got = []
+            for body in parts:
+                async with session.post(f"{url}/{ENGINE_PATHS[engine]}", data=body) as resp:
+                    got.append(await resp.read())
+                    if resp.status != 200:
+                        raise RuntimeError(f"{engine} answered {resp.status}: {got[-1][:200]!r}")
+            answers.append(got if multi_body(reqs[len(answers)]) else got[0])
     tokens = sum(r.response_length for r in reqs)
 
     def least(fn: Any) -> float:
@@ -190,10 +195,11 @@ async def decode_alone(
             gc.enable()
         return best / tokens * 1e6
 
-    pairs = list(zip(answers, reqs, (lay for _, lay, _ in built), strict=True))
+    pairs = list(zip(answers, reqs, strict=True))
+    flat = [b for a in answers for b in (a if isinstance(a, list) else [a])]
     return {
-        "decoder": least(lambda: [decode(a, r, lay=lay) for a, r, lay in pairs]),
-        "json_untyped": least(lambda: [msgspec.json.decode(a) for a in answers]),
+        "decoder": least(lambda: [decode(a, r) for a, r in pairs]),
+        "json_untyped": least(lambda: [msgspec.json.decode(b) for b in flat]),
     }
 
 
@@ -221,11 +227,19 @@ def _maxdiff(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> float:
     return float(np.max(np.abs(x64[finite] - y64[finite]), initial=0.0))
 
 
-async def run(n: int, prompt: int, response: int, top_k: int, repeats: int) -> dict[str, Any]:
-    """Every mode, both engines interleaved; the numbers (see the module docstring)."""
+async def run(
+    n: int, prompt: int, response: int, top_k: int, repeats: int, max_logprobs: int | None = None
+) -> dict[str, Any]:
+    """Every mode, both engines interleaved; the numbers (see the module docstring).
+
+    ``max_logprobs``: the vLLM server's ``--max-logprobs`` (and ``vllm_max_logprobs``);
+    default: vLLM's 20, or ``top_k + 1`` when larger (one body per request). Below
+    ``top_k + 1``, the ids go as several requests (column chunks), and a teacher top-k
+    beyond it is not measured (``skipped``)."""
     from opd_stream.cli._parser_notice import parser_line
 
-    limit = max(MAX_LOGPROBS, top_k + 1)  # one body per request: no column chunks
+    limit = max(MAX_LOGPROBS, top_k + 1) if max_logprobs is None else max_logprobs
+    skipped: list[str] = []
     procs: dict[str, MockProcess] = {
         "sglang": MockProcess("teacher", TEACHER_SEED, options=MockOptions()),
         "vllm": VllmMockProcess(
@@ -239,6 +253,9 @@ async def run(n: int, prompt: int, response: int, top_k: int, repeats: int) -> d
             list(pool.map(lambda p: p.start(), procs.values()))
         pids = pid_list(list(procs.values()))
         for name, k, strategy in modes(top_k):
+            if strategy == "intersection" and k > limit:
+                skipped.append(name)  # vLLM refuses a top-k beyond --max-logprobs
+                continue
             samples = make_samples(n, prompt, response, k, topk_arrays=True)
             runs: dict[str, _Run] = {}
             async with contextlib.AsyncExitStack() as stack:  # streams closed in LIFO order
@@ -281,6 +298,7 @@ async def run(n: int, prompt: int, response: int, top_k: int, repeats: int) -> d
         "sizes": {"n": n, "prompt": prompt, "response": response, "top_k": top_k},
         "repeats": repeats,
         "vllm_max_logprobs": limit,
+        "skipped": skipped,
         "parser": parser_line(),
         "modes": out,
     }
@@ -354,6 +372,9 @@ def render(result: dict[str, Any]) -> str:
         for r in result["modes"].values()
     )
     lines += ["", f"vLLM and SGLang results agree: max |diff| {worst:.2e}; {result['parser']}"]
+    lines.append(f"vLLM --max-logprobs {result['vllm_max_logprobs']}")
+    if result["skipped"]:
+        lines.append(f"not measured (a top-k beyond it): {', '.join(result['skipped'])}")
     return "\n".join(lines)
 
 
@@ -365,6 +386,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--response", type=int, default=None, help="response tokens (default 2048)")
     p.add_argument("--top-k", type=int, default=16, help="k of the top-k modes (default 16)")
     p.add_argument("--repeats", type=int, default=None, help="runs per engine (default 7)")
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=None,
+        help="the vLLM server's --max-logprobs (default 20, or top-k + 1 when larger); "
+        "below top-k + 1 the ids per position go as several requests",
+    )
     p.add_argument("--out", default="bench-out", help="writes OUT/vllm_cpu.json")
     args = p.parse_args(argv)
     n = args.n or (8 if args.quick else 24)
@@ -375,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from opd_stream.scanner._loader import prepare
 
     prepare()
-    result = asyncio.run(run(n, prompt, response, args.top_k, repeats))
+    result = asyncio.run(run(n, prompt, response, args.top_k, repeats, args.max_logprobs))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm_cpu.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -7,9 +7,11 @@ streams them through :class:`OPDStream` while they are still being generated, an
 summary. A sample of the results is checked against the mock's closed-form model (the vLLM
 mock serves the same model: the same values).
 
-With a vLLM engine the stream is left to detect each server's engine (``engine="auto"``):
-the summary shows what it found. A mode the engine cannot serve is refused before any
-server starts, by the same configuration rule a stream configured with that engine applies.
+The stream is left to detect each server's engine (``engine="auto"``, whatever
+``OPD_STREAM_ENGINE`` says: the demo starts its own servers), and the summary shows what it
+found. A mode the teachers' engine cannot serve is refused before any server starts, with
+the sentence a stream configured with that engine gives (:func:`~opd_stream.wire._vllm.
+engine_problem`).
 """
 
 from __future__ import annotations

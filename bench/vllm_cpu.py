@@ -22,10 +22,10 @@ detection in the measured runs). Modes, each on its own samples (the student's t
   ``prompt_logprobs``, a JSON dict per position).
 
 Per mode, the two engines' runs alternate (SGLang first in even repeats, vLLM first in odd
-ones), each stream first warmed up by one whole unmeasured run. Reported per engine: client
-CPU per response token (``ClientMeter``: this process, all threads, decode threads included;
-the least of the repeats, as the other micro-benchmarks, the median, and each), response
-bytes per response token (``stats().bytes_received``), and the CPU by step
+ones), each stream first warmed up by three whole unmeasured runs. Reported per engine:
+client CPU per response token (``ClientMeter``: this process, all threads, decode threads
+included; the least of the repeats, as the other micro-benchmarks, the median, and each),
+response bytes per response token (``stats().bytes_received``), and the CPU by step
 (``stats().cpu_s``, summed over the repeats; ``other`` = the rest: the event loop, HTTP),
 and vLLM / SGLang ratios. The two engines' results are checked to agree (teacher logprobs
 and per-position signal, float32-exact from the same model). ``prepare()`` compiles the
@@ -63,6 +63,8 @@ __all__ = ("ENGINES", "main", "run")
 ENGINES: tuple[Engine, ...] = ("sglang", "vllm")
 #: the vLLM servers' --max-logprobs (vLLM's default)
 MAX_LOGPROBS = 20
+#: unmeasured runs per stream before the measured ones
+WARMUP_RUNS = 3
 
 
 def modes(top_k: int) -> list[tuple[str, int, str]]:
@@ -97,8 +99,7 @@ class _Run:
         return out
 
     async def warm_up(self, samples: list[Sample]) -> None:
-        # one whole unmeasured run: connections, the allocator's and the page cache's
-        # first touch of answers this size
+        """One whole unmeasured run (connections, first touch of answers this size)."""
         await self._score(samples)
 
     async def measure(self, samples: list[Sample]) -> None:
@@ -272,8 +273,11 @@ async def run(
                     )
                     stream = await stack.enter_async_context(OPDStream(cfg))
                     runs[engine] = _Run(stream, pids, tokens)
-                for r in runs.values():
-                    await r.warm_up(samples)
+                # the first runs of a process in a mode cost up to 3x (the KL stage's
+                # first batches of a shape, among others): not measured
+                for _ in range(WARMUP_RUNS):
+                    for r in runs.values():
+                        await r.warm_up(samples)
                 for rep in range(repeats):
                     order = ENGINES if rep % 2 == 0 else ENGINES[::-1]
                     for engine in order:

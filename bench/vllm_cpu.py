@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -304,6 +305,9 @@ async def run(
         "vllm_max_logprobs": limit,
         "skipped": skipped,
         "parser": parser_line(),
+        # torch's OpenMP threads spin after each parallel region unless PASSIVE: on the
+        # CPU KL, that spinning is client CPU too (up to 2x in the top-k modes)
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "modes": out,
     }
 
@@ -376,7 +380,10 @@ def render(result: dict[str, Any]) -> str:
         for r in result["modes"].values()
     )
     lines += ["", f"vLLM and SGLang results agree: max |diff| {worst:.2e}; {result['parser']}"]
-    lines.append(f"vLLM --max-logprobs {result['vllm_max_logprobs']}")
+    lines.append(
+        f"vLLM --max-logprobs {result['vllm_max_logprobs']}; "
+        f"OMP_WAIT_POLICY {result['omp_wait_policy'] or 'unset'}"
+    )
     if result["skipped"]:
         lines.append(f"not measured (a top-k beyond it): {', '.join(result['skipped'])}")
     return "\n".join(lines)

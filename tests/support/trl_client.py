@@ -24,13 +24,28 @@ from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ("TRL_CLIENT", "load_trl_client_module", "mock_in_thread", "trl_client")
+__all__ = (
+    "TRL_CLIENT",
+    "TRL_SERVER_TRAINER",
+    "load_server_distillation_trainer",
+    "load_trl_client_module",
+    "mock_in_thread",
+    "trl_client",
+)
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TRL_CLIENT = ROOT / ".cache" / "trl" / "src" / "trl" / "generation" / "vllm_client.py"
 """TRL 1.16.0's client, as the set-up step (``scripts/dev.sh setup``) extracts it."""
 
-_MODULE: types.ModuleType | None = None
+TRL_SERVER_TRAINER = (
+    TRL_CLIENT.parents[1]
+    / "experimental"
+    / "server_distillation"
+    / "server_distillation_trainer.py"
+)
+"""TRL 1.16.0's ``ServerDistillationTrainer`` (its teacher-server loss path)."""
+
+_MODULES: dict[str, types.ModuleType] = {}
 
 
 def _stub(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:
@@ -46,6 +61,31 @@ def _get_json_schema(func: Any) -> dict[str, Any]:
     raise NotImplementedError("transformers is not installed (stub)")
 
 
+def _load(name: str, path: Path, stubs: dict[str, types.ModuleType]) -> types.ModuleType:
+    """``path`` executed as module ``name`` (once) with ``stubs`` in ``sys.modules`` while
+    it runs (removed afterwards, with the module itself)."""
+    if name in _MODULES:
+        return _MODULES[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} (run scripts/dev.sh setup)")
+    saved = {key: sys.modules.get(key) for key in [*stubs, name]}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = value
+    _MODULES[name] = module
+    return module
+
+
 def load_trl_client_module() -> types.ModuleType:
     """TRL's ``trl/generation/vllm_client.py`` as a module (loaded once).
 
@@ -53,11 +93,6 @@ def load_trl_client_module() -> types.ModuleType:
     ``trl.import_utils`` (requests available, vLLM not) and ``transformers.utils``; they
     are removed from ``sys.modules`` afterwards. ``torch`` and ``requests`` are the real ones.
     """
-    global _MODULE
-    if _MODULE is not None:
-        return _MODULE
-    if not TRL_CLIENT.is_file():
-        raise FileNotFoundError(f"{TRL_CLIENT} (run scripts/dev.sh setup)")
     stubs = {
         "trl": _stub("trl", package=True),
         "trl.generation": _stub("trl.generation", package=True),
@@ -69,23 +104,35 @@ def load_trl_client_module() -> types.ModuleType:
         "transformers": _stub("transformers", package=True),
         "transformers.utils": _stub("transformers.utils", get_json_schema=_get_json_schema),
     }
-    name = "trl.generation.vllm_client"
-    saved = {key: sys.modules.get(key) for key in [*stubs, name]}
-    sys.modules.update(stubs)
-    try:
-        spec = importlib.util.spec_from_file_location(name, TRL_CLIENT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
-    _MODULE = module
-    return module
+    return _load("trl.generation.vllm_client", TRL_CLIENT, stubs)
+
+
+class _TrainerBase:
+    """Stands in for TRL's ``DistillationTrainer`` (transformers' ``Trainer``): only the
+    server path's own methods are used."""
+
+
+def load_server_distillation_trainer() -> types.ModuleType:
+    """TRL's ``server_distillation_trainer.py`` as a module (loaded once), with stubs for
+    its base class (``DistillationTrainer``), its configuration class and
+    ``profiling_decorator`` (the identity); its loss functions and methods run as TRL
+    ships them."""
+    pkg = "trl.experimental.server_distillation"
+    stubs = {
+        "trl": _stub("trl", package=True),
+        "trl.extras": _stub("trl.extras", package=True),
+        "trl.extras.profiling": _stub("trl.extras.profiling", profiling_decorator=lambda f: f),
+        "trl.trainer": _stub("trl.trainer", package=True),
+        "trl.trainer.distillation_trainer": _stub(
+            "trl.trainer.distillation_trainer", DistillationTrainer=_TrainerBase
+        ),
+        "trl.experimental": _stub("trl.experimental", package=True),
+        pkg: _stub(pkg, package=True),
+        f"{pkg}.server_distillation_config": _stub(
+            f"{pkg}.server_distillation_config", ServerDistillationConfig=object
+        ),
+    }
+    return _load(f"{pkg}.server_distillation_trainer", TRL_SERVER_TRAINER, stubs)
 
 
 def trl_client(base_url: str, model: str = "mock") -> Any:

@@ -377,6 +377,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             deadline_s=cfg.probe_deadline_s,
             max_bytes=cfg.max_response_bytes,
             secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
+            engines=parts.fetcher.engines,
         )
         log.info(
             "probe",

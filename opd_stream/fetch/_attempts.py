@@ -29,7 +29,8 @@ from ..config._settings import StreamConfig
 from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
-from ..fleet._router import endpoint_url, generate_url
+from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, max_logprobs_problem
+from ..fleet._router import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Transport
 from ..wire._codec import (
@@ -43,7 +44,8 @@ from ..wire._codec import (
 )
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
-from ..wire._request import Layout, ScoreRequest, layout
+from ..wire._request import Layout, ScoreRequest, layout, multi_body
+from ..wire._vllm import ENGINE_PATHS
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -95,6 +97,7 @@ class AttemptSender:
         endpoints: Endpoints,
         pool: EndpointPool,
         capabilities: Capabilities,
+        engines: EngineDirectory,
         *,
         threads: anyio.CapacityLimiter | None = None,
     ) -> None:
@@ -104,6 +107,7 @@ class AttemptSender:
         self._endpoints = endpoints
         self._pool = pool
         self._caps = capabilities
+        self._engines = engines
         self._threads = threads
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
@@ -307,11 +311,18 @@ class AttemptSender:
     ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
-        if req.id_form == "blocks" and req.ids is not None:
-            answer = await self._post_blocks(side, url, req, lease, key)
-        else:
-            body, lay = await self._build_body(req)
-            answer = await self._post(side, url, body, lease, key)
+        path = ENGINE_PATHS[req.engine]
+        try:
+            if multi_body(req):
+                answer = await self._post_blocks(side, url, req, lease, key)
+            else:
+                body, lay = await self._build_body(req)
+                answer = await self._post(side, url, body, lease, key, path)
+        except ServerHTTPError as exc:
+            raise self._refusal(side, url, req, exc) from None
+        except CapabilityError as exc:  # the engine cannot answer the request (the build)
+            exc.side, exc.url = side, url
+            raise
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -325,6 +336,9 @@ class AttemptSender:
         ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
             ep.traffic.cached_tokens += rows.cached_tokens
+        self._engines.answered(url, req.engine)
+        if req.engine != "sglang":
+            return rows  # SGLang's capabilities (per_position, b64_topk, blocked_batch) only
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
@@ -333,8 +347,27 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
+    def _refusal(
+        self, side: Side, url: str, req: ScoreRequest, exc: ServerHTTPError
+    ) -> OPDStreamError:
+        """What an HTTP error means: a 404/405 on ``/generate`` of a URL of unknown engine
+        (detect it: :class:`EngineUnknown`), vLLM refusing more logprobs per row than its
+        ``--max-logprobs`` (a :class:`CapabilityError` naming the flag), else itself."""
+        if req.engine == "sglang" and exc.status in DETECT_STATUSES and self._engines.detects(url):
+            return EngineUnknown(exc.status, side=side, url=url)
+        problem = max_logprobs_problem(req.engine, exc.status, exc.server_message)
+        if problem is not None:
+            return CapabilityError("max_logprobs", problem, side=side, url=url)
+        return exc
+
     async def _post(
-        self, side: Side, url: str, body: bytes, lease: BudgetLease, key: int | None = None
+        self,
+        side: Side,
+        url: str,
+        body: bytes,
+        lease: BudgetLease,
+        key: int | None = None,
+        path: str = ENGINE_PATHS["sglang"],
     ) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
         ``lease`` (by the transport as it reads it, or here once it is whole)."""
@@ -351,7 +384,7 @@ class AttemptSender:
                 ep.traffic.requests += 1
                 self._stats.requests += 1
                 resp = await self._transport.post(
-                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes, **extra
+                    endpoint_url(url, path), body, max_bytes=self._cfg.max_response_bytes, **extra
                 )
                 if not self._lease_ok:  # charged after the fact
                     await lease.settle(lease.held + len(resp.body))
@@ -370,15 +403,18 @@ class AttemptSender:
     async def _post_blocks(
         self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
     ) -> list[Body]:
-        """The ``"blocks"`` id form: each block an independent request (concurrent, within
-        the endpoint's limit); the first failure fails the attempt and cancels the rest."""
+        """A multi-body request (:func:`~opd_stream.wire._request.multi_body`: SGLang's
+        ``"blocks"`` id form, or a vLLM request split by ``max_ids``): each body an
+        independent request (concurrent, within the endpoint's limit); the first failure
+        fails the attempt and cancels the rest."""
+        path = ENGINE_PATHS[req.engine]
         start = time.thread_time()
         bodies = build_block_payloads(req)
         self._stats.cpu.build += time.thread_time() - start
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n], lease, key)
+            answers[n] = await self._post(side, url, bodies[n], lease, key, path)
 
         async with anyio.create_task_group() as tg:
             for n in range(len(bodies)):

@@ -97,6 +97,19 @@ def test_equal_to_trls_own_client_value_for_value(
     assert [ep.engine for ep in stats.endpoints.values()] == [engine]
 
 
+def test_a_new_clients_concurrent_first_sequences_all_find_the_vllm_engine(
+    servers: dict[str, Any], trl: Any
+) -> None:
+    # every sequence goes out at once as SGLang; the first 404 detects vLLM, and the other
+    # 404s (answered after that) ask again in vLLM's dialect instead of failing
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, V - 2, 20).tolist() for _ in range(16)]
+    want = trl.get_sequence_logprobs(seqs, [10] * 16, top_logprobs=3)
+    for _ in range(3):
+        with TeacherClient(servers["vllm"].url, environ={}) as client:
+            assert client.get_sequence_logprobs(seqs, [10] * 16, top_logprobs=3) == want
+
+
 def test_minus_9999_inside_the_top_entries_is_kept_as_trl_passes_it_on() -> None:
     small = {"vocab_size": 64, "head_size": 16}  # top 64: the 2 masked ids are in the top
     with (
@@ -114,16 +127,20 @@ def test_minus_9999_inside_the_top_entries_is_kept_as_trl_passes_it_on() -> None
 
 def test_a_stock_server_refuses_top_100_to_both_clients_and_ours_says_which_flag() -> None:
     stock = VllmMockOptions(**MODEL)  # --max-logprobs 20, vLLM's default
-    with (
-        mock_in_thread(lambda: serve_vllm_mock("teacher", 0, options=stock)) as server,
-        TeacherClient(server.url, environ={}) as client,
-    ):
-        seqs, lengths = batch()
+    seqs, lengths = batch()
+    with mock_in_thread(lambda: serve_vllm_mock("teacher", 0, options=stock)) as server:
         with pytest.raises(Exception, match="400"):
             trl_client(server.url).get_sequence_logprobs(seqs, lengths, top_logprobs=100)
-        with pytest.raises(SequenceScoringError, match="5 of 6 sequences") as info:
-            client.get_sequence_logprobs(seqs, lengths, top_logprobs=100)
-        assert "max" in str(info.value).lower() and "logprobs" in str(info.value)
+        # TRL's command line (--max-logprobs -1) assumed: the server's 400 read and explained
+        with TeacherClient(server.url, environ={}) as client:
+            with pytest.raises(SequenceScoringError, match="5 of 6 sequences") as info:
+                client.get_sequence_logprobs(seqs, lengths, top_logprobs=100)
+            assert "start vLLM with --max-logprobs 100 or more" in str(info.value)
+        # the server's limit configured: refused as such
+        env = {"OPD_STREAM_VLLM_MAX_LOGPROBS": "20"}
+        with TeacherClient(server.url, environ=env) as client:
+            with pytest.raises(SequenceScoringError, match="--max-logprobs 100 or more"):
+                client.get_sequence_logprobs(seqs, lengths, top_logprobs=100)
 
 
 def _trainer(client: Any, *, beta: float, top_k: int, tail: bool) -> Any:

@@ -353,7 +353,12 @@ class AttemptSender:
         """What an HTTP error means: a 404/405 on ``/generate`` of a URL of unknown engine
         (detect it: :class:`EngineUnknown`), vLLM refusing more logprobs per row than its
         ``--max-logprobs`` (a :class:`CapabilityError` naming the flag), else itself."""
-        if req.engine == "sglang" and exc.status in DETECT_STATUSES and self._engines.detects(url):
+        if (
+            req.engine == "sglang"
+            and exc.status in DETECT_STATUSES
+            and self._engines.known(url) != "sglang"
+        ):
+            # unknown: detect it; or detected meanwhile (a request sent before): ask again
             return EngineUnknown(exc.status, side=side, url=url)
         problem = max_logprobs_problem(req.engine, exc.status, exc.server_message)
         if problem is not None:

@@ -9,9 +9,9 @@ prompt 512, response 256; ``--sizes '{"prompts": 2}'`` overrides any size).
 One mock vLLM server runs as a subprocess (``python -m opd_stream.testing.mock_vllm``,
 ``--max-logprobs -1`` as TRL's documented ``vllm serve`` command, scale-out on, a prefix
 cache with pages of 16 and the compute model: one request at a time), so its CPU is not the
-clients'. Each client runs in a child process of its own (``--child``), one call per
-``top_logprobs`` after an unmeasured warm-up call on other sequences (imports, pools, engine
-detection), the mock's prefix cache flushed before each measured call:
+clients'; it is restarted (an empty prefix cache) before each client's run. Each client runs
+in a child process of its own (``--child``), one call per ``top_logprobs`` after an
+unmeasured warm-up call on other sequences (imports, pools, engine detection):
 
 * client CPU per sample: the child's CPU over the call (every thread; ``ClientMeter``);
 * bytes per response token: what the mock sent over the call (``/mock/stats``), over the
@@ -121,9 +121,6 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
         client = TeacherClient(spec["url"], environ={})
     client.get_sequence_logprobs(warm, warm_lengths, top_logprobs=k)
-    flush = urllib.request.Request(spec["url"] + "/flush_cache", method="POST")
-    with urllib.request.urlopen(flush) as resp:
-        resp.read()
     before = _mock_stats(spec["url"])
     gc.collect()
     max_rss0 = _max_rss_bytes()
@@ -169,9 +166,8 @@ def _mock_stats(url: str) -> dict[str, Any]:
 
 
 def _mock(sz: Sizes) -> Any:
-    """The mock vLLM server (a subprocess), TRL's ``vllm serve`` flags."""
-    from opd_stream.testing.mock_sglang import MockProcess
-    from opd_stream.testing.mock_vllm import VllmMockOptions
+    """The mock vLLM server (a subprocess) with TRL's ``vllm serve`` flags."""
+    from opd_stream.testing.mock_vllm import VllmMockOptions, VllmMockProcess
 
     options = VllmMockOptions(
         vocab_size=VOCAB,
@@ -181,13 +177,7 @@ def _mock(sz: Sizes) -> Any:
         compute_fixed_s=0.0005,
         compute_per_token_s=sz.per_token_s,
     )
-
-    class VllmProcess(MockProcess):
-        def argv(self) -> list[str]:
-            sglang = "opd_stream.testing.mock_sglang"
-            return ["opd_stream.testing.mock_vllm" if a == sglang else a for a in super().argv()]
-
-    return VllmProcess("teacher", 0, options=options)
+    return VllmMockProcess("teacher", 0, options=options)
 
 
 def run(sz: Sizes, progress: Any = None) -> dict[str, Any]:
@@ -207,12 +197,13 @@ def run(sz: Sizes, progress: Any = None) -> dict[str, Any]:
     }
     mock = _mock(sz)
     try:
-        url = mock.start()
         for k in sz.top:
             runs: dict[str, Any] = {}
             for client in CLIENTS:
                 if progress is not None:
                     progress(f"top_logprobs {k}: {client}")
+                mock.kill()  # a fresh server: an empty prefix cache
+                url = mock.start()
                 spec = {"client": client, "url": url, "k": k, "sizes": msgspec.to_builtins(sz)}
                 res = _run_child(spec)
                 res["cpu_ms_per_sample"] = 1000 * res["cpu_s"] / samples

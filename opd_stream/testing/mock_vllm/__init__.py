@@ -20,7 +20,7 @@ from __future__ import annotations
 from ._app import VLLM_VERSION, VllmMockServer
 from ._errors import SCALE_OUT_DISABLED
 from ._options import VllmMockOptions
-from ._serve import VllmMockProcess, serve_vllm_mock, vllm_options_to_argv
+from ._serve import VllmMockProcess, serve_vllm_mock
 
 __all__ = (
     "SCALE_OUT_DISABLED",
@@ -29,5 +29,4 @@ __all__ = (
     "VllmMockProcess",
     "VllmMockServer",
     "serve_vllm_mock",
-    "vllm_options_to_argv",
 )

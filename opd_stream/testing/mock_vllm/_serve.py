@@ -3,16 +3,14 @@ subprocess (:class:`VllmMockProcess`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from ..mock_sglang import ByteModel, MockCluster, MockOptions, MockProcess, Role
-from ..mock_sglang._options import CLI_VOCAB_SIZE
-from ._app import VllmMockServer, vllm_options
-from ._options import VllmMockOptions
+from ._app import VllmMockServer
 
-__all__ = ("VllmMockProcess", "serve_vllm_mock", "vllm_options_to_argv")
+__all__ = ("VllmMockProcess", "serve_vllm_mock")
 
 
 @asynccontextmanager
@@ -62,28 +60,6 @@ async def serve_vllm_mock(
             await s.stop()
 
 
-def vllm_options_to_argv(options: MockOptions) -> list[str]:
-    """CLI flags reproducing the fields of ``options`` that differ from the command's
-    defaults."""
-    import msgspec
-
-    opts = vllm_options(options)
-    default = msgspec.structs.replace(VllmMockOptions(), vocab_size=CLI_VOCAB_SIZE)
-    argv: list[str] = []
-    for name in opts.__struct_fields__:
-        value = getattr(opts, name)
-        if value == getattr(default, name) or value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif isinstance(value, tuple):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
 class VllmMockProcess(MockProcess):
     """The CLI (``python -m opd_stream.testing.mock_vllm``) as a real subprocess (see
     :class:`~opd_stream.testing.mock_sglang.MockProcess`; ``scale_out=False`` adds
@@ -96,8 +72,4 @@ class VllmMockProcess(MockProcess):
     def argv(self) -> list[str]:
         argv = super().argv()
         argv[argv.index("opd_stream.testing.mock_sglang")] = "opd_stream.testing.mock_vllm"
-        # Replace the SGLang option flags by the vLLM ones (a superset).
-        head = argv[: argv.index("--seed") + 2]
-        extra: Sequence[str] = self.extra_args
-        tail = vllm_options_to_argv(self.options)
-        return [*head, *tail, *([] if self.scale_out else ["--no-scale-out"]), *extra]
+        return argv if self.scale_out else [*argv, "--no-scale-out"]

@@ -19,7 +19,10 @@ unmeasured warm-up call on other sequences (imports, pools, engine detection):
 * teacher tokens computed over the unique tokens (each prompt once plus every response):
   the mock's ``computed_tokens`` over the call;
 * peak client memory: the child's peak RSS over the call less its RSS before it (sampled
-  every 20 ms, and the kernel's ``ru_maxrss`` high-water mark);
+  every 20 ms, and the kernel's ``ru_maxrss`` high-water mark; the target's measure); and,
+  from the same call repeated under ``tracemalloc`` (its CPU not counted), the peak of what
+  Python allocated and how much of it is the returned result (the same lists for both
+  clients: what remains is each client's working memory);
 * equal: a digest of each client's four result lists (float64 bytes), TRL's against ours.
 
 TRL's client is loaded from the set-up step's copy of its wheel (``.cache/trl/src``) by
@@ -40,6 +43,7 @@ import resource
 import subprocess
 import sys
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,7 +115,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     sz = msgspec.convert(spec["sizes"], Sizes)
     k = int(spec["k"])
     seqs, lengths = workload(sz.prompts, sz.per_prompt, sz.prompt, sz.response, seed=1)
-    warm, warm_lengths = workload(2, 2, 32, 16, seed=2)
+    # the warm-up: as many sequences (so as many connections as a training step opens),
+    # short ones, other prompts
+    warm, warm_lengths = workload(sz.prompts, sz.per_prompt, 32, 16, seed=2)
     if spec["client"] == "trl":
         from support.trl_client import trl_client
 
@@ -121,6 +127,10 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
         client = TeacherClient(spec["url"], environ={})
     client.get_sequence_logprobs(warm, warm_lengths, top_logprobs=k)
+    if spec["client"] != "trl":
+        from opd_stream.scanner._loader import prepare
+
+        prepare()  # the stream loads its compiled kernels in a thread: done before measuring
     before = _mock_stats(spec["url"])
     gc.collect()
     max_rss0 = _max_rss_bytes()
@@ -129,7 +139,21 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     max_rss1 = _max_rss_bytes()
     after = _mock_stats(spec["url"])
     peak = max(meter.peak_rss, max_rss1 if max_rss1 > max_rss0 else 0)
+    digest = _digest(result)
+    rows = sum(len(r) for r in result["logprobs"])
+    # the same call again under tracemalloc (slower: its CPU is not counted): the peak of
+    # what Python allocated during the call, and what stays (the result lists)
+    del result
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    again = client.get_sequence_logprobs(seqs, lengths, top_logprobs=k)
+    current, traced_peak = tracemalloc.get_traced_memory()
+    del again
+    tracemalloc.stop()
     out = {
+        "traced_peak": traced_peak - base,
+        "traced_result": current - base,
         "bytes_sent": after["bytes_sent"] - before["bytes_sent"],
         "computed_tokens": after["computed_tokens"] - before["computed_tokens"],
         "requests": after["requests"] - before["requests"],
@@ -137,8 +161,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "wall_s": meter.wall_s,
         "rss_start": meter.rss_start,
         "peak_rss_growth": max(0, peak - meter.rss_start),
-        "rows": sum(len(r) for r in result["logprobs"]),
-        "digest": _digest(result),
+        "rows": rows,
+        "digest": digest,
     }
     if spec["client"] != "trl":
         client.close()
@@ -215,6 +239,9 @@ def run(sz: Sizes, progress: Any = None) -> dict[str, Any]:
                 "cpu": trl["cpu_s"] / ours["cpu_s"],
                 "bytes": trl["bytes_sent"] / ours["bytes_sent"],
                 "memory": ours["peak_rss_growth"] / max(trl["peak_rss_growth"], 1),
+                "memory_traced": ours["traced_peak"] / max(trl["traced_peak"], 1),
+                "memory_working": (ours["traced_peak"] - ours["traced_result"])
+                / max(trl["traced_peak"] - trl["traced_result"], 1),
                 "equal": trl["digest"] == ours["digest"],
             }
             out["runs"][str(k)] = runs
@@ -279,8 +306,8 @@ def markdown(result: dict[str, Any], machine: str) -> str:
         "## Per client",
         "",
         "| top_logprobs | client | CPU ms / sample | bytes / response token | computed / unique "
-        "| peak RSS growth (MB) | wall s |",
-        "|---|---|---|---|---|---|---|",
+        "| peak RSS growth (MB) | traced peak (MB) | of which the result (MB) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for k, runs in result["runs"].items():
         for client in CLIENTS:
@@ -288,8 +315,23 @@ def markdown(result: dict[str, Any], machine: str) -> str:
             lines.append(
                 f"| {k} | {client} | {r['cpu_ms_per_sample']:.2f} | "
                 f"{r['bytes_per_response_token']:.0f} | {r['computed_over_unique']:.3f} | "
-                f"{r['peak_rss_growth'] / 1e6:.1f} | {r['wall_s']:.2f} |"
+                f"{r['peak_rss_growth'] / 1e6:.1f} | {r['traced_peak'] / 1e6:.1f} | "
+                f"{r['traced_result'] / 1e6:.1f} | {r['wall_s']:.2f} |"
             )
+    lines += [
+        "",
+        "## TRL's over ours (CPU, bytes) and ours over TRL's (memory)",
+        "",
+        "| top_logprobs | CPU | bytes | peak RSS growth | traced peak | traced working "
+        "(peak less the result) | equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, runs in result["runs"].items():
+        r = runs["ratios"]
+        lines.append(
+            f"| {k} | {r['cpu']:.1f}x | {r['bytes']:.2f}x | {r['memory']:.3f} | "
+            f"{r['memory_traced']:.3f} | {r['memory_working']:.3f} | {r['equal']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ unmeasured warm-up call on other sequences (imports, pools, engine detection):
 
 TRL's client is loaded from the set-up step's copy of its wheel (``.cache/trl/src``) by
 ``tests/support/trl_client.py`` and called with its defaults (``chunk_size=0``: the whole
-batch in one POST). Targets (issue 33 §3): at every ``top_logprobs``, >= 5x less client
+batch in one POST). Targets: at every ``top_logprobs``, >= 5x less client
 CPU, >= 3x fewer bytes, teacher tokens computed <= 1.05x the unique tokens, peak client
 memory <= 1/10 of TRL's. The results go to ``<out>/trl_teacher.json`` and
 ``<out>/trl_teacher.md``.

@@ -72,6 +72,8 @@ class LoopThread:
                 if self._stop.is_set():
                     break
         finally:
+            with self._lock:  # from now on, a new call is refused (nothing would run it)
+                self._closed = True
             await self._on_exit()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -39,11 +39,11 @@ from ..wire._request import Engine, IdForm
 from ..xtok._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
 from ._fields import (
+    REQUIRED,
     ConfigField,
     FieldSpec,
     Invalid,
     Normalise,
-    REQUIRED,
     did_you_mean,
     field_specs,
     read_env,

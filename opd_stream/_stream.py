@@ -378,6 +378,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             max_bytes=cfg.max_response_bytes,
             secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
             engines=parts.fetcher.engines,
+            others=() if cfg.student_url is None else (cfg.student_url,),
         )
         log.info(
             "probe",

@@ -18,7 +18,13 @@ import aiohttp
 import numpy as np
 import pytest
 
-from opd_stream.testing.mock_sglang import MockCluster, MockModel, MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import (
+    ByteModel,
+    MockCluster,
+    MockModel,
+    MockOptions,
+    serve_mock,
+)
 from opd_stream.testing.mock_vllm import (
     SCALE_OUT_DISABLED,
     VllmMockOptions,
@@ -398,7 +404,7 @@ async def test_answer_fields_request_id_usage_weight_versions_and_prompt_ids(
     assert plain["prompt_token_ids"] is None
 
 
-async def test_greedy_generation_matches_the_sglang_mock(session: aiohttp.ClientSession) -> None:
+async def test_generation_matches_the_sglang_mock(session: aiohttp.ClientSession) -> None:
     async with (
         serve_vllm_mock(options=OPTS) as v,
         serve_mock(options=MockOptions(vocab_size=V, head_size=H)) as s,
@@ -412,6 +418,23 @@ async def test_greedy_generation_matches_the_sglang_mock(session: aiohttp.Client
         )
         assert va["choices"][0]["token_ids"] == sa["output_ids"]
         assert va["usage"]["completion_tokens"] == 6
+        # Sampled with a seed: the same draw as the SGLang mock's sampling_seed.
+        _, va = await post(
+            session,
+            v.url,
+            "/inference/v1/generate",
+            gen_body(max_tokens=8, temperature=1.5, seed=7),
+        )
+        _, sa = await post(
+            session,
+            s.url,
+            "/generate",
+            {
+                "input_ids": TOKENS,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.5, "sampling_seed": 7},
+            },
+        )
+        assert va["choices"][0]["token_ids"] == sa["output_ids"]
 
 
 # ---------------------------------------------------------------- completions
@@ -557,3 +580,81 @@ async def test_an_actual_token_inside_the_top_n_keeps_first_place_with_its_top_r
     best, _, third = MODEL.topk(np.array(toks), [5], 3)[0][0].tolist()
     assert list(d) == [str(second), str(best), str(third)]
     assert [e["rank"] for e in d.values()] == [2, 1, 3]
+
+
+async def test_what_the_mock_does_not_serve_is_refused_not_ignored(
+    vllm: MockCluster, session: aiohttp.ClientSession
+) -> None:
+    for body in (gen_body(logprobs=2), {**gen_body(), "stream": True}):
+        status, ans = await post(session, vllm.url, "/inference/v1/generate", body)
+        assert status == 400 and "mock vLLM server" in ans["error"]["message"]
+    status, ans = await post(
+        session, vllm.url, "/v1/completions", {"prompt": "text", "max_tokens": 1}
+    )
+    assert status == 400 and "no tokenizer" in ans["error"]["message"]
+
+
+async def test_another_model_name_is_vllms_404(
+    vllm: MockCluster, session: aiohttp.ClientSession
+) -> None:
+    for path, body in (
+        ("/inference/v1/generate", {**gen_body(), "model": "other"}),
+        ("/v1/completions", {"prompt": TOKENS, "max_tokens": 1, "model": "other"}),
+    ):
+        status, ans = await post(session, vllm.url, path, body)
+        assert status == 404
+        assert ans["error"] == {
+            "message": "The model `other` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    status, _ = await post(
+        session,
+        vllm.url,
+        "/v1/completions",
+        {"prompt": TOKENS, "max_tokens": 1, "model": "mock-teacher"},
+    )
+    assert status == 200
+
+
+async def test_byte_model_and_offset_move_vllm_values_as_sglang_ones(
+    session: aiohttp.ClientSession,
+) -> None:
+    bm = ByteModel([bytes([i % 251 + 1]) * (1 + i % 3) for i in range(V)], q=0.6)
+    sg = MockOptions(vocab_size=V, head_size=H, logprob_offset=-0.25)
+    vo = VllmMockOptions(vocab_size=V, head_size=H, logprob_offset=-0.25)
+    start = 4
+    rows = [[TOKENS[start + i + 1], 2] for i in range(L - 1 - start)]
+    async with (
+        serve_vllm_mock(options=vo, byte_model=bm) as v,
+        serve_mock(options=sg, byte_model=bm) as s,
+    ):
+        _, va = await post(
+            session,
+            v.url,
+            "/inference/v1/generate",
+            gen_body(prompt_logprob_start=start, prompt_logprob_token_ids=rows, prompt_logprobs=2),
+        )
+        _, sa = await post(
+            session,
+            s.url,
+            "/generate",
+            {
+                "input_ids": TOKENS,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "top_logprobs_num": 2,
+                "token_ids_logprob": [2],
+            },
+        )
+    meta = sa["meta_info"]
+    arr = npy(va)
+    want = [row[0] for row in meta["input_token_logprobs"][1:]]
+    assert arr[:, 0].tolist() == want  # the byte model's values, offset
+    assert want[0] == float(np.float32(bm.token_logprobs(np.array(TOKENS), [start + 1])[0] - 0.25))
+    assert arr[:, 1].tolist() == [r[0][0] for r in meta["input_token_ids_logprobs"][1:]]
+    for p, top in zip(range(start + 1, L), meta["input_top_logprobs"][1:], strict=True):
+        d = va["prompt_logprobs"][p]
+        assert [d[str(t[1])]["logprob"] for t in top] == [t[0] for t in top]

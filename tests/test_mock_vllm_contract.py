@@ -267,3 +267,42 @@ async def test_the_mocks_400_messages_are_vllms(session: aiohttp.ClientSession) 
             # A body-layer error wraps the sentence in pydantic's report; the sentence is vLLM's.
             sentence = message.rsplit("Value error, ", 1)[-1]
             assert any(p.fullmatch(sentence) for p in patterns), (sp, sentence)
+
+
+COMPLETION_REJECTED = [
+    {"prompt_logprobs": -3},
+    {"prompt_logprobs": 2, "stream": True},
+    {"prompt_logprobs": 21},
+    {"max_tokens": 0},
+]
+
+
+async def test_the_completions_400_messages_are_vllms(session: aiohttp.ClientSession) -> None:
+    patterns = _message_patterns(COMPLETION) + _message_patterns(SAMPLING)
+    async with serve_vllm_mock(options=VllmMockOptions(vocab_size=V, head_size=16)) as srv:
+        for extra in COMPLETION_REJECTED:
+            body = {"prompt": TOKENS, "max_tokens": 1, **extra}
+            async with session.post(srv.url + "/v1/completions", json=body) as r:
+                assert r.status == 400, extra
+                message = (await r.json())["error"]["message"]
+            sentence = message.rsplit("Value error, ", 1)[-1]
+            assert any(p.fullmatch(sentence) for p in patterns), (extra, sentence)
+
+
+def test_the_mock_is_independent_of_the_client_code() -> None:
+    """The mock is the reference the client is tested against: it imports nothing of the
+    client (wire, fetch, fleet, config), only the SGLang mock it shares the model with."""
+    import opd_stream.testing.mock_vllm as pkg
+
+    client = ("wire", "fetch", "fleet", "config", "stream", "kl")
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                parts = module.split(".")
+                if node.level == 0:
+                    assert parts[0] != "opd_stream" or parts[1] == "testing", (path, module)
+                else:  # relative: at most up to opd_stream.testing
+                    assert node.level <= 2 and parts[0] not in client, (path, module)
+            elif isinstance(node, ast.Import):
+                assert all(not a.name.startswith("opd_stream") for a in node.names), path

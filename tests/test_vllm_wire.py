@@ -1,4 +1,4 @@
-"""The vLLM wire (issue 33 §1): request bodies for vLLM 0.34.0's scale-out generate and
+"""The vLLM wire (issue 33, part 1): request bodies for vLLM 0.34.0's scale-out generate and
 OpenAI completions, and their answers decoded into the same ScoreRows as SGLang's.
 
 Answers are written here by hand the way vLLM writes them (``np.save`` + base64 as
@@ -628,3 +628,26 @@ def test_answer_fields_read_are_vllms() -> None:
     usage = _fields("PromptTokenUsageInfo", "entrypoints/serve/engine/protocol.py")
     assert "cached_tokens" in usage
     assert {"logprob", "rank"} <= _fields("Logprob", "logprobs.py")
+
+
+def test_completions_read_minus_9999_as_minus_inf() -> None:
+    req = req_of("vllm-completions", ids=None, top_k=V)
+    rows = decode_score_response(enc(completions_answer(V)), req)
+    assert rows.top_logprobs is not None
+    assert np.isneginf(rows.top_logprobs[:, -2:]).all()
+    assert (rows.top_logprobs[:, :-2] > -9999.0).all()
+
+
+def test_a_mutated_npy_is_rejected_or_read_never_anything_else() -> None:
+    """Every byte of a valid .npy changed in turn: a protocol error or the right shape."""
+    raw = bytearray(base64.b64decode(npy_b64(_good_values())))
+    rng = np.random.default_rng(3)
+    for i in range(len(raw)):
+        broken = bytearray(raw)
+        broken[i] = int(rng.integers(0, 256))
+        try:
+            rows = decode_score_response(_npy_answer(base64.b64encode(broken).decode()), req_of())
+        except (MalformedResponseError, MisalignedResponseError):
+            continue
+        assert rows.id_logprobs is not None
+        assert rows.id_logprobs.shape == (R, 3)

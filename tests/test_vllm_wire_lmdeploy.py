@@ -1,4 +1,4 @@
-"""Row alignment read from the answer (issue 33 §1, spec vllm-teachers.md §4): LMDeploy's
+"""Row alignment read from the answer (issue 33, part 1): LMDeploy's
 ``/generate`` answers SGLang's scoring dialect without the leading empty row (entry 0 is about
 ``input_ids[s + 1]``) and as ``[value, token_id]`` pairs. Accepted where the echoed ids say so
 unambiguously, by both parsers alike; refused, naming the alignments tried, where not.

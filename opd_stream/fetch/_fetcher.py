@@ -135,6 +135,7 @@ class SampleFetcher:
             server_engines=config.server_engines,
             max_logprobs=config.vllm_max_logprobs,
             secret=config.api_key.get_secret_value() if config.api_key else None,
+            gateway_of=self.fleets.gateway_of,
         )
         self._sender = AttemptSender(
             config,

@@ -29,7 +29,7 @@ kept on the URL's :class:`~opd_stream.fleet._endpoints.Endpoint` (``engine``, sh
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Literal
 
 import anyio
@@ -234,6 +234,7 @@ class EngineDirectory:
         server_engines: Mapping[str, Engine] | None = None,
         max_logprobs: int = 20,
         secret: str | None = None,
+        gateway_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._endpoints = endpoints
         self._transport = transport
@@ -241,6 +242,7 @@ class EngineDirectory:
         self._server_engines = dict(server_engines or {})
         self._running: dict[str, _Detection] = {}
         self._secret = secret
+        self._gateway_of = gateway_of  # a discovered worker's gateway (its engine setting)
         self.max_ids = max(max_logprobs, 0)
         """``ScoreRequest.max_ids`` of a vLLM request (``vllm_max_logprobs``; -1 -> 0)."""
 
@@ -250,6 +252,10 @@ class EngineDirectory:
         ep = self._endpoints(url)
         if ep.engine is None:
             ep.engine = configured_engine(url, self._setting, self._server_engines)
+            gateway = None if self._gateway_of is None else self._gateway_of(url)
+            if gateway is not None and url not in self._server_engines:
+                # a worker found behind a gateway speaks what the gateway was set to
+                ep.engine = configured_engine(gateway, self._setting, self._server_engines)
         return "sglang" if ep.engine is None else ep.engine
 
     def known(self, url: str) -> Engine | None:
@@ -258,8 +264,10 @@ class EngineDirectory:
         return self._endpoints(url).engine
 
     def detects(self, url: str) -> bool:
-        """A 404/405 from ``url``'s ``/generate`` means: detect its engine (auto, unknown)."""
-        return self.known(url) is None
+        """A 404/405 from ``url``'s ``/generate`` means: ask again in its engine, detected
+        now (auto, unknown) or already (a request sent as SGLang's while a concurrent one
+        detected it); not for a URL known or set to be SGLang."""
+        return self.known(url) != "sglang"
 
     def answered(self, url: str, engine: Engine) -> None:
         """``url`` answered a request of ``engine`` (200): under auto, its engine is known."""
@@ -303,6 +311,26 @@ class EngineDirectory:
                 del self._running[url]
                 mine.done.set()
             log.info("engine_detected", side=side, url=url, engine=ep.engine)
+
+    async def discover(self, side: str, url: str) -> Engine:
+        """The engine of ``url``: the known one, or (auto) found now with a tiny scoring
+        request to ``/generate`` (200: SGLang), then :meth:`detect` on a 404/405 (what
+        ``probe_at_start`` does for a server it has no other request for: the student).
+
+        Raises:
+            CapabilityError: ``"engine"``: no scoring API there.
+            ServerError: another answer or a connection failure (the engine stays unknown).
+        """
+        known = self.known(url)
+        if known is not None:
+            return known
+        status, message = await self._ask(side, url, ENGINE_PATHS["sglang"], probe_body("sglang"))
+        if status == 200:
+            self.answered(url, "sglang")
+            return "sglang"
+        if status in DETECT_STATUSES:
+            return await self.detect(side, url, status)
+        raise ServerHTTPError(status, message, side=side, url=url)
 
     async def _probe(self, side: str, url: str, status: int) -> Engine:
         tried: list[tuple[str, int, str]] = [(ENGINE_PATHS["sglang"], status, "")]

@@ -104,6 +104,9 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
         outliers: the URLs of the replicas beyond the tolerance.
         failed: the URLs of the replicas whose requests failed or did not answer in time
             (each one's ``error`` says which).
+        servers: the engine of every server the probe looked at (each replica, and the
+            student): ``sglang``, ``vllm`` or ``vllm-completions``, configured or detected
+            (``engine="auto"``); ``None`` where it could not be told (no answer).
     """
 
     tolerance: float
@@ -113,6 +116,7 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
     max_cold_warm_diff: float
     outliers: tuple[str, ...]
     failed: tuple[str, ...]
+    servers: dict[str, Engine | None] = msgspec.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -192,6 +196,7 @@ def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> Prob
         max_cold_warm_diff=max_warm,
         outliers=tuple(r.url for r in out if r.outlier),
         failed=tuple(r.url for r in out if r.error is not None),
+        servers={r.url: r.engine for r in out},
     )
 
 

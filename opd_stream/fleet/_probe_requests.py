@@ -113,14 +113,16 @@ async def run_probe(
     max_bytes: int,
     secret: str | None = None,
     engines: EngineDirectory | None = None,
+    others: tuple[str, ...] = (),
 ) -> ProbeReport:
     """Probe every replica of every teacher at once (routers expanded to their workers);
     each replica's cold and warm requests within ``deadline_s`` (``probe_deadline_s``: one
     that does not answer in time is reported with error ``deadline_exceeded``, and the
     probe ends at that deadline). ``engines``: the stream's (each replica is asked in its
     engine, detected first where ``auto`` finds its ``/generate`` missing; the report
-    names each replica's engine). Raises only for a probe request the caller's sample
-    cannot make (:class:`InvalidSampleError`)."""
+    names each replica's engine); ``others``: servers (the student) whose engine alone is
+    found (:meth:`EngineDirectory.discover`) and reported in ``servers``. Raises only for
+    a probe request the caller's sample cannot make (:class:`InvalidSampleError`)."""
     layout(ScoreRequest(tokens=tokens, response_length=response_length))  # checks the sample
     targets: list[tuple[str, str]] = []
     for name, urls in teachers.items():
@@ -152,4 +154,16 @@ async def run_probe(
     if errors:
         raise errors[0]
     done = [a for a in answers if a is not None]
-    return compare(done, tolerance, response_length)
+    report = compare(done, tolerance, response_length)
+    if engines is None or not others:
+        return report
+    found = dict(report.servers)
+    with anyio.move_on_after(deadline_s):
+        for url in others:
+            try:
+                found[url] = await engines.discover("student", url)
+            except ServerError:
+                found[url] = None
+    for url in others:
+        found.setdefault(url, None)
+    return msgspec.structs.replace(report, servers=found)

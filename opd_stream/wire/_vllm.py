@@ -1,5 +1,5 @@
 """vLLM teachers on the wire: which path each engine answers on, what it can score, and the
-request bodies (vLLM 0.34.0; ``docs/protocol.md`` and ``shared/spec/vllm-teachers.md`` §1-2).
+request bodies (vLLM 0.34.0: its ``sampling_params.py`` and scale-out / completions protocols).
 
 Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`):
 

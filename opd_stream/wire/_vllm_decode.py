@@ -50,7 +50,7 @@ VLLM_NEG_INF = -9999.0
 
 class _Logprob(msgspec.Struct, gc=False, frozen=True):
     logprob: float
-    rank: int | None = None  # decoded_token is skipped unparsed
+    rank: int  # always set in prompt logprobs; decoded_token is skipped unparsed
 
 
 class _Span(msgspec.Struct, gc=False, frozen=True):
@@ -81,7 +81,7 @@ class _ScaleOut(msgspec.Struct, gc=False, frozen=True):
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
     prompt_logprobs: list[_Row] | None = None
-    prompt_token_id_logprobs: str | None = None
+    prompt_token_id_logprobs: bytes | None = None  # base64 in JSON: msgspec decodes it
     prompt_token_ids: list[int] | None = None
 
 
@@ -127,15 +127,15 @@ def decode_vllm(answer: Body | Sequence[Body], req: ScoreRequest, lay: Layout) -
         versions.append(_weight_version(choice))
         cached.append(_cached(got.usage))
         _check_echo(got.prompt_token_ids, lay, f"{where}.prompt_token_ids")
-        text = got.prompt_token_id_logprobs
-        if text is None:
+        raw = got.prompt_token_id_logprobs
+        if raw is None:
             raise CapabilityError(
                 "vllm_token_id_logprobs",
                 f"the answer has no `{where}.prompt_token_id_logprobs`: the server ignored "
                 "prompt_logprob_token_ids (vLLM 0.34.0 or newer scores chosen ids)",
             )
         parts.append(
-            read_npy_f32(text, (lay.segments[0].rows, hi - lo), f"{where}.prompt_token_id_logprobs")
+            read_npy_f32(raw, (lay.segments[0].rows, hi - lo), f"{where}.prompt_token_id_logprobs")
         )
         if n == 0 and req.top_k > 0:
             rows = got.prompt_logprobs
@@ -277,7 +277,7 @@ def _top_k(
     entries = list(chain.from_iterable(d.values() for d in rows))  # type: ignore[union-attr]
     keys = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=total)
-    ranks = np.fromiter((-1 if x is None else x for x in map(_RANK, entries)), np.int64, total)
+    ranks = np.fromiter(map(_RANK, entries), dtype=np.int64, count=total)
     row_of = np.repeat(np.arange(r), counts)
     is_actual = keys == lay.tokens[p:][row_of]
     missing = np.flatnonzero(np.bincount(row_of[is_actual], minlength=r) != 1)

@@ -95,8 +95,10 @@ def _ranks(model: MockModel, rows: Any, actual: npt.NDArray[np.float32]) -> npt.
     return out
 
 
-def _clamp(v: float) -> float:
-    return -9999.0 if v == float("-inf") else v
+def _clamped(values: npt.NDArray[np.float32]) -> Any:
+    """Float32 values as Python floats, ``-inf`` as vLLM's ``-9999.0``
+    (``clamp_prompt_logprobs``)."""
+    return np.where(np.isneginf(values), np.float32(-9999.0), values).tolist()
 
 
 def score_item(
@@ -181,25 +183,27 @@ def _prompt_logprobs(
     own = _actual_lp(model, None, tok, positions, rows)  # the model's own (for ranks)
     actual32 = actual.astype(np.float32)
     ranks = _ranks(model, rows, own.astype(np.float32))
-    top_ids, top_lp = model.topk_in(rows, top_n) if top_n > 0 else (None, None)
     out: list[dict[str, dict[str, Any]] | None] = [None] * (1 + start)
-    act_ids: list[int] = tok[positions].tolist()
-    act_vals: list[float] = actual32.tolist()
+    act_keys = list(map(str, tok[positions].tolist()))
+    act_vals: list[float] = _clamped(actual32)
     rank_list: list[int] = ranks.tolist()
-    if top_ids is not None and top_lp is not None:
-        t_ids: list[list[int]] = top_ids.tolist()
-        t_vals: list[list[float]] = (top_lp + offset).astype(np.float32).tolist()
+    t_keys: list[list[str]] = []
+    t_vals: list[list[float]] = []
+    if top_n > 0:
+        top_ids, top_lp = model.topk_in(rows, top_n)
+        t_keys = [list(map(str, row)) for row in top_ids.tolist()]
+        t_vals = _clamped((top_lp + offset).astype(np.float32))
     for r in range(positions.size):
         d: dict[str, dict[str, Any]] = {
-            str(act_ids[r]): {
-                "logprob": _clamp(act_vals[r]),
-                "rank": rank_list[r],
-                "decoded_token": None,
-            }
+            act_keys[r]: {"logprob": act_vals[r], "rank": rank_list[r], "decoded_token": None}
         }
-        if top_ids is not None:
-            for j, (tid, v) in enumerate(zip(t_ids[r], t_vals[r], strict=True)):
-                d[str(tid)] = {"logprob": _clamp(v), "rank": j + 1, "decoded_token": None}
+        if top_n > 0:  # an actual token among them keeps its place, takes its top-N rank
+            d.update(
+                {
+                    key: {"logprob": v, "rank": j, "decoded_token": None}
+                    for j, (key, v) in enumerate(zip(t_keys[r], t_vals[r], strict=True), 1)
+                }
+            )
         out.append(d)
     return out
 

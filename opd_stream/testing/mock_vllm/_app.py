@@ -206,7 +206,7 @@ class VllmMockServer:
 
     def _limits(self) -> Limits:
         o = self.options
-        return Limits(o.vocab_size, o.context_length, o.effective_max_logprobs())
+        return Limits(o.vocab_size, o.context_length, o.effective_max_logprobs(), self.model_name)
 
     # ------------------------------------------------------------------ middleware
 
@@ -281,9 +281,11 @@ class VllmMockServer:
             ids = [ids]
         if not isinstance(ids, list):
             return self.respond(error_body("request_ids: Field required", 400, "Bad Request"), 400)
+        in_flight = self._engine._in_flight_rids
         for rid in ids:
-            if isinstance(rid, str):
-                self._engine._aborted_rids.add(rid)
+            for name in (rid, f"generate-tokens-{rid}"):
+                if isinstance(rid, str) and name in in_flight:
+                    self._engine._aborted_rids.add(name)
         return self.respond(b"")
 
     async def _mock_stats(self, request: web.Request) -> web.Response:

@@ -42,6 +42,14 @@ class Limits(msgspec.Struct, frozen=True):
     vocab_size: int
     max_model_len: int
     max_logprobs: int  # resolved (-1 -> vocab_size)
+    served_model: str = "mock-teacher"
+
+
+def _check_model(body: dict[str, Any], lim: Limits) -> None:
+    """The serving layer's ``_check_model``: a ``model`` other than the served one is 404."""
+    model = body.get("model")
+    if model is not None and model != lim.served_model:
+        raise VllmError(f"The model `{model}` does not exist.", 404, param="model")
 
 
 class VllmItem(msgspec.Struct, kw_only=True):
@@ -424,6 +432,7 @@ def parse_generate(
         raise _body_error(model, "request_id", "Input should be a valid string")
     base = header_request_id or rid or uuid.uuid4().hex
     # Serving layer.
+    _check_model(body, lim)
     if s.n != 1:
         raise VllmError("The mock vLLM server supports n=1 only.")
     if stream and s.ids is not None:
@@ -436,6 +445,11 @@ def parse_generate(
         )
     if stream:
         raise VllmError("The mock vLLM server does not stream: send stream=false.")
+    if s.logprobs is not None:
+        raise VllmError(
+            "The mock vLLM server does not return output-token logprobs "
+            "(sampling_params.logprobs): score the tokens as prompt rows instead."
+        )
     # Engine layer.
     arr = _validate_logprobs(s, lim)
     return _item(tokens, s, arr, lim, f"generate-tokens-{base}", salt, return_ids), stream
@@ -486,6 +500,7 @@ def parse_completions(
             raise VllmError(
                 "`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs"
             )
+    _check_model(body, lim)
     if stream:
         raise VllmError("The mock vLLM server does not stream: send stream=false.")
     if body.get("echo") or body.get("logprobs") is not None:

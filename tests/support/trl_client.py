@@ -4,10 +4,12 @@ synchronous callers.
 * :func:`trl_client`: a ``VLLMClient`` from ``.cache/trl/src/trl/generation/vllm_client.py``
   (the set-up step extracts it from the wheel), the one file loaded by path with stub
   modules for the imports that are not installed here (``transformers.utils.get_json_schema``,
-  ``trl.import_utils``), and built without its constructor (which needs vLLM installed and
-  asks the server ``/v1/models``): ``VLLMClient.__new__`` plus the attributes
-  ``get_sequence_logprobs`` reads (``session``, ``base_url``, ``model``). Its method runs
-  as TRL ships it.
+  ``trl.import_utils``), and built without its constructor (which needs vLLM installed):
+  ``VLLMClient.__new__`` plus the attributes ``get_sequence_logprobs`` reads (``session``,
+  ``base_url``, and ``model`` from the server's ``/v1/models``, as the constructor reads
+  it). Its method runs as TRL ships it.
+* :func:`load_server_distillation_trainer`: TRL's ``ServerDistillationTrainer`` module (its
+  teacher-server loss path), with stubs for its base class and configuration.
 * :func:`mock_in_thread`: mock servers (any of the ``serve_*`` async context managers) in an
   asyncio loop of their own thread, for tests whose client blocks the calling thread.
 """
@@ -135,17 +137,18 @@ def load_server_distillation_trainer() -> types.ModuleType:
     return _load(f"{pkg}.server_distillation_trainer", TRL_SERVER_TRAINER, stubs)
 
 
-def trl_client(base_url: str, model: str = "mock") -> Any:
-    """TRL's ``VLLMClient`` for ``base_url``, without its constructor's vLLM check and
-    server calls: a ``requests.Session``, ``base_url`` and ``model`` set as the constructor
-    would."""
+def trl_client(base_url: str) -> Any:
+    """TRL's ``VLLMClient`` for ``base_url``, without its constructor's vLLM check: a
+    ``requests.Session``, ``base_url`` and ``model`` (the server's ``/v1/models``) set as the
+    constructor sets them."""
     import requests
 
     cls = load_trl_client_module().VLLMClient
     client = cls.__new__(cls)
     client.session = requests.Session()
     client.base_url = base_url.rstrip("/")
-    client.model = model
+    # as the constructor does: the served model's name from GET /v1/models (TRL's _get)
+    client.model = client._get(f"{client.base_url}/v1/models")["data"][0]["id"]
     return client
 
 

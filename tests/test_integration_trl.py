@@ -251,3 +251,13 @@ def test_a_client_never_closed_does_not_keep_the_interpreter_alive(server: Any) 
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "2\n"
+
+
+def test_a_teacher_that_does_not_answer_in_time_fails_the_call_after_the_deadline() -> None:
+    slow = MockOptions(vocab_size=V, head_size=HEAD, latency_fixed_s=60.0)
+    with mock_in_thread(lambda: serve_mock("teacher", 0, options=slow)) as server:
+        cfg = StreamConfig(teachers=server.url, request_deadline_s=0.3)
+        with TeacherClient(config=cfg) as client:
+            with pytest.raises(SequenceScoringError, match="2 of 2 sequences") as info:
+                client.get_sequence_logprobs(sequences(2, 3, 3, seed=6), [3, 3], top_logprobs=1)
+    assert {type(e).__name__ for e in info.value.failures.values()} == {"DeadlineExceeded"}

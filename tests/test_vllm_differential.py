@@ -1,4 +1,4 @@
-"""Differential tests, end to end (issue 33 §2): the same samples through ``OPDStream`` on the
+"""Differential tests, end to end (issue 33, part 2): the same samples through ``OPDStream`` on the
 vLLM mocks and on the SGLang mocks give the same results bit for bit, and both equal the
 float64 reference of the mocks' closed form (``support.pipeline_reference``).
 
@@ -47,8 +47,8 @@ K = 4
 SEED, SEED2 = 5, 6
 ENGINES = ("sglang", "vllm", "completions")
 ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": False})])
-# Which side scores the other side's ids under each strategy (docs/semantics.md, "Top-k
-# mode"): what a completions server cannot do.
+# Which side scores the other side's ids under each strategy: what a completions server
+# cannot do (docs/semantics.md, "Which requests each strategy makes").
 TEACHER_SCORES_IDS = {"only-student", "union", "xor"}
 STUDENT_SCORES_IDS = {"only-teacher", "union", "xor"}
 # every weight mode x tail x divergence that the settings accept (the rest is a ConfigError)

@@ -1,4 +1,4 @@
-"""Differential tests for teachers with another tokenizer (issue 33 §2): a teacher served by
+"""Differential tests for teachers with another tokenizer (issue 33, part 2): a teacher served by
 the vLLM mocks with a model over bytes (:class:`ByteModel`) gives the same results as the
 SGLang mock bit for bit, and the float64 byte reference (the expected values computable from
 the text alone: ``test_xtok_stream.py``'s reference, restated here).

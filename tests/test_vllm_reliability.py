@@ -1,4 +1,4 @@
-"""vLLM teachers and students when things change or go wrong (issue 33 §2), on the mock vLLM
+"""vLLM teachers and students when things change or go wrong (issue 33, part 2), on the mock vLLM
 servers over HTTP; the fault matrix's rows run on them too (``tests/test_fault_matrix.py``).
 
 * misaligned answers: vLLM's binary rows (``prompt_token_id_logprobs``) carry values only,

@@ -201,6 +201,7 @@ async def test_every_weight_mode_tail_and_divergence_equal_across_engines_and_re
             tail=tail,
             divergence=divergence,
             vllm_max_logprobs=4 if n % 2 == 0 else 20,
+            balance="round-robin",  # both vLLM replicas serve (prefix: by the ports' hashes)
         )
         got = await _run(cfg, _to_each(base, ENGINES))
         for smp in base:

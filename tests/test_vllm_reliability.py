@@ -8,6 +8,8 @@ servers over HTTP; the fault matrix's rows run on them too (``tests/test_fault_m
 * weight updates mid-sample (the mock's ``weight_versions``): the chunks of one request
   split by ``vllm_max_logprobs``, and a side's several requests, must report one version;
   otherwise the side is asked once more, then the sample fails (``weight_version_changed``).
+* ``/v1/completions`` answers under the mock's faults: retryable ones cost a retry each,
+  rows shifted or missing fail their sample alone.
 * ``cache_salt`` reaches both vLLM dialects and isolates the prefix cache; the
   ``cached_tokens`` vLLM reports (``usage.prompt_tokens_details``) show in ``stats()``.
 
@@ -188,3 +190,62 @@ async def test_cache_salt_reaches_both_dialects_and_isolates_the_prefix_cache(
         assert endpoints[scale_out.url].cached_tokens == 0
         assert salted == [n, n] and len(salts[0]) == len(salts[1]) == n
         assert not salts[0] & salts[1]  # one salt per sample, never reused
+
+
+# ------------------------------------------------------------------- /v1/completions answers
+
+
+def _sampled(seed: int, n: int) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p, r = int(rng.integers(3, 8)), int(rng.integers(1, 5))
+        out.append(Sample(_tokens(100 * seed + i, p, r), r, rollout_logprobs=[-1.0] * r))
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind", ["http_503", "http_429", "abort", "reset", "truncated", "malformed"]
+)
+async def test_completions_answers_recover_from_retryable_faults(kind: str) -> None:
+    """Half the answers hit (seeded): each costs one retry, every sample scores right."""
+    opts = VllmMockOptions(**{f"fault_{kind}": 0.5, "fault_seed": 7})
+    samples = _sampled(1, 6)
+    async with serve_vllm_mock("teacher", 6, options=opts, scale_out=False) as server:
+        cfg = _cfg(server.url, engine="vllm-completions", max_attempts=12)
+        async with OPDStream(cfg) as stream:
+            out = [await stream.score(s) for s in samples]
+            retries = stream.stats().retries
+        injected = server.stats[0].faults.get(kind, 0)
+    for res, smp in zip(out, samples, strict=True):
+        assert isinstance(res, ScoredSample), (res.reason, res.message)
+        exp = expected_result(
+            tokens=list(smp.tokens),
+            response_length=smp.response_length,
+            teacher=server.model,
+            student=server.model,
+            top_k=0,
+            strategy="only-student",
+            weight_mode="student_p",
+            rollout_logprobs=smp.rollout_logprobs,
+        )
+        assert_matches(res, exp)
+    assert injected > 0
+    assert retries == injected
+
+
+@pytest.mark.parametrize("kind", ["misaligned", "missing_rows"])
+async def test_completions_rows_shifted_or_missing_fail_their_sample_alone(kind: str) -> None:
+    """Completions rows name their tokens: a shifted or a short ``prompt_logprobs`` list is
+    caught on every answer, never retried."""
+    opts = VllmMockOptions(**{f"fault_{kind}": 1.0})
+    samples = _sampled(2, 4)
+    async with serve_vllm_mock("teacher", 6, options=opts, scale_out=False) as server:
+        cfg = _cfg(server.url, engine="vllm-completions")
+        async with OPDStream(cfg) as stream:
+            out = [await stream.score(s) for s in samples]
+    for res in out:
+        assert isinstance(res, SampleFailure), res
+        assert res.reason == "misaligned_response", (res.reason, res.message)
+        assert "prompt_logprobs" in res.message, res.message
+        assert res.attempts == 1

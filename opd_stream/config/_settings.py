@@ -39,6 +39,7 @@ from ..wire._request import Engine, IdForm
 from ..xtok._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
 from ._fields import (
+    REQUIRED,
     ConfigField,
     FieldSpec,
     Invalid,
@@ -124,6 +125,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     teachers: Annotated[
         dict[str, Teacher],
         Normalise(normalize_teachers),
+        REQUIRED,
         _doc(
             "teacher name -> base URL or list of replica URLs, or a weighted ensemble; a plain "
             "URL means the single teacher 'default'. Env: comma-separated NAME=URL entries, "
@@ -452,7 +454,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "its engine (sglang, vllm, vllm-completions), where servers differ; the others "
             "follow engine. Env: comma-separated URL=ENGINE entries"
         ),
-    ] = msgspec.field(default_factory=dict)
+    ] = {}
     vllm_max_logprobs: Annotated[
         int,
         _doc(

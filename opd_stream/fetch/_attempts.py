@@ -321,8 +321,7 @@ class AttemptSender:
         except ServerHTTPError as exc:
             raise self._refusal(side, url, req, exc) from None
         except CapabilityError as exc:  # the engine cannot answer the request (the build)
-            exc.side, exc.url = side, url
-            raise
+            raise _named(exc, side, url) from None
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -353,11 +352,16 @@ class AttemptSender:
         """What an HTTP error means: a 404/405 on ``/generate`` of a URL of unknown engine
         (detect it: :class:`EngineUnknown`), vLLM refusing more logprobs per row than its
         ``--max-logprobs`` (a :class:`CapabilityError` naming the flag), else itself."""
-        if req.engine == "sglang" and exc.status in DETECT_STATUSES and self._engines.detects(url):
+        if (
+            req.engine == "sglang"
+            and exc.status in DETECT_STATUSES
+            and self._engines.known(url) != "sglang"
+        ):
+            # unknown: detect it; or detected meanwhile (a request sent before): ask again
             return EngineUnknown(exc.status, side=side, url=url)
         problem = max_logprobs_problem(req.engine, exc.status, exc.server_message)
         if problem is not None:
-            return CapabilityError("max_logprobs", problem, side=side, url=url)
+            return _named(CapabilityError("max_logprobs", problem), side, url)
         return exc
 
     async def _post(
@@ -478,3 +482,9 @@ class AttemptSender:
         rows, parser = got
         self._stats.decoded[parser] += 1
         return rows
+
+
+def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:
+    """A vLLM server's refusal, its message naming the side and the server (a sample's
+    failure message is the error's: it must say which server lacks what)."""
+    return CapabilityError(exc.capability, f"the {side} at {url}: {exc}", side=side, url=url)

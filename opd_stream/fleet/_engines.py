@@ -192,7 +192,8 @@ def max_logprobs_problem(engine: Engine, status: int, message: str) -> str | Non
         f"vLLM refused the request: it allows {allowed} logprobs per row (its "
         f"--max-logprobs); start vLLM with {need}, or set vllm_max_logprobs "
         f"(OPD_STREAM_VLLM_MAX_LOGPROBS) to {allowed} so the ids per row are split into "
-        "several requests (the teacher's own top-k cannot be split)"
+        "several requests (a top-k asked of the server, the teacher's or the student's, "
+        "cannot be split)"
     )
 
 

@@ -53,9 +53,10 @@ def engine_problem(engine: Engine, *, top_k: int, ids: bool, max_logprobs: int =
     """``None`` when a server of ``engine`` can answer a scoring request with ``top_k`` and
     (``ids``) per-position ids, else a sentence naming what the server lacks and what to change.
 
-    ``max_logprobs``: the server's ``--max-logprobs`` where known (0 or -1: no cap); the
-    teacher's own top-k cannot be split, so a larger ``top_k`` is a problem (per-position ids
-    can: :func:`~opd_stream.wire._request.column_chunks`).
+    ``max_logprobs``: the server's ``--max-logprobs`` where known (0 or -1: no cap); a
+    server's own top-k (the teacher's or the student's) cannot be split, so a larger
+    ``top_k`` is a problem (per-position ids can:
+    :func:`~opd_stream.wire._request.column_chunks`).
     """
     if engine == "sglang":
         return None
@@ -67,8 +68,8 @@ def engine_problem(engine: Engine, *, top_k: int, ids: bool, max_logprobs: int =
         )
     if max_logprobs > 0 and top_k > max_logprobs:
         return (
-            f"the teacher's top-{top_k} needs vLLM's --max-logprobs {top_k} or more "
-            f"(the server allows {max_logprobs})"
+            f"a top-{top_k} per position (prompt_logprobs {top_k}) needs vLLM's "
+            f"--max-logprobs {top_k} or more (the server allows {max_logprobs})"
         )
     return None
 

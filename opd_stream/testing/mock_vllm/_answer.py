@@ -115,6 +115,10 @@ def score_item(
     """Run one item through the model: generate ``max_tokens`` (greedy below temperature
     1e-5, else sampled), score the prompt rows it asks for.
 
+    ``byte_model``: the actual token's logprob comes from it (``prompt_logprobs``, and column
+    0 of ``prompt_token_id_logprobs`` where it holds the actual token); every other id's
+    from ``model``, as on the SGLang mock.
+
     ``fault``: ``"misaligned"`` rolls the scored rows by one (values no longer belong to
     their positions), ``"missing_rows"`` drops the last scored row.
     """
@@ -140,8 +144,13 @@ def score_item(
             ids = item.ids
             pad = ids < 0
             lp = model.logprobs_in(rows, np.where(pad, 0, ids)) + shift
-            if byte_model is not None:  # the actual token's value comes from the byte model
-                lp = np.where(ids == tok[positions][:, None], actual[:, None], lp)
+            if byte_model is not None and ids.shape[1]:
+                # the sampled token's column (0, where the client puts the actual token) from
+                # the byte model, as the SGLang mock's input_token_logprobs; every other
+                # requested id from the closed form, as the SGLang mock's requested ids (the
+                # actual token asked again in another column included)
+                first = ids[:, 0] == tok[positions]
+                lp[:, 0] = np.where(first, actual, lp[:, 0])
             lp = np.where(pad, -np.inf, lp)
             id_lp = lp.astype(np.float32)
             if fault == "misaligned" and id_lp.shape[0] > 1:

@@ -74,7 +74,7 @@ limit."""
 
 #: The id forms of the wire (:data:`~opd_stream.wire._request.IdForm`), or ``auto``.
 IdScoring: TypeAlias = Literal[IdForm, "auto"]
-CacheSalt: TypeAlias = Literal["none", "per-sample", "per-request"]
+CacheSalt: TypeAlias = Literal["none", "weight-version", "per-sample", "per-request"]
 
 _MIB: Final = 1024 * 1024
 _GIB: Final = 1024 * _MIB
@@ -375,11 +375,14 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache_salt: Annotated[
         CacheSalt,
         _doc(
-            "SGLang cache_salt on scoring requests (random, never from the payload): none; "
-            "per-sample (one salt for all of a sample's requests: no prefix reuse across "
-            "samples, so a GRPO group's shared prompt is computed once per sample); "
-            "per-request (a fresh salt for every HTTP request and block: no prefix reuse at "
-            "all, every request pays its whole prefill)"
+            "SGLang cache_salt on scoring requests (never from the payload): none; "
+            "weight-version (a request's salt is the weight_version its server last "
+            "reported: a side whose weights change gets a fresh cache, a frozen one keeps "
+            "its cache); per-sample (one random salt for all of a sample's requests, a "
+            "re-ask included: no prefix reuse across samples, so a GRPO group's shared "
+            "prompt is computed once per sample; debugging only); per-request (a fresh "
+            "salt for every HTTP request and block: no prefix reuse at all, every request "
+            "pays its whole prefill; debugging only)"
         ),
     ] = "none"
     probe_tolerance: Annotated[

@@ -22,6 +22,7 @@ from .._errors import (
     OPDStreamError,
     ServerError,
     ServerHTTPError,
+    WeightVersionChanged,
 )
 from .._logging import get_logger
 from .._stats import StatsRecorder
@@ -318,6 +319,8 @@ class AttemptSender:
         except ServerError as exc:
             exc.side = side
             exc.url = url
+            if isinstance(exc, WeightVersionChanged):  # the server's weights are the last
+                self._endpoints(url).weight_version = exc.versions[-1]
             raise
         finally:
             self._stats.stage_active["decode"] -= 1
@@ -325,6 +328,8 @@ class AttemptSender:
         ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
             ep.traffic.cached_tokens += rows.cached_tokens
+        if rows.weight_version is not None:
+            ep.weight_version = rows.weight_version  # cache_salt="weight-version" reads it
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":

@@ -350,6 +350,8 @@ class SampleFetcher:
         per_request = self._cfg.cache_salt == "per-request"
         if per_request:
             salt = new_salt()  # every attempt (a retry, a hedge) its own
+        elif self._cfg.cache_salt == "weight-version":
+            salt = self.endpoints(url).weight_version  # None until the server has answered
         return ScoreRequest(
             tokens=tokens,
             response_length=prepared.response_length,
@@ -371,7 +373,9 @@ class SampleFetcher:
         return prefix_key(tokens, response_length)
 
     def _sample_salt(self) -> str | None:
-        """The salt of all of one sample's requests (``cache_salt="per-sample"``)."""
+        """The salt of all of one sample's requests (``cache_salt="per-sample"``), drawn
+        once per sample: a re-ask after ``weight_version_changed`` keeps it, so it can reuse
+        the sample's own prefix."""
         return new_salt() if self._cfg.cache_salt == "per-sample" else None
 
     async def _cross(self, prepared: PreparedSample, xtok: CrossTokenizers) -> CrossSample:
@@ -485,7 +489,7 @@ class SampleFetcher:
         )
         counter = Counter()
         got = _Progress()
-        args = (prepared, teacher, admitted_at, plan, counter, got)
+        args = (prepared, teacher, admitted_at, plan, counter, got, self._sample_salt())
         try:
             try:
                 return await self._fetch_once(*args)
@@ -505,15 +509,16 @@ class SampleFetcher:
         plan: RequestPlan,
         counter: Counter,
         got: _Progress,
+        salt: str | None,
     ) -> Fetched:
-        """The plan's requests, those already in ``got`` skipped (kept from a first pass)."""
+        """The plan's requests, those already in ``got`` skipped (kept from a first pass);
+        ``salt``: the sample's ``cache_salt`` (the same on both passes)."""
         k = self._cfg.top_k
         student_urls: tuple[str, ...] = (
             (self._cfg.student_url,) if self._cfg.student_url is not None else ()
         )
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
-        salt = self._sample_salt()
         # prefix locality: the teacher's key is over its own prompt when it has one
         s_key = self._key(prepared.tokens, prepared.response_length)
         teacher_tokens = prepared.teacher_tokens

@@ -66,10 +66,12 @@ class Endpoint:
         "keys",
         "per_position",
         "traffic",
+        "weight_version",
     )
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.weight_version: str | None = None  # the last answer's meta_info.weight_version
         self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
         self.traffic = EndpointTraffic()  # its counters (EndpointStats carries a copy)
         self.health = EndpointHealth()

@@ -313,8 +313,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     balance_load_factor: Annotated[
         float,
         _doc(
-            "prefix balance: a replica takes no new prompt while it holds this many times the "
-            "mean number of prompts in flight (>= 1; lower spreads more, higher reuses more)",
+            "prefix balance: a replica takes no request while its work in flight (uncached "
+            "tokens) is this many times the mean work (plus 1.5 prompts where the request's "
+            "prompt is cached) (>= 1; lower spreads more, higher reuses more)",
             ge=1.0,
             advanced=True,
         ),

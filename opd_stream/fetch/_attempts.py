@@ -27,7 +27,7 @@ from .._errors import (
 from .._logging import get_logger
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool
+from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
 from ..fleet._router import endpoint_url, generate_url
@@ -113,7 +113,7 @@ class AttemptSender:
         self._lease_ok = _post_takes(transport, "lease")
 
     def _pick(
-        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
+        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: Route | None = None
     ) -> str | None:
         """The replica for the next attempt (see :class:`EndpointPool`)."""
         return self._pool.pick(urls, exclude, key)
@@ -132,7 +132,7 @@ class AttemptSender:
         make: Callable[[str], ScoreRequest],
         counter: Counter,
         tries: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
 
@@ -216,7 +216,7 @@ class AttemptSender:
         urls: tuple[str, ...],
         url: str,
         req: ScoreRequest,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One HTTP attempt, with its outcome recorded for passive health and hedging."""
         start = anyio.current_time()
@@ -237,7 +237,7 @@ class AttemptSender:
         return rows
 
     async def _watched_attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
     ) -> ScoreRows:
         """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
 
@@ -295,7 +295,7 @@ class AttemptSender:
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     async def _attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
     ) -> ScoreRows:
         # the answer is charged to the stream's byte budget while it is read (the lease is
         # handed to the transport), and held until it is decoded (released on any exit:
@@ -304,7 +304,7 @@ class AttemptSender:
             return await self._attempt_held(side, url, req, lease, key)
 
     async def _attempt_held(
-        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
     ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
@@ -328,6 +328,7 @@ class AttemptSender:
         ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
             ep.traffic.cached_tokens += rows.cached_tokens
+            self._pool.record_cached(url, key, rows.cached_tokens)
         if rows.weight_version is not None:
             ep.weight_version = rows.weight_version  # cache_salt="weight-version" reads it
         if req.top_k > 0:
@@ -339,16 +340,25 @@ class AttemptSender:
         return rows
 
     async def _post(
-        self, side: Side, url: str, body: bytes, lease: BudgetLease, key: int | None = None
+        self,
+        side: Side,
+        url: str,
+        body: bytes,
+        lease: BudgetLease,
+        key: Route | None = None,
+        *,
+        track: bool = True,
     ) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
-        ``lease`` (by the transport as it reads it, or here once it is whole)."""
+        ``lease`` (by the transport as it reads it, or here once it is whole). ``track``:
+        count it in the replica's load (off for a block: its attempt is counted once)."""
         self._stats.stage_active[f"{side}_fetch"] += 1
-        ep = self._endpoints.begin(url, key)
+        work = self._pool.begin(url, key) if track else 0
+        ep = self._endpoints(url)
         # a transport written before headers (or the lease) existed is not passed them
         extra: dict[str, Any] = {}
         if key is not None and self._headers_ok:
-            extra["headers"] = {ROUTING_KEY_HEADER: f"{key:016x}"}
+            extra["headers"] = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
         if self._lease_ok:
             extra["lease"] = lease
         try:
@@ -364,7 +374,8 @@ class AttemptSender:
             exc.side = side
             raise
         finally:
-            self._endpoints.end(url, key)
+            if track:
+                self._pool.end(url, key, work)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
         if resp.status != 200:
@@ -373,7 +384,7 @@ class AttemptSender:
         return resp.body
 
     async def _post_blocks(
-        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
     ) -> list[Body]:
         """The ``"blocks"`` id form: each block an independent request (concurrent, within
         the endpoint's limit); the first failure fails the attempt and cancels the rest."""
@@ -383,11 +394,17 @@ class AttemptSender:
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n], lease, key)
+            answers[n] = await self._post(side, url, bodies[n], lease, key, track=False)
 
-        async with anyio.create_task_group() as tg:
-            for n in range(len(bodies)):
-                tg.start_soon(one, n)
+        # one request of the prompt in the replica's load, however many blocks it has:
+        # each block carries the prompt, computed once there (the next blocks reuse it)
+        work = self._pool.begin(url, key)
+        try:
+            async with anyio.create_task_group() as tg:
+                for n in range(len(bodies)):
+                    tg.start_soon(one, n)
+        finally:
+            self._pool.end(url, key, work)
         return answers
 
     def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:

@@ -40,7 +40,7 @@ from .._logging import get_logger
 from .._sample import Fetched, PreparedSample, request_ids
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import EndpointPool, prefix_key
+from ..fleet._balance import EndpointPool, Route, prefix_key
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._discovery import FleetDirectory
 from ..fleet._endpoints import Endpoints
@@ -153,7 +153,7 @@ class SampleFetcher:
         urls: tuple[str, ...],
         make: Callable[[str], ScoreRequest],
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One logical request: retries, hedges and capability fallbacks within one deadline.
 
@@ -266,7 +266,7 @@ class SampleFetcher:
         ids: npt.NDArray[np.int64] | None,
         top_k: int,
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """The teacher's answer: one logical request, or an ensemble's mixture.
 
@@ -303,7 +303,7 @@ class SampleFetcher:
         ensemble: Ensemble,
         make: Callable[[int], Callable[[str], ScoreRequest]],
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> list[ScoreRows]:
         """Every member's answer to its request ``make(i)``, asked at once."""
 
@@ -365,12 +365,13 @@ class SampleFetcher:
             salt_each_item=per_request,
         )
 
-    def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> int | None:
+    def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> Route | None:
         """A request's routing key under the ``prefix`` balance: its prompt's hash (so a
-        sample's and its group's requests meet on a replica); ``None`` otherwise."""
+        sample's and its group's requests meet on a replica) and sizes; ``None`` otherwise."""
         if self._cfg.balance != "prefix":
             return None
-        return prefix_key(tokens, response_length)
+        key = prefix_key(tokens, response_length)
+        return Route(key, len(tokens) - response_length, response_length)
 
     def _sample_salt(self) -> str | None:
         """The salt of all of one sample's requests (``cache_salt="per-sample"``), drawn
@@ -525,7 +526,7 @@ class SampleFetcher:
         t_key = (
             s_key
             if teacher_tokens is None or s_key is None
-            else prefix_key(teacher_tokens, prepared.response_length)
+            else self._key(teacher_tokens, prepared.response_length)
         )
 
         def student_topk(url: str) -> ScoreRequest:

@@ -67,10 +67,12 @@ class Endpoint:
         "per_position",
         "traffic",
         "weight_version",
+        "work",
     )
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.work = 0  # uncached tokens its requests in flight are expected to compute
         self.weight_version: str | None = None  # the last answer's meta_info.weight_version
         self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
         self.traffic = EndpointTraffic()  # its counters (EndpointStats carries a copy)
@@ -110,6 +112,12 @@ class Endpoints:
         ep = self._by_url.get(url)
         return 0 if ep is None else ep.in_flight
 
+    def work(self, url: str) -> int:
+        """Uncached tokens the requests in flight to ``url`` are expected to compute (the
+        balancer's estimate, charged by :meth:`begin`)."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else ep.work
+
     def prompts(self, url: str) -> int:
         """Distinct routing keys (prompts) with requests in flight to ``url`` now."""
         ep = self._by_url.get(url)
@@ -125,18 +133,21 @@ class Endpoints:
         ep = self._by_url.get(url)
         return 0 if ep is None else ep.keys.get(key, 0)
 
-    def begin(self, url: str, key: int | None) -> Endpoint:
-        """A request (with routing ``key``, if any) to ``url`` is in flight from now."""
+    def begin(self, url: str, key: int | None, work: int = 0) -> Endpoint:
+        """A request (with routing ``key``, if any; expected to compute ``work`` uncached
+        tokens) to ``url`` is in flight from now."""
         ep = self(url)
         ep.in_flight += 1
+        ep.work += work
         if key is not None:
             ep.keys[key] = ep.keys.get(key, 0) + 1
         return ep
 
-    def end(self, url: str, key: int | None) -> None:
+    def end(self, url: str, key: int | None, work: int = 0) -> None:
         """The request of :meth:`begin` is over (answered, failed or cancelled)."""
         ep = self(url)
         ep.in_flight -= 1
+        ep.work -= work
         if key is not None:
             left = ep.keys[key] - 1
             if left:

@@ -27,7 +27,7 @@ from .._errors import (
 from .._logging import get_logger
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool, Route
+from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
 from ..fleet._router import endpoint_url, generate_url
@@ -45,6 +45,7 @@ from ..wire._codec import (
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
 from ..wire._request import Layout, ScoreRequest, layout
+from ._retry import retry_after_s
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -358,7 +359,9 @@ class AttemptSender:
         # a transport written before headers (or the lease) existed is not passed them
         extra: dict[str, Any] = {}
         if key is not None and self._headers_ok:
-            extra["headers"] = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
+            headers = extra["headers"] = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
+            if key.head:
+                headers[ROUTING_TOKENS_HEADER] = key.head
         if self._lease_ok:
             extra["lease"] = lease
         try:
@@ -378,9 +381,17 @@ class AttemptSender:
                 self._pool.end(url, key, work)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
+        kept = getattr(resp, "headers", None)  # (a user's Response may predate it)
+        if kept:
+            worker = kept.get("x-smg-routed-worker-id")
+            if worker is not None:  # which worker of a gateway answered
+                ep.note_worker(worker)
         if resp.status != 200:
             message = parse_error_message(resp.body, secret=self._secret)
-            raise ServerHTTPError(resp.status, message, side=side, url=url)
+            error = ServerHTTPError(resp.status, message, side=side, url=url)
+            if kept and resp.status in (429, 503):
+                error.retry_after = retry_after_s(kept.get("retry-after"))
+            raise error
         return resp.body
 
     async def _post_blocks(

@@ -34,13 +34,14 @@ from .._errors import (
     ConnectionFailed,
     DeadlineExceeded,
     OPDStreamError,
+    ServerHTTPError,
     WeightVersionChanged,
 )
 from .._logging import get_logger
 from .._sample import Fetched, PreparedSample, request_ids
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import EndpointPool, Route, prefix_key
+from ..fleet._balance import EndpointPool, Route, prefix_key, routing_tokens
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._discovery import FleetDirectory
 from ..fleet._endpoints import Endpoints
@@ -193,8 +194,9 @@ class SampleFetcher:
                     failed_url = (failed.url,)
                     if isinstance(exc, ConnectionFailed) and exc.refused:
                         self._check_reachable(side, urls, let_through=False)
+                    wait = exc.retry_after if isinstance(exc, ServerHTTPError) else None
                     delay = (
-                        self._policy.delay(tries.attempts, anyio.current_time(), deadline)
+                        self._policy.delay(tries.attempts, anyio.current_time(), deadline, wait)
                         if exc.retryable
                         else None
                     )
@@ -371,7 +373,8 @@ class SampleFetcher:
         if self._cfg.balance != "prefix":
             return None
         key = prefix_key(tokens, response_length)
-        return Route(key, len(tokens) - response_length, response_length)
+        prompt = len(tokens) - response_length
+        return Route(key, prompt, response_length, routing_tokens(tokens[:prompt]))
 
     def _sample_salt(self) -> str | None:
         """The salt of all of one sample's requests (``cache_salt="per-sample"``), drawn

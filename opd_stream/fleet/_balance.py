@@ -84,10 +84,12 @@ from ._endpoints import EndpointHealth, Endpoints
 __all__ = (
     "HEDGE_MIN_SAMPLES",
     "ROUTING_KEY_HEADER",
+    "ROUTING_TOKENS_HEADER",
     "Balance",
     "EndpointPool",
     "Route",
     "prefix_key",
+    "routing_tokens",
 )
 
 Balance: TypeAlias = Literal["prefix", "least-outstanding", "round-robin"]
@@ -95,6 +97,14 @@ Balance: TypeAlias = Literal["prefix", "least-outstanding", "round-robin"]
 ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
 """The header that carries a request's prefix key (16 hex digits) to a gateway: smg routes
 by it (under ``--policy manual``, or with ``--routing-key-override``)."""
+
+ROUTING_TOKENS_HEADER: Final = "X-SMG-Routing-Tokens"
+"""The header that carries a request's leading prompt ids to a gateway (comma-separated
+decimal, at most :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes): smg's
+``cache_aware`` and ``prefix_hash`` route by them without parsing the body."""
+
+ROUTING_IDS: Final = 512
+ROUTING_BYTES: Final = 4096
 
 _CACHED_SLACK: Final = 1.5
 """Prompts' worth of work a replica holding a request's prompt may hold above the bound and
@@ -124,6 +134,15 @@ def prefix_key(tokens: npt.NDArray[np.int64], response_length: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def routing_tokens(prompt: npt.NDArray[np.int64]) -> str:
+    """The :data:`ROUTING_TOKENS_HEADER` value of a prompt: its first ids, as many as fit
+    in :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes (``""`` for no prompt)."""
+    text = ",".join(map(str, prompt[:ROUTING_IDS].tolist()))
+    if len(text) > ROUTING_BYTES:
+        text = text[: text.rindex(",", 0, ROUTING_BYTES + 1)]
+    return text
+
+
 class Route(NamedTuple):
     """What places a request under the ``prefix`` balance: its prompt's key and the work it
     brings (uncached tokens: its whole prompt on a replica without that prompt cached, its
@@ -135,6 +154,8 @@ class Route(NamedTuple):
     """Prompt tokens (computed once per replica that caches them)."""
     response: int = 0
     """Tokens after the prompt (computed by every request)."""
+    head: str = ""
+    """Its prompt's :func:`routing_tokens` (sent as :data:`ROUTING_TOKENS_HEADER`)."""
 
 
 def _mix(x: int) -> int:
@@ -250,7 +271,7 @@ class EndpointPool:
 
     def _bounded(self, pool: Sequence[str], route: Route) -> str:
         eps, limit = self._endpoints, self._limit
-        key, prompt, response = route
+        key, prompt, response = route.key, route.prompt, route.response
         order = self.preference(pool, key)
         cached = self._holding(key, order)
         homes = self._homes
@@ -315,7 +336,7 @@ class EndpointPool:
         if route is None:
             self._endpoints.begin(url, None)
             return 0
-        key, prompt, response = route
+        key, prompt, response = route.key, route.prompt, route.response
         known = self._cached.get(key, ())
         cached = url in known or self._endpoints.held(url, key) > 0
         work = response if cached else prompt + response

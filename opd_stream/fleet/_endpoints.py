@@ -16,6 +16,9 @@ from .._stats import EndpointStats, EndpointTraffic
 
 __all__ = ("Endpoint", "EndpointHealth", "Endpoints")
 
+_WORKERS = 1024  # distinct routed worker ids counted per URL (more: not counted)
+_WORKER_CHARS = 256
+
 
 class EndpointHealth:
     """Health state of one replica URL (the rules:
@@ -65,6 +68,7 @@ class Endpoint:
         "in_flight",
         "keys",
         "per_position",
+        "routed",
         "traffic",
         "weight_version",
         "work",
@@ -80,6 +84,16 @@ class Endpoint:
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
         self.blocked_batch: bool | None = None
+        self.routed: dict[str, int] = {}  # a gateway's x-smg-routed-worker-id -> answers
+
+    def note_worker(self, worker: str) -> None:
+        """A gateway at this URL said ``worker`` answered (``x-smg-routed-worker-id``)."""
+        routed = self.routed
+        worker = worker[:_WORKER_CHARS]
+        if worker in routed:
+            routed[worker] += 1
+        elif len(routed) < _WORKERS:
+            routed[worker] = 1
 
     def stats(self) -> EndpointStats:
         health = self.health
@@ -92,6 +106,7 @@ class Endpoint:
             ejected=health.ejected,
             ejections=health.ejections,
             readmissions=health.readmissions,
+            routed_workers=tuple(sorted(self.routed.items(), key=lambda kv: (-kv[1], kv[0]))),
         )
 
 

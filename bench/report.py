@@ -212,14 +212,18 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s9 = res.get("9")
     if s9:
         for variant, v in s9["variants"].items():
-            if variant not in ("own prompt", "privileged teacher prompt"):
-                continue  # reported, not a target
+            # issue 34: 1.05x in completion order and for blocks, 1.1x for N clients
+            limit = 1.05 if "completion order" in variant and "client" not in variant else 1.1
             ours = v["runs"]["opd_stream prefix"]
             c, m = ours["computed_over_unique"], ours["max_over_mean_load"]
             t_lo = ours["throughput_over_least_outstanding"]
             t_smg = ours["throughput_over_smg_cache_aware"]
             out += [
-                _t(f"S9 {variant}: teacher tokens computed <= 1.1x unique", c <= 1.1, f"{c:.3f}x"),
+                _t(
+                    f"S9 {variant}: teacher tokens computed <= {limit}x unique",
+                    c <= limit,
+                    f"{c:.3f}x",
+                ),
                 _t(f"S9 {variant}: max/mean replica load <= 1.25", m <= 1.25, f"{m:.3f}"),
                 _t(f"S9 {variant}: throughput >= least-outstanding", t_lo >= 1.0, f"{t_lo:.2f}x"),
                 _t(f"S9 {variant}: throughput >= smg cache_aware", t_smg >= 1.0, f"{t_smg:.2f}x"),

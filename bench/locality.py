@@ -69,6 +69,8 @@ CLIENTS = "N client processes, completion order"
 
 Progress = Callable[[str], None]
 
+FLOOR = "one replica (the floor)"
+
 PREFIX, LEAST, SMG, SMG_BARE, SMG_MANUAL, TIGHT = LOCALITY_RUNS = (
     "opd_stream prefix",
     "opd_stream least-outstanding",
@@ -82,7 +84,7 @@ _RUNS = {  # the runs of each variant
     "own prompt": LOCALITY_RUNS,
     "privileged teacher prompt": LOCALITY_RUNS,
     COMPLETION: LOCALITY_RUNS,
-    BLOCKS: (PREFIX, LEAST, SMG, SMG_BARE),
+    BLOCKS: (PREFIX, LEAST, SMG, SMG_BARE, FLOOR),
     CLIENTS: (PREFIX, LEAST, SMG, SMG_BARE),
 }
 
@@ -108,9 +110,12 @@ def _groups(
         for _ in range(per_prompt):
             tail = rng.integers(0, 30000, response, dtype=np.int64).tolist()
             rows = None
-            if topk:  # the student's top-k (any ids: the teacher scores them)
-                ids = rng.integers(0, 30000, (response, topk))
-                rows = [[[-1.0 - j, int(ids[t, j])] for j in range(topk)] for t in range(response)]
+            if topk:  # the student's top-k (any distinct ids: the teacher scores them)
+                ids = rng.integers(0, 30000, response)
+                rows = [
+                    [[-1.0 - j, int((ids[t] + 7001 * j) % 30000)] for j in range(topk)]
+                    for t in range(response)
+                ]
             out.append(
                 Sample(
                     head + tail,
@@ -350,6 +355,7 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     },
                     SMG_MANUAL: {"teachers": smg_manual, "router_discovery": "off"},
                     TIGHT: {"teachers": {"default": workers}, "balance_load_factor": 1.0},
+                    FLOOR: {"teachers": {"default": workers[:1]}},
                 }
                 runs: dict[str, Any] = {}
                 warm = _groups(2, 2, 16, 8, min(teacher_prompt, 32), seed=99, topk=topk)
@@ -369,6 +375,13 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     else:
                         cfg = StreamConfig.from_env({}, **kw)
                         runs[name] = await _one_run(cfg, samples, workers, unique)
+                floor = runs.pop(FLOOR, None)
+                if floor is not None:  # what one replica computes: every prefix reused
+                    for run in runs.values():
+                        run["computed_over_floor"] = (
+                            run["computed_tokens"] / floor["computed_tokens"]
+                        )
+                    out["variants"].setdefault(variant, {})["floor"] = floor
                 base = runs[LEAST]
                 for run in runs.values():
                     run["throughput_over_least_outstanding"] = (
@@ -378,7 +391,8 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     runs[PREFIX][f"throughput_over_{field}"] = (
                         runs[PREFIX]["samples_per_s"] / runs[name]["samples_per_s"]
                     )
-                out["variants"][variant] = {"unique_tokens": unique, "runs": runs}
+                entry = out["variants"].setdefault(variant, {})
+                entry.update(unique_tokens=unique, runs=runs)
     return out
 
 

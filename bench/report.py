@@ -216,11 +216,14 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             limit = 1.05 if "completion order" in variant and "client" not in variant else 1.1
             ours = v["runs"]["opd_stream prefix"]
             c, m = ours["computed_over_unique"], ours["max_over_mean_load"]
+            of = "unique"
+            if "computed_over_floor" in ours:  # blocks: each recomputes a partial page
+                c, of = ours["computed_over_floor"], "one replica's"
             t_lo = ours["throughput_over_least_outstanding"]
             t_smg = ours["throughput_over_smg_cache_aware"]
             out += [
                 _t(
-                    f"S9 {variant}: teacher tokens computed <= {limit}x unique",
+                    f"S9 {variant}: teacher tokens computed <= {limit}x {of}",
                     c <= limit,
                     f"{c:.3f}x",
                 ),
@@ -497,9 +500,18 @@ def render_markdown(
         lines += ["## 9. Prefix locality on a GPU-bound fleet (mock compute model)", ""]
         lines += [f"sizes: {s['sizes']}", ""]
         for variant, v in s["variants"].items():
+            lines += [f"### {variant} (unique teacher tokens {v['unique_tokens']})", ""]
+            if "floor" in v:
+                f = v["floor"]
+                lines += [
+                    f"one replica (every prefix reused) computed {f['computed_tokens']} "
+                    f"({f['computed_over_unique']:.3f}x unique); computed / that: "
+                    + ", ".join(
+                        f"{n} {d['computed_over_floor']:.3f}" for n, d in v["runs"].items()
+                    ),
+                    "",
+                ]
             lines += [
-                f"### {variant} (unique teacher tokens {v['unique_tokens']})",
-                "",
                 "| run | computed / unique | max / mean replica load | samples/s | "
                 "vs least-outstanding | busiest GPU / wall | cached share (client) | failures |",
                 "|---|---|---|---|---|---|---|---|",

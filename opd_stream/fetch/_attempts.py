@@ -137,8 +137,9 @@ class AttemptSender:
     ) -> ScoreRows:
         """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
 
-        ``key`` (the request's :func:`~opd_stream.fleet._balance.prefix_key`) places a hedge on
-        the next replica of the key's order and goes out as ``X-SMG-Routing-Key``.
+        ``key`` (the request's :class:`~opd_stream.fleet._balance.Route`) places a hedge on
+        the next replica of the key's order, charges the replica its work, and goes out as
+        ``X-SMG-Routing-Key`` and ``X-SMG-Routing-Tokens``.
 
         Raises:
             Failed: the attempt failed (when hedged: every launched copy failed; the

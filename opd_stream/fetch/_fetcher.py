@@ -158,8 +158,9 @@ class SampleFetcher:
     ) -> ScoreRows:
         """One logical request: retries, hedges and capability fallbacks within one deadline.
 
-        ``key`` (the prompt's :func:`~opd_stream.fleet._balance.prefix_key`, under the ``prefix``
+        ``key`` (the prompt's :class:`~opd_stream.fleet._balance.Route`, under the ``prefix``
         balance: :meth:`_key`) places every attempt: first choice, then the next replica.
+        A retry after a 429/503 waits at least its ``Retry-After`` (within the deadline).
 
         Every HTTP request sent (a hedge included) is an attempt; a capability probe
         (an answer that shows a missing feature, retried in the fallback form at once) is

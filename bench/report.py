@@ -212,7 +212,7 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s9 = res.get("9")
     if s9:
         for variant, v in s9["variants"].items():
-            # issue 34: 1.05x in completion order and for blocks, 1.1x for N clients
+            # 1.05x in completion order and for blocks, 1.1x for N clients
             limit = 1.05 if "completion order" in variant and "client" not in variant else 1.1
             ours = v["runs"]["opd_stream prefix"]
             c, m = ours["computed_over_unique"], ours["max_over_mean_load"]

@@ -1,4 +1,4 @@
-"""Prefix placement by work (issue 34 §1-2): a replica's load is the uncached tokens its
+"""Prefix placement by work: a replica's load is the uncached tokens its
 requests in flight are expected to compute (a request's whole prompt where that prompt is not
 cached, its response alone where it is), every request goes to the first replica of its
 order (its prompt's replicas first) under the bound, a replica holding the prompt keeps it up

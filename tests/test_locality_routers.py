@@ -1,4 +1,4 @@
-"""Behind routers (issue 34 §3): every request under the ``prefix`` balance carries its
+"""Behind routers: every request under the ``prefix`` balance carries its
 prompt's leading ids as ``X-SMG-Routing-Tokens`` (<= 512 ids, <= 4096 bytes, comma-separated
 decimal) besides ``X-SMG-Routing-Key``; the worker a gateway names in
 ``x-smg-routed-worker-id`` is counted per worker in ``stats()``; a 429/503's ``Retry-After``

@@ -1,4 +1,4 @@
-"""``cache_salt`` that keeps the cache (issue 34 §4): ``weight-version`` (a request's salt is
+"""``cache_salt`` that keeps the cache: ``weight-version`` (a request's salt is
 the weight version its server last reported: a side whose weights change gets a fresh cache,
 a frozen one keeps its own), and a ``per-sample`` salt drawn once for all of a sample's
 requests, the re-ask after ``weight_version_changed`` included.

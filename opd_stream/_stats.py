@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 
 from .wire._codec import PARSERS, Parser
+from .wire._request import Engine
 
 __all__ = (
     "CPU_STEPS",
@@ -83,6 +84,9 @@ class EndpointStats(EndpointTraffic, frozen=True, kw_only=True):  # type: ignore
         per_position, b64_topk: detected capabilities (``None``: not yet known).
         blocked_batch: the blocked id form's batch (per-item ``logprob_start_len``) is
             accepted; ``False`` behind sglang-router 0.3.2, which answers 422.
+        engine: the dialect it is spoken to in (``"sglang"``, ``"vllm"``,
+            ``"vllm-completions"``: configured, or detected under ``engine="auto"``);
+            ``None`` while not known (spoken to as SGLang until its ``/generate`` says no).
         ejected: out of the rotation now (passive health).
         ejections: times it was ejected (a failed re-admission probe counts again).
         readmissions: times a ``/health`` probe re-admitted it.
@@ -95,6 +99,7 @@ class EndpointStats(EndpointTraffic, frozen=True, kw_only=True):  # type: ignore
     per_position: bool | None
     b64_topk: bool | None
     blocked_batch: bool | None = None
+    engine: Engine | None = None
     ejected: bool = False
     ejections: int = 0
     readmissions: int = 0

@@ -377,6 +377,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             deadline_s=cfg.probe_deadline_s,
             max_bytes=cfg.max_response_bytes,
             secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
+            engines=parts.fetcher.engines,
+            others=() if cfg.student_url is None else (cfg.student_url,),
         )
         log.info(
             "probe",

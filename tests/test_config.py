@@ -241,6 +241,15 @@ INVALID: list[tuple[str, Any]] = [
     ("teacher_tokenizers", "no-equals-sign,x=/y"),
     ("teacher_tokenizers", 5),
     ("return_alignment", 1),
+    ("engine", "vLLM-scale-out"),
+    ("engine", None),
+    ("server_engines", "http://h:1=trt-llm"),
+    ("server_engines", "http://h:1"),
+    ("server_engines", "http://elsewhere:1=vllm"),  # not a configured server
+    ("server_engines", 5),
+    ("vllm_max_logprobs", 0),
+    ("vllm_max_logprobs", -2),
+    ("vllm_max_logprobs", "20"),
 ]
 
 
@@ -324,6 +333,9 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("student_tokenizer", "/nonexistent"),
     ("teacher_tokenizers", "default="),
     ("return_alignment", "maybe"),
+    ("engine", "tgi"),
+    ("server_engines", "http://h:1=tgi"),
+    ("vllm_max_logprobs", "0"),
 ]
 
 
@@ -501,6 +513,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_STUDENT_TOKENIZER": "",  # empty: unset (see test_xtok_stream for paths)
         "OPD_STREAM_TEACHER_TOKENIZERS": "",
         "OPD_STREAM_RETURN_ALIGNMENT": "true",
+        "OPD_STREAM_ENGINE": "sglang",
+        "OPD_STREAM_SERVER_ENGINES": " HTTP://S:2/=vllm ",
+        "OPD_STREAM_VLLM_MAX_LOGPROBS": "-1",
     }
     assert set(environ) == {ENV_PREFIX + f.upper() for f in FIELDS}
     cfg = StreamConfig.from_env(environ)
@@ -550,6 +565,9 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         probe_deadline_s=2.5,
         probe_at_start=True,
         return_alignment=True,
+        engine="sglang",
+        server_engines={"http://s:2": "vllm"},
+        vllm_max_logprobs=-1,
     )
     assert cfg == expected
 

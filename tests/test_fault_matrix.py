@@ -11,6 +11,12 @@ Real sockets, real clock (aiohttp needs asyncio), so every time limit here is on
 machine cannot reach by itself: a healthy request has 30 s (``DEADLINE_S``), a hung one ends
 at the hang row's 8 s deadline, the watchdog row abandons an attempt after 4 s; healthy
 requests take well under 2 s on a 2-core box with both cores busy.
+
+The same rows run against the mock vLLM servers (``engine="vllm"``, issue 33), on fewer
+samples: every mode whose outcome depends on the answer the client decodes (the vLLM
+dialect's errors, abort, bodies cut or bad, rows missing, sizes); "hang", "hang_watchdog"
+and "restart" end before any answer is decoded (the SGLang rows cover them), and "misaligned" is
+``tests/test_vllm_reliability.py``'s (vLLM's binary rows carry no token ids).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from opd_stream.testing.fault_matrix import (
     HANG_DEADLINE_S,
     MODES,
     TOP_K,
+    VLLM_MODES,
     FaultMode,
     FaultRun,
     run_fault_mode,
@@ -34,6 +41,9 @@ from opd_stream.testing.fault_matrix import (
 from opd_stream.testing.mock_sglang import FAULT_KINDS
 
 N = DEFAULT_N  # samples per stream: 240 per mode, as in docs/reliability.md
+N_VLLM = 24  # per stream on the vLLM mocks: each mode still injects tens of faults
+_N = {"sglang": N, "vllm": N_VLLM}
+VLLM_SKIP = {"hang", "hang_watchdog", "restart", "misaligned"}  # see the module docstring
 _BY_KEY = {m.key: m for m in MODES}
 
 pytestmark = pytest.mark.slow
@@ -46,21 +56,30 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 
 
 def _modes(*expects: str) -> list[Any]:
-    return [pytest.param(m, id=m.key) for m in MODES if m.expect in expects]
+    """(engine, mode) of every row with one of ``expects``, SGLang's and vLLM's."""
+    out = [pytest.param("sglang", m, id=m.key) for m in MODES if m.expect in expects]
+    out += [
+        pytest.param("vllm", m, id=f"vllm-{m.key}")
+        for m in VLLM_MODES
+        if m.expect in expects and m.key not in VLLM_SKIP
+    ]
+    return out
 
 
 def test_the_matrix_covers_every_fault_kind_of_the_mock() -> None:
     kinds = {m.fault_kind for m in MODES if m.fault_kind is not None}
     assert kinds == set(FAULT_KINDS)
     assert {"unpatched", "restart", "none"} <= set(_BY_KEY)
+    # vLLM: every mode but the SGLang-only one (per_position)
+    assert {m.key for m in VLLM_MODES} == set(_BY_KEY) - {"unpatched"}
 
 
-def _assert_invariants(run: FaultRun) -> None:
+def _assert_invariants(run: FaultRun, n: int = N) -> None:
     row = run.row
-    assert row.samples_out == row.samples_in == 2 * N
+    assert row.samples_out == row.samples_in == 2 * n
     assert row.unique_out == row.samples_in  # each index exactly once, per stream
-    assert sorted(r.index for r in run.topk_results) == list(range(N))
-    assert sorted(r.index for r in run.sampled_results) == list(range(N))
+    assert sorted(r.index for r in run.topk_results) == list(range(n))
+    assert sorted(r.index for r in run.sampled_results) == list(range(n))
     assert row.scored + sum(row.failures.values()) == row.samples_in
     assert row.wrong == 0
     assert row.wall_s <= row.budget_s, (row.wall_s, row.budget_s)
@@ -84,20 +103,24 @@ def _assert_invariants(run: FaultRun) -> None:
         assert_matches(res, exp)
 
 
-@pytest.mark.parametrize("mode", _modes("clean"))
-async def test_harmless_modes_score_everything_without_retries(mode: FaultMode) -> None:
-    run = await run_fault_mode(mode, N)
-    _assert_invariants(run)
+@pytest.mark.parametrize(("engine", "mode"), _modes("clean"))
+async def test_harmless_modes_score_everything_without_retries(
+    engine: str, mode: FaultMode
+) -> None:
+    run = await run_fault_mode(mode, _N[engine], engine=engine)  # type: ignore[arg-type]
+    _assert_invariants(run, _N[engine])
     assert run.row.failures == {}
     assert run.row.retries == 0
     if mode.fault_kind is not None:
         assert run.row.injected > 0
 
 
-@pytest.mark.parametrize("mode", _modes("recover"))
-async def test_retryable_faults_recover_and_every_retry_is_counted(mode: FaultMode) -> None:
-    run = await run_fault_mode(mode, N)
-    _assert_invariants(run)
+@pytest.mark.parametrize(("engine", "mode"), _modes("recover"))
+async def test_retryable_faults_recover_and_every_retry_is_counted(
+    engine: str, mode: FaultMode
+) -> None:
+    run = await run_fault_mode(mode, _N[engine], engine=engine)  # type: ignore[arg-type]
+    _assert_invariants(run, _N[engine])
     row = run.row
     assert row.injected > 0
     assert set(row.failures) <= mode.reasons, row.failures
@@ -107,12 +130,12 @@ async def test_retryable_faults_recover_and_every_retry_is_counted(mode: FaultMo
     assert row.retries + sum(row.failures.values()) == row.injected
 
 
-@pytest.mark.parametrize("mode", _modes("fail"))
+@pytest.mark.parametrize(("engine", "mode"), _modes("fail"))
 async def test_non_retryable_faults_fail_their_sample_alone_with_the_reason(
-    mode: FaultMode,
+    engine: str, mode: FaultMode
 ) -> None:
-    run = await run_fault_mode(mode, N)
-    _assert_invariants(run)
+    run = await run_fault_mode(mode, _N[engine], engine=engine)  # type: ignore[arg-type]
+    _assert_invariants(run, _N[engine])
     row = run.row
     assert row.injected > 0
     (reason,) = mode.reasons

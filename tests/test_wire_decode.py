@@ -522,7 +522,7 @@ BROKEN_ANSWERS = [
     # rows and token ids
     pytest.param(
         {},
-        drop(M, "input_token_logprobs", 0),
+        drop(M, "input_token_logprobs", -1),
         MisalignedResponseError,
         "has 5 entries, expected 6",
         id="token-entry-count-mismatch",

@@ -46,6 +46,9 @@ def _same(local: Vocab, remote: Vocab) -> None:
     np.testing.assert_array_equal(remote.textless, local.textless)
     assert remote.special_texts() == local.special_texts()
     assert remote.encoder == local.encoder
+    # the byte tables a join reads (built from the process's packed answer)
+    ids = np.random.default_rng(0).integers(0, local.size, 4000)
+    assert remote.join(ids) == local.join(ids) == b"".join(local.token_bytes[i] for i in ids)
     for text in TEXTS:
         assert remote.encode(text).tolist() == local.encode(text).tolist(), text
         assert remote.encode_reference(text).tolist() == local.encode_reference(text).tolist()

@@ -1,6 +1,8 @@
 """``opd-stream probe``: :meth:`OPDStream.probe` from the command line.
 
-Prints the :class:`~opd_stream.ProbeReport` as one JSON object (plus ``"ok"``) on stdout.
+Prints the :class:`~opd_stream.ProbeReport` as one JSON object (plus ``"ok"``) on stdout;
+each replica's entry names its engine (``sglang``, ``vllm``, ``vllm-completions``:
+configured, or detected by the probe under ``--engine auto``).
 Exit status: 0 when every replica answered within the tolerance, 1 when one is named
 (outlier) or failed, 2 on a usage or configuration error.
 """
@@ -19,7 +21,7 @@ from .._logging import LOG_LEVELS
 from .._sample import Sample
 from ..config._settings import StreamConfig
 from ..fleet._router import normalize_teachers
-from ._score_options import flag_teachers
+from ._score_options import add_engine_arguments, engine_overrides, flag_teachers
 
 __all__ = ("add_probe_arguments", "run_probe_command")
 
@@ -55,6 +57,7 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="positions of --tokens scored (its last R)",
     )
+    add_engine_arguments(p)
     p.add_argument(
         "--api-key-env",
         metavar="VAR",
@@ -88,6 +91,7 @@ def _config(args: argparse.Namespace) -> StreamConfig:
         raise _Usage(f"--teacher is required (or set {_TEACHERS_VAR})")
     if args.tolerance is not None:
         overrides["probe_tolerance"] = args.tolerance
+    overrides.update(engine_overrides(args))
     if args.api_key_env is not None:
         key = os.environ.get(args.api_key_env, "").strip()
         if not key:

@@ -12,12 +12,19 @@ from typing import Any, get_args
 from .._errors import ConfigError
 from .._logging import LOG_LEVELS
 from ..config._settings import CacheSalt, IdScoring, StreamConfig
+from ..fleet._engines import ENGINE_SETTINGS
 from ..fleet._ensemble import is_ensemble_text
 from ..fleet._router import DEFAULT_TEACHER, Teacher, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
 from ._score_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
-__all__ = ("add_score_arguments", "flag_teachers", "score_config")
+__all__ = (
+    "add_engine_arguments",
+    "add_score_arguments",
+    "engine_overrides",
+    "flag_teachers",
+    "score_config",
+)
 
 _TEACHERS_VAR = "OPD_STREAM_TEACHERS"
 
@@ -53,6 +60,7 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--jsd-beta", type=float, help="beta of --divergence jsd, in (0, 1)")
 
+    add_engine_arguments(p)
     p.add_argument("--id-scoring", choices=get_args(IdScoring), help="how ids are scored")
     p.add_argument("--max-inflight", type=int, help="samples in the pipeline at once")
     p.add_argument(
@@ -114,6 +122,44 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """``--engine`` and ``--server-engine`` (``score``, ``probe``)."""
+    p.add_argument(
+        "--engine",
+        choices=ENGINE_SETTINGS,
+        help="the servers' dialect: auto (default: SGLang, detected per server otherwise), "
+        "sglang, vllm (vLLM's scale-out API, vllm serve --enable-scale-out: every strategy) "
+        "or vllm-completions (/v1/completions, any vLLM: sampled-token mode and the "
+        "teacher's top-k only; every prompt row recomputed and sent back, no prefix reuse)",
+    )
+    p.add_argument(
+        "--server-engine",
+        action="append",
+        metavar="URL=ENGINE",
+        help="one server's engine where servers differ (repeatable); the flags replace "
+        "OPD_STREAM_SERVER_ENGINES",
+    )
+    p.add_argument(
+        "--vllm-max-logprobs",
+        type=int,
+        metavar="N",
+        help="the vLLM servers' --max-logprobs (default 20; -1 = unbounded): ids per "
+        "position beyond it are split into several requests",
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of :func:`add_engine_arguments`' flags that were given."""
+    out: dict[str, Any] = {}
+    if getattr(args, "engine", None) is not None:
+        out["engine"] = args.engine
+    if getattr(args, "server_engine", None):
+        out["server_engines"] = list(args.server_engine)
+    if getattr(args, "vllm_max_logprobs", None) is not None:
+        out["vllm_max_logprobs"] = args.vllm_max_logprobs
+    return out
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -168,6 +214,7 @@ def score_config(args: argparse.Namespace) -> tuple[StreamConfig, str]:
         value = getattr(args, field)
         if value is not None:
             overrides[field] = value
+    overrides.update(engine_overrides(args))
     if args.ordered:
         overrides["order"] = "input"
     if getattr(args, "student_tokenizer", None) is not None:

@@ -34,6 +34,7 @@ __all__ = (
     "FieldSpec",
     "Invalid",
     "Normalise",
+    "REQUIRED",
     "did_you_mean",
     "field_specs",
     "read_env",
@@ -48,6 +49,16 @@ _ENV_KINDS: Final[dict[type, str]] = {
     float: "a number",
     bool: "one of 1/0/true/false",
 }
+
+
+class _Required:
+    """``Annotated`` marker of a field whose empty factory default (``{}``) only stands
+    for "not given": the settings check requires it, and its table row says so."""
+
+    __slots__ = ()
+
+
+REQUIRED: Final = _Required()
 
 
 class Normalise:
@@ -210,7 +221,7 @@ class FieldSpec(NamedTuple):
         value = self.default
         if value is msgspec.NODEFAULT:
             return "required"
-        if value is None:
+        if value is None or (isinstance(value, dict) and not value):
             return "none"
         if isinstance(value, bool):
             return "true" if value else "false"
@@ -241,7 +252,8 @@ def _spec(info: msgspec.structs.FieldInfo) -> FieldSpec:
     kind = core if core in (int, float, bool, str) else None
     default = info.default
     if default is msgspec.NODEFAULT and info.default_factory is not msgspec.NODEFAULT:
-        default = msgspec.NODEFAULT  # a factory default means "required" in the table
+        required = get_origin(declared) is Annotated and REQUIRED in get_args(declared)[1:]
+        default = msgspec.NODEFAULT if required else info.default_factory()
     return FieldSpec(info.name, declared, kind, optional, choices, meta, normalise, default)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from ..fleet._engines import configured_engine
 from ..fleet._ensemble import Ensemble
 from ..kl._names import divergence_weight_problem
 from ..kl._plan import STRATEGY_NEEDS
+from ..wire._request import Engine
+from ..wire._vllm import engine_problem
 from ._fields import FieldSpec, Invalid
 
 __all__ = ("RULES", "check_values")
@@ -119,6 +122,79 @@ def _tokenizer_teachers_not_ensembles(v: Settings) -> str | None:
     return None
 
 
+def _vllm_max_logprobs_not_zero(v: Settings) -> str | None:
+    if v["vllm_max_logprobs"] == 0:
+        return "must be -1 (unbounded) or >= 1, got 0 (a scoring row needs one logprob at least)"
+    return None
+
+
+def _server_engines_name_servers(v: Settings) -> str | None:
+    servers = set(_servers(v))
+    unknown = [url for url in v["server_engines"] if url not in servers]
+    if unknown:
+        return (
+            f"names no configured server: {', '.join(unknown)} (the teachers' replicas and "
+            "members, and student_url; URLs are compared normalised)"
+        )
+    return None
+
+
+def _servers(v: Settings) -> dict[str, str]:
+    """Every configured server URL -> how a message names it."""
+    out: dict[str, str] = {}
+    for name, teacher in v["teachers"].items():
+        if isinstance(teacher, Ensemble):
+            for i, member in enumerate(teacher.members):
+                for url in member:
+                    out.setdefault(url, f"teacher {name!r} ({teacher.member_name(i)})")
+        else:
+            for url in teacher:
+                out.setdefault(url, f"teacher {name!r}")
+    if v.get("student_url") is not None:
+        out.setdefault(v["student_url"], "the student")
+    return out
+
+
+def _asks(v: Settings, who: str) -> tuple[int, bool]:
+    """(the top-k, whether ids per position) a strategy asks of server ``who`` (a name
+    from :func:`_servers`) at most."""
+    k = v["top_k"]
+    if k == 0:
+        return 0, False  # sampled-token mode: the sampled token's logprob, nothing else
+    needs = STRATEGY_NEEDS[v["strategy"]]
+    if who == "the student":
+        # its top-k is asked only of samples without the rollout's: a top-k beyond its
+        # --max-logprobs fails those samples (reason capability, naming the flag to raise)
+        return 0, needs.student_scores_teacher_ids
+    ensemble = "member" in who and needs.teacher_topk  # its members score the union's ids
+    return (k if needs.teacher_topk else 0), needs.teacher_scores_student_ids or ensemble
+
+
+def _engines_serve_strategy(v: Settings) -> str | None:
+    setting, by_url = v["engine"], v["server_engines"]
+    limit = v.get("vllm_max_logprobs", 20)
+    problems: dict[str, list[str]] = {}
+    for url, who in _servers(v).items():
+        engine: Engine | None = configured_engine(url, setting, by_url)
+        if engine is None:
+            continue  # auto: checked per request once known (a failure reason capability)
+        top_k, ids = _asks(v, who)
+        problem = engine_problem(engine, top_k=top_k, ids=ids, max_logprobs=max(limit, 0))
+        if problem is not None:
+            problems.setdefault(problem, []).append(f"{who} at {url} ({engine})")
+    if not problems:
+        return None
+    mode = (
+        f"strategy {v['strategy']} with top_k {v['top_k']}"
+        if v["top_k"] > 0
+        else "sampled-token mode"
+    )
+    return "; ".join(
+        f"{', '.join(servers)} cannot serve {mode}: {problem}"
+        for problem, servers in problems.items()
+    )
+
+
 RULES: Final[tuple[Rule, ...]] = (
     (("tail", "top_k"), _tail_needs_top_k),
     (("tail", "weight_mode"), _tail_needs_student_weights),
@@ -132,6 +208,12 @@ RULES: Final[tuple[Rule, ...]] = (
     (("teacher_tokenizers", "student_tokenizer"), _teacher_tokenizers_need_student),
     (("teacher_tokenizers", "top_k", "strategy"), _teacher_tokenizers_only_student),
     (("teacher_tokenizers", "teachers"), _tokenizer_teachers_not_ensembles),
+    (("vllm_max_logprobs",), _vllm_max_logprobs_not_zero),
+    (("server_engines", "teachers", "student_url"), _server_engines_name_servers),
+    (
+        ("engine", "server_engines", "strategy", "top_k", "teachers", "student_url"),
+        _engines_serve_strategy,
+    ),
 )
 """(the fields a rule reads, named in its message; the check): in the order checked."""
 

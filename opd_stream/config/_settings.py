@@ -31,13 +31,15 @@ import msgspec
 
 from .._errors import ConfigError
 from ..fleet._balance import Balance
+from ..fleet._engines import EngineSetting, normalize_server_engines
 from ..fleet._ensemble import Ensemble
 from ..fleet._router import Teacher, normalize_server_url, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
-from ..wire._request import IdForm
+from ..wire._request import Engine, IdForm
 from ..xtok._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
 from ._device import KL_DEVICE_PATTERN, resolve_decode_threads, resolve_kl_device
 from ._fields import (
+    REQUIRED,
     ConfigField,
     FieldSpec,
     Invalid,
@@ -123,6 +125,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     teachers: Annotated[
         dict[str, Teacher],
         Normalise(normalize_teachers),
+        REQUIRED,
         _doc(
             "teacher name -> base URL or list of replica URLs, or a weighted ensemble; a plain "
             "URL means the single teacher 'default'. Env: comma-separated NAME=URL entries, "
@@ -436,6 +439,36 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "(ScoredSample.alignment). Env: 1/0/true/false"
         ),
     ] = False
+    engine: Annotated[
+        EngineSetting,
+        _doc(
+            "the servers' dialect: auto (each server spoken to as SGLang until its /generate "
+            "answers 404/405, then detected once: vLLM scale-out, else vLLM /v1/completions), "
+            "sglang, vllm (vLLM's POST /inference/v1/generate, vllm serve --enable-scale-out: "
+            "every strategy) or vllm-completions (POST /v1/completions, any vLLM: sampled-token "
+            "mode and the teacher's top-k only; every prompt row recomputed and sent back, no "
+            "prefix reuse); server_engines wins per server"
+        ),
+    ] = "auto"
+    server_engines: Annotated[
+        dict[str, Engine],
+        Normalise(normalize_server_engines),
+        _doc(
+            "server base URL (a teacher replica, an ensemble member's replica, the student) -> "
+            "its engine (sglang, vllm, vllm-completions), where servers differ; the others "
+            "follow engine. Env: comma-separated URL=ENGINE entries"
+        ),
+    ] = {}
+    vllm_max_logprobs: Annotated[
+        int,
+        _doc(
+            "the vLLM servers' --max-logprobs (vLLM's default 20; -1 = unbounded): ids per "
+            "position beyond it go as several requests (the prefix cache makes the repeats "
+            "cheap); a teacher top-k beyond it is refused",
+            ge=-1,
+            problem="must be -1 (unbounded) or >= 1, got {value!r}",
+        ),
+    ] = 20
 
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in _SPECS}
@@ -513,6 +546,8 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     teacher: urls.spec() if isinstance(urls, Ensemble) else list(urls)
                     for teacher, urls in value.items()
                 }
+            elif name == "server_engines":
+                value = dict(value)
             elif name == "api_key":
                 value = None if value is None else "***"
             out[name] = value

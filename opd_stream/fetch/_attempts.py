@@ -30,7 +30,8 @@ from ..config._settings import StreamConfig
 from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
-from ..fleet._router import endpoint_url, generate_url
+from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, max_logprobs_problem
+from ..fleet._router import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Transport
 from ..wire._codec import (
@@ -44,7 +45,8 @@ from ..wire._codec import (
 )
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
-from ..wire._request import Layout, ScoreRequest, layout
+from ..wire._request import Layout, ScoreRequest, layout, multi_body
+from ..wire._vllm import ENGINE_PATHS
 from ._retry import retry_after_s
 
 __all__ = ("AttemptSender", "Counter", "Failed")
@@ -97,6 +99,7 @@ class AttemptSender:
         endpoints: Endpoints,
         pool: EndpointPool,
         capabilities: Capabilities,
+        engines: EngineDirectory,
         *,
         threads: anyio.CapacityLimiter | None = None,
     ) -> None:
@@ -106,6 +109,7 @@ class AttemptSender:
         self._endpoints = endpoints
         self._pool = pool
         self._caps = capabilities
+        self._engines = engines
         self._threads = threads
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
@@ -310,11 +314,17 @@ class AttemptSender:
     ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
-        if req.id_form == "blocks" and req.ids is not None:
-            answer = await self._post_blocks(side, url, req, lease, key)
-        else:
-            body, lay = await self._build_body(req)
-            answer = await self._post(side, url, body, lease, key)
+        path = ENGINE_PATHS[req.engine]
+        try:
+            if multi_body(req):
+                answer = await self._post_blocks(side, url, req, lease, key)
+            else:
+                body, lay = await self._build_body(req)
+                answer = await self._post(side, url, body, lease, key, path)
+        except ServerHTTPError as exc:
+            raise self._refusal(side, url, req, exc) from None
+        except CapabilityError as exc:  # the engine cannot answer the request (the build)
+            raise _named(exc, side, url) from None
         self._stats.stage_active["decode"] += 1
         try:
             rows = await self._decode_body(answer, req, lay)
@@ -333,6 +343,9 @@ class AttemptSender:
             self._pool.record_cached(url, key, rows.cached_tokens)
         if rows.weight_version is not None:
             ep.weight_version = rows.weight_version  # cache_salt="weight-version" reads it
+        self._engines.answered(url, req.engine)
+        if req.engine != "sglang":
+            return rows  # SGLang's capabilities (per_position, b64_topk, blocked_batch) only
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
@@ -341,6 +354,24 @@ class AttemptSender:
             self._endpoints(url).blocked_batch = True
         return rows
 
+    def _refusal(
+        self, side: Side, url: str, req: ScoreRequest, exc: ServerHTTPError
+    ) -> OPDStreamError:
+        """What an HTTP error means: a 404/405 on ``/generate`` of a URL of unknown engine
+        (detect it: :class:`EngineUnknown`), vLLM refusing more logprobs per row than its
+        ``--max-logprobs`` (a :class:`CapabilityError` naming the flag), else itself."""
+        if (
+            req.engine == "sglang"
+            and exc.status in DETECT_STATUSES
+            and self._engines.known(url) != "sglang"
+        ):
+            # unknown: detect it; or detected meanwhile (a request sent before): ask again
+            return EngineUnknown(exc.status, side=side, url=url)
+        problem = max_logprobs_problem(req.engine, exc.status, exc.server_message)
+        if problem is not None:
+            return _named(CapabilityError("max_logprobs", problem), side, url)
+        return exc
+
     async def _post(
         self,
         side: Side,
@@ -348,6 +379,7 @@ class AttemptSender:
         body: bytes,
         lease: BudgetLease,
         key: Route | None = None,
+        path: str = ENGINE_PATHS["sglang"],
         *,
         track: bool = True,
     ) -> Body:
@@ -370,7 +402,7 @@ class AttemptSender:
                 ep.traffic.requests += 1
                 self._stats.requests += 1
                 resp = await self._transport.post(
-                    generate_url(url), body, max_bytes=self._cfg.max_response_bytes, **extra
+                    endpoint_url(url, path), body, max_bytes=self._cfg.max_response_bytes, **extra
                 )
                 if not self._lease_ok:  # charged after the fact
                     await lease.settle(lease.held + len(resp.body))
@@ -398,15 +430,18 @@ class AttemptSender:
     async def _post_blocks(
         self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
     ) -> list[Body]:
-        """The ``"blocks"`` id form: each block an independent request (concurrent, within
-        the endpoint's limit); the first failure fails the attempt and cancels the rest."""
+        """A multi-body request (:func:`~opd_stream.wire._request.multi_body`: SGLang's
+        ``"blocks"`` id form, or a vLLM request split by ``max_ids``): each body an
+        independent request (concurrent, within the endpoint's limit); the first failure
+        fails the attempt and cancels the rest."""
+        path = ENGINE_PATHS[req.engine]
         start = time.thread_time()
         bodies = build_block_payloads(req)
         self._stats.cpu.build += time.thread_time() - start
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n], lease, key, track=False)
+            answers[n] = await self._post(side, url, bodies[n], lease, key, path, track=False)
 
         # one request of the prompt in the replica's load, however many blocks it has:
         # each block carries the prompt, computed once there (the next blocks reuse it)
@@ -476,3 +511,9 @@ class AttemptSender:
         rows, parser = got
         self._stats.decoded[parser] += 1
         return rows
+
+
+def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:
+    """A vLLM server's refusal, its message naming the side and the server (a sample's
+    failure message is the error's: it must say which server lacks what)."""
+    return CapabilityError(exc.capability, f"the {side} at {url}: {exc}", side=side, url=url)

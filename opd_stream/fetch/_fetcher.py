@@ -45,6 +45,7 @@ from ..fleet._balance import EndpointPool, Route, prefix_key, routing_tokens
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._discovery import FleetDirectory
 from ..fleet._endpoints import Endpoints
+from ..fleet._engines import EngineDirectory, EngineUnknown
 from ..fleet._ensemble import (
     Ensemble,
     member_error,
@@ -128,6 +129,15 @@ class SampleFetcher:
             self.endpoints, id_scoring=config.id_scoring, topk_wire=config.topk_wire
         )
         self.fleets = FleetDirectory(transport, enabled=config.router_discovery == "auto")
+        self.engines = EngineDirectory(  # each URL's engine: configured, or detected once
+            self.endpoints,
+            transport,
+            setting=config.engine,
+            server_engines=config.server_engines,
+            max_logprobs=config.vllm_max_logprobs,
+            secret=config.api_key.get_secret_value() if config.api_key else None,
+            gateway_of=self.fleets.gateway_of,
+        )
         self._sender = AttemptSender(
             config,
             transport,
@@ -135,6 +145,7 @@ class SampleFetcher:
             self.endpoints,
             self._pool,
             self._caps,
+            self.engines,
             threads=threads,
         )
 
@@ -183,6 +194,16 @@ class SampleFetcher:
                     return await self._sender.send(side, urls, url, make, counter, tries, key)
                 except Failed as failed:
                     exc = failed.error
+                    if isinstance(exc, EngineUnknown):
+                        # /generate answered 404/405 (auto): find the engine, ask again; not
+                        # an attempt (like a capability probe)
+                        try:
+                            await self.engines.detect(side, failed.url, exc.status)
+                        except OPDStreamError as found:
+                            exc = found
+                        else:
+                            tries.attempts -= 1
+                            continue
                     if isinstance(exc, CapabilityError):
                         if not self._caps.fallback(side, failed.url, failed.req, exc):
                             raise exc from None
@@ -345,6 +366,18 @@ class SampleFetcher:
         tokens = prepared.tokens
         if teacher and prepared.teacher_tokens is not None:
             tokens = prepared.teacher_tokens
+        engine = self.engines.engine(url)
+        if engine != "sglang":  # vLLM: ids per position, from the response start, always
+            return ScoreRequest(
+                tokens=tokens,
+                response_length=prepared.response_length,
+                top_k=top_k,
+                ids=ids,
+                cache_salt=new_salt() if self._cfg.cache_salt == "per-request" else salt,
+                salt_each_item=self._cfg.cache_salt == "per-request",
+                engine=engine,
+                max_ids=self.engines.max_ids,
+            )
         id_form = self._caps.id_form(url)
         block_size = self._cfg.id_block_size
         if block_size == 0 and id_form in ("blocked", "blocks") and ids is not None:

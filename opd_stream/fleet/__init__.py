@@ -9,6 +9,7 @@ Modules (all private; the public names come from :mod:`opd_stream`):
 * ``_balance``: which replica gets the next request (prefix locality, least outstanding)
 * ``_capabilities``: what each URL supports, as learned from its answers
 * ``_discovery``: workers listed by smg or sglang-router, kept current
+* ``_engines``: each URL's engine (SGLang, vLLM scale-out, vLLM completions): set or detected
 * ``_probe``: the probe's report: replicas that disagree with the rest
 * ``_probe_requests``: the probe's cold and warm requests to every replica
 """

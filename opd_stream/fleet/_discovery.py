@@ -220,6 +220,14 @@ class FleetDirectory:
                 tg.start_soon(probe, n)
         return [w for w, good in zip(workers, ok, strict=True) if good]
 
+    def gateway_of(self, url: str) -> str | None:
+        """The configured gateway URL whose workers include ``url`` (a discovered worker),
+        else ``None``."""
+        for gateway, fleet in self._fleets.items():
+            if url in fleet.workers and url != gateway:
+                return gateway
+        return None
+
     def snapshot(self) -> dict[str, FleetState]:
         return {
             url: FleetState(

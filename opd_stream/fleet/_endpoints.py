@@ -2,7 +2,8 @@
 
 One :class:`Endpoint` per URL holds all that is known about it: its load (requests in
 flight), its health (passive ejection, re-admission probes), the capabilities detected
-from its answers (per-position ids, base64 top-k, the blocked batch) and its traffic
+from its answers (per-position ids, base64 top-k, the blocked batch), the engine it speaks
+(configured or detected: :mod:`opd_stream.fleet._engines`) and its traffic
 counters. The balancer (:mod:`opd_stream.fleet._balance`) and the capability rules
 (:mod:`opd_stream.fleet._capabilities`) read and write it; the attempt sender counts traffic in
 it; ``OPDStream.stats()`` only reads a snapshot (:meth:`Endpoints.snapshot`). Sans-IO.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from .._stats import EndpointStats, EndpointTraffic
+from ..wire._request import Engine
 
 __all__ = ("Endpoint", "EndpointHealth", "Endpoints")
 
@@ -64,6 +66,8 @@ class Endpoint:
     __slots__ = (
         "b64_topk",
         "blocked_batch",
+        "engine",
+        "engine_problem",
         "health",
         "in_flight",
         "keys",
@@ -84,6 +88,10 @@ class Endpoint:
         self.per_position: bool | None = None
         self.b64_topk: bool | None = None
         self.blocked_batch: bool | None = None
+        # the dialect it speaks (None: not known yet; fleet._engines), and why none was
+        # found when detection found no scoring API there
+        self.engine: Engine | None = None
+        self.engine_problem: str | None = None
         self.routed: dict[str, int] = {}  # a gateway's x-smg-routed-worker-id -> answers
 
     def note_worker(self, worker: str) -> None:
@@ -103,6 +111,7 @@ class Endpoint:
             per_position=self.per_position,
             b64_topk=self.b64_topk,
             blocked_batch=self.blocked_batch,
+            engine=self.engine,
             ejected=health.ejected,
             ejections=health.ejections,
             readmissions=health.readmissions,

@@ -25,6 +25,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ..wire._request import Engine
+
 __all__ = (
     "PROBE_RESPONSE_LENGTH",
     "UNANSWERED",
@@ -60,6 +62,8 @@ class ReplicaProbe(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         teacher: the teacher name.
         url: the replica (a router's worker when discovery found one).
+        engine: the dialect it was asked in (configured, or detected under
+            ``engine="auto"``); ``None`` where not known (it did not answer).
         weight_version: the cold answer's ``meta_info.weight_version``.
         vs_replicas: the largest difference, in nats over the scored positions, between
             this replica's cold logprobs and the teacher's replicas' median (with two
@@ -77,6 +81,7 @@ class ReplicaProbe(msgspec.Struct, frozen=True, kw_only=True):
 
     teacher: str
     url: str
+    engine: Engine | None = None
     weight_version: str | None = None
     vs_replicas: float | None = None
     cold_vs_warm: float | None = None
@@ -99,6 +104,9 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
         outliers: the URLs of the replicas beyond the tolerance.
         failed: the URLs of the replicas whose requests failed or did not answer in time
             (each one's ``error`` says which).
+        servers: the engine of every server the probe looked at (each replica, and the
+            student): ``sglang``, ``vllm`` or ``vllm-completions``, configured or detected
+            (``engine="auto"``); ``None`` where it could not be told (no answer).
     """
 
     tolerance: float
@@ -108,6 +116,7 @@ class ProbeReport(msgspec.Struct, frozen=True, kw_only=True):
     max_cold_warm_diff: float
     outliers: tuple[str, ...]
     failed: tuple[str, ...]
+    servers: dict[str, Engine | None] = msgspec.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -120,6 +129,7 @@ class Answer(msgspec.Struct, kw_only=True):
 
     teacher: str
     url: str
+    engine: Engine | None = None
     cold: npt.NDArray[np.float64] | None = None
     warm: npt.NDArray[np.float64] | None = None
     weight_version: str | None = None
@@ -153,7 +163,9 @@ def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> Prob
             center = np.median(colds, axis=0)
         for a in group:
             if a.cold is None or a.warm is None:
-                out.append(ReplicaProbe(teacher=a.teacher, url=a.url, error=a.error))
+                out.append(
+                    ReplicaProbe(teacher=a.teacher, url=a.url, engine=a.engine, error=a.error)
+                )
                 continue
             if len(ok) == 2:
                 other = ok[1] if ok[0] is a else ok[0]
@@ -169,6 +181,7 @@ def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> Prob
                 ReplicaProbe(
                     teacher=a.teacher,
                     url=a.url,
+                    engine=a.engine,
                     weight_version=a.weight_version,
                     vs_replicas=vs,
                     cold_vs_warm=warm,
@@ -183,6 +196,7 @@ def compare(answers: Sequence[Answer], tolerance: float, positions: int) -> Prob
         max_cold_warm_diff=max_warm,
         outliers=tuple(r.url for r in out if r.outlier),
         failed=tuple(r.url for r in out if r.error is not None),
+        servers={r.url: r.engine for r in out},
     )
 
 

@@ -7,18 +7,20 @@ import secrets
 from collections.abc import Mapping
 
 import anyio
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import OPDStreamError, ServerError, ServerHTTPError
 from ..transport._transports import Transport
-from ..wire._codec import decode_score_response
+from ..wire._codec import decode, timed_build
 from ..wire._error_body import parse_error_message
-from ..wire._payloads import build_score_payload
 from ..wire._request import ScoreRequest, layout
+from ..wire._vllm import ENGINE_PATHS
 from ._discovery import FleetDirectory
+from ._engines import DETECT_STATUSES, EngineDirectory
 from ._probe import UNANSWERED, Answer, ProbeReport, compare
-from ._router import generate_url
+from ._router import endpoint_url
 
 __all__ = ("run_probe",)
 
@@ -30,12 +32,31 @@ async def _ask(
     *,
     max_bytes: int,
     secret: str | None,
-) -> tuple[npt.NDArray[np.float64], str | None]:
-    resp = await transport.post(generate_url(url), build_score_payload(req), max_bytes=max_bytes)
+    engines: EngineDirectory | None,
+) -> tuple[npt.NDArray[np.float64], str | None, ScoreRequest]:
+    """One probe request in ``url``'s engine (detected first when its ``/generate``
+    answers 404/405 under ``engine="auto"``): its logprobs, weight version, and the request
+    as sent (in the engine found)."""
+    if engines is not None:
+        req = msgspec.structs.replace(req, engine=engines.engine(url))
+    body, lay, _ = timed_build(req)
+    resp = await transport.post(
+        endpoint_url(url, ENGINE_PATHS[req.engine]), body, max_bytes=max_bytes
+    )
+    if (
+        resp.status in DETECT_STATUSES
+        and engines is not None
+        and req.engine == "sglang"
+        and engines.detects(url)
+    ):
+        await engines.detect("teacher", url, resp.status)
+        return await _ask(transport, url, req, max_bytes=max_bytes, secret=secret, engines=engines)
     if resp.status != 200:
         raise ServerHTTPError(resp.status, parse_error_message(resp.body, secret=secret), url=url)
-    rows = decode_score_response(resp.body, req)
-    return rows.token_logprobs.astype(np.float64), rows.weight_version
+    rows, _ = decode(resp.body, req, lay=lay)
+    if engines is not None:
+        engines.answered(url, req.engine)
+    return rows.token_logprobs.astype(np.float64), rows.weight_version, req
 
 
 async def _probe_replica(
@@ -49,6 +70,7 @@ async def _probe_replica(
     deadline_s: float,
     max_bytes: int,
     secret: str | None,
+    engines: EngineDirectory | None,
 ) -> Answer:
     salt = secrets.token_hex(8)  # fresh: nothing cached under it
     req = ScoreRequest(
@@ -60,16 +82,21 @@ async def _probe_replica(
     answer = Answer(teacher=teacher, url=url)
     try:
         with anyio.fail_after(deadline_s):
-            answer.cold, answer.weight_version = await _ask(
-                transport, url, req, max_bytes=max_bytes, secret=secret
+            answer.cold, answer.weight_version, req = await _ask(
+                transport, url, req, max_bytes=max_bytes, secret=secret, engines=engines
             )
-            answer.warm, _ = await _ask(transport, url, req, max_bytes=max_bytes, secret=secret)
+            answer.engine = req.engine
+            answer.warm, _, _ = await _ask(
+                transport, url, req, max_bytes=max_bytes, secret=secret, engines=engines
+            )
     except TimeoutError:
         answer.error = UNANSWERED
         answer.cold = answer.warm = None
     except ServerError as exc:
         answer.error = exc.reason
         answer.cold = answer.warm = None
+    if engines is not None:
+        answer.engine = engines.known(url)
     return answer
 
 
@@ -85,12 +112,17 @@ async def run_probe(
     deadline_s: float,
     max_bytes: int,
     secret: str | None = None,
+    engines: EngineDirectory | None = None,
+    others: tuple[str, ...] = (),
 ) -> ProbeReport:
     """Probe every replica of every teacher at once (routers expanded to their workers);
     each replica's cold and warm requests within ``deadline_s`` (``probe_deadline_s``: one
     that does not answer in time is reported with error ``deadline_exceeded``, and the
-    probe ends at that deadline). Raises only for a probe request the caller's sample
-    cannot make (:class:`InvalidSampleError`)."""
+    probe ends at that deadline). ``engines``: the stream's (each replica is asked in its
+    engine, detected first where ``auto`` finds its ``/generate`` missing; the report
+    names each replica's engine); ``others``: servers (the student) whose engine alone is
+    found (:meth:`EngineDirectory.discover`) and reported in ``servers``. Raises only for
+    a probe request the caller's sample cannot make (:class:`InvalidSampleError`)."""
     layout(ScoreRequest(tokens=tokens, response_length=response_length))  # checks the sample
     targets: list[tuple[str, str]] = []
     for name, urls in teachers.items():
@@ -110,6 +142,7 @@ async def run_probe(
                 deadline_s=deadline_s,
                 max_bytes=max_bytes,
                 secret=secret,
+                engines=engines,
             )
         except OPDStreamError as exc:
             errors.append(exc)
@@ -121,4 +154,16 @@ async def run_probe(
     if errors:
         raise errors[0]
     done = [a for a in answers if a is not None]
-    return compare(done, tolerance, response_length)
+    report = compare(done, tolerance, response_length)
+    if engines is None or not others:
+        return report
+    found = dict(report.servers)
+    with anyio.move_on_after(deadline_s):
+        for url in others:
+            try:
+                found[url] = await engines.discover("student", url)
+            except ServerError:
+                found[url] = None
+    for url in others:
+        found.setdefault(url, None)
+    return msgspec.structs.replace(report, servers=found)

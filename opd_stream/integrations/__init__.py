@@ -5,6 +5,8 @@
   one shared :class:`~opd_stream.OPDStream`.
 * :mod:`opd_stream.integrations.verl`: teacher logprobs from SGLang answers in verl's
   vLLM ``prompt_logprobs`` contract.
+* :mod:`opd_stream.integrations.trl`: TRL's server teacher (``get_sequence_logprobs``),
+  synchronous, on streams of its own event-loop thread.
 
 The adapters are imported explicitly (``from opd_stream.integrations import miles``); this
 package imports neither.

@@ -19,6 +19,9 @@ Faults are injected by the mock on every server at the mode's rate (``fault_seed
 "restart" is different: the ``math`` replicas are real subprocesses (``MockProcess``) and one
 of them is killed mid-run and started again on its port. Runs on asyncio only (the mock
 servers and the aiohttp transport need it).
+
+``engine="vllm"``: the same workload against the mock vLLM servers (``mock_vllm``, scale-out,
+the streams set to ``engine="vllm"``), in the modes of :data:`VLLM_MODES`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .. import (
     StreamConfig,
 )
 from .mock_sglang import MockModel, MockOptions, MockProcess, serve_mock
+from .mock_vllm import VllmMockOptions, VllmMockProcess, serve_vllm_mock
 from .tasks import pending_tasks
 
 __all__ = (
@@ -53,6 +57,7 @@ __all__ = (
     "MAX_RESPONSE_BYTES",
     "MODES",
     "TOP_K",
+    "VLLM_MODES",
     "FaultMode",
     "FaultRun",
     "MatrixRow",
@@ -66,6 +71,7 @@ __all__ = (
 )
 
 Expect = Literal["recover", "fail", "deadline", "clean", "capability", "restart"]
+Engine = Literal["sglang", "vllm"]
 
 TOP_K = 4
 SEEDS = {"math": 11, "default": 12, "student": 13}
@@ -248,6 +254,10 @@ MODES: tuple[FaultMode, ...] = (
 )
 
 
+#: The modes that apply to vLLM servers (``per_position`` is SGLang's: no "unpatched" row).
+VLLM_MODES: tuple[FaultMode, ...] = tuple(m for m in MODES if m.key != "unpatched")
+
+
 class MatrixRow(msgspec.Struct, kw_only=True):
     """The outcome of one fault mode (one table row)."""
 
@@ -346,7 +356,9 @@ def closed_form_ok(workload: Workload, res: ScoredSample) -> bool:
     return True
 
 
-def _config(teachers: dict[str, Any], student: str, *, top_k: int, **client: Any) -> StreamConfig:
+def _config(
+    teachers: dict[str, Any], student: str, *, top_k: int, engine: Engine, **client: Any
+) -> StreamConfig:
     extra: dict[str, Any] = (
         {"top_k": top_k, "strategy": "union", "student_url": student} if top_k else {}
     )
@@ -362,6 +374,7 @@ def _config(teachers: dict[str, Any], student: str, *, top_k: int, **client: Any
         "backoff_max_s": 0.05,
         "connect_timeout_s": CONNECT_TIMEOUT_S,
         "kl_device": "cpu",
+        "engine": "auto" if engine == "sglang" else engine,  # vLLM: set, never detected
         **extra,
         **_balance_options(),
         **client,  # the row's own settings win
@@ -406,28 +419,36 @@ async def _settled_tasks(before: set[asyncio.Task[Any]], wait_s: float = 1.0) ->
         await asyncio.sleep(0.02)
 
 
-async def run_fault_mode(mode: FaultMode, n: int = DEFAULT_N, *, seed: int = 0) -> FaultRun:
+async def run_fault_mode(
+    mode: FaultMode, n: int = DEFAULT_N, *, seed: int = 0, engine: Engine = "sglang"
+) -> FaultRun:
     """Run ``n`` samples per stream (``2 n`` in all) under ``mode``; return the row.
 
-    Must run on asyncio (the mock servers and the aiohttp transport need it).
+    ``engine``: the servers' (``"vllm"``: the mock vLLM servers, a mode of
+    :data:`VLLM_MODES`). Must run on asyncio (the mock servers and the aiohttp transport
+    need it).
     """
     workload = make_workload(n, seed)
-    options = MockOptions(**mode.options) if mode.options else MockOptions()
+    vllm = engine == "vllm"
+    opts_type = VllmMockOptions if vllm else MockOptions
+    options = opts_type(**mode.options)
+    serve = serve_vllm_mock if vllm else serve_mock
     procs: list[MockProcess] = []
     async with (
-        serve_mock("teacher", SEEDS["math"], replicas=2, options=options) as math_srv,
-        serve_mock("teacher", SEEDS["default"], options=options) as default_srv,
-        serve_mock("student", SEEDS["student"], options=options) as student_srv,
+        serve("teacher", SEEDS["math"], replicas=2, options=options) as math_srv,
+        serve("teacher", SEEDS["default"], options=options) as default_srv,
+        serve("student", SEEDS["student"], options=options) as student_srv,
     ):
         math_urls = list(math_srv.urls)
         if mode.expect == "restart":
             # a little latency, so that requests are in flight on it when it is killed
-            slow = MockOptions(latency_fixed_s=0.1)
-            procs = [MockProcess("teacher", SEEDS["math"], options=slow)]
+            slow = opts_type(latency_fixed_s=0.1)
+            process = VllmMockProcess if vllm else MockProcess
+            procs = [process("teacher", SEEDS["math"], options=slow)]
             math_urls[0] = await anyio.to_thread.run_sync(procs[0].start)
         try:
             run = await _run_streams(
-                mode, workload, math_urls, default_srv.url, student_srv.url, procs
+                mode, workload, math_urls, default_srv.url, student_srv.url, procs, engine
             )
         finally:
             for proc in procs:
@@ -499,10 +520,11 @@ async def _run_streams(
     default_url: str,
     student_url: str,
     procs: list[MockProcess],
+    engine: Engine,
 ) -> FaultRun:
     teachers = {"math": math_urls, "default": default_url}
-    cfg_a = _config(teachers, student_url, top_k=TOP_K, **mode.client)
-    cfg_b = _config(teachers, student_url, top_k=0, **mode.client)
+    cfg_a = _config(teachers, student_url, top_k=TOP_K, engine=engine, **mode.client)
+    cfg_b = _config(teachers, student_url, top_k=0, engine=engine, **mode.client)
     tr_a, tr_b = (
         AiohttpTransport(connect_timeout_s=CONNECT_TIMEOUT_S),
         AiohttpTransport(connect_timeout_s=CONNECT_TIMEOUT_S),
@@ -579,11 +601,13 @@ async def _run_streams(
     )
 
 
-async def run_matrix(n: int = DEFAULT_N, keys: Sequence[str] | None = None) -> list[MatrixRow]:
-    """Every mode (or those in ``keys``), one after the other."""
+async def run_matrix(
+    n: int = DEFAULT_N, keys: Sequence[str] | None = None, *, engine: Engine = "sglang"
+) -> list[MatrixRow]:
+    """Every mode of ``engine`` (or those in ``keys``), one after the other."""
     rows = []
-    for mode in MODES:
+    for mode in VLLM_MODES if engine == "vllm" else MODES:
         if keys and mode.key not in keys:
             continue
-        rows.append((await run_fault_mode(mode, n)).row)
+        rows.append((await run_fault_mode(mode, n, engine=engine)).row)
     return rows

@@ -1,4 +1,5 @@
-"""SGLang ``/generate`` wire building blocks, for callers who talk to the servers themselves.
+"""SGLang ``/generate`` (and vLLM) wire building blocks, for callers who talk to the servers
+themselves.
 
 The stream uses these internally; an application normally needs none of them. Sans-IO:
 bytes in, bytes or numpy arrays out.
@@ -14,7 +15,11 @@ bytes in, bytes or numpy arrays out.
 Its modules (private; the names above are the public part):
 
 * ``_request``: :class:`ScoreRequest` and its layout (what each HTTP item asks);
-* ``_payloads``: request bodies as ``/generate`` JSON bytes;
+* ``_payloads``: request bodies as ``/generate`` JSON bytes (a vLLM request's from ``_vllm``);
+* ``_rows_json``: rows of ids as compact JSON (the per-position id rows of both engines);
+* ``_vllm``: vLLM's engines: their paths, what each can score, probe and request bodies;
+* ``_vllm_decode``: vLLM answers (scale-out and completions) into checked rows;
+* ``_npy``: a base64 ``.npy`` float32 matrix read from an untrusted answer;
 * ``_codec``: a scoring request built and its answer decoded, by whichever parser is ready;
 * ``_decode_score``: the msgspec decoder of scoring answers (and the answer schema);
 * ``_decode_columns``: scoring answers decoded from a reader's checked columns;

@@ -27,14 +27,16 @@ from .._answers import Body, ScoreRows
 from ..scanner._loader import available
 from ._decode_columns import decode_segments_columns
 from ._decode_score import decode_segments
-from ._payloads import build_laid, payload_size_hint
+from ._payloads import build_block_payloads, build_laid, payload_size_hint
 from ._request import Layout, ScoreRequest, layout
+from ._vllm_decode import decode_vllm
 
 __all__ = (
     "PARSERS",
     "Answer",
     "Parser",
     "answer_size",
+    "build_block_payloads",
     "build_in_thread",
     "decode",
     "decode_block_answers",
@@ -91,7 +93,12 @@ def decode(
 ) -> tuple[ScoreRows, Parser]:
     """Decode an answer with the parser of the moment (:func:`parser_for`): the rows,
     and the parser that gave them (``"msgspec"`` where the fast one handed it on). ``lay``:
-    ``layout(req)`` where the caller has it (from :func:`timed_build`)."""
+    ``layout(req)`` where the caller has it (from :func:`timed_build`). A vLLM request's
+    answer is decoded by :func:`~opd_stream.wire._vllm_decode.decode_vllm` (msgspec; a
+    request split into column chunks, :func:`~opd_stream.wire._request.multi_body`, gives a
+    list of answers like the ``"blocks"`` id form)."""
+    if req.engine != "sglang":
+        return decode_vllm(answer, req, lay if lay is not None else layout(req)), "msgspec"
     parser = parser_for()
     if isinstance(answer, Body):
         return _decode_one(answer, req, parser, lay)
@@ -148,6 +155,8 @@ def _decode_one(
 ) -> tuple[ScoreRows, Parser]:
     if lay is None:
         lay = layout(req)
+    if req.engine != "sglang":
+        return decode_vllm(body, req, lay), "msgspec"
     per_position = req.ids is not None and req.id_form == "per-position"
     return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
 
@@ -194,6 +203,8 @@ def _decode_blocks(
     bodies: Sequence[Body], req: ScoreRequest, parser: Parser
 ) -> tuple[ScoreRows, Parser]:
     lay = layout(req)
+    if req.engine != "sglang":
+        return decode_vllm(bodies, req, lay), "msgspec"
     if len(bodies) != len(lay.segments):
         raise ValueError(f"{len(bodies)} answers for {len(lay.segments)} blocks")
     joined = b"[" + b",".join(bodies) + b"]"

@@ -245,6 +245,10 @@ def _decode_segments(
                 )
             raise missing_field(f"{item_path(batch, n)}.meta_info.input_token_ids_logprobs")
         entries = meta.input_token_logprobs
+        if entries is not None and len(entries) == seg.length - seg.start - 1:
+            meta = _without_leading_row(meta, entries, item_path(batch, n), seg, tokens)
+            entries = meta.input_token_logprobs
+            id_rows = meta.input_token_ids_logprobs
         if entries is None or len(entries) != seg.length - seg.start:
             _token_entries(meta, item_path(batch, n), seg)  # raises, naming the field
         tok_entries.append(entries)  # type: ignore[arg-type]
@@ -292,6 +296,46 @@ def _decode_segments(
         used_b64=used_b64,
         weight_version=weight_version,
         cached_tokens=total_cached(cached),
+    )
+
+
+def _without_leading_row(
+    meta: _Meta, entries: list[Entry], where: str, seg: Segment, tokens: npt.NDArray[np.int64]
+) -> _Meta:
+    """An answer whose ``input_token_logprobs`` has one entry fewer than SGLang's (LMDeploy's
+    ``/generate``: no leading empty row, entry ``j`` about absolute position ``s + 1 + j``),
+    as SGLang's alignment (an empty leading row put back in every ``input_*`` row list one
+    short), when its echoed ids say so unambiguously: they must equal ``tokens[s+1:]`` and not
+    also fit SGLang's own alignment cut one short (``tokens[s:L-1]``).
+
+    Raises:
+        MisalignedResponseError: the echoed ids fit neither alignment, or both.
+    """
+    s, length = seg.start, seg.length
+    got = np.fromiter(map(ENTRY_ID, entries), dtype=np.int64, count=len(entries))
+    no_leading = bool(np.array_equal(got, tokens[s + 1 : length]))
+    cut_short = bool(np.array_equal(got, tokens[s : length - 1]))
+    if no_leading and not cut_short:
+        lead = Entry(None, int(tokens[s]))
+
+        def padded(rows: EntryRows | None) -> EntryRows | None:
+            if rows is None or len(rows) != len(entries):
+                return rows
+            return [None, *rows]
+
+        return msgspec.structs.replace(
+            meta,
+            input_token_logprobs=[lead, *entries],
+            input_top_logprobs=padded(meta.input_top_logprobs),
+            input_token_ids_logprobs=padded(meta.input_token_ids_logprobs),
+        )
+    verdict = "both fit: ambiguous" if no_leading else "they fit neither"
+    raise MisalignedResponseError(
+        f"`{where}.meta_info.input_token_logprobs` has {len(entries)} entries, expected "
+        f"{length - s} (input length {length} - logprob_start_len {s}); alignments tried "
+        f"against the echoed token ids: SGLang's (a leading empty row for absolute position "
+        f"{s}) cut one short, and none leading (LMDeploy's: entry 0 about absolute position "
+        f"{s + 1}); {verdict}"
     )
 
 

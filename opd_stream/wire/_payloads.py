@@ -14,8 +14,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..scanner._loader import compiled
-from ._request import Layout, ScoreRequest, json_digits, layout
+from ._request import Layout, ScoreRequest, json_digits, layout, multi_body
+from ._rows_json import rows_json
+from ._vllm import build_vllm_bodies
 
 __all__ = (
     "build_block_payloads",
@@ -46,9 +47,12 @@ def build_score_payload(req: ScoreRequest) -> bytes:
 
 def build_laid(req: ScoreRequest, lay: Layout) -> bytes:
     """:func:`build_score_payload` for a request already checked and laid out
-    (``lay = layout(req)``; the pipeline keeps it for the answer's decode)."""
-    if req.id_form == "blocks" and req.ids is not None:
-        raise ValueError("the 'blocks' id form is sent as several bodies: build_block_payloads")
+    (``lay = layout(req)``; the pipeline keeps it for the answer's decode). A vLLM request
+    gets its engine's body (:mod:`opd_stream.wire._vllm`)."""
+    if multi_body(req):
+        raise ValueError("this request is sent as several bodies: build_block_payloads")
+    if req.engine != "sglang":
+        return build_vllm_bodies(req, lay)[0]
     body: dict[str, Any] = {}
     if lay.batch:
         lengths = [seg.length for seg in lay.segments]
@@ -66,7 +70,7 @@ def build_laid(req: ScoreRequest, lay: Layout) -> bytes:
     if req.ids is not None:
         if req.id_form == "per-position":
             body["token_ids_logprob_positions"] = msgspec.Raw(
-                _positions_json(np.asarray(req.ids), lay.prompt_length)
+                rows_json(np.asarray(req.ids), lay.prompt_length)
             )
         elif lay.batch:
             body["token_ids_logprob"] = [u.tolist() for u in lay.unions]
@@ -104,10 +108,16 @@ def build_block_payloads(req: ScoreRequest) -> list[bytes]:
     that rejects per-item lists (sglang-router 0.3.2 answers them 422) forwards. Answers stay
     ``O(R k B)`` in all, never the flat union's ``O(R^2 k)``.
 
+    A vLLM request (``req.engine``) gets its bodies from :func:`~opd_stream.wire._vllm.
+    build_vllm_bodies`: one per chunk of id columns (``max_ids``), or its one body.
+
     Raises:
         InvalidSampleError: a malformed request (names the field).
+        CapabilityError: ``"engine"``: the engine cannot answer the request.
     """
     lay = layout(req)
+    if req.engine != "sglang":
+        return build_vllm_bodies(req, lay)
     prefixes = _prefix_list(lay.tokens, [seg.length for seg in lay.segments])
     out = []
     for n, (seg, union, prefix) in enumerate(zip(lay.segments, lay.unions, prefixes, strict=True)):
@@ -126,30 +136,6 @@ def build_block_payloads(req: ScoreRequest) -> list[bytes]:
         _finish(body, req, salt)
         out.append(_ENCODER.encode(body))
     return out
-
-
-_ROWS_PER_CHUNK = 1024
-
-
-def _positions_json(ids: npt.NDArray[np.int64], prompt_length: int) -> bytes | memoryview:
-    """``[[],...,[],ids[0],ids[1],...]`` (``prompt_length`` empty rows) as compact JSON.
-
-    Written by the compiled kernel once it is ready (:mod:`opd_stream.scanner._loader`; ~10x
-    cheaper, GIL released, no copy); else encoded ``_ROWS_PER_CHUNK`` rows at a time: the
-    same bytes as encoding the whole list, but no single call holds the GIL for long, so a
-    large payload built in a worker thread leaves the event loop its turns (and no list of
-    ``R * k`` ints exists at once).
-    """
-    kernel = compiled()
-    written = None if kernel is None else kernel.positions_json(ids, prompt_length)
-    if written is not None:  # the compiled writer: one call, the GIL released
-        view: memoryview = written
-        return view
-    parts = [b"[]"] * prompt_length
-    for lo in range(0, ids.shape[0], _ROWS_PER_CHUNK):
-        chunk = _ENCODER.encode(ids[lo : lo + _ROWS_PER_CHUNK].tolist())
-        parts.append(chunk[1:-1])
-    return b"[" + b",".join(parts) + b"]"
 
 
 def payload_size_hint(req: ScoreRequest) -> int:

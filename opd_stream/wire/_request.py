@@ -50,7 +50,7 @@ answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -62,16 +62,27 @@ from ..scanner._loader import compiled
 
 __all__ = (
     "AUTO_BLOCK_SIZES",
+    "ENGINES",
+    "Engine",
     "IdForm",
     "Layout",
     "ScoreRequest",
     "auto_block_size",
+    "column_chunks",
     "json_digits",
     "layout",
+    "multi_body",
     "resolved_block_size",
 )
 
 IdForm = Literal["per-position", "flat", "blocked", "blocks"]
+
+Engine = Literal["sglang", "vllm", "vllm-completions"]
+"""The dialect a server speaks: SGLang's ``/generate``; vLLM's scale-out
+``POST /inference/v1/generate`` (``vllm serve --enable-scale-out``; ids per position, binary
+answer); vLLM's OpenAI ``POST /v1/completions`` (any vLLM; whole-prompt rows, top-k only)."""
+#: The same names as a tuple, in this order.
+ENGINES: Final[tuple[Engine, ...]] = get_args(Engine)
 
 _MAX_ID = 2**31  # SGLang ships ids as int32; anything at or above this cannot be a token id
 
@@ -95,6 +106,13 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
             prefix); ``None`` sends none.
         salt_each_item: each HTTP item gets a salt of its own (``cache_salt`` + ``-n`` for
             item or block ``n``), so not even the blocks of one request share a prefix.
+        engine: the server's dialect (:data:`Engine`). For ``"vllm"`` the id form, ``start``,
+            ``topk_wire`` and ``block_size`` do not apply: ids always travel per position
+            (``prompt_logprob_token_ids``), from the response start.
+        max_ids: vLLM only: the id columns per row the server allows (its
+            ``--max-logprobs``); a request with more columns (the sampled token's + ``k``)
+            is sent as several bodies, one per chunk of columns (:func:`column_chunks`).
+            0 = no cap.
     """
 
     tokens: npt.NDArray[np.int64]
@@ -107,6 +125,8 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     cache_salt: str | None = None
     salt_each_item: bool = False
+    engine: Engine = "sglang"
+    max_ids: int = 0
 
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +160,10 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
         raise InvalidSampleError("topk_wire", f"unknown top-k wire form {req.topk_wire!r}")
     if req.block_size < 0:
         raise InvalidSampleError("block_size", f"{req.block_size} < 0")
+    if req.engine not in ENGINES:
+        raise InvalidSampleError("engine", f"unknown engine {req.engine!r}")
+    if req.max_ids < 0:
+        raise InvalidSampleError("max_ids", f"{req.max_ids} < 0")
     ids = req.ids
     if ids is not None:
         if ids.ndim != 2 or ids.shape[0] != r or ids.shape[1] < 1:
@@ -262,10 +286,40 @@ def resolved_block_size(req: ScoreRequest) -> int:
     return auto_block_size(np.asarray(req.tokens), req.response_length, req.ids, top_k=req.top_k)
 
 
+def column_chunks(req: ScoreRequest) -> list[tuple[int, int]]:
+    """vLLM scale-out: the id columns of each body, as ``[lo, hi)`` ranges over the
+    columns ``[sampled token, ids[:, 0], ..., ids[:, k-1]]`` (``1 + k`` in all), at most
+    ``max_ids`` per body (all in one when ``max_ids`` is 0). One range for any other
+    engine."""
+    cols = 1 + (0 if req.ids is None else int(np.shape(req.ids)[1]))
+    if req.engine != "vllm" or req.max_ids <= 0 or cols <= req.max_ids:
+        return [(0, cols)]
+    m = req.max_ids
+    return [(lo, min(lo + m, cols)) for lo in range(0, cols, m)]
+
+
+def multi_body(req: ScoreRequest) -> bool:
+    """Whether ``req`` is sent as several independent bodies (:func:`~opd_stream.wire._payloads.
+    build_block_payloads`, answers decoded together as a list by
+    :func:`~opd_stream.wire._codec.decode`): SGLang's ``"blocks"`` id form, or a vLLM
+    scale-out request with more id columns than ``max_ids``."""
+    if req.ids is None:
+        return False
+    if req.engine == "sglang":
+        return req.id_form == "blocks"
+    return len(column_chunks(req)) > 1
+
+
 def layout(req: ScoreRequest) -> Layout:
-    """Validate ``req`` and derive the items, their layouts and expected ids."""
+    """Validate ``req`` and derive the items, their layouts and expected ids (a vLLM request:
+    one segment, from the response start, the ids per position)."""
     tokens, p = _check_request(req)
     length, r, ids = tokens.shape[0], req.response_length, req.ids
+    if req.engine != "sglang":
+        s = p - 1 if req.engine == "vllm" else 0
+        expect = None if ids is None else ids.astype(np.int64, copy=False)
+        seg = Segment(length=length, start=s, rows=r, expect=expect)
+        return Layout(tokens=tokens, prompt_length=p, batch=False, segments=[seg], unions=[])
     s = p - 1 if req.start == "prompt" else 0
     if ids is None:
         seg = Segment(length=length, start=s, rows=r)

@@ -166,14 +166,20 @@ class Vocab:
         fast: FastEncoder | None = None,
         *,
         process: EncoderProcess | None = None,
+        packed: tuple[bytes, npt.NDArray[np.int64]] | None = None,
     ) -> None:
         self.setting = setting
         self.path = path
         self.size = len(token_bytes)
         self.token_bytes = token_bytes
-        self.lengths = np.fromiter(map(len, token_bytes), dtype=np.int64, count=self.size)
-        # every token's bytes in one buffer, token i's at _starts[i] (for join)
-        self._flat = np.frombuffer(b"".join(token_bytes), dtype=np.uint8)
+        if packed is None:  # every token's bytes in one buffer, and each one's length
+            packed = (
+                b"".join(token_bytes),
+                np.fromiter(map(len, token_bytes), dtype=np.int64, count=self.size),
+            )
+        flat, self.lengths = packed
+        # token i's bytes are at _flat[_starts[i]:][:lengths[i]] (for join)
+        self._flat = np.frombuffer(flat, dtype=np.uint8)
         self._starts = np.cumsum(self.lengths) - self.lengths
         self.textless = textless
         self.tokenizer = tokenizer
@@ -352,6 +358,23 @@ def load_vocab(setting: str, path: str) -> Vocab:
     return vocab_from_json(setting, file, text)
 
 
+#: tokens split per step by :func:`_split`: each of its C calls (``tolist``, ``cumsum``) then
+#: holds the GIL well under a millisecond, so a host thread building a 250k vocabulary never
+#: keeps the host's loop waiting for it (one call over all of them held it 10-30 ms)
+_SPLIT_STEP = 8192
+
+
+def _split(flat: bytes, lengths: npt.NDArray[np.int64]) -> list[bytes]:
+    """Each token's bytes, cut out of their concatenation ``flat`` (``lengths`` per token)."""
+    ends = np.cumsum(lengths)
+    out: list[bytes] = []
+    for at in range(0, lengths.shape[0], _SPLIT_STEP):
+        stop = ends[at : at + _SPLIT_STEP].tolist()
+        size = lengths[at : at + _SPLIT_STEP].tolist()
+        out += [flat[e - n : e] for e, n in zip(stop, size, strict=True)]
+    return out
+
+
 def load_vocab_process(setting: str, path: str) -> Vocab:
     """:func:`load_vocab`'s :class:`Vocab`, its tokenizer loaded and run in a process of
     its own (:mod:`opd_stream.xtok._worker`): what a stream uses, so that no library's
@@ -373,11 +396,10 @@ def load_vocab_process(setting: str, path: str) -> Vocab:
     try:
         loaded = process.loaded
         lengths = np.frombuffer(loaded.lengths, dtype="<i8").astype(np.int64)
-        ends = np.cumsum(lengths).tolist()
-        flat = loaded.flat
-        token_bytes = [flat[e - n : e] for e, n in zip(ends, lengths.tolist(), strict=True)]
         textless = np.frombuffer(loaded.textless, dtype=np.bool_).copy()
-        return Vocab(setting, file, token_bytes, textless, None, process=process)
+        token_bytes = _split(loaded.flat, lengths)
+        packed = (loaded.flat, lengths)
+        return Vocab(setting, file, token_bytes, textless, None, process=process, packed=packed)
     except BaseException:
         process.close()
         raise

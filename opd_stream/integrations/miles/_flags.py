@@ -32,6 +32,9 @@ _OPD_FLAG_DEFAULTS: Final[dict[str, Any]] = {
     "opd_teacher_tokenizers": None,
     "opd_divergence": None,
     "opd_jsd_beta": None,
+    "opd_engine": None,
+    "opd_server_engines": None,
+    "opd_vllm_max_logprobs": None,
 }
 
 
@@ -110,6 +113,12 @@ def config_from_miles_args(
       neither; absent or ``None``, ``OPD_STREAM_DIVERGENCE`` / ``OPD_STREAM_JSD_BETA``).
       Whatever the divergence, its signal goes where Miles' trainer reads the OPD signal,
       ``opd_reverse_kl``.
+    * ``--opd-engine auto|sglang|vllm|vllm-completions`` -> ``engine``,
+      ``--opd-server-engines URL=ENGINE ...`` (a list, or one comma-separated string) ->
+      ``server_engines`` and ``--opd-vllm-max-logprobs N`` -> ``vllm_max_logprobs``
+      (opd_stream's own flags, for teachers served by vLLM; absent or ``None``,
+      ``OPD_STREAM_ENGINE`` / ``OPD_STREAM_SERVER_ENGINES`` /
+      ``OPD_STREAM_VLLM_MAX_LOGPROBS``, default ``auto``: detected per server).
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -190,10 +199,20 @@ def config_from_miles_args(
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
     }
-    for flag_name, field in (("opd_divergence", "divergence"), ("opd_jsd_beta", "jsd_beta")):
+    for flag_name, field in (
+        ("opd_divergence", "divergence"),
+        ("opd_jsd_beta", "jsd_beta"),
+        ("opd_engine", "engine"),
+        ("opd_vllm_max_logprobs", "vllm_max_logprobs"),
+    ):
         value = get(flag_name)
         if value is not None:
             fields[field] = value
+    server_engines = get("opd_server_engines")
+    if server_engines:
+        fields["server_engines"] = (
+            server_engines if isinstance(server_engines, str) else list(server_engines)
+        )
     if get("opd_topk_per_position", False):
         fields["id_scoring"] = "per-position"
     ip, port = get("sglang_router_ip"), get("sglang_router_port")
@@ -235,6 +254,9 @@ def config_from_miles_args(
             "divergence": "--opd-divergence",
             "jsd_beta": "--opd-jsd-beta",
             "weight_mode": "--opd-reward-weight-mode",
+            "engine": "--opd-engine",
+            "server_engines": "--opd-server-engines",
+            "vllm_max_logprobs": "--opd-vllm-max-logprobs",
         }
         named = str(exc).split(":", 1)[0].replace(" (from", ",").split(", ")
         hints = [flag[name.strip()] for name in named if name.strip() in flag]

@@ -45,11 +45,14 @@ def _str_tuple(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (server flags plus one flag per :class:`MockOptions` field)."""
-    p = argparse.ArgumentParser(
-        prog="python -m opd_stream.testing.mock_sglang", description="Mock SGLang server."
-    )
+def build_parser(
+    options_cls: type[MockOptions] = MockOptions,
+    prog: str = "python -m opd_stream.testing.mock_sglang",
+    description: str = "Mock SGLang server.",
+) -> argparse.ArgumentParser:
+    """The argument parser (server flags plus one flag per field of ``options_cls``:
+    :class:`MockOptions`, or the vLLM mock's subclass)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--role", choices=("teacher", "student"), default="teacher")
@@ -74,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the ByteModel's salt: two models of another salt or q differ (default 0)",
     )
-    default = MockOptions()
-    hints = typing.get_type_hints(MockOptions)
-    for name in MockOptions.__struct_fields__:
+    default = options_cls()
+    hints = typing.get_type_hints(options_cls)
+    for name in options_cls.__struct_fields__:
         flag = "--" + name.replace("_", "-")
         value = getattr(default, name)
         if name == "vocab_size":

@@ -16,6 +16,7 @@ import random
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -27,7 +28,7 @@ from ._bytemodel import ByteModel
 from ._errors import RequestError, error_response_body
 from ._model import MockModel
 from ._options import FAULT_KINDS, FaultKind, MockOptions
-from ._prefix_cache import PrefixCache, reusable_limit
+from ._prefix_cache import CacheItem, PrefixCache, reusable_limit
 from ._request import GenerateItem, parse_generate_request
 from ._signal import SignalState
 from ._stats import MockStats
@@ -42,10 +43,12 @@ class Host(Protocol):
 
     seed: int
     replica_index: int
-    options: MockOptions
     stats: MockStats
     model: MockModel
     byte_model: ByteModel | None
+
+    @property
+    def options(self) -> MockOptions: ...
 
     def respond(
         self, body: bytes, status: int = 200, content_type: str = "application/json"
@@ -100,7 +103,7 @@ class GenerateEndpoint:
             cache = self._prefix = PrefixCache(o.prefix_cache_tokens, o.prefix_cache_page)
         return cache
 
-    async def _compute(self, items: list[GenerateItem]) -> list[int]:
+    async def _compute(self, items: Sequence[CacheItem]) -> list[int]:
         """Each item's ``cached_tokens``; under the compute model the replica's GPU is held
         for the time the uncached tokens take. The items' inputs are cached afterwards."""
         o = self._server.options

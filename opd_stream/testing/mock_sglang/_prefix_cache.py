@@ -19,11 +19,32 @@ touched from its leaf up), so eviction takes leaves first. Sans-IO; a hash colli
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("PrefixCache", "reusable_limit")
+__all__ = ("CacheItem", "PrefixCache", "reusable_limit")
+
+
+class CacheItem(Protocol):
+    """What the prefix cache, the compute model and the signal faults read of one request
+    item (an SGLang ``/generate`` item, or a vLLM mock's request)."""
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]: ...
+
+    @property
+    def return_logprob(self) -> bool: ...
+
+    @property
+    def logprob_start_len(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
 
 
 def reusable_limit(length: int, return_logprob: bool, logprob_start_len: int) -> int:

@@ -105,9 +105,10 @@ async def serve_mock(
 
 def options_to_argv(options: MockOptions) -> list[str]:
     """CLI flags reproducing the fields of ``options`` that differ from the command's
-    defaults (``--vocab-size``'s is :data:`CLI_VOCAB_SIZE`, not ``MockOptions``')."""
+    defaults (``--vocab-size``'s is :data:`CLI_VOCAB_SIZE`, not ``MockOptions``'); any
+    subclass of :class:`MockOptions` (the vLLM mock's) works the same way."""
     argv: list[str] = []
-    default = msgspec.structs.replace(MockOptions(), vocab_size=CLI_VOCAB_SIZE)
+    default = msgspec.structs.replace(type(options)(), vocab_size=CLI_VOCAB_SIZE)
     for name in options.__struct_fields__:
         value = getattr(options, name)
         if value == getattr(default, name):

@@ -12,7 +12,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ._request import GenerateItem
+from ._prefix_cache import CacheItem
 
 __all__ = ("SEEN_ITEMS", "SignalState")
 
@@ -36,7 +36,7 @@ class SignalState:
             return default
         return versions[min(n, len(versions) - 1)]
 
-    def shift(self, item: GenerateItem, offset: float, warm_drift: float) -> float:
+    def shift(self, item: CacheItem, offset: float, warm_drift: float) -> float:
         """What ``item``'s logprobs move by: ``offset``, plus ``warm_drift`` when the same
         ``input_ids`` under the same ``cache_salt`` were answered before."""
         if not warm_drift:

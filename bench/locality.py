@@ -397,4 +397,12 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # a client process of the N-clients variant
-    _client_main(sys.argv[1])
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.locality",
+        description="one client process of scenario 9's N-clients variant (bench.run starts "
+        "it: it says 'ready', waits for a line on stdin, scores its part, prints its counts)",
+    )
+    parser.add_argument("part", help="the pickled (config overrides, samples) of this client")
+    _client_main(parser.parse_args().part)

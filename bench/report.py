@@ -212,14 +212,21 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s9 = res.get("9")
     if s9:
         for variant, v in s9["variants"].items():
-            if variant not in ("own prompt", "privileged teacher prompt"):
-                continue  # reported, not a target
+            # 1.05x in completion order and for blocks, 1.1x for N clients
+            limit = 1.05 if "completion order" in variant and "client" not in variant else 1.1
             ours = v["runs"]["opd_stream prefix"]
             c, m = ours["computed_over_unique"], ours["max_over_mean_load"]
+            of = "unique"
+            if "computed_over_floor" in ours:  # blocks: each recomputes a partial page
+                c, of = ours["computed_over_floor"], "one replica's"
             t_lo = ours["throughput_over_least_outstanding"]
             t_smg = ours["throughput_over_smg_cache_aware"]
             out += [
-                _t(f"S9 {variant}: teacher tokens computed <= 1.1x unique", c <= 1.1, f"{c:.3f}x"),
+                _t(
+                    f"S9 {variant}: teacher tokens computed <= {limit}x {of}",
+                    c <= limit,
+                    f"{c:.3f}x",
+                ),
                 _t(f"S9 {variant}: max/mean replica load <= 1.25", m <= 1.25, f"{m:.3f}"),
                 _t(f"S9 {variant}: throughput >= least-outstanding", t_lo >= 1.0, f"{t_lo:.2f}x"),
                 _t(f"S9 {variant}: throughput >= smg cache_aware", t_smg >= 1.0, f"{t_smg:.2f}x"),
@@ -493,9 +500,18 @@ def render_markdown(
         lines += ["## 9. Prefix locality on a GPU-bound fleet (mock compute model)", ""]
         lines += [f"sizes: {s['sizes']}", ""]
         for variant, v in s["variants"].items():
+            lines += [f"### {variant} (unique teacher tokens {v['unique_tokens']})", ""]
+            if "floor" in v:
+                f = v["floor"]
+                lines += [
+                    f"one replica (every prefix reused) computed {f['computed_tokens']} "
+                    f"({f['computed_over_unique']:.3f}x unique); computed / that: "
+                    + ", ".join(
+                        f"{n} {d['computed_over_floor']:.3f}" for n, d in v["runs"].items()
+                    ),
+                    "",
+                ]
             lines += [
-                f"### {variant} (unique teacher tokens {v['unique_tokens']})",
-                "",
                 "| run | computed / unique | max / mean replica load | samples/s | "
                 "vs least-outstanding | busiest GPU / wall | cached share (client) | failures |",
                 "|---|---|---|---|---|---|---|---|",

@@ -98,6 +98,12 @@ class Sizes(msgspec.Struct, kw_only=True):
     s9_per_token_s: float = 60e-6
     s9_cache_tokens: int = 1 << 20
     s9_window: int = 32
+    s9_spread: float = 4.0
+    s9_block: int = 64
+    s9_topk: int = 4
+    s9_clients: int = 4
+    s9_client_inflight: int = 4
+    s9_variants: str = ""  # "|"-separated variant names to run (empty: all)
     quick: bool = False
 
 
@@ -138,6 +144,7 @@ def sizes_for(quick: bool) -> Sizes:
         s9_per_token_s=200e-6,
         s9_cache_tokens=1 << 18,
         s9_window=16,
+        s9_block=32,
         quick=True,
     )
 

@@ -145,6 +145,7 @@ class ServerHTTPError(ServerError):
         self.server_message = message
         self.reason = f"{side}_http_{status}"
         self.retryable = status in RETRYABLE_STATUSES
+        self.retry_after: float | None = None  # seconds, from a 429/503's Retry-After
 
 
 class ServerAbortError(ServerError):

@@ -90,6 +90,9 @@ class EndpointStats(EndpointTraffic, frozen=True, kw_only=True):  # type: ignore
         ejected: out of the rotation now (passive health).
         ejections: times it was ejected (a failed re-admission probe counts again).
         readmissions: times a ``/health`` probe re-admitted it.
+        routed_workers: behind a gateway that names the worker it routed to (smg's
+            ``x-smg-routed-worker-id``): ``(worker id, answers)`` pairs, most answers
+            first (``dict(...)`` reads them by worker).
     """
 
     in_flight: int
@@ -100,6 +103,7 @@ class EndpointStats(EndpointTraffic, frozen=True, kw_only=True):  # type: ignore
     ejected: bool = False
     ejections: int = 0
     readmissions: int = 0
+    routed_workers: tuple[tuple[str, int], ...] = ()
 
 
 class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):

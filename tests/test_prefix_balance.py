@@ -6,7 +6,6 @@ one replica, the key sent as ``X-SMG-Routing-Key``, retries and ejection still w
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections import Counter
 from functools import partial
@@ -69,71 +68,7 @@ def test_keys_spread_evenly_over_idle_replicas() -> None:
     assert all(800 <= c <= 1200 for c in counts.values()), counts
 
 
-def test_a_new_prompt_goes_to_its_first_choice_while_that_replica_is_under_the_cap() -> None:
-    for key in _keys(50):
-        eps = Endpoints()
-        pool = _pool(eps)
-        first, second = pool.preference(URLS, key)[:2]
-        others = iter(_keys(100, seed=key % 1000))
-        for url in URLS:
-            for _ in range(3):
-                eps.begin(url, next(others))
-        assert pool.pick(URLS, key=key) == first  # 3 < ceil(1.25 * 13 / 4) = 5
-        eps.begin(first, next(others))
-        eps.begin(first, next(others))
-        assert pool.pick(URLS, key=key) == second  # 5 = ceil(1.25 * 15 / 4)
-
-
-def test_a_prompt_in_flight_is_joined_wherever_it_is() -> None:
-    eps = Endpoints()
-    pool = _pool(eps)
-    key = _keys(1)[0]
-    third = pool.preference(URLS, key)[2]
-    eps.begin(third, key)
-    assert pool.pick(URLS, key=key) == third
-    eps.end(third, key)
-    assert eps.prompts(third) == 0  # nothing kept once its last request is over
-    assert pool.pick(URLS, key=key) == pool.preference(URLS, key)[0]
-
-
-def test_a_prompt_that_comes_back_goes_where_it_was_placed_while_under_the_cap() -> None:
-    eps = Endpoints()
-    pool = _pool(eps)
-    key = _keys(1, seed=11)[0]
-    first, second = pool.preference(URLS, key)[:2]
-    others = _keys(5, seed=12)
-    for k in others:  # its first choice is full: 5 >= ceil(1.25 * 6 / 4) = 2
-        eps.begin(first, k)
-    assert pool.pick(URLS, key=key) == second
-    for k in others:
-        eps.end(first, k)
-    assert pool.pick(URLS, key=key) == second  # its prefix is there, not on `first`
-
-
-@pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
-def test_no_replica_takes_a_new_prompt_at_or_above_the_cap(factor: float) -> None:
-    """Requests arrive and leave at random; a third of them share a few hot prompts."""
-    eps = Endpoints()
-    pool = _pool(eps, factor, limit=1 << 30)  # the limit has its own test
-    rng = random.Random(1)
-    live: list[tuple[str, int]] = []
-    hot = _keys(3, seed=7)
-    for _ in range(5000):
-        if live and rng.random() < 0.45:
-            eps.end(*live.pop(rng.randrange(len(live))))
-            continue
-        key = rng.choice(hot) if rng.random() < 1 / 3 else rng.getrandbits(64)
-        holders = [u for u in URLS if eps.holds(u, key)]
-        total = sum(eps.prompts(u) for u in URLS)
-        cap = math.ceil(factor * (total + 1) / len(URLS))
-        url = pool.pick(URLS, key=key)
-        assert url is not None
-        if holders:
-            assert url in holders
-        else:
-            assert eps.prompts(url) < cap
-        eps.begin(url, key)
-        live.append((url, key))
+# (placement by work, the bound, joins and remembered prompts: tests/test_locality_balance.py)
 
 
 def test_one_prompt_with_many_requests_spills_at_the_endpoint_limit() -> None:

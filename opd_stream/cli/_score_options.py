@@ -69,8 +69,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-salt",
         choices=get_args(CacheSalt),
-        help="SGLang cache_salt on scoring requests: none (default), per-sample or "
-        "per-request (no prefix reuse: every request pays its whole prefill)",
+        help="SGLang cache_salt on scoring requests: none (default), weight-version (the "
+        "server's weight version: a fresh cache per weight update), per-sample or "
+        "per-request (debugging: no prefix reuse within a GRPO group)",
     )
     p.add_argument(
         "--api-key-env",

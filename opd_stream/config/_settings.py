@@ -76,7 +76,7 @@ limit."""
 
 #: The id forms of the wire (:data:`~opd_stream.wire._request.IdForm`), or ``auto``.
 IdScoring: TypeAlias = Literal[IdForm, "auto"]
-CacheSalt: TypeAlias = Literal["none", "per-sample", "per-request"]
+CacheSalt: TypeAlias = Literal["none", "weight-version", "per-sample", "per-request"]
 
 _MIB: Final = 1024 * 1024
 _GIB: Final = 1024 * _MIB
@@ -316,8 +316,9 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     balance_load_factor: Annotated[
         float,
         _doc(
-            "prefix balance: a replica takes no new prompt while it holds this many times the "
-            "mean number of prompts in flight (>= 1; lower spreads more, higher reuses more)",
+            "prefix balance: a replica takes no request while its work in flight (uncached "
+            "tokens) is this many times the mean work (plus 1.5 prompts where the request's "
+            "prompt is cached) (>= 1; lower spreads more, higher reuses more)",
             ge=1.0,
             advanced=True,
         ),
@@ -378,11 +379,14 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache_salt: Annotated[
         CacheSalt,
         _doc(
-            "SGLang cache_salt on scoring requests (random, never from the payload): none; "
-            "per-sample (one salt for all of a sample's requests: no prefix reuse across "
-            "samples, so a GRPO group's shared prompt is computed once per sample); "
-            "per-request (a fresh salt for every HTTP request and block: no prefix reuse at "
-            "all, every request pays its whole prefill)"
+            "SGLang cache_salt on scoring requests (never from the payload): none; "
+            "weight-version (a request's salt is the weight_version its server last "
+            "reported: a side whose weights change gets a fresh cache, a frozen one keeps "
+            "its cache); per-sample (one random salt for all of a sample's requests, a "
+            "re-ask included: no prefix reuse across samples, so a GRPO group's shared "
+            "prompt is computed once per sample; debugging only); per-request (a fresh "
+            "salt for every HTTP request and block: no prefix reuse at all, every request "
+            "pays its whole prefill; debugging only)"
         ),
     ] = "none"
     probe_tolerance: Annotated[

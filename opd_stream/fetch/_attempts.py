@@ -22,11 +22,12 @@ from .._errors import (
     OPDStreamError,
     ServerError,
     ServerHTTPError,
+    WeightVersionChanged,
 )
 from .._logging import get_logger
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import ROUTING_KEY_HEADER, EndpointPool
+from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
 from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, max_logprobs_problem
@@ -46,6 +47,7 @@ from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
 from ..wire._request import Layout, ScoreRequest, layout, multi_body
 from ..wire._vllm import ENGINE_PATHS
+from ._retry import retry_after_s
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -116,7 +118,7 @@ class AttemptSender:
         self._lease_ok = _post_takes(transport, "lease")
 
     def _pick(
-        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: int | None = None
+        self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: Route | None = None
     ) -> str | None:
         """The replica for the next attempt (see :class:`EndpointPool`)."""
         return self._pool.pick(urls, exclude, key)
@@ -135,12 +137,13 @@ class AttemptSender:
         make: Callable[[str], ScoreRequest],
         counter: Counter,
         tries: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One attempt to ``url``, hedged to another replica of ``urls`` when it is slow.
 
-        ``key`` (the request's :func:`~opd_stream.fleet._balance.prefix_key`) places a hedge on
-        the next replica of the key's order and goes out as ``X-SMG-Routing-Key``.
+        ``key`` (the request's :class:`~opd_stream.fleet._balance.Route`) places a hedge on
+        the next replica of the key's order, charges the replica its work, and goes out as
+        ``X-SMG-Routing-Key`` and ``X-SMG-Routing-Tokens``.
 
         Raises:
             Failed: the attempt failed (when hedged: every launched copy failed; the
@@ -219,7 +222,7 @@ class AttemptSender:
         urls: tuple[str, ...],
         url: str,
         req: ScoreRequest,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One HTTP attempt, with its outcome recorded for passive health and hedging."""
         start = anyio.current_time()
@@ -240,7 +243,7 @@ class AttemptSender:
         return rows
 
     async def _watched_attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
     ) -> ScoreRows:
         """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
 
@@ -298,7 +301,7 @@ class AttemptSender:
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     async def _attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
     ) -> ScoreRows:
         # the answer is charged to the stream's byte budget while it is read (the lease is
         # handed to the transport), and held until it is decoded (released on any exit:
@@ -307,7 +310,7 @@ class AttemptSender:
             return await self._attempt_held(side, url, req, lease, key)
 
     async def _attempt_held(
-        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
     ) -> ScoreRows:
         answer: Answer
         lay: Layout | None = None
@@ -328,6 +331,8 @@ class AttemptSender:
         except ServerError as exc:
             exc.side = side
             exc.url = url
+            if isinstance(exc, WeightVersionChanged):  # the server's weights are the last
+                self._endpoints(url).weight_version = exc.versions[-1]
             raise
         finally:
             self._stats.stage_active["decode"] -= 1
@@ -335,6 +340,9 @@ class AttemptSender:
         ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
             ep.traffic.cached_tokens += rows.cached_tokens
+            self._pool.record_cached(url, key, rows.cached_tokens)
+        if rows.weight_version is not None:
+            ep.weight_version = rows.weight_version  # cache_salt="weight-version" reads it
         self._engines.answered(url, req.engine)
         if req.engine != "sglang":
             return rows  # SGLang's capabilities (per_position, b64_topk, blocked_batch) only
@@ -370,17 +378,23 @@ class AttemptSender:
         url: str,
         body: bytes,
         lease: BudgetLease,
-        key: int | None = None,
+        key: Route | None = None,
         path: str = ENGINE_PATHS["sglang"],
+        *,
+        track: bool = True,
     ) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
-        ``lease`` (by the transport as it reads it, or here once it is whole)."""
+        ``lease`` (by the transport as it reads it, or here once it is whole). ``track``:
+        count it in the replica's load (off for a block: its attempt is counted once)."""
         self._stats.stage_active[f"{side}_fetch"] += 1
-        ep = self._endpoints.begin(url, key)
+        work = self._pool.begin(url, key) if track else 0
+        ep = self._endpoints(url)
         # a transport written before headers (or the lease) existed is not passed them
         extra: dict[str, Any] = {}
         if key is not None and self._headers_ok:
-            extra["headers"] = {ROUTING_KEY_HEADER: f"{key:016x}"}
+            headers = extra["headers"] = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
+            if key.head:
+                headers[ROUTING_TOKENS_HEADER] = key.head
         if self._lease_ok:
             extra["lease"] = lease
         try:
@@ -396,16 +410,25 @@ class AttemptSender:
             exc.side = side
             raise
         finally:
-            self._endpoints.end(url, key)
+            if track:
+                self._pool.end(url, key, work)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
+        kept = getattr(resp, "headers", None)  # (a user's Response may predate it)
+        if kept:
+            worker = kept.get("x-smg-routed-worker-id")
+            if worker is not None:  # which worker of a gateway answered
+                ep.note_worker(worker)
         if resp.status != 200:
             message = parse_error_message(resp.body, secret=self._secret)
-            raise ServerHTTPError(resp.status, message, side=side, url=url)
+            error = ServerHTTPError(resp.status, message, side=side, url=url)
+            if kept and resp.status in (429, 503):
+                error.retry_after = retry_after_s(kept.get("retry-after"))
+            raise error
         return resp.body
 
     async def _post_blocks(
-        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: int | None = None
+        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
     ) -> list[Body]:
         """A multi-body request (:func:`~opd_stream.wire._request.multi_body`: SGLang's
         ``"blocks"`` id form, or a vLLM request split by ``max_ids``): each body an
@@ -418,11 +441,17 @@ class AttemptSender:
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
-            answers[n] = await self._post(side, url, bodies[n], lease, key, path)
+            answers[n] = await self._post(side, url, bodies[n], lease, key, path, track=False)
 
-        async with anyio.create_task_group() as tg:
-            for n in range(len(bodies)):
-                tg.start_soon(one, n)
+        # one request of the prompt in the replica's load, however many blocks it has:
+        # each block carries the prompt, computed once there (the next blocks reuse it)
+        work = self._pool.begin(url, key)
+        try:
+            async with anyio.create_task_group() as tg:
+                for n in range(len(bodies)):
+                    tg.start_soon(one, n)
+        finally:
+            self._pool.end(url, key, work)
         return answers
 
     def _after_topk(self, side: Side, url: str, req: ScoreRequest, rows: ScoreRows) -> None:

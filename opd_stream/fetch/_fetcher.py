@@ -34,13 +34,14 @@ from .._errors import (
     ConnectionFailed,
     DeadlineExceeded,
     OPDStreamError,
+    ServerHTTPError,
     WeightVersionChanged,
 )
 from .._logging import get_logger
 from .._sample import Fetched, PreparedSample, request_ids
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import EndpointPool, prefix_key
+from ..fleet._balance import EndpointPool, Route, prefix_key, routing_tokens
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._discovery import FleetDirectory
 from ..fleet._endpoints import Endpoints
@@ -164,12 +165,13 @@ class SampleFetcher:
         urls: tuple[str, ...],
         make: Callable[[str], ScoreRequest],
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """One logical request: retries, hedges and capability fallbacks within one deadline.
 
-        ``key`` (the prompt's :func:`~opd_stream.fleet._balance.prefix_key`, under the ``prefix``
+        ``key`` (the prompt's :class:`~opd_stream.fleet._balance.Route`, under the ``prefix``
         balance: :meth:`_key`) places every attempt: first choice, then the next replica.
+        A retry after a 429/503 waits at least its ``Retry-After`` (within the deadline).
 
         Every HTTP request sent (a hedge included) is an attempt; a capability probe
         (an answer that shows a missing feature, retried in the fallback form at once) is
@@ -214,8 +216,9 @@ class SampleFetcher:
                     failed_url = (failed.url,)
                     if isinstance(exc, ConnectionFailed) and exc.refused:
                         self._check_reachable(side, urls, let_through=False)
+                    wait = exc.retry_after if isinstance(exc, ServerHTTPError) else None
                     delay = (
-                        self._policy.delay(tries.attempts, anyio.current_time(), deadline)
+                        self._policy.delay(tries.attempts, anyio.current_time(), deadline, wait)
                         if exc.retryable
                         else None
                     )
@@ -287,7 +290,7 @@ class SampleFetcher:
         ids: npt.NDArray[np.int64] | None,
         top_k: int,
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> ScoreRows:
         """The teacher's answer: one logical request, or an ensemble's mixture.
 
@@ -324,7 +327,7 @@ class SampleFetcher:
         ensemble: Ensemble,
         make: Callable[[int], Callable[[str], ScoreRequest]],
         counter: Counter,
-        key: int | None = None,
+        key: Route | None = None,
     ) -> list[ScoreRows]:
         """Every member's answer to its request ``make(i)``, asked at once."""
 
@@ -383,6 +386,8 @@ class SampleFetcher:
         per_request = self._cfg.cache_salt == "per-request"
         if per_request:
             salt = new_salt()  # every attempt (a retry, a hedge) its own
+        elif self._cfg.cache_salt == "weight-version":
+            salt = self.endpoints(url).weight_version  # None until the server has answered
         return ScoreRequest(
             tokens=tokens,
             response_length=prepared.response_length,
@@ -396,15 +401,19 @@ class SampleFetcher:
             salt_each_item=per_request,
         )
 
-    def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> int | None:
+    def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> Route | None:
         """A request's routing key under the ``prefix`` balance: its prompt's hash (so a
-        sample's and its group's requests meet on a replica); ``None`` otherwise."""
+        sample's and its group's requests meet on a replica) and sizes; ``None`` otherwise."""
         if self._cfg.balance != "prefix":
             return None
-        return prefix_key(tokens, response_length)
+        key = prefix_key(tokens, response_length)
+        prompt = len(tokens) - response_length
+        return Route(key, prompt, response_length, routing_tokens(tokens[:prompt]))
 
     def _sample_salt(self) -> str | None:
-        """The salt of all of one sample's requests (``cache_salt="per-sample"``)."""
+        """The salt of all of one sample's requests (``cache_salt="per-sample"``), drawn
+        once per sample: a re-ask after ``weight_version_changed`` keeps it, so it can reuse
+        the sample's own prefix."""
         return new_salt() if self._cfg.cache_salt == "per-sample" else None
 
     async def _cross(self, prepared: PreparedSample, xtok: CrossTokenizers) -> CrossSample:
@@ -518,7 +527,7 @@ class SampleFetcher:
         )
         counter = Counter()
         got = _Progress()
-        args = (prepared, teacher, admitted_at, plan, counter, got)
+        args = (prepared, teacher, admitted_at, plan, counter, got, self._sample_salt())
         try:
             try:
                 return await self._fetch_once(*args)
@@ -538,22 +547,23 @@ class SampleFetcher:
         plan: RequestPlan,
         counter: Counter,
         got: _Progress,
+        salt: str | None,
     ) -> Fetched:
-        """The plan's requests, those already in ``got`` skipped (kept from a first pass)."""
+        """The plan's requests, those already in ``got`` skipped (kept from a first pass);
+        ``salt``: the sample's ``cache_salt`` (the same on both passes)."""
         k = self._cfg.top_k
         student_urls: tuple[str, ...] = (
             (self._cfg.student_url,) if self._cfg.student_url is not None else ()
         )
         s_ids, s_lps = prepared.student_top_ids, prepared.student_top_logprobs
         student_rows: ScoreRows | None = None
-        salt = self._sample_salt()
         # prefix locality: the teacher's key is over its own prompt when it has one
         s_key = self._key(prepared.tokens, prepared.response_length)
         teacher_tokens = prepared.teacher_tokens
         t_key = (
             s_key
             if teacher_tokens is None or s_key is None
-            else prefix_key(teacher_tokens, prepared.response_length)
+            else self._key(teacher_tokens, prepared.response_length)
         )
 
         def student_topk(url: str) -> ScoreRequest:

@@ -12,12 +12,38 @@ they come from (``max_attempts``, ``backoff_initial_s``, ``backoff_max_s``).
 
 from __future__ import annotations
 
+import email.utils
 import math
 import random
+import time
 
 from ..config._settings import check_settings
 
-__all__ = ("RetryPolicy",)
+__all__ = ("RetryPolicy", "retry_after_s")
+
+_RETRY_AFTER_MAX_S = 3600.0  # a longer wait is read as this (the deadline caps it anyway)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header's wait in seconds (delta-seconds or an HTTP date; a date in
+    the past is 0); ``None`` when absent or unreadable."""
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
+
 
 # 2**60 times any sane initial_s is far above any max_s; bounding the exponent avoids
 # float overflow for absurd attempt numbers.
@@ -83,16 +109,20 @@ class RetryPolicy:
         exponent = min(attempt - 1, _MAX_EXPONENT)
         return min(self._max_s, math.ldexp(self._initial_s, exponent))
 
-    def delay(self, attempt: int, now: float, deadline: float) -> float | None:
+    def delay(
+        self, attempt: int, now: float, deadline: float, retry_after: float | None = None
+    ) -> float | None:
         """Return the sleep before attempt ``attempt + 1``, or ``None`` to give up.
 
         Args:
             attempt: how many attempts have been made (and failed) so far, >= 1.
             now: the current time on the caller's clock.
             deadline: when the logical request's budget ends, on the same clock.
+            retry_after: the server's ``Retry-After`` (seconds) on the failed attempt, if
+                any: the sleep is at least that long.
 
         Returns:
-            ``uniform(0, ceiling(attempt))`` seconds; ``None`` when
+            ``max(uniform(0, ceiling(attempt)), retry_after)`` seconds; ``None`` when
             ``attempt >= max_attempts`` or when ``now + sleep >= deadline`` (the next
             attempt could not start before the deadline).
 
@@ -106,6 +136,8 @@ class RetryPolicy:
         if now >= deadline:
             return None
         sleep = self._rng.uniform(0.0, self.ceiling(attempt))
+        if retry_after is not None:
+            sleep = max(sleep, retry_after)
         if now + sleep >= deadline:
             return None
         return sleep

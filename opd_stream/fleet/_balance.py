@@ -22,26 +22,29 @@ Rules, per replica URL:
   samples of one GRPO group (same prompt, n responses) or of one privileged teacher
   prompt. Each key orders the replicas by rendezvous hashing (highest ``mix(key, url)``
   first; adding or removing a replica moves only the keys whose first choice it was).
-  The balls are *prompts in flight*, not requests: requests that share a prompt cost the
-  replica that prompt once (it is cached, or batched with the one computing it), so a
-  request whose key already has requests in flight on a replica joins them there. Any
-  other request tries the replica its key was last placed on first (the pool remembers
-  the last :data:`_HOMES` placements: a prompt that comes back finds its prefix), then its
-  order, and takes the first replica holding fewer than
-  ``ceil(load_factor * (prompts_in_flight + 1) / replicas)`` prompts in flight:
-  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), so
-  no replica holds more than ``load_factor`` times the mean number of prompts. A new
-  placement skips a replica holding ``limit`` requests in flight (the per-endpoint
-  concurrency limit). A join skips it only while the prompt's own requests there fill at
-  least half of ``limit``: one prompt with very many samples in flight at once spills to
-  the next replica of its order rather than queue, but a group of a few samples waits for
-  the replica that holds its prefix (its wait is the replica's queue, which is busy
-  anyway; a spill computes the whole prompt again elsewhere: with every replica at its
-  limit, as when ``max_inflight`` is replicas x limit, spilling at the limit made scenario
-  9's privileged variant compute 1.48x the unique tokens, 1.007x with this rule). A retry
-  (the failed replica excluded) and a hedge (the racing replicas excluded) go to the next
-  replica of the same order that takes them, which the pool then remembers for the key,
-  so the prompt's later requests meet there.
+  The load is *work*, not requests: a replica's load is the uncached tokens its requests
+  in flight are expected to compute (:meth:`EndpointPool.begin` charges a request its
+  response where its prompt is cached or in flight, its prompt and response elsewhere; a
+  blocked attempt counts once, whatever its number of blocks). A request whose key already
+  has requests in flight on a replica joins them there. Any other request tries, in turn,
+  the replica its key was last placed on, the other replicas holding its prompt (those it
+  was sent to, and those whose answers reported it cached: another client put it there;
+  the pool remembers the last :data:`_HOMES` prompts), then the rest of its order; when no
+  replica is known to hold it, its first choice is taken to hold it (every client's
+  first request of it goes there). It takes the first replica whose work is under
+  ``load_factor x (the work in flight + its own cost) / replicas``, plus
+  :data:`_CACHED_SLACK` prompts for a replica holding its prompt (leaving costs the whole
+  prompt again, so the request finishes sooner where its prefix is):
+  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), in
+  tokens. A new placement skips a replica holding ``limit`` requests in flight (the
+  per-endpoint concurrency limit). A join skips it only while the prompt's own requests
+  there fill at least half of ``limit``: one prompt with very many samples in flight at
+  once spills to the next replica of its order rather than queue, but a group of a few
+  samples waits for the replica that holds its prefix. A retry (the failed replica
+  excluded) and a hedge (the racing replicas excluded) go to the next replica of the same
+  order that takes them, which the pool then remembers for the key, so the prompt's later
+  requests meet there. Several streams (one per rollout worker, no shared state) agree:
+  the key and its order depend on the prompt and the URLs alone.
   A replica added or re-admitted takes new prompts; the remembered ones stay where their
   prefixes are. A request without a key is placed as ``least-outstanding`` places it.
 * **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a
@@ -71,20 +74,41 @@ import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from ._endpoints import EndpointHealth, Endpoints
 
-__all__ = ("HEDGE_MIN_SAMPLES", "ROUTING_KEY_HEADER", "Balance", "EndpointPool", "prefix_key")
+__all__ = (
+    "HEDGE_MIN_SAMPLES",
+    "ROUTING_KEY_HEADER",
+    "ROUTING_TOKENS_HEADER",
+    "Balance",
+    "EndpointPool",
+    "Route",
+    "prefix_key",
+    "routing_tokens",
+)
 
 Balance: TypeAlias = Literal["prefix", "least-outstanding", "round-robin"]
 
 ROUTING_KEY_HEADER: Final = "X-SMG-Routing-Key"
 """The header that carries a request's prefix key (16 hex digits) to a gateway: smg routes
 by it (under ``--policy manual``, or with ``--routing-key-override``)."""
+
+ROUTING_TOKENS_HEADER: Final = "X-SMG-Routing-Tokens"
+"""The header that carries a request's leading prompt ids to a gateway (comma-separated
+decimal, at most :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes): smg's
+``cache_aware`` and ``prefix_hash`` route by them without parsing the body."""
+
+ROUTING_IDS: Final = 512
+ROUTING_BYTES: Final = 4096
+
+_CACHED_SLACK: Final = 1.5
+"""Prompts' worth of work a replica holding a request's prompt may hold above the bound and
+still take it (elsewhere the request would compute the whole prompt again)."""
 
 _MASK64: Final = (1 << 64) - 1
 
@@ -110,6 +134,30 @@ def prefix_key(tokens: npt.NDArray[np.int64], response_length: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def routing_tokens(prompt: npt.NDArray[np.int64]) -> str:
+    """The :data:`ROUTING_TOKENS_HEADER` value of a prompt: its first ids, as many as fit
+    in :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes (``""`` for no prompt)."""
+    text = ",".join(map(str, prompt[:ROUTING_IDS].tolist()))
+    if len(text) > ROUTING_BYTES:
+        text = text[: text.rindex(",", 0, ROUTING_BYTES + 1)]
+    return text
+
+
+class Route(NamedTuple):
+    """What places a request under the ``prefix`` balance: its prompt's key and the work it
+    brings (uncached tokens: its whole prompt on a replica without that prompt cached, its
+    response alone on one with it)."""
+
+    key: int
+    """The prompt's :func:`prefix_key`."""
+    prompt: int = 1
+    """Prompt tokens (computed once per replica that caches them)."""
+    response: int = 0
+    """Tokens after the prompt (computed by every request)."""
+    head: str = ""
+    """Its prompt's :func:`routing_tokens` (sent as :data:`ROUTING_TOKENS_HEADER`)."""
+
+
 def _mix(x: int) -> int:
     """SplitMix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
@@ -132,8 +180,9 @@ class EndpointPool:
         endpoints: the stream's per-URL state.
         balance: ``prefix`` (bounded-load rendezvous hashing of a request's key),
             ``least-outstanding`` (power of two choices) or ``round-robin``.
-        load_factor: ``prefix`` only: no replica takes a new prompt while it holds
-            ``ceil(load_factor * (prompts + 1) / replicas)`` prompts in flight (>= 1).
+        load_factor: ``prefix`` only: no replica takes a request while its work is
+            ``load_factor`` x the mean work or more (this request counted; a replica
+            holding the prompt 1.5 prompts more), >= 1.
         limit: ``prefix`` only: a replica with this many requests in flight takes no more
             while another has room (the per-endpoint concurrency limit).
         eject_after: consecutive failures that eject a replica (0: never eject).
@@ -161,6 +210,7 @@ class EndpointPool:
         self._limit = limit
         self._url_hashes: dict[str, int] = {}
         self._homes: OrderedDict[int, str] = OrderedDict()
+        self._cached: OrderedDict[int, set[str]] = OrderedDict()  # key -> replicas with it
         self._eject_after = eject_after
         self._cooldown_s = cooldown_s
         self._unreachable_after_s = unreachable_after_s
@@ -175,13 +225,17 @@ class EndpointPool:
 
     # choice ------------------------------------------------------------------------
     def pick(
-        self, urls: Sequence[str], exclude: Collection[str] = (), key: int | None = None
+        self,
+        urls: Sequence[str],
+        exclude: Collection[str] = (),
+        key: Route | int | None = None,
     ) -> str | None:
         """The replica of ``urls`` for the next request, or ``None`` when ``exclude``
         leaves none.
 
         Ejected replicas are skipped unless every candidate is ejected. ``key`` (a
-        :func:`prefix_key`) places the request under the ``prefix`` balance.
+        :class:`Route`, or a bare :func:`prefix_key`: a prompt of one token's work) places
+        the request under the ``prefix`` balance.
         """
         candidates = [u for u in urls if u not in exclude]
         if not candidates:
@@ -198,7 +252,7 @@ class EndpointPool:
             self._rr[ring] = turn + 1
             return pool[turn % len(pool)]
         if self._balance == "prefix" and key is not None:
-            return self._bounded(pool, key)
+            return self._bounded(pool, key if isinstance(key, Route) else Route(key))
         first, second = self._rng.sample(pool, 2)
         load = self._endpoints.load
         return second if load(second) < load(first) else first
@@ -215,27 +269,91 @@ class EndpointPool:
         scores.sort(reverse=True)
         return [url for _, url in scores]
 
-    def _bounded(self, pool: Sequence[str], key: int) -> str:
+    def _bounded(self, pool: Sequence[str], route: Route) -> str:
         eps, limit = self._endpoints, self._limit
+        key, prompt, response = route.key, route.prompt, route.response
         order = self.preference(pool, key)
-        for joined in order:  # the prompt is in flight there: join it
-            held = eps.held(joined, key)
-            if held and (eps.load(joined) < limit or 2 * held < limit):
-                return joined
-        prompts = {url: eps.prompts(url) for url in pool}
-        cap = math.ceil(self._load_factor * (sum(prompts.values()) + 1) / len(pool))
+        cached = self._holding(key, order)
         homes = self._homes
         home = homes.get(key)
-        if home is not None and home in prompts:  # where its prefix was computed last
+        # where it was placed last, then the other replicas holding it, then the rest
+        order = [u for u in order if u in cached] + [u for u in order if u not in cached]
+        if home is not None and home in order:
             order.remove(home)
             order.insert(0, home)
-        free = [u for u in order if prompts[u] < cap and eps.load(u) < limit]
-        url = free[0] if free else min(order, key=eps.load)  # else: all at their limit
+        work = {url: eps.work(url) for url in pool}
+        total = sum(work.values())
+        url = None
+        for candidate in order:
+            held = eps.held(candidate, key)
+            if eps.load(candidate) >= limit and not (held and 2 * held < limit):
+                continue  # at its limit, unless its own few requests wait for it there
+            if held:
+                url = candidate  # joins its prompt's requests in flight
+                break
+            cost, slack = response, _CACHED_SLACK * prompt
+            if candidate not in cached:
+                cost, slack = prompt + response, 0.0
+            # the bound: load_factor x the mean work, this request counted
+            if work[candidate] < self._load_factor * (total + cost) / len(pool) + slack:
+                url = candidate
+                break
+        if url is None:  # every replica at its limit or its bound
+            url = min(order, key=lambda u: (eps.load(u) >= limit, work[u]))
         homes[key] = url
         homes.move_to_end(key)
         if len(homes) > _HOMES:
             homes.popitem(last=False)
         return url
+
+    def _holding(self, key: int, order: Sequence[str]) -> set[str]:
+        """The replicas of ``order`` expected to hold ``key``'s prompt in their cache: those
+        it was sent to or reported cached by (the last :data:`_HOMES` prompts), those it is
+        in flight on; when none is known, its first choice (where every client's first
+        request of it goes)."""
+        known = self._cached.get(key, ())
+        eps = self._endpoints
+        out = {url for url in order if url in known or eps.held(url, key)}
+        return out or {order[0]}
+
+    def _note_cached(self, key: int, url: str) -> None:
+        cached = self._cached
+        where = cached.get(key)
+        if where is None:
+            where = cached[key] = set()
+            if len(cached) > _HOMES:
+                cached.popitem(last=False)
+        else:
+            cached.move_to_end(key)
+        where.add(url)
+
+    # load --------------------------------------------------------------------------
+    def begin(self, url: str, route: Route | None) -> int:
+        """A request placed by ``route`` (``None``: without a key) is in flight to ``url``
+        from now; returns the work charged to ``url`` for it (give it back to :meth:`end`):
+        its response when ``url`` is known to hold the prompt (or a request of it is in
+        flight there), else its prompt and response."""
+        if route is None:
+            self._endpoints.begin(url, None)
+            return 0
+        key, prompt, response = route.key, route.prompt, route.response
+        known = self._cached.get(key, ())
+        cached = url in known or self._endpoints.held(url, key) > 0
+        work = response if cached else prompt + response
+        self._endpoints.begin(url, key, work)
+        self._note_cached(key, url)
+        return work
+
+    def end(self, url: str, route: Route | None, work: int) -> None:
+        """The request of :meth:`begin` is over (answered, failed or cancelled)."""
+        self._endpoints.end(url, None if route is None else route.key, work)
+
+    def record_cached(self, url: str, route: Route | None, cached_tokens: int) -> None:
+        """``url`` answered a request of ``route`` with ``cached_tokens`` served from its
+        cache: at least half the prompt says it holds that prompt (another client may have
+        put it there)."""
+        if route is not None and route.prompt > 0 and 2 * cached_tokens >= route.prompt:
+            self._note_cached(route.key, url)
 
     # passive health ----------------------------------------------------------------
     def record_success(self, url: str, urls: Sequence[str], latency_s: float) -> None:

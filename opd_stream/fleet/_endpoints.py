@@ -18,6 +18,9 @@ from ..wire._request import Engine
 
 __all__ = ("Endpoint", "EndpointHealth", "Endpoints")
 
+_WORKERS = 1024  # distinct routed worker ids counted per URL (more: not counted)
+_WORKER_CHARS = 256
+
 
 class EndpointHealth:
     """Health state of one replica URL (the rules:
@@ -69,11 +72,16 @@ class Endpoint:
         "in_flight",
         "keys",
         "per_position",
+        "routed",
         "traffic",
+        "weight_version",
+        "work",
     )
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.work = 0  # uncached tokens its requests in flight are expected to compute
+        self.weight_version: str | None = None  # the last answer's meta_info.weight_version
         self.keys: dict[int, int] = {}  # routing key -> its requests in flight here
         self.traffic = EndpointTraffic()  # its counters (EndpointStats carries a copy)
         self.health = EndpointHealth()
@@ -84,6 +92,16 @@ class Endpoint:
         # found when detection found no scoring API there
         self.engine: Engine | None = None
         self.engine_problem: str | None = None
+        self.routed: dict[str, int] = {}  # a gateway's x-smg-routed-worker-id -> answers
+
+    def note_worker(self, worker: str) -> None:
+        """A gateway at this URL said ``worker`` answered (``x-smg-routed-worker-id``)."""
+        routed = self.routed
+        worker = worker[:_WORKER_CHARS]
+        if worker in routed:
+            routed[worker] += 1
+        elif len(routed) < _WORKERS:
+            routed[worker] = 1
 
     def stats(self) -> EndpointStats:
         health = self.health
@@ -97,6 +115,7 @@ class Endpoint:
             ejected=health.ejected,
             ejections=health.ejections,
             readmissions=health.readmissions,
+            routed_workers=tuple(sorted(self.routed.items(), key=lambda kv: (-kv[1], kv[0]))),
         )
 
 
@@ -117,6 +136,12 @@ class Endpoints:
         ep = self._by_url.get(url)
         return 0 if ep is None else ep.in_flight
 
+    def work(self, url: str) -> int:
+        """Uncached tokens the requests in flight to ``url`` are expected to compute (the
+        balancer's estimate, charged by :meth:`begin`)."""
+        ep = self._by_url.get(url)
+        return 0 if ep is None else ep.work
+
     def prompts(self, url: str) -> int:
         """Distinct routing keys (prompts) with requests in flight to ``url`` now."""
         ep = self._by_url.get(url)
@@ -132,18 +157,21 @@ class Endpoints:
         ep = self._by_url.get(url)
         return 0 if ep is None else ep.keys.get(key, 0)
 
-    def begin(self, url: str, key: int | None) -> Endpoint:
-        """A request (with routing ``key``, if any) to ``url`` is in flight from now."""
+    def begin(self, url: str, key: int | None, work: int = 0) -> Endpoint:
+        """A request (with routing ``key``, if any; expected to compute ``work`` uncached
+        tokens) to ``url`` is in flight from now."""
         ep = self(url)
         ep.in_flight += 1
+        ep.work += work
         if key is not None:
             ep.keys[key] = ep.keys.get(key, 0) + 1
         return ep
 
-    def end(self, url: str, key: int | None) -> None:
+    def end(self, url: str, key: int | None, work: int = 0) -> None:
         """The request of :meth:`begin` is over (answered, failed or cancelled)."""
         ep = self(url)
         ep.in_flight -= 1
+        ep.work -= work
         if key is not None:
             left = ep.keys[key] - 1
             if left:

@@ -33,7 +33,7 @@ import httpx
 
 from .._errors import ResponseTooLarge
 from ._budget import BudgetLease
-from ._transports import PooledTransport, Response
+from ._transports import PooledTransport, Response, kept_headers
 
 __all__ = ("HttpxTransport",)
 
@@ -116,7 +116,7 @@ class HttpxTransport(PooledTransport):
                 except ResponseTooLarge:
                     await _abandon(resp, chunks)
                     raise
-                return Response(resp.status_code, buf)  # no copy: see Response
+                return Response(resp.status_code, buf, kept_headers(resp.headers))  # no copy
         except httpx.ConnectError as exc:  # refused, unreachable, unresolved
             raise self._not_connected(exc, url, _os_error(exc)) from None
         except httpx.ConnectTimeout as exc:  # no answer to the connect

@@ -59,6 +59,19 @@ class Response(msgspec.Struct, frozen=True):
 
     status: int
     body: Body
+    headers: Mapping[str, str] | None = None
+    """Of the answer's headers, those in :data:`KEPT_HEADERS` that it had (lower-case
+    names); ``None`` when it had none of them (a transport may leave it ``None``)."""
+
+
+KEPT_HEADERS = ("retry-after", "x-smg-routed-worker-id")
+"""The answer headers a transport passes on (``Retry-After`` on 429/503, smg's worker)."""
+
+
+def kept_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """The :data:`KEPT_HEADERS` of ``headers`` (a case-insensitive mapping)."""
+    out = {name: value for name in KEPT_HEADERS if (value := headers.get(name)) is not None}
+    return out or None
 
 
 class Transport(Protocol):
@@ -401,7 +414,7 @@ class AiohttpTransport(PooledTransport):
                 )
                 chunks = resp.content.iter_chunked(_READ_CHUNK)
                 buf = await self._read_body(chunks, max_bytes, url, resp.content_length, lease)
-                return Response(resp.status, buf)  # no copy: see Response
+                return Response(resp.status, buf, kept_headers(resp.headers))  # no copy
         except aiohttp.ClientConnectorCertificateError as exc:  # reached, but not trusted
             raise self._failed(exc, url) from None
         except aiohttp.ClientConnectorError as exc:  # refused, unreachable, unresolved

@@ -100,8 +100,8 @@ def config_from_miles_args(
       numbers as the reference's flat union, without its quadratic answers).
     * ``--sglang-router-ip/--sglang-router-port`` (both set) -> ``student_url``, else
       ``OPD_STREAM_STUDENT_URL``.
-    * ``--opd-cache-salt none|per-sample|per-request`` (opd_stream's own flag; add it to
-      the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
+    * ``--opd-cache-salt none|weight-version|per-sample|per-request`` (opd_stream's own
+      flag; add it to the job's parser, or use ``OPD_STREAM_CACHE_SALT``) -> ``cache_salt``.
     * ``--opd-student-tokenizer PATH`` -> ``student_tokenizer``;
       ``--opd-teacher-tokenizers NAME=PATH ...`` (a list, or one comma-separated string; one
       plain ``PATH``, alone or as a one-item list: the teacher ``default``) ->

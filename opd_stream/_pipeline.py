@@ -220,7 +220,7 @@ class _Pipeline:
         try:
             return self._prepare_timed(sample, index, teacher_only)
         finally:
-            self.stats.cpu.prepare += time.thread_time() - start
+            self.stats.spent("prepare", time.thread_time() - start)
 
     def _prepare_timed(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
         prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)

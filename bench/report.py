@@ -43,6 +43,48 @@ def _parse_lines(modes: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: Issue 35's ratios against the baseline (Miles' way), by scenario 1's mode.
+CPU_VS_BASELINE = {"top-k 16 only-student": 20.0, "top-k 16 only-student, array rows": 30.0}
+MSGSPEC_UNTYPED = "msgspec.json.decode, untyped, gc off"
+SCANNER = "opd_stream compiled scanner"
+
+
+def _cpu_targets(label: str, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 35's targets for one mode of scenario 1: client CPU against the baseline,
+    against msgspec's untyped decode and our scanner's parse of the same answers, and the
+    share of the CPU no step of ``stats().cpu_s`` names."""
+    out: list[dict[str, Any]] = []
+    opd = m["opd_stream"]["cpu_s_per_1m_tokens"]
+    r = m["cpu_ratio_baseline_over_opd"]
+    want = CPU_VS_BASELINE[label]
+    out.append(
+        _t(f"S1 client CPU >= {want:g}x lower than baseline ({label})", r >= want, f"{r:.1f}x")
+    )
+    floors = m["decode_floor_per_1m_tokens"]
+    for name, limit in ((MSGSPEC_UNTYPED, 1.0), (SCANNER, 2.0)):
+        if name in floors:
+            x = opd / floors[name]
+            out.append(
+                _t(
+                    f"S1 client CPU <= {limit:g}x {name}'s parse of the same answers ({label})",
+                    x <= limit,
+                    f"{x:.2f}x",
+                )
+            )
+    steps = m["cpu_us_per_token_by_step"]
+    total = sum(steps.values())
+    if total > 0:
+        rest = steps["other"] / total
+        out.append(
+            _t(
+                f"S1 CPU outside every step of stats().cpu_s < 10% ({label})",
+                rest < 0.10,
+                f"{rest:.1%}",
+            )
+        )
+    return out
+
+
 def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per target of the issue that the scenarios that ran can decide."""
     out: list[dict[str, Any]] = []
@@ -83,6 +125,7 @@ def evaluate_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                         f"{sp:.2f}x",
                     )
                 )
+            out += _cpu_targets(label, m)
         for label, m in s1["modes"].items():
             w = m["wall_ratio_baseline_over_opd"]
             out.append(_t(f"S1 rollout-tail wall >= 3x shorter ({label})", w >= 3, f"{w:.2f}x"))

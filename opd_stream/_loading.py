@@ -59,6 +59,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import anyio.to_thread
@@ -187,15 +188,23 @@ def _import_all(names: Sequence[str], optional: Sequence[str]) -> None:
                 importlib.import_module(name)
 
 
-async def import_off_loop(names: Sequence[str], optional: Sequence[str] = ()) -> None:
+async def import_off_loop(names: Sequence[str], optional: Sequence[str] = ()) -> float:
     """Import the modules ``names``, then those of ``optional`` that are installed, in a
     worker thread (torch's libraries preloaded first when ``"torch"`` is among them); at
-    once when all are imported already.
+    once when all are imported already. Returns the CPU seconds of the thread that
+    imported them (0 when nothing was left to import).
 
     Raises:
         ImportError: a module of ``names`` cannot be imported.
     """
     todo = [name for name in names if not is_imported(name)]
     maybe = [name for name in optional if not is_imported(name)]
-    if todo or maybe:
-        await anyio.to_thread.run_sync(_import_all, todo, maybe)
+    if not (todo or maybe):
+        return 0.0
+
+    def timed() -> float:
+        start = time.thread_time()
+        _import_all(todo, maybe)
+        return time.thread_time() - start
+
+    return await anyio.to_thread.run_sync(timed)

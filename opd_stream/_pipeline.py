@@ -220,7 +220,7 @@ class _Pipeline:
         try:
             return self._prepare_timed(sample, index, teacher_only)
         finally:
-            self.stats.cpu.prepare += time.thread_time() - start
+            self.stats.spent("prepare", time.thread_time() - start)
 
     def _prepare_timed(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
         prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)
@@ -447,12 +447,13 @@ class _Pipeline:
     async def _score_batch(self, batch: list[Fetched], emit: MemoryObjectSendStream[_Item]) -> None:
         self.stats.stage_active["kl"] += 1
         from ._scoring import timed_score_batch  # torch: loaded by OPDStream already
+        from .kl._threads import one_intraop_thread
 
         results: list[Any]
         try:
+            score = partial(timed_score_batch, batch, self.cfg, self.kl_device)
             results, seconds, cpu = await anyio.to_thread.run_sync(
-                partial(timed_score_batch, batch, self.cfg, self.kl_device),
-                limiter=self.kl_limiter,
+                one_intraop_thread, score, limiter=self.kl_limiter
             )
             self.stats.record_kl_batch(len(batch), seconds)
             self.stats.cpu.kl += cpu

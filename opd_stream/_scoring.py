@@ -28,10 +28,11 @@ raises.)
 
 torch's settings are the host's: the stage never changes them (``torch.set_num_threads``
 included: part of what it sets is process-wide, so a host thread using torch meanwhile
-would be affected). On CPU the KL kernels are small and many, and torch's OpenMP pool may
-spend more CPU at its barriers than it saves (measured on 2 cores, ``[32, 1024, 16]``
-only-student: 22 ms CPU with one intra-op thread, 260 ms with two); a host that wants the
-KL on one thread sets it itself.
+would be affected). On CPU the KL kernels are small and many, and torch's OpenMP pool
+spends more CPU at its barriers than it saves (measured on 2 cores, ``[32, 1024, 16]``
+only-student: 22 ms CPU with one intra-op thread, 260 ms with two), so the pipeline runs
+this stage on one intra-op thread in its own worker thread only, given back afterwards
+(:mod:`opd_stream.kl._threads`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ latency and loop-lag samples are ring buffers.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter, deque
 from typing import Final, Literal, Protocol
 
@@ -25,7 +27,9 @@ __all__ = (
     "FleetState",
     "KLStageStats",
     "Kind",
+    "LoopClock",
     "StatsRecorder",
+    "Step",
     "StreamStats",
 )
 
@@ -167,16 +171,27 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: dict[str, EndpointStats]
     kl: KLStageStats
     cpu_s: dict[str, float]
-    """CPU seconds of each synchronous step, measured in the thread that ran it:
-    ``prepare`` (sample checks, top-k rows into arrays), ``build`` (request payloads),
-    ``decode_loop`` (answers decoded on the event loop), ``decode_threads``
-    (answers parsed in decode threads), ``kl`` (KL batches), ``align`` (responses
-    re-tokenised for a teacher with its own tokenizer). What the process spent
-    beyond their sum is the event loop, HTTP and the pipeline's own bookkeeping."""
+    """CPU seconds of each step, measured in the thread that ran it: ``prepare`` (sample
+    checks, top-k rows into arrays), ``build`` (request payloads), ``decode_loop``
+    (answers decoded on the event loop), ``decode_threads`` (answers parsed in decode
+    threads), ``kl`` (KL batches), ``align`` (responses re-tokenised for a teacher with its
+    own tokenizer), ``loop`` (the event loop thread's CPU while the stream is entered,
+    beyond the steps above that ran on it: HTTP, i.e. the client's socket reads and writes
+    and the copy of each answer into one buffer, the pipeline's tasks and channels, the
+    loop's own scheduling; and whatever else the host runs on that loop meanwhile),
+    ``setup`` (the stream's entry in worker threads: torch, the KL code and the HTTP
+    client imported, the first time in a process), ``kernels`` (the compiled scanner made
+    ready, for the stream that started it: its load from numba's cache in a background
+    thread, and the CPU of the process that compiled it when the cache lacked it). What
+    the process spent beyond their sum is the worker threads' own hand-offs (and anything
+    else the host runs in its threads)."""
     decoded: dict[str, int] = msgspec.field(default_factory=dict)
     """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, once it is
     ready), ``msgspec`` (until then, where numba cannot run, and every answer the scanner
     handed on)."""
+    decoded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    """The bytes of those answers, by parser (the keys of ``decoded``): what each parser
+    read. A short run in a fresh process decodes with msgspec until the scanner is ready."""
     fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
     """Each configured server URL asked so far: an sglang-router (and its workers, used
     directly when reachable from here) or a server (``router_discovery``)."""
@@ -194,6 +209,9 @@ class CpuSeconds(msgspec.Struct, kw_only=True):
     decode_threads: float = 0.0
     kl: float = 0.0
     align: float = 0.0
+    loop: float = 0.0
+    setup: float = 0.0
+    kernels: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Step -> seconds, in field order (the shape of :attr:`StreamStats.cpu_s`)."""
@@ -202,6 +220,46 @@ class CpuSeconds(msgspec.Struct, kw_only=True):
 
 #: The steps of :attr:`StreamStats.cpu_s`: the fields of :class:`CpuSeconds`.
 CPU_STEPS: Final[tuple[str, ...]] = CpuSeconds.__struct_fields__
+
+#: The steps measured in the thread that ran them, on the loop or in a worker thread
+#: (:meth:`StatsRecorder.spent`); ``loop``, ``setup`` and ``kernels`` are measured apart.
+Step = Literal["prepare", "build", "decode_loop", "decode_threads", "kl", "align"]
+
+
+class LoopClock:
+    """The CPU clock of the thread that runs the stream's event loop, read from any thread
+    (``time.pthread_getcpuclockid``): started as the stream is entered, stopped as it is
+    left; :meth:`seconds` is the CPU that thread spent in between."""
+
+    def __init__(self) -> None:
+        self.ident: int | None = None  # the loop's thread while it runs
+        self._clock: int | None = None
+        self._start = 0.0
+        self._spent = 0.0
+
+    def start(self) -> None:
+        """In the event loop's thread, as the stream is entered."""
+        self.ident = threading.get_ident()
+        try:
+            self._clock = time.pthread_getcpuclockid(self.ident)
+            self._start = time.clock_gettime(self._clock)
+        except (AttributeError, OSError):  # no per-thread clock here: the loop stays 0
+            self._clock = None
+
+    def stop(self) -> None:
+        """In the event loop's thread, as the stream is left."""
+        self._spent = self.seconds()
+        self._clock = None
+        self.ident = None
+
+    def seconds(self) -> float:
+        clock = self._clock
+        if clock is None:
+            return self._spent
+        try:
+            return self._spent + time.clock_gettime(clock) - self._start
+        except OSError:  # (the thread is gone)
+            return self._spent
 
 
 class CountsInFlight(Protocol):
@@ -241,7 +299,28 @@ class StatsRecorder:
         self.kl_seconds = 0.0
         self._kl_batch: deque[float] = deque(maxlen=_RING)
         self.cpu = CpuSeconds()
+        self.loop_clock = LoopClock()
+        self._on_loop = 0.0  # of the steps in ``cpu``, what ran on the loop's thread
         self.decoded: dict[Parser, int] = dict.fromkeys(PARSERS, 0)
+        self.decoded_bytes: dict[Parser, int] = dict.fromkeys(PARSERS, 0)
+
+    def spent(self, step: Step, seconds: float) -> None:
+        """Add ``seconds`` of CPU, measured in the calling thread, to ``step`` (called in the
+        thread that ran it: on the loop's thread, they are taken out of ``loop``)."""
+        setattr(self.cpu, step, getattr(self.cpu, step) + seconds)
+        if threading.get_ident() == self.loop_clock.ident:
+            self._on_loop += seconds
+
+    def record_decode(self, parser: Parser, size: int) -> None:
+        """An answer of ``size`` bytes decoded by ``parser``."""
+        self.decoded[parser] += 1
+        self.decoded_bytes[parser] += size
+
+    def cpu_seconds(self) -> CpuSeconds:
+        """A copy of ``cpu`` with ``loop`` read now: the loop thread's CPU beyond the steps
+        that ran on it."""
+        loop = max(0.0, self.loop_clock.seconds() - self._on_loop)
+        return msgspec.structs.replace(self.cpu, loop=loop)
 
     @property
     def in_flight(self) -> int:
@@ -310,6 +389,7 @@ class StatsRecorder:
                 batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
-            cpu_s=self.cpu.as_dict(),
+            cpu_s=self.cpu_seconds().as_dict(),
             decoded=dict(self.decoded.items()),
+            decoded_bytes=dict(self.decoded_bytes.items()),
         )

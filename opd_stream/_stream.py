@@ -49,6 +49,7 @@ from .fetch._fetcher import SampleFetcher
 from .fleet._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
 from .fleet._probe_requests import run_probe
 from .fleet._router import TeacherRouter, replica_groups
+from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
 from .transport._transports import AiohttpTransport, Transport
 
@@ -215,6 +216,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._decode_limiter = anyio.CapacityLimiter(resolve_decode_threads(config))
         # open run handles: a dropped one is closed at the stream's exit
         self._runs: set[Results] = set()
+        self._kernels_from: float | None = None  # kernels_cpu() as this stream started them
         # the per-call samples' run (started by the first call) and the calls waiting
         self._calls: MemoryObjectSendStream[Call] | None = None
         self._waiting: set[Call] = set()
@@ -236,7 +238,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         """
         if self._device is not None:
             return
-        await import_off_loop(("torch", f"{__package__}._scoring"))
+        self._stats.cpu.setup += await import_off_loop(("torch", f"{__package__}._scoring"))
         name = self._device_name
         if name is None:
             name = await anyio.to_thread.run_sync(resolve_kl_device, self.config)
@@ -248,6 +250,16 @@ class OPDStream(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
+        clock = self._stats.loop_clock
+        clock.start()  # the loop's CPU, from here until the stream is left (cpu_s["loop"])
+        try:
+            async with self._entered() as stream:
+                yield stream
+        finally:
+            clock.stop()
+
+    @asynccontextmanager
+    async def _entered(self) -> AsyncGenerator[Self]:
         await self.load()
         # teachers with their own tokenizer: loaded once, off the loop (a ConfigError here
         # names the setting and the file)
@@ -257,7 +269,9 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         try:
             transport = self._transport
             if transport is None:
-                await import_off_loop((), optional=_default_transport_modules())
+                self._stats.cpu.setup += await import_off_loop(
+                    (), optional=_default_transport_modules()
+                )
                 transport = default_transport(self.config)
             assert self._device is not None
             async with transport, anyio.create_task_group() as tg:
@@ -281,7 +295,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
                 # the compiled kernels, once per process, in the background; never waited for
                 # (msgspec decodes until they are ready), and never holding the process (_jit)
-                start_kernels()
+                if start_kernels():  # this stream counts their CPU (cpu_s["kernels"])
+                    self._kernels_from = kernels_cpu()
                 log.info("stream_started", **self.config.to_log_dict())
                 try:
                     if self.config.probe_at_start:
@@ -413,6 +428,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         """A snapshot: channel depths and high-water marks, stage activity, in flight,
         retries, failures by reason, bytes received, latency and loop-lag percentiles,
         and per-endpoint load and detected capabilities."""
+        if self._kernels_from is not None:
+            self._stats.cpu.kernels = kernels_cpu() - self._kernels_from
         snap = self._stats.snapshot()
         if self._parts is None:
             return snap

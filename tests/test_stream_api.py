@@ -197,7 +197,17 @@ async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -
             out = [r async for r in results]
         cpu = stream.stats().cpu_s
     assert all(isinstance(r, ScoredSample) for r in out)
-    assert set(cpu) == {"prepare", "build", "decode_loop", "decode_threads", "kl", "align"}
+    assert set(cpu) == {
+        "prepare",
+        "build",
+        "decode_loop",
+        "decode_threads",
+        "kl",
+        "align",
+        "loop",
+        "setup",
+        "kernels",
+    }
     assert all(v >= 0 for v in cpu.values())
     assert cpu["align"] == 0  # only teachers with their own tokenizer re-tokenise
     assert (cpu["decode_threads"] > 0) is threaded

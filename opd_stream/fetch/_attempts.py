@@ -437,7 +437,7 @@ class AttemptSender:
         path = ENGINE_PATHS[req.engine]
         start = time.thread_time()
         bodies = build_block_payloads(req)
-        self._stats.cpu.build += time.thread_time() - start
+        self._stats.spent("build", time.thread_time() - start)
         answers: list[Body] = [b""] * len(bodies)
 
         async def one(n: int) -> None:
@@ -476,13 +476,14 @@ class AttemptSender:
         GIL released while the ids are written). Where: ``_codec``."""
         if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
             body, lay, cpu = timed_build(req)
-        else:
-            body, lay, cpu = await anyio.to_thread.run_sync(
-                functools.partial(timed_build, req),
-                limiter=self._threads,
-                abandon_on_cancel=True,
-            )
-        self._stats.cpu.build += cpu
+            self._stats.spent("build", cpu)  # (on the loop)
+            return body, lay
+        body, lay, cpu = await anyio.to_thread.run_sync(
+            functools.partial(timed_build, req),
+            limiter=self._threads,
+            abandon_on_cancel=True,
+        )
+        self._stats.cpu.build += cpu  # (a worker thread's)
         return body, lay
 
     async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
@@ -494,8 +495,8 @@ class AttemptSender:
             try:
                 rows, parser = decode(body, req, lay=lay)
             finally:
-                self._stats.cpu.decode_loop += time.thread_time() - start
-            self._stats.decoded[parser] += 1
+                self._stats.spent("decode_loop", time.thread_time() - start)
+            self._stats.record_decode(parser, size)
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
         # answer: ~1.5-3 ns per byte with the scanner, ~0.1 s for a 36 MB answer; msgspec
@@ -509,7 +510,7 @@ class AttemptSender:
         if isinstance(got, BaseException):
             raise got
         rows, parser = got
-        self._stats.decoded[parser] += 1
+        self._stats.record_decode(parser, size)
         return rows
 
 

@@ -425,7 +425,7 @@ class SampleFetcher:
             try:
                 return xtok.prepare(prepared)
             finally:
-                self._stats.cpu.align += time.thread_time() - start
+                self._stats.spent("align", time.thread_time() - start)
 
         try:
             if xtok.encodes_apart or prepared.response_length >= THREAD_TOKENS:

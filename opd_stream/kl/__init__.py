@@ -21,7 +21,8 @@ Its modules (private; the names above are the public part):
 * ``_tensors``: the tensor contract, :class:`TopKBatch` and :class:`TopKResult`;
 * ``_select``: which candidate ids each position selects;
 * ``_index``: the selection's index work, on numpy or torch;
-* ``_math``: the divergences over the selected candidates.
+* ``_math``: the divergences over the selected candidates;
+* ``_threads``: the KL stage's torch ops on one intra-op thread, in its own thread only.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -55,6 +56,7 @@ __all__ = (
     "announce_compile",
     "available",
     "compiled",
+    "cpu_seconds",
     "prepare",
     "settle",
     "start",
@@ -168,6 +170,8 @@ _thread: threading.Thread | None = None
 _notice: Callable[[], None] | None = None
 _exiting = threading.Event()  # settle(): the command exits, the thread loads nothing more
 _compiling: subprocess.Popen[bytes] | None = None  # the compiling process, once started
+_spent = 0.0  # CPU seconds of the threads of start() that ended, and of compiling processes
+_clock: int | None = None  # the CPU clock of the thread of start() while it runs
 
 #: What the compiling process runs (``sys.argv[1]``: the folder that holds this package, so
 #: that it compiles these very files).
@@ -216,17 +220,33 @@ def settle() -> None:
         _exiting.clear()
 
 
-def start() -> None:
-    """Make the kernels ready in the background (see the module docstring); returns at once.
+def start() -> bool:
+    """Make the kernels ready in the background (see the module docstring); returns at once:
+    whether this call started the thread that does it.
 
     Does nothing when they are ready, unavailable, or already on their way.
     """
     global _thread
     with _start_lock:
         if _kernel is not None or _failed or (_thread is not None and _thread.is_alive()):
-            return
+            return False
         _thread = threading.Thread(target=_background, name="opd_stream.kernels", daemon=True)
         _thread.start()
+        return True
+
+
+def cpu_seconds() -> float:
+    """The CPU seconds spent making the kernels ready in this process so far: the threads
+    of :func:`start` (numba's import, the load from its cache, or a compile here) and the
+    processes that compiled them into the cache (counted once each has ended)."""
+    clock = _clock
+    live = 0.0
+    if clock is not None:
+        try:
+            live = time.clock_gettime(clock)
+        except OSError:  # (the thread has just ended: counted in _spent)
+            live = 0.0
+    return _spent + live
 
 
 def prepare() -> bool:
@@ -300,7 +320,21 @@ def _preload_llvm() -> None:
 
 
 def _background() -> None:
-    """The daemon thread of :func:`start`; what it loads in this process, it loads under
+    """The daemon thread of :func:`start`, its CPU counted (:func:`cpu_seconds`)."""
+    global _clock, _spent
+    try:
+        _clock = time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        _clock = None
+    try:
+        _make_ready()
+    finally:
+        _spent += time.thread_time()  # (the thread's CPU since it started)
+        _clock = None
+
+
+def _make_ready() -> None:
+    """What the thread of :func:`start` does; what it loads in this process, it loads under
     :data:`opd_stream._loading.loading_lock` (never at once with torch's loading)."""
     from .._loading import loading_lock
 
@@ -367,10 +401,27 @@ def _compile_elsewhere() -> bool:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    while _compiling.poll() is None:
+    while (code := _reap(_compiling)) is None:
         if _exiting.wait(0.1):
             return False
-    return _compiling.returncode >= 0 and _compiling.returncode != 130  # (_warm: Ctrl-C)
+    return code >= 0 and code != 130  # (_warm: Ctrl-C)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> int | None:
+    """``proc``'s exit code once it has ended, its CPU added to :func:`cpu_seconds` (reaped
+    here with ``wait4``, which tells it), else ``None``."""
+    global _spent
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere: its CPU is not known here
+        return proc.poll()
+    if pid == 0:
+        return None
+    _spent += usage.ru_utime + usage.ru_stime
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode
 
 
 def _after_fork() -> None:

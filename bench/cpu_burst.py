@@ -1,0 +1,267 @@
+"""Client CPU of one burst, around the parse (issue 35), in one run.
+
+The issue's sizes by default: 24 samples, prompt 512, response 2048, top-k 16, only-student,
+per-position ids, the student's top-k as Python rows (as Miles hands them over) and as
+``(ids, logprobs)`` arrays. Mock SGLang servers run as subprocesses (replaying their
+answers, so they cost the client's cores little); the client's CPU is this process's (all
+threads, ``ClientMeter``). In one run, interleaved over ``--reps`` repeats (the least of
+each is kept: noise on a shared machine only ever adds):
+
+* the baseline (``bench.baseline``: Miles' way, per-position ids on a patched server);
+* ``opd_stream``, a stream opened per burst, with its CPU by step (``stats().cpu_s``) and
+  the remainder no step names;
+* the same bursts through one stream kept open (a rollout loop's other choice);
+* the parse of the very answers alone: msgspec's untyped decode (GC off) and
+  ``opd_stream``'s compiled scanner with every check;
+* short runs, each in a fresh process: a cold one (numba's cache empty: the kernels are
+  compiled by a process of their own), and an 8-sample one with the cache filled; each
+  says which parser decoded how many bytes, and what the background work cost.
+
+Run::
+
+    .venv/bin/python -m bench.cpu_burst [--n 24] [--response 2048] [--reps 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+
+from opd_stream import OPDStream, Sample
+from opd_stream.scanner._loader import prepare
+from opd_stream.wire._codec import decode_score_response
+
+from .baseline import baseline_score
+from .harness import ClientMeter, mocks, pid_list
+from .scenarios import REPLAY, _best_cpu, _config, _each, _fetch_bodies, _settle
+from .workload import STUDENT_SEED, TEACHER_SEED, make_samples
+
+__all__ = ("main",)
+
+_MODES = (("Python rows", False), ("array rows", True))
+
+
+async def _opd_burst(
+    cfg: Any, samples: list[Sample], pids: list[int]
+) -> tuple[float, dict[str, float]]:
+    """One burst through a stream of its own: client CPU, and ``stats().cpu_s``."""
+    with ClientMeter(pids) as meter:
+        async with OPDStream(cfg) as stream, stream.run(samples) as results:
+            async for _ in results:
+                pass
+    return meter.cpu_s, stream.stats().cpu_s  # (read once the stream is left)
+
+
+async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> float:
+    """The least client CPU of one burst through a stream kept open across ``reps``."""
+    best = float("inf")
+    async with OPDStream(cfg) as stream:
+        for _ in range(reps + 1):  # the first warms the stream's connections
+            _settle()
+            with ClientMeter(pids) as meter:
+                async with stream.run(samples) as results:
+                    async for _ in results:
+                        pass
+            best = min(best, meter.cpu_s)
+    return best
+
+
+async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -> None:
+    await baseline_score(
+        samples, teacher, student_url=student, top_k=k, strategy="only-student",
+        id_form="per-position",
+    )  # fmt: skip
+
+
+def _ms(seconds: float, n: int) -> float:
+    return seconds / n * 1e3
+
+
+async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with mocks(("teacher", TEACHER_SEED, REPLAY), ("student", STUDENT_SEED, REPLAY)) as procs:
+        teacher, student = procs[0].url, procs[1].url
+        pids = pid_list(procs)
+        cfg = _config(teacher, student, top_k=args.k, strategy="only-student")
+        for label, arrays in _MODES:
+            rows = make_samples(args.n, args.prompt, args.response, args.k)
+            ours = make_samples(args.n, args.prompt, args.response, args.k, topk_arrays=arrays)
+            await _opd_burst(cfg, ours, pids)  # warm: imports, the mocks' replay caches
+            await _baseline(rows, teacher, student, args.k)
+            base = opd = float("inf")
+            steps: dict[str, float] = {}
+            for _ in range(args.reps):  # interleaved: the machine's drift hits both
+                _settle()
+                with ClientMeter(pids) as meter:
+                    await _baseline(rows, teacher, student, args.k)
+                base = min(base, meter.cpu_s)
+                _settle()
+                cpu, cpu_s = await _opd_burst(cfg, ours, pids)
+                if cpu < opd:
+                    opd, steps = cpu, cpu_s
+            kept = await _kept_bursts(cfg, ours, pids, args.reps)
+            bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
+            untyped = _best_cpu(
+                _each(bodies, lambda b, _: msgspec.json.decode(b)), gc_off=True, reps=7
+            )
+            scanner = _best_cpu(
+                _each(bodies, lambda b, r: decode_score_response(b, r, parser="jit")),
+                gc_off=False,
+                reps=7,
+            )
+            n = args.n
+            by_step = {step: _ms(v, n) for step, v in steps.items()}
+            by_step["unnamed"] = _ms(opd - sum(steps.values()), n)
+            out[label] = {
+                "baseline_ms_per_sample": _ms(base, n),
+                "opd_ms_per_sample": _ms(opd, n),
+                "opd_kept_stream_ms_per_sample": _ms(kept, n),
+                "msgspec_untyped_ms_per_sample": _ms(untyped, n),
+                "scanner_ms_per_sample": _ms(scanner, n),
+                "baseline_over_opd": base / opd,
+                "opd_over_msgspec_untyped": opd / untyped,
+                "opd_over_scanner": opd / scanner,
+                "unnamed_share": (opd - sum(steps.values())) / opd,
+                "by_step_ms_per_sample": by_step,
+            }
+            del rows, ours, bodies
+    return out
+
+
+_CHILD = """
+import asyncio, json, resource, sys, time
+t0 = time.process_time()
+from bench.workload import make_samples
+from opd_stream import OPDStream, StreamConfig
+from opd_stream.scanner import _loader
+
+async def main(teacher, student, n, prompt, response, k):
+    samples = make_samples(n, prompt, response, k)
+    cfg = StreamConfig(teachers=teacher, student_url=student, top_k=k, strategy="only-student")
+    start = time.process_time()
+    async with OPDStream(cfg) as stream:
+        async with stream.run(samples) as results:
+            async for _ in results:
+                pass
+        run = time.process_time() - start
+        stats = stream.stats()
+    return run, stats
+
+run, stats = asyncio.run(main(*sys.argv[1:3], *map(int, sys.argv[3:7])))
+at_exit = _loader.cpu_seconds() if hasattr(_loader, "cpu_seconds") else None
+thread = _loader._thread
+if thread is not None:
+    thread.join()  # a benchmark waits for the background work, to count it
+print(json.dumps({
+    "run_cpu_s": run,
+    "cpu_s": stats.cpu_s,
+    "decoded": stats.decoded,
+    "decoded_bytes": getattr(stats, "decoded_bytes", {}),
+    "kernels_cpu_s_by_the_end_of_the_run": at_exit,
+    "kernels_cpu_s_all": _loader.cpu_seconds() if at_exit is not None else None,
+}))
+"""
+
+
+def _short_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """A cold process and a warm-cache process, each scoring ``--short`` samples."""
+    out: dict[str, Any] = {}
+    with mocks(("teacher", TEACHER_SEED, REPLAY), ("student", STUDENT_SEED, REPLAY)) as procs:
+        urls = [procs[0].url, procs[1].url]
+        sizes = [str(v) for v in (args.short, args.prompt, args.response, args.k)]
+        for label, cold in (("cold (numba cache empty)", True), ("warm cache", False)):
+            env = dict(os.environ)
+            with tempfile.TemporaryDirectory() as cache:
+                if cold:
+                    env["NUMBA_CACHE_DIR"] = cache
+                got = subprocess.run(
+                    [sys.executable, "-c", _CHILD, *urls, *sizes],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                )
+            out[label] = json.loads(got.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"## {args.n} x ({args.prompt} + {args.response}), k={args.k}, only-student, "
+        "per-position; client CPU ms per sample (least of the repeats)\n"
+    )
+    print(
+        "| student top-k | baseline (Miles) | opd_stream | ratio | kept stream "
+        "| msgspec untyped | x | scanner | x | unnamed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, m in burst.items():
+        print(
+            f"| {label} | {m['baseline_ms_per_sample']:.1f} | {m['opd_ms_per_sample']:.2f} "
+            f"| {m['baseline_over_opd']:.1f}x | {m['opd_kept_stream_ms_per_sample']:.2f} "
+            f"| {m['msgspec_untyped_ms_per_sample']:.2f} | {m['opd_over_msgspec_untyped']:.2f}x "
+            f"| {m['scanner_ms_per_sample']:.2f} | {m['opd_over_scanner']:.2f}x "
+            f"| {m['unnamed_share']:.1%} |"
+        )
+    steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
+    print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")
+    print("| student top-k | " + " | ".join(steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for label, m in burst.items():
+        vals = " | ".join(f"{v:.2f}" for v in m["by_step_ms_per_sample"].values())
+        print(f"| {label} | {vals} |")
+    if short:
+        print(f"\n### Short runs, {args.short} samples, each in a fresh process (CPU s)\n")
+        print(
+            "| process | the run | setup | kernels (by the run's end) | kernels (all) "
+            "| decoded by jit / msgspec | bytes by jit / msgspec |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for label, s in short.items():
+            c, d, b = s["cpu_s"], s["decoded"], s["decoded_bytes"]
+            k0, k1 = s["kernels_cpu_s_by_the_end_of_the_run"], s["kernels_cpu_s_all"]
+            mb = f"{b['jit'] / 1e6:.1f} / {b['msgspec'] / 1e6:.1f} MB" if b else "-"
+            print(
+                f"| {label} | {s['run_cpu_s']:.2f} | {_opt(c.get('setup'))} | {_opt(k0)} "
+                f"| {_opt(k1)} | {d['jit']} / {d['msgspec']} | {mb} |"
+            )
+
+
+def _opt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.cpu_burst", description=__doc__)
+    p.add_argument("--n", type=int, default=24)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--response", type=int, default=2048)
+    p.add_argument("--k", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--short", type=int, default=8, help="samples of the short runs (0: none)")
+    p.add_argument("--json", default=None, help="write every number here")
+    args = p.parse_args(argv)
+    prepare()  # the kernels, before anything is measured
+    started = time.perf_counter()
+    burst = asyncio.run(_burst_table(args))
+    short = _short_runs(args) if args.short else {}
+    _print(burst, short, args)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"burst": burst, "short": short, "args": vars(args)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -317,11 +317,13 @@ async def test_an_html_answer_from_a_plain_web_server_fails_with_status_and_titl
         await runner.cleanup()
     (line,) = _read(tmp_path / "out.jsonl")
     assert code == 1
-    assert line["reason"] == "teacher_http_404"
-    assert line["message"] == (
-        "HTTP 404: an HTML page titled '404 Not Found' "
-        "(not an SGLang answer: a proxy or another server?)"
-    )
+    # every dialect's path tried (engine="auto": a 404 on /generate makes the stream ask
+    # vLLM's two), each one's status named, and the page's title
+    assert line["reason"] == "capability"
+    assert line["message"].startswith(f"no scoring API found at http://127.0.0.1:{port}: ")
+    assert "an HTML page titled '404 Not Found'" in line["message"]
+    for path in ("/generate", "/inference/v1/generate", "/v1/completions"):
+        assert f"POST {path} answered 404" in line["message"]
 
 
 @pytest.mark.parametrize(

@@ -287,7 +287,7 @@ def _top_k(
             "(top-k and the actual token)"
         )
     total = int(counts.sum())
-    entries = list(chain.from_iterable(d.values() for d in rows))  # type: ignore[union-attr]
+    entries = list(chain.from_iterable(map(dict.values, rows)))  # type: ignore[arg-type]
     keys = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=total)
     ranks = np.fromiter(map(_RANK, entries), dtype=np.int64, count=total)

@@ -25,6 +25,17 @@ unmeasured warm-up call on other sequences (imports, pools, engine detection):
   clients: what remains is each client's working memory);
 * equal: a digest of each client's four result lists (float64 bytes), TRL's against ours.
 
+Floors, measured outside both clients' code in a third child (``_floor``) on a fresh
+server, say whether a missed target is within anyone's reach on vLLM 0.34's API at these
+sizes: bytes, the JSON of the response rows of TRL's own answer (``prompt_logprobs[P:]``,
+the only form vLLM gives the teacher's top-k in); CPU, an untyped ``msgspec.json.decode``
+of the answers opd_stream's client receives plus TRL's result lists built with
+``ndarray.tolist()``; memory, TRL's result's own size over TRL's peak (the least ratio any
+client returning that result can have). ``heap`` (``--sizes '{"heap": N}'``) makes each
+child hold N more tracked Python objects before it measures, as a trainer's process does
+(the cyclic GC's full collections cost in proportion to what the process holds, and run
+less often the more it holds).
+
 TRL's client is loaded from the set-up step's copy of its wheel (``.cache/trl/src``) by
 ``tests/support/trl_client.py`` and called with its defaults (``chunk_size=0``: the whole
 batch in one POST). Targets: at every ``top_logprobs``, >= 5x less client
@@ -67,6 +78,7 @@ class Sizes(msgspec.Struct, frozen=True):
     response: int
     top: tuple[int, ...] = (1, 20, 100)
     per_token_s: float = 2e-6
+    heap: int = 0  # tracked objects each child holds before measuring (a trainer's heap)
 
 
 SIZES: Final = {
@@ -114,6 +126,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     sz = msgspec.convert(spec["sizes"], Sizes)
     k = int(spec["k"])
+    ballast = [[i] for i in range(sz.heap)]  # noqa: F841  (held: a trainer-sized heap)
     seqs, lengths = workload(sz.prompts, sz.per_prompt, sz.prompt, sz.response, seed=1)
     # the warm-up: as many sequences (so as many connections as a training step opens),
     # short ones, other prompts
@@ -203,6 +216,7 @@ def _floor(spec: dict[str, Any]) -> dict[str, Any]:
 
     sz = msgspec.convert(spec["sizes"], Sizes)
     k, url = int(spec["k"]), spec["url"]
+    ballast = [[i] for i in range(sz.heap)]  # noqa: F841  (held: a trainer-sized heap)
     seqs, lengths = workload(sz.prompts, sz.per_prompt, sz.prompt, sz.response, seed=1)
     with urllib.request.urlopen(url + "/v1/models") as resp:
         model = json.loads(resp.read())["data"][0]["id"]
@@ -405,7 +419,12 @@ def markdown(result: dict[str, Any], machine: str) -> str:
         f"machine: {machine}",
         "",
         f"sizes: {sz['prompts']} prompts x {sz['per_prompt']} samples, prompt {sz['prompt']}, "
-        f"response {sz['response']}; unique teacher tokens {result['unique_tokens']}",
+        f"response {sz['response']}; unique teacher tokens {result['unique_tokens']}"
+        + (
+            f"; each client's process holds {sz['heap']:,} more Python objects"
+            if sz.get("heap")
+            else ""
+        ),
         "",
         "## Targets",
         "",

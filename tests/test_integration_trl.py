@@ -120,6 +120,16 @@ def test_top_logprobs_zero_gives_empty_top_rows_and_the_actual_tokens(
     assert got["logprobs"] == [[[]] * 4] * 2
 
 
+def test_actual_token_ids_are_the_callers_own_objects_as_trls(client: TeacherClient) -> None:
+    # TRL's client gives [sequence[p]]: the same int objects, no copies (memory, CPU)
+    seqs = sequences(2, 4, 6, seed=5)
+    assert max(seqs[0][4:]) > 256  # beyond CPython's cached small ints
+    got = client.get_sequence_logprobs(seqs, [4, 2], top_logprobs=1)
+    for seq, p, ids in zip(seqs, [4, 2], got["actual_token_ids"], strict=True):
+        assert len(ids) == len(seq) - p
+        assert all(row[0] is seq[p + t] for t, row in enumerate(ids))
+
+
 def test_an_empty_batch_gives_empty_lists(client: TeacherClient) -> None:
     assert client.get_sequence_logprobs([], []) == {
         "logprobs": [],
@@ -157,6 +167,8 @@ def test_chunk_size_and_concurrency_are_accepted_and_change_nothing(
         ([[1, 2, 3]], [4], InvalidSampleError, r"\[0\] = 4, outside \[0, 3\]"),
         ([[1, 2, 3]], [-1], InvalidSampleError, r"\[0\] = -1, outside"),
         ([[1, 2, 3]], [1.5], InvalidSampleError, "must be an integer"),
+        ([[1, 2.5, 3]], [1], InvalidSampleError, r"\[0\] must be a list of integer token ids"),
+        ([[1, 2], [[1, 2], [3, 4]]], [1, 1], InvalidSampleError, r"\[1\] must be a list of"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_sent(

@@ -29,5 +29,10 @@ def test_the_trl_bench_runs_and_both_clients_give_the_same_result(tmp_path: Path
         assert run["bytes_sent"] > 0 and run["computed_tokens"] > 0 and run["cpu_s"] > 0
     # TRL's request recomputes the shared prompt; ours reuses it (whole pages of 16)
     assert runs["trl"]["computed_tokens"] > runs["opd_stream"]["computed_tokens"]
+    # the floors: the response rows' JSON (no client receives less), the least CPU
+    floor = runs["floor"]
+    assert 0 < floor["rows_bytes"] < runs["opd_stream"]["bytes_sent"] < runs["trl"]["bytes_sent"]
+    assert floor["decode_cpu_s"] > 0 and floor["build_cpu_s"] > 0
+    assert floor["best"]["memory"] > 0
     assert {t["status"] for t in data["targets"]} <= {"MET", "MISSED"}
     assert (tmp_path / "trl_teacher.md").read_text().startswith("# TRL's server teacher")

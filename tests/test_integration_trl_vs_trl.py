@@ -13,6 +13,7 @@ see ``tests/support/trl_client.py``).
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,10 @@ from support.trl_client import (
 from opd_stream.integrations.trl import SequenceScoringError, TeacherClient
 from opd_stream.testing.mock_sglang import MockOptions, serve_mock
 from opd_stream.testing.mock_vllm import VllmMockOptions, serve_vllm_mock
+from opd_stream.wire._codec import decode_score_response
+from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._request import ScoreRequest
+from opd_stream.wire._vllm import sends_id_columns
 
 pytestmark = pytest.mark.skipif(
     not TRL_CLIENT.is_file(),
@@ -95,6 +100,36 @@ def test_equal_to_trls_own_client_value_for_value(
     assert want["logprob_token_ids"][4][0] == [0] * k  # padding covered too
     stats = ours[engine].stats()[k]
     assert [ep.engine for ep in stats.endpoints.values()] == [engine]
+
+
+def _post(url: str, body: bytes) -> bytes:
+    req = urllib.request.Request(
+        url + "/inference/v1/generate", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req) as resp:
+        answer: bytes = resp.read()
+    return answer
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_the_sampled_tokens_logprob_in_the_dicts_is_the_npys_float32_bit_for_bit(
+    servers: dict[str, Any], k: int
+) -> None:
+    # the teacher's top-k alone sends no id column and reads the sampled token's logprob
+    # from the dicts: the very float32 the .npy column gives (masked tokens included)
+    seqs, _ = batch()
+    tokens = np.array(seqs[5], dtype=np.int64)  # holds two probability-0 tokens
+    alone = ScoreRequest(tokens=tokens, response_length=4, top_k=k, engine="vllm")
+    column = ScoreRequest(
+        tokens=tokens, response_length=4, top_k=k, engine="vllm", ids=np.zeros((4, 1), np.int64)
+    )
+    assert not sends_id_columns(alone) and sends_id_columns(column)
+    url = servers["vllm"].url
+    got = decode_score_response(_post(url, build_score_payload(alone)), alone)
+    want = decode_score_response(_post(url, build_score_payload(column)), column)
+    assert got.token_logprobs.tobytes() == want.token_logprobs.tobytes()
+    assert np.isneginf(got.token_logprobs).sum() == 2
+    np.testing.assert_array_equal(got.top_logprobs, want.top_logprobs)
 
 
 def test_a_new_clients_concurrent_first_sequences_all_find_the_vllm_engine(

@@ -31,7 +31,7 @@ from opd_stream._errors import (
 from opd_stream.wire._codec import build_block_payloads, decode, decode_score_response
 from opd_stream.wire._payloads import build_score_payload
 from opd_stream.wire._request import ENGINES, ScoreRequest, column_chunks, layout, multi_body
-from opd_stream.wire._vllm import ENGINE_PATHS, engine_problem, probe_body
+from opd_stream.wire._vllm import ENGINE_PATHS, engine_problem, probe_body, sends_id_columns
 
 VLLM_SRC = Path(__file__).resolve().parents[1] / ".cache/vllm/src/vllm"
 V = 12  # vocabulary; ids 10 and 11 are masked (-inf) everywhere
@@ -116,7 +116,8 @@ def scale_out_answer(
         ],
         "usage": usage,
         "prompt_logprobs": prompt_logprobs,
-        "prompt_token_id_logprobs": npy_b64(values),
+        # vLLM's null where no prompt_logprob_token_ids were sent (the top-k alone)
+        "prompt_token_id_logprobs": npy_b64(values) if sends_id_columns(req) else None,
     }
 
 
@@ -222,6 +223,13 @@ def test_sampled_token_only_scale_out_body_scores_one_column() -> None:
     assert "prompt_logprobs" not in sp
 
 
+def test_the_teachers_top_k_alone_sends_no_id_column() -> None:
+    # the dicts hold the sampled token: no column, no .npy, fewer bytes each way
+    sp = json.loads(build_score_payload(req_of(ids=None, top_k=3)))["sampling_params"]
+    assert "prompt_logprob_token_ids" not in sp
+    assert (sp["prompt_logprobs"], sp["prompt_logprob_start"]) == (3, P - 1)
+
+
 def test_columns_over_max_ids_are_split_into_bodies() -> None:
     req = req_of(top_k=2, max_ids=2)  # 1 + 3 columns -> [0, 2), [2, 4)
     assert multi_body(req)
@@ -307,6 +315,32 @@ def test_scale_out_round_trip_equals_the_reference() -> None:
     assert rows.top_ids is not None
     assert rows.top_ids.dtype == np.int64
     assert (rows.weight_version, rows.cached_tokens) == ("v1", 3)
+
+
+def test_the_top_k_alone_reads_the_sampled_tokens_logprob_from_the_dicts() -> None:
+    req = req_of(ids=None, top_k=4)
+    answer = scale_out_answer(req)
+    assert answer["prompt_token_id_logprobs"] is None
+    rows = decode_score_response(enc(answer), req)
+    want = expected(4, ids=None)
+    np.testing.assert_array_equal(rows.token_logprobs, want["token"])
+    np.testing.assert_array_equal(rows.top_ids, want["top_ids"])
+    np.testing.assert_array_equal(rows.top_logprobs, want["top_lp"])
+    assert rows.token_logprobs.dtype == np.float32
+    assert rows.id_logprobs is None
+
+
+def test_a_masked_sampled_token_read_from_the_dicts_is_minus_inf() -> None:
+    tokens = TOKENS.copy()
+    tokens[P + 1] = MASKED[0]  # vLLM writes its logprob -9999.0
+    req = ScoreRequest(tokens=tokens, response_length=R, engine="vllm", top_k=2)
+    answer = scale_out_answer(req)
+    top = {k: v for k, v in answer["prompt_logprobs"][P + 1].items() if v["rank"] <= 2}
+    masked = {"logprob": -9999.0, "rank": V - 1, "decoded_token": None}
+    answer["prompt_logprobs"][P + 1] = {str(MASKED[0]): masked, **top}
+    rows = decode_score_response(enc(answer), req)
+    assert np.isneginf(rows.token_logprobs[1])
+    assert np.isfinite(np.delete(rows.token_logprobs, 1)).all()
 
 
 def test_masked_ids_read_as_minus_inf() -> None:
@@ -540,6 +574,15 @@ MALFORMED = {
 def test_malformed_answer_fails_the_sample(case: str) -> None:
     change, error, words = MALFORMED[case]
     body, req = _broken(change)
+    with pytest.raises(error, match=words):
+        decode_score_response(body, req)
+
+
+@pytest.mark.parametrize("case", ["actual token missing", "top-k row missing", "top-k count"])
+def test_a_bad_row_fails_the_top_k_alone_too(case: str) -> None:
+    # the sampled token's logprob then comes from the dicts alone: a row without it fails
+    change, error, words = MALFORMED[case]
+    body, req = _broken(change, ids=None)
     with pytest.raises(error, match=words):
         decode_score_response(body, req)
 

@@ -8,9 +8,11 @@ Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`):
     ``temperature`` 0 (greedy: no sampler state), ``prompt_logprob_start`` ``P - 1`` (rows
     from the response start only), ``prompt_logprob_token_ids`` ``[R, 1 + k]`` (row ``t`` =
     ``[tokens[P+t], *ids[t]]``: column 0 the sampled token, columns ``1..`` the requested
-    ids), ``skip_reading_prefix_cache`` false (vLLM's default with prompt logprobs is to
-    recompute the whole prompt), ``prompt_logprobs`` = ``top_k`` when asked, ``detokenize``
-    false; top-level ``output_mode`` ``"tokens"``, ``cache_salt`` when set, ``stream`` false.
+    ids; not sent for the teacher's top-k alone, whose ``prompt_logprobs`` dicts always hold
+    the sampled token: :func:`sends_id_columns`), ``skip_reading_prefix_cache`` false
+    (vLLM's default with prompt logprobs is to recompute the whole prompt),
+    ``prompt_logprobs`` = ``top_k`` when asked, ``detokenize`` false; top-level
+    ``output_mode`` ``"tokens"``, ``cache_salt`` when set, ``stream`` false.
     The answer's ``prompt_token_id_logprobs`` is a base64 ``.npy`` float32 ``[R, cols]``.
     More columns than the server's ``--max-logprobs`` (``ScoreRequest.max_ids``) are split
     into chunks of columns, each a whole request (the prefix cache makes the repeats cheap):
@@ -39,6 +41,7 @@ __all__ = (
     "build_vllm_bodies",
     "engine_problem",
     "probe_body",
+    "sends_id_columns",
 )
 
 #: The path (below the server's URL) each engine scores on.
@@ -72,6 +75,15 @@ def engine_problem(engine: Engine, *, top_k: int, ids: bool, max_logprobs: int =
             f"--max-logprobs {top_k} or more (the server allows {max_logprobs})"
         )
     return None
+
+
+def sends_id_columns(req: ScoreRequest) -> bool:
+    """Whether a scale-out request sends ``prompt_logprob_token_ids`` (and reads the
+    ``.npy`` answer): where ids are asked, or where nothing else gives the sampled token's
+    logprob (``top_k`` 0). The teacher's top-k alone needs no column: vLLM puts the actual
+    token in every ``prompt_logprobs`` dict (``append_logprobs_for_next_position``), with
+    the same float32 logprob."""
+    return req.ids is not None or req.top_k == 0
 
 
 def probe_body(engine: Engine) -> bytes:
@@ -116,15 +128,18 @@ def _scale_out_bodies(req: ScoreRequest, lay: Layout) -> list[bytes]:
     chunks = column_chunks(req)
     token_ids = msgspec.Raw(_ENCODER.encode(lay.tokens.tolist()))
     out = []
+    with_columns = sends_id_columns(req)
     for n, (lo, hi) in enumerate(chunks):
-        part = columns if (lo, hi) == (0, columns.shape[1]) else columns[:, lo:hi]
         sampling: dict[str, Any] = {
             "max_tokens": 1,
             "temperature": 0,
             "prompt_logprob_start": p - 1,
-            "prompt_logprob_token_ids": msgspec.Raw(rows_json(np.ascontiguousarray(part), 0)),
-            "skip_reading_prefix_cache": False,
         }
+        if with_columns:
+            part = columns if (lo, hi) == (0, columns.shape[1]) else columns[:, lo:hi]
+            part_json = rows_json(np.ascontiguousarray(part), 0)
+            sampling["prompt_logprob_token_ids"] = msgspec.Raw(part_json)
+        sampling["skip_reading_prefix_cache"] = False
         if req.top_k > 0 and n == 0:
             sampling["prompt_logprobs"] = req.top_k
         sampling["detokenize"] = False

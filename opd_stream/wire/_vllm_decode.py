@@ -3,9 +3,10 @@ SGLang decoders'), checked as strictly (vLLM 0.34.0; the bodies: :mod:`opd_strea
 
 ``"vllm"`` (scale-out): ``prompt_token_id_logprobs`` (base64 ``.npy`` float32 ``[R, cols]``,
 read by :func:`opd_stream.wire._npy.read_npy_f32`): column 0 the sampled token's logprob,
-columns ``1..`` the requested ids; ``prompt_logprobs`` (``L`` entries, ``None`` before the
-scored rows) gives the teacher's top-k; a request split into chunks of columns
-(``max_ids``) has one answer per chunk, stitched here. ``"vllm-completions"``:
+columns ``1..`` the requested ids (not sent for the teacher's top-k alone: the sampled
+token's logprob is then its own entry in each row's dict); ``prompt_logprobs`` (``L``
+entries, ``None`` before the scored rows) gives the teacher's top-k; a request split into
+chunks of columns (``max_ids``) has one answer per chunk, stitched here. ``"vllm-completions"``:
 ``choices[0].prompt_logprobs`` (``L`` entries, entry 0 ``None``): the sampled token's
 logprob is its own entry in each row's dict, the top-k the entries ranked ``1..top_k``.
 
@@ -41,6 +42,7 @@ from ._checks import missing_field, one_weight_version, to_logprobs
 from ._entries import decode_error, too_deep
 from ._npy import read_npy_f32
 from ._request import Layout, ScoreRequest, column_chunks
+from ._vllm import sends_id_columns
 
 __all__ = ("VLLM_NEG_INF", "decode_vllm")
 
@@ -118,8 +120,10 @@ def decode_vllm(answer: Body | Sequence[Body], req: ScoreRequest, lay: Layout) -
     chunks = column_chunks(req)
     if len(bodies) != len(chunks):
         raise ValueError(f"{len(bodies)} answers for {len(chunks)} column chunks")
+    with_columns = sends_id_columns(req)
     parts, versions, cached = [], [], []
     top: tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None = None
+    token_lp: npt.NDArray[np.float32] | None = None
     for n, (body, (lo, hi)) in enumerate(zip(bodies, chunks, strict=True)):
         where = "$" if len(bodies) == 1 else f"$<chunk {n}>"
         got = _decode(_SCALE_OUT, body)
@@ -127,27 +131,36 @@ def decode_vllm(answer: Body | Sequence[Body], req: ScoreRequest, lay: Layout) -
         versions.append(_weight_version(choice))
         cached.append(_cached(got.usage))
         _check_echo(got.prompt_token_ids, lay, f"{where}.prompt_token_ids")
-        raw = got.prompt_token_id_logprobs
-        if raw is None:
-            raise CapabilityError(
-                "vllm_token_id_logprobs",
-                f"the answer has no `{where}.prompt_token_id_logprobs`: the server ignored "
-                "prompt_logprob_token_ids (vLLM 0.34.0 or newer scores chosen ids)",
-            )
-        parts.append(
-            read_npy_f32(raw, (lay.segments[0].rows, hi - lo), f"{where}.prompt_token_id_logprobs")
-        )
+        if with_columns:
+            parts.append(_id_columns(got.prompt_token_id_logprobs, lay, hi - lo, where))
         if n == 0 and req.top_k > 0:
             rows = got.prompt_logprobs
             field = f"{where}.prompt_logprobs"
             if rows is None:
                 raise missing_field(field)
-            top = _top_k(_scored_rows(rows, lay, field), lay, req.top_k, field)[:2]
-    values = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    field = "$.prompt_token_id_logprobs"
-    token_lp = to_logprobs(values[:, 0], field)
-    id_lp = to_logprobs(values[:, 1:], field) if req.ids is not None else None
+            top_ids, top_lp, token_lp = _top_k(
+                _scored_rows(rows, lay, field), lay, req.top_k, field
+            )
+            top = (top_ids, top_lp)
+    id_lp = None
+    if parts:  # the sampled token's logprob from column 0 (from the dicts otherwise)
+        values = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        field = "$.prompt_token_id_logprobs"
+        token_lp = to_logprobs(values[:, 0], field)
+        id_lp = to_logprobs(values[:, 1:], field) if req.ids is not None else None
+    assert token_lp is not None  # columns are sent unless the top-k's dicts are read
     return _rows(lay, token_lp, top, id_lp, one_weight_version(versions), total_cached(cached))
+
+
+def _id_columns(raw: bytes | None, lay: Layout, cols: int, where: str) -> npt.NDArray[np.float32]:
+    """One answer's ``prompt_token_id_logprobs`` (``[R, cols]``), checked."""
+    if raw is None:
+        raise CapabilityError(
+            "vllm_token_id_logprobs",
+            f"the answer has no `{where}.prompt_token_id_logprobs`: the server ignored "
+            "prompt_logprob_token_ids (vLLM 0.34.0 or newer scores chosen ids)",
+        )
+    return read_npy_f32(raw, (lay.segments[0].rows, cols), f"{where}.prompt_token_id_logprobs")
 
 
 def _decode_completions(body: Body, req: ScoreRequest, lay: Layout) -> ScoreRows:
@@ -274,7 +287,7 @@ def _top_k(
             "(top-k and the actual token)"
         )
     total = int(counts.sum())
-    entries = list(chain.from_iterable(d.values() for d in rows))  # type: ignore[union-attr]
+    entries = list(chain.from_iterable(map(dict.values, rows)))  # type: ignore[arg-type]
     keys = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)  # type: ignore[arg-type]
     lps = np.fromiter(map(_LP, entries), dtype=np.float64, count=total)
     ranks = np.fromiter(map(_RANK, entries), dtype=np.int64, count=total)

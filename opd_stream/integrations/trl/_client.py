@@ -22,7 +22,14 @@ from ...config._settings import ENV_PREFIX, StreamConfig
 from ...transport._transports import Transport
 from .._shared import SharedStream
 from ._loop import LoopThread
-from ._rows import KEYS, check_batch, check_temperature, check_top_logprobs, sequence_result
+from ._rows import (
+    KEYS,
+    check_batch,
+    check_temperature,
+    check_top_logprobs,
+    sequence_result,
+    sequence_tokens,
+)
 
 __all__ = ("SequenceScoringError", "TeacherClient")
 
@@ -223,10 +230,11 @@ class TeacherClient:
         check_temperature(temperature)
         k = check_top_logprobs(top_logprobs)
         lengths = check_batch(sequences, prompt_lengths)
-        tokens = [np.asarray(seq, dtype=np.int64).reshape(-1) for seq in sequences]
+        tokens = [sequence_tokens(seq, i) for i, seq in enumerate(sequences)]
         rows = self._loop.run(self._score(tokens, lengths, k))
         results = [
-            sequence_result(r, t, p, k) for r, t, p in zip(rows, tokens, lengths, strict=True)
+            sequence_result(r, t, p, k, seq)
+            for r, t, p, seq in zip(rows, tokens, lengths, sequences, strict=True)
         ]
         if not results:
             # TRL's client has no answer for an empty batch; an empty result is the only one.

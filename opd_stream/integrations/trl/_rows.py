@@ -39,6 +39,7 @@ __all__ = (
     "check_temperature",
     "check_top_logprobs",
     "sequence_result",
+    "sequence_tokens",
 )
 
 KEYS: Final = ("logprobs", "logprob_token_ids", "actual_logprobs", "actual_token_ids")
@@ -118,9 +119,35 @@ def check_batch(sequences: Sequence[Any], prompt_lengths: Sequence[Any]) -> list
     return out
 
 
+def sequence_tokens(sequence: Any, index: int) -> npt.NDArray[np.int64]:
+    """One sequence's ids as int64 ``[L]``.
+
+    Raises:
+        InvalidSampleError: the sequence holds something other than integers (a float, a
+            bool, an id beyond int64), naming its index: never rounded silently.
+    """
+    arr = np.asarray(sequence)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        what = f"{arr.ndim}-d" if arr.ndim != 1 else f"{arr.dtype} values"
+        raise InvalidSampleError(
+            "sequences", f"[{index}] must be a list of integer token ids, got {what}"
+        )
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidSampleError("sequences", f"[{index}] holds an id beyond int64")
+    return arr.astype(np.int64, copy=False)
+
+
 def _tolist_2d(a: npt.NDArray[Any]) -> list[list[Any]]:
     rows: list[list[Any]] = a.tolist()
     return rows
+
+
+def _actual_ids(
+    tokens: npt.NDArray[np.int64], prompt_length: int, sequence: Sequence[Any] | None
+) -> list[list[Any]]:
+    if isinstance(sequence, (list, tuple)):
+        return [[x] for x in sequence[prompt_length:]]
+    return _tolist_2d(tokens[prompt_length:, None])
 
 
 def sequence_result(
@@ -128,6 +155,7 @@ def sequence_result(
     tokens: npt.NDArray[np.int64],
     prompt_length: int,
     top_logprobs: int,
+    sequence: Sequence[Any] | None = None,
 ) -> dict[str, list[Any]]:
     """One sequence's result in TRL's contract (see the module's docstring).
 
@@ -135,6 +163,9 @@ def sequence_result(
         rows: the teacher's rows for positions ``max(prompt_length, 1) ..``; ``None`` when
             there are none (an empty completion, or a one-token sequence from position 0).
         tokens: the sequence's ids (int64 ``[L]``).
+        sequence: the caller's own sequence (``tokens`` as given): a list or tuple gives
+            ``actual_token_ids`` its own id objects, as TRL's client does
+            (``[sequence[p]]``), not new ints.
         prompt_length: TRL's ``prompt_length`` (``0 <= prompt_length <= L``).
         top_logprobs: TRL's ``top_logprobs`` (the rows' top-k width when > 0).
     """
@@ -166,5 +197,5 @@ def sequence_result(
         "logprobs": _tolist_2d(values),
         "logprob_token_ids": _tolist_2d(ids),
         "actual_logprobs": _tolist_2d(actual),
-        "actual_token_ids": _tolist_2d(tokens[prompt_length:, None]),
+        "actual_token_ids": _actual_ids(tokens, prompt_length, sequence),
     }

@@ -37,7 +37,7 @@ child hold N more tracked Python objects before it measures, as a trainer's proc
 less often the more it holds).
 
 TRL's client is loaded from the set-up step's copy of its wheel (``.cache/trl/src``) by
-``tests/support/trl_client.py`` and called with its defaults (``chunk_size=0``: the whole
+``opd_stream/testing/_trl_source.py`` and called with its defaults (``chunk_size=0``: the whole
 batch in one POST). Targets: at every ``top_logprobs``, >= 5x less client
 CPU, >= 3x fewer bytes, teacher tokens computed <= 1.05x the unique tokens, peak client
 memory <= 1/10 of TRL's. The results go to ``<out>/trl_teacher.json`` and
@@ -121,7 +121,6 @@ def _max_rss_bytes() -> int:
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """One client, one measured call (run in a child process)."""
-    sys.path.insert(0, str(ROOT / "tests"))
     from bench.harness import ClientMeter
 
     sz = msgspec.convert(spec["sizes"], Sizes)
@@ -132,7 +131,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     # short ones, other prompts
     warm, warm_lengths = workload(sz.prompts, sz.per_prompt, 32, 16, seed=2)
     if spec["client"] == "trl":
-        from support.trl_client import trl_client
+        from opd_stream.testing._trl_source import trl_client
 
         client: Any = trl_client(spec["url"])
     else:

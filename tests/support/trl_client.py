@@ -1,15 +1,6 @@
-"""TRL 1.16.0's own teacher client, loaded from its wheel's source, and mock servers for
-synchronous callers.
+"""TRL 1.16.0's own client and trainer (from :mod:`opd_stream.testing._trl_source`, which
+``bench/trl_teacher.py`` uses too), and mock servers for synchronous callers.
 
-* :func:`trl_client`: a ``VLLMClient`` from ``.cache/trl/src/trl/generation/vllm_client.py``
-  (the set-up step extracts it from the wheel), the one file loaded by path with stub
-  modules for the imports that are not installed here (``transformers.utils.get_json_schema``,
-  ``trl.import_utils``), and built without its constructor (which needs vLLM installed):
-  ``VLLMClient.__new__`` plus the attributes ``get_sequence_logprobs`` reads (``session``,
-  ``base_url``, and ``model`` from the server's ``/v1/models``, as the constructor reads
-  it). Its method runs as TRL ships it.
-* :func:`load_server_distillation_trainer`: TRL's ``ServerDistillationTrainer`` module (its
-  teacher-server loss path), with stubs for its base class and configuration.
 * :func:`mock_in_thread`: mock servers (any of the ``serve_*`` async context managers) in an
   asyncio loop of their own thread, for tests whose client blocks the calling thread.
 """
@@ -17,14 +8,18 @@ synchronous callers.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
-import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
-from pathlib import Path
 from typing import Any
+
+from opd_stream.testing._trl_source import (
+    TRL_CLIENT,
+    TRL_SERVER_TRAINER,
+    load_server_distillation_trainer,
+    load_trl_client_module,
+    trl_client,
+)
 
 __all__ = (
     "TRL_CLIENT",
@@ -34,122 +29,6 @@ __all__ = (
     "mock_in_thread",
     "trl_client",
 )
-
-ROOT = Path(__file__).resolve().parent.parent.parent
-TRL_CLIENT = ROOT / ".cache" / "trl" / "src" / "trl" / "generation" / "vllm_client.py"
-"""TRL 1.16.0's client, as the set-up step (``scripts/dev.sh setup``) extracts it."""
-
-TRL_SERVER_TRAINER = (
-    TRL_CLIENT.parents[1]
-    / "experimental"
-    / "server_distillation"
-    / "server_distillation_trainer.py"
-)
-"""TRL 1.16.0's ``ServerDistillationTrainer`` (its teacher-server loss path)."""
-
-_MODULES: dict[str, types.ModuleType] = {}
-
-
-def _stub(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    if package:
-        mod.__path__ = []
-    for key, value in attrs.items():
-        setattr(mod, key, value)
-    return mod
-
-
-def _get_json_schema(func: Any) -> dict[str, Any]:
-    raise NotImplementedError("transformers is not installed (stub)")
-
-
-def _load(name: str, path: Path, stubs: dict[str, types.ModuleType]) -> types.ModuleType:
-    """``path`` executed as module ``name`` (once) with ``stubs`` in ``sys.modules`` while
-    it runs (removed afterwards, with the module itself)."""
-    if name in _MODULES:
-        return _MODULES[name]
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} (run scripts/dev.sh setup)")
-    saved = {key: sys.modules.get(key) for key in [*stubs, name]}
-    sys.modules.update(stubs)
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
-    _MODULES[name] = module
-    return module
-
-
-def load_trl_client_module() -> types.ModuleType:
-    """TRL's ``trl/generation/vllm_client.py`` as a module (loaded once).
-
-    Stub modules stand in, while the file is executed, for ``trl``, ``trl.generation``,
-    ``trl.import_utils`` (requests available, vLLM not) and ``transformers.utils``; they
-    are removed from ``sys.modules`` afterwards. ``torch`` and ``requests`` are the real ones.
-    """
-    stubs = {
-        "trl": _stub("trl", package=True),
-        "trl.generation": _stub("trl.generation", package=True),
-        "trl.import_utils": _stub(
-            "trl.import_utils",
-            is_requests_available=lambda: True,
-            is_vllm_available=lambda min_version=None: False,
-        ),
-        "transformers": _stub("transformers", package=True),
-        "transformers.utils": _stub("transformers.utils", get_json_schema=_get_json_schema),
-    }
-    return _load("trl.generation.vllm_client", TRL_CLIENT, stubs)
-
-
-class _TrainerBase:
-    """Stands in for TRL's ``DistillationTrainer`` (transformers' ``Trainer``): only the
-    server path's own methods are used."""
-
-
-def load_server_distillation_trainer() -> types.ModuleType:
-    """TRL's ``server_distillation_trainer.py`` as a module (loaded once), with stubs for
-    its base class (``DistillationTrainer``), its configuration class and
-    ``profiling_decorator`` (the identity); its loss functions and methods run as TRL
-    ships them."""
-    pkg = "trl.experimental.server_distillation"
-    stubs = {
-        "trl": _stub("trl", package=True),
-        "trl.extras": _stub("trl.extras", package=True),
-        "trl.extras.profiling": _stub("trl.extras.profiling", profiling_decorator=lambda f: f),
-        "trl.trainer": _stub("trl.trainer", package=True),
-        "trl.trainer.distillation_trainer": _stub(
-            "trl.trainer.distillation_trainer", DistillationTrainer=_TrainerBase
-        ),
-        "trl.experimental": _stub("trl.experimental", package=True),
-        pkg: _stub(pkg, package=True),
-        f"{pkg}.server_distillation_config": _stub(
-            f"{pkg}.server_distillation_config", ServerDistillationConfig=object
-        ),
-    }
-    return _load(f"{pkg}.server_distillation_trainer", TRL_SERVER_TRAINER, stubs)
-
-
-def trl_client(base_url: str) -> Any:
-    """TRL's ``VLLMClient`` for ``base_url``, without its constructor's vLLM check: a
-    ``requests.Session``, ``base_url`` and ``model`` (the server's ``/v1/models``) set as the
-    constructor sets them."""
-    import requests
-
-    cls = load_trl_client_module().VLLMClient
-    client = cls.__new__(cls)
-    client.session = requests.Session()
-    client.base_url = base_url.rstrip("/")
-    # as the constructor does: the served model's name from GET /v1/models (TRL's _get)
-    client.model = client._get(f"{client.base_url}/v1/models")["data"][0]["id"]
-    return client
 
 
 @contextmanager

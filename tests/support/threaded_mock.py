@@ -29,36 +29,18 @@ async def serve_mock_threaded(
     options: MockOptions | None = None,
 ) -> AsyncIterator[MockCluster]:
     """:func:`serve_mock` in a thread with its own asyncio loop; stopped on exit."""
-    ready = threading.Event()
-    box: dict[str, Any] = {}
 
-    def serve() -> None:
-        async def main() -> None:
-            stop = asyncio.Event()
-            try:
-                async with serve_mock(role, seed, replicas=replicas, options=options) as cluster:
-                    box.update(cluster=cluster, loop=asyncio.get_running_loop(), stop=stop)
-                    ready.set()
-                    await stop.wait()
-            except BaseException as exc:
-                box["error"] = exc
-                raise
-            finally:
-                ready.set()
+    async def start(stack: AsyncExitStack) -> MockCluster:
+        return await stack.enter_async_context(
+            serve_mock(role, seed, replicas=replicas, options=options)
+        )
 
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, name="mock-sglang", daemon=True)
-    thread.start()
-    await anyio.to_thread.run_sync(ready.wait)
-    if "cluster" not in box:
-        await anyio.to_thread.run_sync(thread.join)
-        raise RuntimeError(f"the mock server did not start: {box.get('error')!r}")
+    servers = servers_in_thread(start)
+    cluster = await anyio.to_thread.run_sync(servers.__enter__)
     try:
-        yield box["cluster"]
+        yield cluster
     finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        await anyio.to_thread.run_sync(thread.join)
+        await anyio.to_thread.run_sync(servers.__exit__, None, None, None)
 
 
 @contextmanager

@@ -7,10 +7,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, contextmanager
 from typing import Any
 
 from opd_stream.testing._trl_source import (
@@ -20,6 +18,7 @@ from opd_stream.testing._trl_source import (
     load_trl_client_module,
     trl_client,
 )
+from support.threaded_mock import servers_in_thread
 
 __all__ = (
     "TRL_CLIENT",
@@ -37,33 +36,9 @@ def mock_in_thread(
 ) -> Iterator[Any]:
     """``async with serve() as cluster`` run in a thread's own asyncio loop; yields the
     cluster and stops the servers on exit."""
-    ready = threading.Event()
-    box: dict[str, Any] = {}
 
-    def run() -> None:
-        async def main() -> None:
-            stop = asyncio.Event()
-            try:
-                async with serve() as cluster:
-                    box.update(cluster=cluster, loop=asyncio.get_running_loop(), stop=stop)
-                    ready.set()
-                    await stop.wait()
-            except BaseException as exc:
-                box["error"] = exc
-                raise
-            finally:
-                ready.set()
+    async def start(stack: AsyncExitStack) -> Any:
+        return await stack.enter_async_context(serve())
 
-        asyncio.run(main())
-
-    thread = threading.Thread(target=run, name="mock-servers", daemon=True)
-    thread.start()
-    ready.wait()
-    if "cluster" not in box:
-        thread.join()
-        raise RuntimeError(f"the mock servers did not start: {box.get('error')!r}")
-    try:
-        yield box["cluster"]
-    finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        thread.join()
+    with servers_in_thread(start) as cluster:
+        yield cluster

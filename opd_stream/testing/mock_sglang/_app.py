@@ -16,18 +16,13 @@ its request (like SGLang's abort on disconnect); that is counted in ``stats.disc
 from __future__ import annotations
 
 import hmac
-import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from ._bytemodel import ByteModel
-from ._generate import GenerateEndpoint
-from ._model import MockModel, Role
 from ._options import MockOptions
-from ._stats import MockStats
+from ._server import ServerBase
 
 __all__ = ("MockServer",)
 
@@ -40,63 +35,20 @@ _encoder = msgspec.json.Encoder()
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class MockServer:
+class MockServer(ServerBase[MockOptions]):
     """One mock SGLang server: a :class:`MockModel`, options, stats and an aiohttp app.
 
-    Args:
-        role: ``"teacher"`` or ``"student"``.
-        seed: model seed (replicas of one logical server must share it).
-        options: initial :class:`MockOptions`.
-        host: interface to bind (keep it on loopback).
-        port: port to bind; 0 picks a free one (kept across :meth:`restart`).
-        replica_index: mixed into the fault/latency RNG seed so replicas differ.
-        byte_model: when set, the sampled tokens' logprobs come from this model over
-            bytes (cross-tokenizer tests; see :class:`~._bytemodel.ByteModel`).
+    Args: as :class:`~._server.ServerBase` (``options``: a :class:`MockOptions`).
     """
 
-    def __init__(
-        self,
-        role: Role = "teacher",
-        seed: int = 0,
-        options: MockOptions | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        replica_index: int = 0,
-        byte_model: ByteModel | None = None,
-    ) -> None:
-        self.role: Role = role
-        self.byte_model = byte_model
-        self.seed = seed
-        self.host = host
-        self.port = port
-        self.replica_index = replica_index
-        self.options = options if options is not None else MockOptions()
-        self.stats = MockStats()
-        self.model = self._build_model(self.options)
-        self._started_at = time.monotonic()
-        self._healthy = True
-        self._runner: web.AppRunner | None = None
-        self._generate = GenerateEndpoint(self)
-
-    # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:PORT`` (the port is known once started)."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        """Whether the server is currently listening."""
-        return self._runner is not None
+    health_content_type = "text/plain"
 
     def build_app(self) -> web.Application:
         """A fresh aiohttp application bound to this server's state."""
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 31)
         r = app.router
-        r.add_post("/generate", self._generate.handle)
-        r.add_put("/generate", self._generate.handle)
+        r.add_post("/generate", self._endpoint.handle)
+        r.add_put("/generate", self._endpoint.handle)
         for path in ("/health", "/health_generate", "/ready"):
             r.add_get(path, self._health)
         for path in ("/model_info", "/get_model_info"):
@@ -105,74 +57,11 @@ class MockServer:
             r.add_get(path, self._server_info)
         r.add_get("/flush_cache", self._flush_cache)
         r.add_post("/flush_cache", self._flush_cache)
-        r.add_post("/abort_request", self._generate.abort_request)
+        r.add_post("/abort_request", self._endpoint.abort_request)
         r.add_get("/mock/stats", self._mock_stats)
         r.add_post("/mock/options", self._mock_options)
         r.add_post("/mock/reset_stats", self._mock_reset_stats)
         return app
-
-    async def start(self) -> str:
-        """Start listening (on ``port``, or a free port the first time) and return the URL."""
-        if self._runner is not None:
-            return self.url
-        runner = web.AppRunner(
-            self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        addrs = runner.addresses
-        self.port = int(addrs[0][1])
-        self._runner = runner
-        self._started_at = time.monotonic()
-        self._generate.started()
-        return self.url
-
-    async def stop(self) -> None:
-        """Stop listening; in-flight requests are cancelled (their clients see a reset)."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def restart(self) -> str:
-        """Stop, then start again on the same port (stats are kept)."""
-        await self.stop()
-        return await self.start()
-
-    def set_healthy(self, healthy: bool) -> None:
-        """Make ``/health`` answer 200 (True) or 503 (False)."""
-        self._healthy = healthy
-
-    def set_options(self, options: MockOptions | None = None, **changes: Any) -> MockOptions:
-        """Replace options (a full :class:`MockOptions` and/or field changes); returns the new.
-
-        Changing a model knob rebuilds the model; changing ``fault_seed`` reseeds the faults.
-        """
-        base = options if options is not None else self.options
-        new = msgspec.structs.replace(base, **changes) if changes else base
-        new = msgspec.convert(msgspec.to_builtins(new), MockOptions)  # runs validation
-        model_keys = ("vocab_size", "head_size", "divergence", "masked_ids")
-        if any(getattr(new, k) != getattr(self.options, k) for k in model_keys):
-            self.model = self._build_model(new)
-        if new.fault_seed != self.options.fault_seed:
-            self._generate.reseed(new)
-        self.options = new
-        self._generate.options_changed()
-        return new
-
-    def _build_model(self, o: MockOptions) -> MockModel:
-        return MockModel(
-            self.role,
-            self.seed,
-            o.vocab_size,
-            head_size=o.head_size,
-            divergence=o.divergence,
-            masked_ids=o.masked_ids,
-        )
 
     # ------------------------------------------------------------------ middleware
 
@@ -190,23 +79,7 @@ class MockServer:
                 return self.respond(_encoder.encode({"error": "Unauthorized"}), 401)
         return await handler(request)
 
-    def respond(
-        self, body: bytes, status: int = 200, content_type: str = "application/json"
-    ) -> web.Response:
-        """An answer, counted in :attr:`stats` (status and bytes sent)."""
-        self.stats.count_status(status)
-        self.stats.bytes_sent += len(body)
-        return web.Response(body=body, status=status, content_type=content_type)
-
-    def starting(self) -> bool:
-        """Whether the server is still in its ``startup_delay_s`` (``/health`` answers 503)."""
-        return time.monotonic() - self._started_at < self.options.startup_delay_s
-
     # ------------------------------------------------------------------ simple endpoints
-
-    async def _health(self, request: web.Request) -> web.Response:
-        ok = self._healthy and not self.starting()
-        return self.respond(b"", 200 if ok else 503, content_type="text/plain")
 
     async def _model_info(self, request: web.Request) -> web.Response:
         if not self.options.info_endpoints:
@@ -258,23 +131,5 @@ class MockServer:
         return self.respond(_encoder.encode(info))
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
-        self._generate.flush_cache()
+        self._endpoint.flush_cache()
         return self.respond(_FLUSH_TEXT.encode(), content_type="text/plain")
-
-    async def _mock_stats(self, request: web.Request) -> web.Response:
-        return self.respond(_encoder.encode(self.stats.snapshot()))
-
-    async def _mock_options(self, request: web.Request) -> web.Response:
-        try:
-            changes = msgspec.json.decode(await request.read())
-            if not isinstance(changes, dict):
-                raise TypeError("expected a JSON object")
-            merged = {**msgspec.to_builtins(self.options), **changes}
-            new = self.set_options(msgspec.convert(merged, MockOptions))
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as exc:
-            return self.respond(_encoder.encode({"error": {"message": str(exc)}}), 400)
-        return self.respond(_encoder.encode(msgspec.to_builtins(new)))
-
-    async def _mock_reset_stats(self, request: web.Request) -> web.Response:
-        self.stats.reset()
-        return self.respond(b"", content_type="text/plain")

@@ -26,8 +26,8 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from ..mock_sglang import ByteModel, MockModel, MockOptions, MockStats, Role
-from ..mock_sglang._generate import GenerateEndpoint
+from ..mock_sglang import ByteModel, MockOptions, Role
+from ..mock_sglang._server import ServerBase
 from ._answer import (
     ItemResult,
     aborted_generate_body,
@@ -52,25 +52,19 @@ _INJECTED = {
 }
 
 
-def vllm_options(options: MockOptions | None) -> VllmMockOptions:
-    """``options`` as :class:`VllmMockOptions` (a plain :class:`MockOptions` keeps its
-    fields and gets vLLM's defaults for the rest)."""
-    if options is None:
-        return VllmMockOptions()
-    if isinstance(options, VllmMockOptions):
-        return options
-    return msgspec.convert(msgspec.to_builtins(options), VllmMockOptions)
-
-
-class VllmMockServer:
+class VllmMockServer(ServerBase[VllmMockOptions]):
     """One mock vLLM server (see the module docstring).
 
     Args:
         role, seed, options, host, port, replica_index, byte_model: as for the SGLang mock's
-            :class:`~opd_stream.testing.mock_sglang.MockServer`.
+            :class:`~opd_stream.testing.mock_sglang.MockServer` (``options``: a
+            :class:`VllmMockOptions`, or a :class:`MockOptions` given vLLM's defaults for
+            the rest).
         scale_out: ``vllm serve --enable-scale-out``: ``/inference/v1/generate`` is served
             (else it answers 403 with vLLM's message).
     """
+
+    options_type = VllmMockOptions
 
     def __init__(
         self,
@@ -84,36 +78,21 @@ class VllmMockServer:
         replica_index: int = 0,
         byte_model: ByteModel | None = None,
     ) -> None:
-        self.role: Role = role
-        self.seed = seed
         self.scale_out = scale_out
-        self.host = host
-        self.port = port
-        self.replica_index = replica_index
-        self.byte_model = byte_model
-        self.options: VllmMockOptions = vllm_options(options)
-        self.stats = MockStats()
-        self.model = self._build_model(self.options)
-        self._started_at = time.monotonic()
-        self._healthy = True
-        self._runner: web.AppRunner | None = None
-        self._engine = GenerateEndpoint(self)  # capacity, faults, latency, cache, compute
-
-    # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:PORT``."""
-        return f"http://{self.host}:{self.port}"
+        super().__init__(
+            role,
+            seed,
+            options,
+            host=host,
+            port=port,
+            replica_index=replica_index,
+            byte_model=byte_model,
+        )
 
     @property
     def model_name(self) -> str:
         """The served model name (``/v1/models``, the answers' ``model``)."""
         return f"mock-{self.role}"
-
-    @property
-    def running(self) -> bool:
-        return self._runner is not None
 
     def build_app(self) -> web.Application:
         """A fresh aiohttp application bound to this server's state."""
@@ -132,77 +111,6 @@ class VllmMockServer:
         r.add_post("/mock/options", self._mock_options)
         r.add_post("/mock/reset_stats", self._mock_reset_stats)
         return app
-
-    async def start(self) -> str:
-        """Start listening (on ``port``, or a free port the first time); returns the URL."""
-        if self._runner is not None:
-            return self.url
-        runner = web.AppRunner(
-            self.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self.port = int(runner.addresses[0][1])
-        self._runner = runner
-        self._started_at = time.monotonic()
-        self._engine.started()
-        return self.url
-
-    async def stop(self) -> None:
-        """Stop listening; in-flight requests are cancelled."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def restart(self) -> str:
-        """Stop, then start again on the same port (stats are kept)."""
-        await self.stop()
-        return await self.start()
-
-    def set_healthy(self, healthy: bool) -> None:
-        """Make ``/health`` answer 200 (True) or 503 (False)."""
-        self._healthy = healthy
-
-    def set_options(self, options: MockOptions | None = None, **changes: Any) -> VllmMockOptions:
-        """Replace options (a full options Struct and/or field changes); returns the new."""
-        base = vllm_options(options) if options is not None else self.options
-        new = msgspec.structs.replace(base, **changes) if changes else base
-        new = msgspec.convert(msgspec.to_builtins(new), VllmMockOptions)  # runs validation
-        model_keys = ("vocab_size", "head_size", "divergence", "masked_ids")
-        if any(getattr(new, k) != getattr(self.options, k) for k in model_keys):
-            self.model = self._build_model(new)
-        if new.fault_seed != self.options.fault_seed:
-            self._engine.reseed(new)
-        self.options = new
-        self._engine.options_changed()
-        return new
-
-    def _build_model(self, o: MockOptions) -> MockModel:
-        return MockModel(
-            self.role,
-            self.seed,
-            o.vocab_size,
-            head_size=o.head_size,
-            divergence=o.divergence,
-            masked_ids=o.masked_ids,
-        )
-
-    def respond(
-        self, body: bytes, status: int = 200, content_type: str = "application/json"
-    ) -> web.Response:
-        """An answer, counted in :attr:`stats`."""
-        self.stats.count_status(status)
-        self.stats.bytes_sent += len(body)
-        return web.Response(body=body, status=status, content_type=content_type)
-
-    def starting(self) -> bool:
-        """Whether the server is still in its ``startup_delay_s``."""
-        return time.monotonic() - self._started_at < self.options.startup_delay_s
 
     def _limits(self) -> Limits:
         o = self.options
@@ -230,10 +138,6 @@ class VllmMockServer:
             return self.respond(_encoder.encode({"detail": "Method Not Allowed"}), 405)
 
     # ------------------------------------------------------------------ simple endpoints
-
-    async def _health(self, request: web.Request) -> web.Response:
-        ok = self._healthy and not self.starting()
-        return self.respond(b"", 200 if ok else 503)
 
     async def _version(self, request: web.Request) -> web.Response:
         return self.respond(_encoder.encode({"version": VLLM_VERSION}))
@@ -281,30 +185,12 @@ class VllmMockServer:
             ids = [ids]
         if not isinstance(ids, list):
             return self.respond(error_body("request_ids: Field required", 400, "Bad Request"), 400)
-        in_flight = self._engine._in_flight_rids
+        in_flight = self._endpoint._in_flight_rids
         for rid in ids:
             for name in (rid, f"generate-tokens-{rid}"):
                 if isinstance(rid, str) and name in in_flight:
-                    self._engine._aborted_rids.add(name)
+                    self._endpoint._aborted_rids.add(name)
         return self.respond(b"")
-
-    async def _mock_stats(self, request: web.Request) -> web.Response:
-        return self.respond(_encoder.encode(self.stats.snapshot()))
-
-    async def _mock_options(self, request: web.Request) -> web.Response:
-        try:
-            changes = msgspec.json.decode(await request.read())
-            if not isinstance(changes, dict):
-                raise TypeError("expected a JSON object")
-            merged = {**msgspec.to_builtins(self.options), **changes}
-            new = self.set_options(msgspec.convert(merged, VllmMockOptions))
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as exc:
-            return self.respond(_encoder.encode({"error": {"message": str(exc)}}), 400)
-        return self.respond(_encoder.encode(msgspec.to_builtins(new)))
-
-    async def _mock_reset_stats(self, request: web.Request) -> web.Response:
-        self.stats.reset()
-        return self.respond(b"", content_type="text/plain")
 
     # ------------------------------------------------------------------ scoring endpoints
 
@@ -329,7 +215,7 @@ class VllmMockServer:
 
     async def _serve_inner(self, request: web.Request, scale_out: bool) -> web.StreamResponse:
         st = self.stats
-        eng = self._engine
+        eng = self._endpoint
         raw = await request.read()
         st.bytes_received += len(raw)
         o = self.options
@@ -393,7 +279,7 @@ class VllmMockServer:
         rids: list[str],
         scale_out: bool,
     ) -> bytes:
-        eng = self._engine
+        eng = self._endpoint
         st = self.stats
         o = self.options
         epoch = eng._abort_all_epoch

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import typing
 from collections.abc import Sequence
@@ -135,16 +134,7 @@ async def _run(
     server = MockServer(
         args.role, args.seed, options, host=args.host, port=args.port, byte_model=byte_model
     )
-    url = await server.start()
-    print(f"listening on {url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+    await server.serve_until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,8 @@ The SGLang mock (:class:`~._app.MockServer`) and the vLLM mock
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -115,6 +117,20 @@ class ServerBase(Generic[OptionsT]):
         self._started_at = time.monotonic()
         self._endpoint.started()
         return self.url
+
+    async def serve_until_signalled(self) -> None:
+        """The command line's life: start, print ``listening on URL`` (the line a parent
+        process waits for), serve until SIGTERM or SIGINT, stop."""
+        url = await self.start()
+        print(f"listening on {url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
 
     async def stop(self) -> None:
         """Stop listening; in-flight requests are cancelled (their clients see a reset)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -58,16 +57,7 @@ async def _run(
         port=args.port,
         byte_model=byte_model,
     )
-    url = await server.start()
-    print(f"listening on {url}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+    await server.serve_until_signalled()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

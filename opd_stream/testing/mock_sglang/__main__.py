@@ -30,6 +30,7 @@ import msgspec
 from ._app import MockServer
 from ._bytemodel import ByteModel
 from ._options import CLI_VOCAB_SIZE, MockOptions
+from ._server import ServerBase
 
 __all__ = ("build_parser", "main")
 
@@ -128,13 +129,18 @@ def _byte_model(args: argparse.Namespace, options: MockOptions) -> ByteModel | N
     return ByteModel(vocab.token_bytes, q=args.byte_model_q, salt=args.byte_model_salt)
 
 
-async def _run(
-    args: argparse.Namespace, options: MockOptions, byte_model: ByteModel | None
-) -> None:
-    server = MockServer(
-        args.role, args.seed, options, host=args.host, port=args.port, byte_model=byte_model
-    )
-    await server.serve_until_signalled()
+def serve(server: ServerBase[Any]) -> int:
+    """Serve ``server`` until SIGTERM/SIGINT (the command's life); the exit status: 0, or 2
+    with one line on stderr when it cannot listen (e.g. the port is in use)."""
+    try:
+        asyncio.run(server.serve_until_signalled())
+    except OSError as exc:
+        print(
+            f"error: cannot serve on {server.host}:{server.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,15 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ConfigError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(_run(args, options, byte_model))
-    except OSError as exc:  # e.g. the port is in use
-        print(
-            f"error: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
-            file=sys.stderr,
+    return serve(
+        MockServer(
+            args.role, args.seed, options, host=args.host, port=args.port, byte_model=byte_model
         )
-        return 2
-    return 0
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
@@ -29,7 +30,7 @@ OptionsT = TypeVar("OptionsT", bound=MockOptions)
 _MODEL_KEYS = ("vocab_size", "head_size", "divergence", "masked_ids")
 
 
-class ServerBase(Generic[OptionsT]):
+class ServerBase(ABC, Generic[OptionsT]):
     """One mock server's state and lifecycle (see the module docstring).
 
     Args:
@@ -94,9 +95,9 @@ class ServerBase(Generic[OptionsT]):
         """Whether the server is currently listening."""
         return self._runner is not None
 
+    @abstractmethod
     def build_app(self) -> web.Application:
         """A fresh aiohttp application bound to this server's state (its wire's routes)."""
-        raise NotImplementedError
 
     async def start(self) -> str:
         """Start listening (on ``port``, or a free port the first time) and return the URL."""

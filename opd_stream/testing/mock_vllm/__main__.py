@@ -12,14 +12,12 @@ SIGTERM/SIGINT stop the server.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 
 import msgspec
 
-from ..mock_sglang import ByteModel
-from ..mock_sglang.__main__ import _byte_model
+from ..mock_sglang.__main__ import _byte_model, serve
 from ..mock_sglang.__main__ import build_parser as _sglang_parser
 from ._app import VllmMockServer
 from ._options import VllmMockOptions
@@ -45,21 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _run(
-    args: argparse.Namespace, options: VllmMockOptions, byte_model: ByteModel | None
-) -> None:
-    server = VllmMockServer(
-        args.role,
-        args.seed,
-        options,
-        scale_out=args.scale_out,
-        host=args.host,
-        port=args.port,
-        byte_model=byte_model,
-    )
-    await server.serve_until_signalled()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, serve until SIGTERM/SIGINT, return the exit status."""
     args = build_parser().parse_args(argv)
@@ -70,15 +53,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(_run(args, options, byte_model))
-    except OSError as exc:
-        print(
-            f"error: cannot serve on {args.host}:{args.port}: {exc.strerror or exc}",
-            file=sys.stderr,
+    return serve(
+        VllmMockServer(
+            args.role,
+            args.seed,
+            options,
+            scale_out=args.scale_out,
+            host=args.host,
+            port=args.port,
+            byte_model=byte_model,
         )
-        return 2
-    return 0
+    )
 
 
 if __name__ == "__main__":

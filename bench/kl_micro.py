@@ -41,11 +41,11 @@ import numpy as np
 import torch
 
 from opd_stream import Sample
-from opd_stream._answers import ScoreRows
 from opd_stream._sample import Fetched, PreparedSample, ScoredSample
 from opd_stream._scoring import score_batch
 from opd_stream.kl._math import STRATEGIES, Strategy, WeightMode
 from opd_stream.kl._plan import candidate_width, plan_requests
+from opd_stream.wire._answers import ScoreRows
 
 __all__ = ("main", "make_batch")
 

@@ -29,10 +29,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import ScoreRows
 from ._errors import InvalidSampleError
 from ._sample import Fetched, PreparedSample, ScoredSample, TokenAlignment
 from .config._settings import StreamConfig
+from .wire._answers import ScoreRows
 from .xtok._align import (
     Alignment,
     align_response,

@@ -29,7 +29,6 @@ import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._answers import ScoreRows
 from ._errors import InvalidSampleError, RoutingError
 from ._failures import internal_failure, sample_failure
 from ._logging import get_logger
@@ -39,6 +38,7 @@ from ._stats import StatsRecorder
 from .config._settings import StreamConfig
 from .fetch._fetcher import SampleFetcher, ScoreAttemptError
 from .fleet._router import TeacherRouter
+from .wire._answers import ScoreRows
 from .wire._student_topk import rows_convert_in_thread
 
 if TYPE_CHECKING:

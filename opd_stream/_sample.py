@@ -19,8 +19,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._answers import ScoreRows
 from ._errors import InvalidSampleError
+from .wire._answers import ScoreRows
 from .wire._checks import LOGPROB_TOLERANCE
 from .wire._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
 from .xtok._align import Alignment

@@ -36,7 +36,6 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._answers import ScoreRows
 from ._cross import CrossTokenizers
 from ._errors import ConfigError, OPDStreamError
 from ._loading import import_off_loop, is_imported
@@ -52,6 +51,7 @@ from .fleet._router import TeacherRouter, replica_groups
 from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
 from .transport._transports import AiohttpTransport, Transport
+from .wire._answers import ScoreRows
 
 if TYPE_CHECKING:
     import torch

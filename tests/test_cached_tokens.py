@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from opd_stream._answers import ScoreRows
 from opd_stream.scanner._loader import prepare
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import PARSERS, Parser, decode_score_response
 from opd_stream.wire._decode_columns import decode_segments_columns
 from opd_stream.wire._payloads import build_score_payload

@@ -24,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.sglang_api import post_json
 
-from opd_stream._answers import ScoreRows
 from opd_stream._errors import MalformedResponseError, MisalignedResponseError, OPDStreamError
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.testing.mock_sglang import MockCluster, MockModel, serve_mock
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import decode_score_response
 from opd_stream.wire._decode_generate import decode_generate_response
 from opd_stream.wire._payloads import build_generate_payload, build_score_payload

@@ -19,7 +19,7 @@ from support import fake_generate as wf
 from support.fuzz_corpus import FUZZ, REQUESTS, VALID, field_values, json_values, mutate, paths_of
 
 from opd_stream import InvalidSampleError, OPDStreamError
-from opd_stream._answers import ScoreRows
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import decode_score_response
 from opd_stream.wire._decode_generate import decode_generate_response
 from opd_stream.wire._request import ScoreRequest

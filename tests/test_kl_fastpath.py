@@ -23,11 +23,11 @@ from support.kl_reference import reference_position
 import opd_stream.kl._math as kl
 import opd_stream.kl._select as klselect
 from opd_stream import Sample
-from opd_stream._answers import ScoreRows
 from opd_stream._errors import MissingLogprobError
 from opd_stream._sample import Fetched, PreparedSample, ScoredSample
 from opd_stream._scoring import score_batch
 from opd_stream.kl._math import STRATEGIES, WEIGHT_MODES, Strategy, TopKBatch, WeightMode
+from opd_stream.wire._answers import ScoreRows
 
 # (device, index backend): the CPU default, the other devices' code run on CPU, CUDA.
 PATHS = [

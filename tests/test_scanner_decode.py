@@ -22,9 +22,9 @@ from support import fake_generate as wf
 from support.fuzz_corpus import FUZZ, REQUESTS, VALID, field_values, json_values, mutate, paths_of
 
 from opd_stream import OPDStreamError
-from opd_stream._answers import ScoreRows
 from opd_stream.scanner._loader import available, prepare
 from opd_stream.testing.inprocess import InProcessSGLang
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import PARSERS, decode_score_response, parser_for
 from opd_stream.wire._decode_columns import decode_segments_columns
 from opd_stream.wire._decode_generate import decode_generate_response

@@ -13,8 +13,8 @@ import torch
 
 import opd_stream._scoring as klstage
 from opd_stream import Sample
-from opd_stream._answers import ScoreRows
 from opd_stream._sample import Fetched, PreparedSample
+from opd_stream.wire._answers import ScoreRows
 
 R, K = 3, 2
 S_IDS = np.array([[1, 2], [4, 5], [7, 8]], dtype=np.int64)

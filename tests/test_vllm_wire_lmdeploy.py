@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from support import fake_generate as wf
 
-from opd_stream._answers import ScoreRows
 from opd_stream._errors import MisalignedResponseError
 from opd_stream.scanner._loader import prepare
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import decode_score_response
 from opd_stream.wire._payloads import build_score_payload
 from opd_stream.wire._request import ScoreRequest

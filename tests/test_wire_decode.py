@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import fake_generate as wf
 
-from opd_stream._answers import ScoreRows
 from opd_stream._errors import (
     CapabilityError,
     InvalidSampleError,
@@ -28,6 +27,7 @@ from opd_stream._errors import (
     MisalignedResponseError,
     ServerAbortError,
 )
+from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import decode_score_response
 from opd_stream.wire._decode_generate import decode_generate_response
 from opd_stream.wire._error_body import parse_error_message

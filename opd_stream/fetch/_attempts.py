@@ -15,7 +15,6 @@ from typing import Any
 
 import anyio
 
-from .._answers import Body, ScoreRows
 from .._errors import (
     CapabilityError,
     ConnectionFailed,
@@ -34,6 +33,7 @@ from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, ma
 from ..fleet._router import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Transport
+from ..wire._answers import Body, ScoreRows
 from ..wire._codec import (
     Answer,
     answer_size,

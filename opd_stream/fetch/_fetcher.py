@@ -20,7 +20,6 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import ScoreRows
 from .._cross import (
     THREAD_TOKENS,
     CrossSample,
@@ -58,6 +57,7 @@ from ..fleet._ensemble import (
 from ..fleet._router import Teacher
 from ..kl._plan import RequestPlan, plan_requests
 from ..transport._transports import Transport
+from ..wire._answers import ScoreRows
 from ..wire._request import ScoreRequest, auto_block_size
 from ._attempts import AttemptSender, Counter, Failed
 from ._retry import RetryPolicy

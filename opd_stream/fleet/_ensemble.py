@@ -39,8 +39,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import ScoreRows
 from .._errors import ConfigError, OPDStreamError, WeightVersionChanged
+from ..wire._answers import ScoreRows
 
 __all__ = (
     "WEIGHT_SUM_TOLERANCE",

@@ -6,8 +6,9 @@ Modules (all private; the public names come from :mod:`opd_stream`):
 
 * ``_loader``: made ready once per process in a background thread; :func:`compiled` gives ``None``
 until then
-* ``_calls``: the kernels as typed Python calls (the :class:`~opd_stream.scanner._loader.Kernels`
+* ``_calls``: the kernels as typed Python calls (the :class:`~opd_stream.scanner._types.Kernels`
 facade)
+* ``_types``: what the other modules share: the scan's result and schema, the kernels' Protocol
 * ``_scan``: the scoring-answer scanner
 * ``_ids``: the per-position id rows of a request payload, written as JSON
 * ``_checks``: a student top-k's checks, and a request's ids checked

@@ -1,6 +1,6 @@
 """The compiled kernels as typed calls (:func:`opd_stream.scanner._loader.compiled` gives this
 module,
-as :class:`opd_stream.scanner._loader.Kernels`, which mypy checks it against): buffers sized for any
+as :class:`opd_stream.scanner._types.Kernels`, which mypy checks it against): buffers sized for any
 input, the kernels' constants, and :func:`warm`, which compiles every kernel with the
 argument types it is always called with.
 
@@ -15,10 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body
 from ._checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
 from ._ids import _write_positions, positions_json
-from ._loader import Scan, ScanSchema, scan_schema
 from ._rows import read_rows
 from ._scan import (
     B64,
@@ -36,6 +34,7 @@ from ._scan import (
     UNUSUAL,
     scan,
 )
+from ._types import Body, Scan, ScanSchema, scan_schema
 
 __all__ = (
     "OK",

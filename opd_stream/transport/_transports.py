@@ -32,9 +32,9 @@ import anyio.lowlevel
 import msgspec
 import numpy as np
 
-from .._answers import Body
 from .._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
 from .._redact import redact
+from ..wire._answers import Body
 from ._budget import BudgetLease
 
 __all__ = (
@@ -52,7 +52,7 @@ _YIELD_BYTES = 1 << 20
 class Response(msgspec.Struct, frozen=True):
     """An HTTP answer: status code and the whole body.
 
-    ``body`` is a :data:`~opd_stream._answers.Body`: ``bytes``, or from the built-in
+    ``body`` is a :data:`~opd_stream.wire._answers.Body`: ``bytes``, or from the built-in
     transports what it was read into (copying a 36 MB answer into ``bytes`` would hold the
     event loop ~30 ms). Treat it as read-only.
     """

@@ -14,6 +14,8 @@ bytes in, bytes or numpy arrays out.
 
 Its modules (private; the names above are the public part):
 
+* ``_answers``: the wire's model: a decoded answer (:class:`ScoreRows`, :class:`Generation`),
+  an answer's body, and one HTTP item as the decoders see it (``Segment``);
 * ``_request``: :class:`ScoreRequest` and its layout (what each HTTP item asks);
 * ``_payloads``: request bodies as ``/generate`` JSON bytes (a vLLM request's from ``_vllm``);
 * ``_rows_json``: rows of ids as compact JSON (the per-position id rows of both engines);
@@ -34,7 +36,7 @@ Its modules (private; the names above are the public part):
 
 from __future__ import annotations
 
-from .._answers import Generation, ScoreRows
+from ._answers import Generation, ScoreRows
 from ._codec import decode_score_response
 from ._decode_generate import decode_generate_response
 from ._error_body import parse_error_message

@@ -1,7 +1,7 @@
 """The array-level checks of an answer, shared by both parsers (msgspec and the compiled scanner).
 
 Each takes flat numpy arrays (however they were parsed) and the request's
-:class:`~opd_stream._answers.Segment` s, checks them and gives the validated arrays:
+:class:`~opd_stream.wire._answers.Segment` s, checks them and gives the validated arrays:
 :func:`to_logprobs` (null / NaN -> ``-inf``, nothing above 0), :func:`token_values` (echoed
 ids, sampled tokens' logprobs), :func:`id_values` (requested ids, their columns),
 :func:`with_tail_values` (blocked id-only tail rows), and the flat top-k fields
@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Segment
 from .._errors import MalformedResponseError, MisalignedResponseError, WeightVersionChanged
+from ._answers import Segment
 
 __all__ = (
     "LOGPROB_TOLERANCE",

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Final, Literal, get_args
 
-from .._answers import Body, ScoreRows
 from ..scanner._loader import available
+from ._answers import Body, ScoreRows
 from ._decode_columns import decode_segments_columns
 from ._decode_score import decode_segments
 from ._payloads import build_block_payloads, build_laid, payload_size_hint

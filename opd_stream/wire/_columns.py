@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body
+from ._answers import Body
 from ._checks import spread
 
 __all__ = ("Answers", "EntryColumns", "Reader", "RowColumns", "gather")

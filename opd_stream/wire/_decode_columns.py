@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body, ScoreRows, Segment, total_cached
 from .._errors import ProtocolError
 from ..scanner._loader import compiled
+from ._answers import Body, ScoreRows, Segment, total_cached
 from ._checks import (
     LOGPROB_TOLERANCE,
     id_values,

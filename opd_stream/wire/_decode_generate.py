@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from .._answers import Body, Generation, Segment
 from .._errors import MalformedResponseError, MisalignedResponseError, ProtocolError
+from ._answers import Body, Generation, Segment
 from ._checks import generation_flat_topk, to_logprobs
 from ._entries import (
     ENTRY_ID,

@@ -31,8 +31,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body, ScoreRows, Segment, total_cached
 from .._errors import CapabilityError, MalformedResponseError, MisalignedResponseError
+from ._answers import Body, ScoreRows, Segment, total_cached
 from ._checks import (
     FlatTopK,
     cat,

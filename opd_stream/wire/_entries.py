@@ -16,9 +16,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Segment
 from .._errors import MalformedResponseError, MisalignedResponseError, ServerAbortError
 from .._redact import redact_bearer
+from ._answers import Segment
 from ._checks import input_rows
 
 __all__ = (

@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
-from .._answers import Body
 from .._redact import redact, redact_json
+from ._answers import Body
 
 __all__ = ("parse_error_message",)
 

@@ -1,7 +1,7 @@
 """A scoring request on the SGLang ``/generate`` wire: :class:`ScoreRequest` and its layout.
 
 Sans-IO. This module owns :class:`ScoreRequest`, its checks, and how it maps to HTTP items
-(:func:`layout`: one :class:`~opd_stream._answers.Segment` per item; :func:`auto_block_size`).
+(:func:`layout`: one :class:`~opd_stream.wire._answers.Segment` per item; :func:`auto_block_size`).
 The bodies are built by :mod:`opd_stream.wire._payloads`, answers decoded by
 :mod:`opd_stream.wire._codec` (which picks the parser), error bodies read by
 :mod:`opd_stream.wire._error_body`.
@@ -56,9 +56,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Segment
 from .._errors import InvalidSampleError
 from ..scanner._loader import compiled
+from ._answers import Segment
 
 __all__ = (
     "AUTO_BLOCK_SIZES",

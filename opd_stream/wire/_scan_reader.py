@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body
-from ..scanner._loader import Kernels, Scan, compiled, scan_schema
+from ..scanner._loader import compiled
+from ..scanner._types import Kernels, Scan, scan_schema
+from ._answers import Body
 from ._columns import EntryColumns, RowColumns
 from ._decode_score import B64, ENVELOPE, SCANNED, decode_metas
 

@@ -1,4 +1,4 @@
-"""vLLM answers into :class:`~opd_stream._answers.ScoreRows` (same dtypes and meaning as the
+"""vLLM answers into :class:`~opd_stream.wire._answers.ScoreRows` (same dtypes and meaning as the
 SGLang decoders'), checked as strictly (vLLM 0.34.0; the bodies: :mod:`opd_stream.wire._vllm`).
 
 ``"vllm"`` (scale-out): ``prompt_token_id_logprobs`` (base64 ``.npy`` float32 ``[R, cols]``,
@@ -31,13 +31,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .._answers import Body, ScoreRows, total_cached
 from .._errors import (
     CapabilityError,
     MalformedResponseError,
     MisalignedResponseError,
     ServerAbortError,
 )
+from ._answers import Body, ScoreRows, total_cached
 from ._checks import missing_field, one_weight_version, to_logprobs
 from ._entries import decode_error, too_deep
 from ._npy import read_npy_f32

@@ -14,12 +14,12 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..._answers import ScoreRows
 from ..._errors import ConfigError, OPDStreamError
 from ..._sample import Sample
 from ..._stats import StreamStats
 from ...config._settings import ENV_PREFIX, StreamConfig
 from ...transport._transports import Transport
+from ...wire._answers import ScoreRows
 from .._shared import SharedStream
 from ._loop import LoopThread
 from ._rows import (

@@ -28,8 +28,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from ..._answers import ScoreRows
 from ..._errors import ConfigError, InvalidSampleError
+from ...wire._answers import ScoreRows
 
 __all__ = (
     "KEYS",

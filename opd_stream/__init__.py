@@ -16,7 +16,7 @@ the order a sample meets them: ``config/`` (the settings), ``fleet/`` (which tea
 which replica), ``wire/`` (request bodies out, answers decoded in; the compiled
 ``scanner/`` parses them), ``fetch/`` (one sample's requests, with deadlines and retries,
 over ``transport/``), then the KL stage's work (``_scoring``, the math in ``kl/``;
-``_cross`` and ``xtok/`` for a teacher with another tokenizer). ``_stream`` owns a run and
+``xtok/`` for a teacher with another tokenizer). ``_stream`` owns a run and
 ``_pipeline`` joins its stages by bounded channels; ``cli/`` is the ``opd-stream`` command.
 Every module is in ``docs/internals.md``, "Module map".
 

@@ -277,7 +277,7 @@ class _Pipeline:
                 "at the sample's response positions; use OPDStream.score for it",
             )
         if xtok is not None:  # a teacher with its own tokenizer needs its prompt
-            xtok.check_prompt(prepared)
+            xtok.check_prompt(prepared.teacher, prepared.teacher_tokens)
         return prepared
 
     async def intake(

@@ -24,18 +24,21 @@ from .wire._answers import ScoreRows
 from .wire._checks import LOGPROB_TOLERANCE
 from .wire._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
 from .xtok._align import Alignment
+from .xtok._tokenizers import CrossTokenizers
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = (
     "Candidates",
+    "CrossSample",
     "Fetched",
     "TokenAlignment",
     "PreparedSample",
     "Sample",
     "SampleFailure",
     "ScoredSample",
+    "cross_sample",
     "prepare_sample",
     "request_ids",
 )
@@ -240,6 +243,16 @@ class Fetched(msgspec.Struct, frozen=True, kw_only=True):
     teacher_token_logprobs: npt.NDArray[np.float32] | None = None
 
 
+class CrossSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample's teacher side, for a teacher with its own tokenizer: what the teacher is
+    asked, and the alignment."""
+
+    teacher_prepared: PreparedSample
+    """The sample as the teacher request sends it: ``tokens`` is the teacher prompt + the
+    teacher's ids of the response, ``response_length`` their count."""
+    alignment: Alignment
+
+
 def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]:
     if _is_tensor(tokens):
         dtype = tokens.dtype
@@ -356,6 +369,30 @@ def request_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     out = ids.copy()
     out[rows] = np.where(pad, fill, sub)
     return out
+
+
+def cross_sample(xtok: CrossTokenizers, prepared: PreparedSample) -> CrossSample:
+    """Align the response for the sample's teacher, which has its own tokenizer, and build
+    the teacher's request input (:meth:`~opd_stream.xtok._tokenizers.CrossTokenizers.prepare`;
+    blocking: CPU).
+
+    Raises:
+        InvalidSampleError: see :func:`~opd_stream.xtok._align.align_response`, and a
+            missing ``teacher_prompt_ids``.
+    """
+    side = xtok.prepare(
+        prepared.teacher, prepared.tokens, prepared.response_length, prepared.teacher_tokens
+    )
+    teacher_prepared = msgspec.structs.replace(
+        prepared,
+        tokens=side.tokens,
+        prompt_length=side.prompt_length,
+        response_length=side.response_length,
+        teacher_tokens=None,
+        student_top_ids=None,
+        student_top_logprobs=None,
+    )
+    return CrossSample(teacher_prepared=teacher_prepared, alignment=side.alignment)
 
 
 def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> PreparedSample:

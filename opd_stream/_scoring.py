@@ -46,9 +46,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._cross import empty_alignment, score_cross, token_alignment
 from ._errors import MissingLogprobError
-from ._sample import Candidates, Fetched, PreparedSample, ScoredSample
+from ._sample import Candidates, Fetched, PreparedSample, ScoredSample, TokenAlignment
 from .config._settings import StreamConfig
 from .kl._math import (
     Divergence,
@@ -60,6 +59,7 @@ from .kl._math import (
     topk_divergence,
 )
 from .kl._plan import candidate_width
+from .xtok._align import span_signal
 
 __all__ = ("empty_scored_sample", "score_batch", "timed_score_batch")
 
@@ -155,6 +155,61 @@ def _own(a: npt.NDArray[Any]) -> torch.Tensor:
     if a.nbytes >= _GIL_FREE_COPY:
         return torch.from_numpy(a.copy())
     return torch.from_numpy(np.frombuffer(bytearray(a.data), dtype=a.dtype).reshape(a.shape))
+
+
+def empty_alignment() -> TokenAlignment:
+    """The alignment of an empty response (``R = 0``): no teacher ids, no spans (each span
+    boundary array holds its one ``0``)."""
+    return TokenAlignment(
+        teacher_ids=torch.zeros(0, dtype=torch.int64),
+        teacher_token_logprobs=torch.zeros(0, dtype=torch.float32),
+        student_spans=torch.zeros(1, dtype=torch.int64),
+        teacher_spans=torch.zeros(1, dtype=torch.int64),
+        span_bytes=torch.zeros(1, dtype=torch.int64),
+        scored=torch.zeros(0, dtype=torch.bool),
+    )
+
+
+def token_alignment(f: Fetched) -> TokenAlignment | None:
+    """The result's alignment: when the sample's teacher has its own tokenizer and
+    ``return_alignment`` asked for it, else None."""
+    a = f.alignment
+    if a is None or not f.return_alignment:
+        return None
+    raw = f.teacher_token_logprobs
+    if raw is None:
+        raw = f.teacher_rows.token_logprobs
+    return TokenAlignment(
+        teacher_ids=torch.from_numpy(a.teacher_ids.copy()),
+        teacher_token_logprobs=torch.from_numpy(np.array(raw, dtype=np.float32)),
+        student_spans=torch.from_numpy(a.student_spans.copy()),
+        teacher_spans=torch.from_numpy(a.teacher_spans.copy()),
+        span_bytes=torch.from_numpy(a.span_bytes.copy()),
+        scored=torch.from_numpy(a.scored.copy()),
+    )
+
+
+def score_cross(f: Fetched) -> ScoredSample:
+    """The result of a sample scored by a teacher with its own tokenizer (sampled-token)."""
+    a = f.alignment
+    assert a is not None
+    teacher, rkl = span_signal(a, f.teacher_rows.token_logprobs, f.prepared.rollout_logprobs)
+    p = f.prepared
+    signal = None if rkl is None else torch.from_numpy(rkl)
+    return ScoredSample(
+        sample=p.sample,
+        index=p.index,
+        teacher=p.teacher,
+        teacher_logprobs=torch.from_numpy(teacher),
+        reverse_kl=signal,
+        candidates=None,
+        attempts=f.attempts,
+        latency_s=time.monotonic() - f.admitted_at,
+        alignment=token_alignment(f),
+        # sampled-token mode's one divergence: ``signal`` is ``reverse_kl`` (the same tensor)
+        signal=signal,
+        divergence="reverse_kl",
+    )
 
 
 def _result(

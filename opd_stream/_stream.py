@@ -30,13 +30,13 @@ import sys
 import types
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Self
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._cross import CrossTokenizers
 from ._errors import ConfigError, OPDStreamError
 from ._loading import import_off_loop, is_imported
 from ._logging import get_logger
@@ -52,6 +52,7 @@ from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
 from .transport._transports import AiohttpTransport, Transport
 from .wire._answers import ScoreRows
+from .xtok._tokenizers import CrossTokenizers
 
 if TYPE_CHECKING:
     import torch
@@ -265,7 +266,15 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         # names the setting and the file)
         xtok = None
         if self.config.teacher_tokenizers:
-            xtok = await anyio.to_thread.run_sync(CrossTokenizers.load, self.config)
+            cfg = self.config
+            load = partial(
+                CrossTokenizers.load,
+                cfg.student_tokenizer,
+                cfg.teacher_tokenizers,
+                return_alignment=cfg.return_alignment,
+                top_k=cfg.top_k > 0,
+            )
+            xtok = await anyio.to_thread.run_sync(load)
         try:
             transport = self._transport
             if transport is None:

@@ -225,7 +225,7 @@ async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values() -> 
     t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
     text = " ".join(RESPONSES) * 8
     ids = student.encode(text)
-    assert ids.shape[0] >= 256  # opd_stream._cross.THREAD_TOKENS
+    assert ids.shape[0] >= 256  # opd_stream.xtok._tokenizers.THREAD_TOKENS
     sample = make_sample(student, teacher, s_model, ids, 0)
     server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=t_model)
     cfg = config(family_dir("qwen-3.5"), family_dir("glm-4.7-flash"))

@@ -20,14 +20,6 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from .._cross import (
-    THREAD_TOKENS,
-    CrossSample,
-    CrossTokenizers,
-    empty_rows,
-    topk_candidates,
-    topk_rows,
-)
 from .._errors import (
     CapabilityError,
     ConnectionFailed,
@@ -37,7 +29,7 @@ from .._errors import (
     WeightVersionChanged,
 )
 from .._logging import get_logger
-from .._sample import Fetched, PreparedSample, request_ids
+from .._sample import CrossSample, Fetched, PreparedSample, cross_sample, request_ids
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
 from ..fleet._balance import EndpointPool, Route, prefix_key, routing_tokens
@@ -59,6 +51,13 @@ from ..kl._plan import RequestPlan, plan_requests
 from ..transport._transports import Transport
 from ..wire._answers import ScoreRows
 from ..wire._request import ScoreRequest, auto_block_size
+from ..xtok._tokenizers import (
+    THREAD_TOKENS,
+    CrossTokenizers,
+    empty_rows,
+    topk_candidates,
+    topk_rows,
+)
 from ._attempts import AttemptSender, Counter, Failed
 from ._retry import RetryPolicy
 
@@ -423,7 +422,7 @@ class SampleFetcher:
         def timed() -> CrossSample:
             start = time.thread_time()
             try:
-                return xtok.prepare(prepared)
+                return cross_sample(xtok, prepared)
             finally:
                 self._stats.spent("align", time.thread_time() - start)
 

@@ -15,13 +15,13 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-from .._cross import CrossTokenizers
 from .._errors import OPDStreamError
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
 from ..config._settings import StreamConfig
 from ..transport._transports import Transport
 from ..wire._answers import ScoreRows
+from ..xtok._tokenizers import CrossTokenizers
 
 __all__ = ("SharedStream",)
 

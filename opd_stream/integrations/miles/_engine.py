@@ -18,7 +18,6 @@ from typing import Any, Final
 import anyio
 import msgspec
 
-from ..._cross import CrossTokenizers
 from ..._errors import InvalidSampleError, OPDStreamError
 from ..._sample import (
     PreparedSample,
@@ -32,6 +31,7 @@ from ...config._settings import StreamConfig
 from ...fleet._router import DEFAULT_TEACHER, show_value
 from ...transport._transports import Transport
 from ...xtok._chat import TeacherPrompts
+from ...xtok._tokenizers import CrossTokenizers
 from .._shared import SharedStream
 from ._turns import Turn, join_turns, plan_turns, special_texts, turn_sample
 

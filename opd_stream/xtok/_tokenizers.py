@@ -1,19 +1,20 @@
-"""Teachers with another tokenizer: what the pipeline does for them, as plain functions.
+"""A stream's tokenizers for teachers with another tokenizer, and what the pipeline asks of
+them, in plain values (numpy arrays, names; no sample or settings type).
 
 * :class:`CrossTokenizers`: a stream's loaded tokenizers (the student's, and each listed
   teacher's own), loaded once as the stream starts (:meth:`CrossTokenizers.load`).
 * :meth:`CrossTokenizers.prepare`: per sample, the alignment of the response
   (:func:`~opd_stream.xtok._align.align_response`) and the teacher's request input,
-  ``teacher_prompt_ids + teacher ids of the response text``. The fetch stage runs it, in a
-  decode thread for a response of :data:`THREAD_TOKENS` tokens or more (re-tokenisation
-  costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3 with tokenizers;
-  the loop keeps the short ones), and always in a decode thread where the teacher's encoder
-  runs in a process of its own (a pipe is never waited on from the loop).
-* :func:`score_cross`: the KL stage's result for such a sample in sampled-token mode (one
-  value per student token, :func:`~opd_stream.xtok._align.span_signal`, and the alignment when
-  asked for); in top-k mode (only-student) :func:`topk_candidates` picks what the teacher
-  is asked and :func:`topk_rows` turns its answer into the student-row arrays the usual
-  top-k KL reads.
+  ``teacher_prompt_ids + teacher ids of the response text`` (:class:`TeacherInput`). The
+  fetch stage runs it, in a decode thread for a response of :data:`THREAD_TOKENS` tokens or
+  more (re-tokenisation costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3
+  with tokenizers; the loop keeps the short ones), and always in a decode thread where the
+  teacher's encoder runs in a process of its own (a pipe is never waited on from the loop).
+* In top-k mode (only-student) :func:`topk_candidates` picks what the teacher is asked and
+  :func:`topk_rows` turns its answer into the student-row arrays the usual top-k KL reads.
+
+The KL stage's result for such a sample (sampled-token mode: one value per student token,
+:func:`~opd_stream.xtok._align.span_signal`) is built by :mod:`opd_stream._scoring`.
 
 The teacher answers in its own ids: the decoder checks them against the ids sent, row
 count included, as for any teacher (a mismatch fails the sample as
@@ -22,18 +23,16 @@ count included, as for any teacher (a mismatch fails the sample as
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping
 from typing import Final
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidSampleError
-from ._sample import Fetched, PreparedSample, ScoredSample, TokenAlignment
-from .config._settings import StreamConfig
-from .wire._answers import ScoreRows
-from .xtok._align import (
+from .._errors import InvalidSampleError
+from ..wire._answers import ScoreRows
+from ._align import (
     Alignment,
     align_response,
     byte_twins,
@@ -41,16 +40,13 @@ from .xtok._align import (
     span_signal,
     teacher_candidates,
 )
-from .xtok._vocab import Vocab, load_vocab_process
+from ._vocab import Vocab, load_vocab_process
 
 __all__ = (
     "THREAD_TOKENS",
-    "CrossSample",
     "CrossTokenizers",
-    "empty_alignment",
+    "TeacherInput",
     "empty_rows",
-    "score_cross",
-    "token_alignment",
     "topk_candidates",
     "topk_rows",
 )
@@ -59,13 +55,19 @@ THREAD_TOKENS: Final = 256
 """Responses at least this long are aligned in a decode thread, not on the event loop."""
 
 
-class CrossSample(msgspec.Struct, frozen=True, kw_only=True):
+class TeacherInput(msgspec.Struct, frozen=True, kw_only=True):
     """One sample's teacher side: what the teacher is asked, and the alignment."""
 
-    teacher_prepared: PreparedSample
-    """The sample as the teacher request sends it: ``tokens`` is the teacher prompt + the
-    teacher's ids of the response, ``response_length`` their count."""
+    tokens: npt.NDArray[np.int64]
+    """What the teacher request sends: the teacher prompt + the teacher's ids of the
+    response (``alignment.teacher_ids``, the last ``response_length`` of them)."""
+    prompt_length: int
     alignment: Alignment
+
+    @property
+    def response_length(self) -> int:
+        """The teacher's ids of the response: how many."""
+        return int(self.alignment.teacher_ids.shape[0])
 
 
 def empty_rows() -> ScoreRows:
@@ -102,9 +104,17 @@ class CrossTokenizers:
         )
 
     @classmethod
-    def load(cls, config: StreamConfig) -> CrossTokenizers | None:
-        """Load the configured tokenizers, or None when no teacher has its own (blocking:
-        ~1-4 s each; one load per file). Each is loaded and run in a process of its own
+    def load(
+        cls,
+        student_tokenizer: str | None,
+        teacher_tokenizers: Mapping[str, str] | None,
+        *,
+        return_alignment: bool = False,
+        top_k: bool = False,
+    ) -> CrossTokenizers | None:
+        """Load the tokenizers (the settings ``student_tokenizer`` and ``teacher_tokenizers``:
+        teacher name -> path), or None when no teacher has its own (blocking: ~1-4 s each;
+        one load per file). Each is loaded and run in a process of its own
         (:mod:`opd_stream.xtok._worker`: building a tokenizer holds the GIL for up to
         0.6 s at a stretch, which no thread of the host's process may do); stop them with
         :meth:`close`.
@@ -113,7 +123,7 @@ class CrossTokenizers:
             ConfigError: a missing, unreadable or unsupported file, naming the setting and
                 the path.
         """
-        if not config.teacher_tokenizers or config.student_tokenizer is None:
+        if not teacher_tokenizers or student_tokenizer is None:
             return None
         loaded: dict[str, Vocab] = {}
 
@@ -123,17 +133,12 @@ class CrossTokenizers:
             return loaded[path]
 
         try:
-            student = load("student_tokenizer", config.student_tokenizer)
+            student = load("student_tokenizer", student_tokenizer)
             teachers = {
                 name: load(f"teacher_tokenizers[{name}]", path)
-                for name, path in config.teacher_tokenizers.items()
+                for name, path in teacher_tokenizers.items()
             }
-            return cls(
-                student,
-                teachers,
-                return_alignment=config.return_alignment,
-                top_k=config.top_k > 0,
-            )
+            return cls(student, teachers, return_alignment=return_alignment, top_k=top_k)
         except BaseException:
             for vocab in loaded.values():
                 vocab.close()
@@ -160,106 +165,48 @@ class CrossTokenizers:
         ``return_alignment`` is set)."""
         return self.return_alignment and name in self.teachers
 
-    def check_prompt(self, prepared: PreparedSample) -> None:
-        """A sample routed to a teacher with its own tokenizer carries the teacher prompt.
+    def check_prompt(self, teacher: str, teacher_tokens: npt.NDArray[np.int64] | None) -> None:
+        """A sample routed to a teacher with its own tokenizer carries the teacher prompt
+        (``teacher_tokens``: its ``teacher_prompt_ids`` + the response, or None).
 
         Raises:
             InvalidSampleError: ``teacher_prompt_ids`` is missing.
         """
-        if prepared.teacher_tokens is None and prepared.teacher in self.teachers:
+        if teacher_tokens is None and teacher in self.teachers:
             raise InvalidSampleError(
                 "teacher_prompt_ids",
-                f"required: teacher {prepared.teacher!r} has its own tokenizer, so its prompt "
+                f"required: teacher {teacher!r} has its own tokenizer, so its prompt "
                 "must be given in its ids (render it with its chat template, e.g. "
                 "opd_stream.integrations' teacher prompt rendering)",
             )
 
-    def prepare(self, prepared: PreparedSample) -> CrossSample:
-        """Align the response and build the teacher's request input (blocking: CPU).
+    def prepare(
+        self,
+        teacher: str,
+        tokens: npt.NDArray[np.int64],
+        response_length: int,
+        teacher_tokens: npt.NDArray[np.int64] | None,
+    ) -> TeacherInput:
+        """Align the response (the last ``response_length`` of the student's ``tokens``) for
+        ``teacher`` and build its request input from ``teacher_tokens`` (the teacher prompt
+        + the response; blocking: CPU).
 
         Raises:
             InvalidSampleError: see :func:`~opd_stream.xtok._align.align_response`, and a
                 missing ``teacher_prompt_ids``.
         """
-        teacher = self.teachers[prepared.teacher]
-        self.check_prompt(prepared)
-        assert prepared.teacher_tokens is not None  # checked above
-        r = prepared.response_length
-        response = prepared.tokens[prepared.tokens.shape[0] - r :]
-        alignment = align_response(self.student, teacher, response, prepared.teacher)
-        prompt = prepared.teacher_tokens[: prepared.teacher_tokens.shape[0] - r]
-        tokens = np.concatenate([prompt, alignment.teacher_ids])
-        teacher_prepared = msgspec.structs.replace(
-            prepared,
-            tokens=tokens,
+        vocab = self.teachers[teacher]
+        self.check_prompt(teacher, teacher_tokens)
+        assert teacher_tokens is not None  # checked above
+        r = response_length
+        response = tokens[tokens.shape[0] - r :]
+        alignment = align_response(self.student, vocab, response, teacher)
+        prompt = teacher_tokens[: teacher_tokens.shape[0] - r]
+        return TeacherInput(
+            tokens=np.concatenate([prompt, alignment.teacher_ids]),
             prompt_length=prompt.shape[0],
-            response_length=int(alignment.teacher_ids.shape[0]),
-            teacher_tokens=None,
-            student_top_ids=None,
-            student_top_logprobs=None,
+            alignment=alignment,
         )
-        return CrossSample(teacher_prepared=teacher_prepared, alignment=alignment)
-
-
-def empty_alignment() -> TokenAlignment:
-    """The alignment of an empty response (``R = 0``): no teacher ids, no spans (each span
-    boundary array holds its one ``0``)."""
-    import torch
-
-    return TokenAlignment(
-        teacher_ids=torch.zeros(0, dtype=torch.int64),
-        teacher_token_logprobs=torch.zeros(0, dtype=torch.float32),
-        student_spans=torch.zeros(1, dtype=torch.int64),
-        teacher_spans=torch.zeros(1, dtype=torch.int64),
-        span_bytes=torch.zeros(1, dtype=torch.int64),
-        scored=torch.zeros(0, dtype=torch.bool),
-    )
-
-
-def token_alignment(f: Fetched) -> TokenAlignment | None:
-    """The result's alignment: when the sample's teacher has its own tokenizer and
-    ``return_alignment`` asked for it, else None."""
-    import torch
-
-    a = f.alignment
-    if a is None or not f.return_alignment:
-        return None
-    raw = f.teacher_token_logprobs
-    if raw is None:
-        raw = f.teacher_rows.token_logprobs
-    return TokenAlignment(
-        teacher_ids=torch.from_numpy(a.teacher_ids.copy()),
-        teacher_token_logprobs=torch.from_numpy(np.array(raw, dtype=np.float32)),
-        student_spans=torch.from_numpy(a.student_spans.copy()),
-        teacher_spans=torch.from_numpy(a.teacher_spans.copy()),
-        span_bytes=torch.from_numpy(a.span_bytes.copy()),
-        scored=torch.from_numpy(a.scored.copy()),
-    )
-
-
-def score_cross(f: Fetched) -> ScoredSample:
-    """The result of a sample scored by a teacher with its own tokenizer (sampled-token)."""
-    import torch
-
-    a = f.alignment
-    assert a is not None
-    teacher, rkl = span_signal(a, f.teacher_rows.token_logprobs, f.prepared.rollout_logprobs)
-    p = f.prepared
-    signal = None if rkl is None else torch.from_numpy(rkl)
-    return ScoredSample(
-        sample=p.sample,
-        index=p.index,
-        teacher=p.teacher,
-        teacher_logprobs=torch.from_numpy(teacher),
-        reverse_kl=signal,
-        candidates=None,
-        attempts=f.attempts,
-        latency_s=time.monotonic() - f.admitted_at,
-        alignment=token_alignment(f),
-        # sampled-token mode's one divergence: ``signal`` is ``reverse_kl`` (the same tensor)
-        signal=signal,
-        divergence="reverse_kl",
-    )
 
 
 def topk_candidates(

@@ -12,6 +12,8 @@ from opd_stream.scanner import _checks as scanner_checks
 from opd_stream.scanner import _ids as scanner_ids
 from opd_stream.scanner import _rows as scanner_rows
 from opd_stream.scanner import _scan as scanner_scan
+from opd_stream.scanner import _types as scanner_types
+from opd_stream.wire import _answers as wire_answers
 from opd_stream.wire import _checks as wire_checks
 from opd_stream.wire import _decode_score, _scan_reader, _student_topk
 from opd_stream.wire._student_topk import MAX_TOKEN_ID, PAD_ID
@@ -19,6 +21,11 @@ from opd_stream.wire._student_topk import MAX_TOKEN_ID, PAD_ID
 
 def test_the_scanner_falls_back_at_the_decoders_logprob_tolerance() -> None:
     assert scanner_scan._TOLERANCE == wire_checks.LOGPROB_TOLERANCE
+
+
+def test_the_scanner_reads_the_bodies_the_wire_decodes() -> None:
+    # the scanner names the body types itself (it imports nothing of the wire)
+    assert scanner_types.Body == wire_answers.Body
 
 
 def test_the_scanner_numbers_the_kinds_of_value_as_the_schema_does() -> None:

@@ -152,3 +152,52 @@ def test_the_settings_load_neither_torch_nor_numba() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+# ---------------------------------------------------------------- issue 36, item 2: the fleet
+
+#: The top-level modules every room may import: the error tree, the logger, and the
+#: answers' model (``_answers``: wire's, on its way into ``wire/``).
+FOUNDATIONS = ("opd_stream._errors", "opd_stream._logging", "opd_stream._answers")
+
+
+def _room_modules(room: str) -> list[Path]:
+    return sorted((PACKAGE / room).rglob("*.py"))
+
+
+def _calls(path: Path) -> set[str]:
+    """The names ``path`` calls (``f(...)`` and ``x.f(...)``: ``f``), at any depth."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                out.add(func.id)
+            elif isinstance(func, ast.Attribute):
+                out.add(func.attr)
+    return out
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of the modules ``path`` imports that are not ``opd_stream``'s."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out - {"opd_stream"}
+
+
+def test_the_fleet_imports_no_top_level_module_but_the_foundations() -> None:
+    # the fleet's records live in fleet/ (not in _stats): the top level imports the fleet,
+    # never the other way round
+    wrong = {
+        _module(path): sorted(
+            m
+            for m in _imports(path)
+            if _room(m) == m and m.count(".") == 1 and not m.startswith(FOUNDATIONS)
+        )
+        for path in _room_modules("fleet")
+    }
+    assert not {m: v for m, v in wrong.items() if v}, wrong

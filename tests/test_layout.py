@@ -201,3 +201,14 @@ def test_the_fleet_imports_no_top_level_module_but_the_foundations() -> None:
         for path in _room_modules("fleet")
     }
     assert not {m: v for m, v in wrong.items() if v}, wrong
+
+
+#: What a sans-IO room never imports: an event loop, threads, a clock.
+_IO = {"anyio", "asyncio", "trio", "sniffio", "threading", "concurrent", "time"}
+
+
+def test_the_wire_is_sans_io() -> None:
+    # bytes in, rows out: which step runs in a worker thread, and its timing, is the
+    # fetch stage's (fetch/_threads)
+    wrong = {_module(p): sorted(_third_party(p) & _IO) for p in _room_modules("wire")}
+    assert not {m: v for m, v in wrong.items() if v}, wrong

@@ -212,3 +212,25 @@ def test_the_wire_is_sans_io() -> None:
     # fetch stage's (fetch/_threads)
     wrong = {_module(p): sorted(_third_party(p) & _IO) for p in _room_modules("wire")}
     assert not {m: v for m, v in wrong.items() if v}, wrong
+
+
+def _defined(path: Path) -> set[str]:
+    """The names ``path`` defines at its top level (functions and classes)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        n.name
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+
+
+#: An ensemble's mixture: arithmetic of the fetch plan that asks the members.
+MIXTURE = ("member_error", "mix_logprobs", "mixed_rows", "mixture_topk", "present", "union_ids")
+
+
+def test_the_ensembles_mixture_is_the_fetch_plans_arithmetic() -> None:
+    # the fleet knows an ensemble's members and weights; the fetch plan mixes their answers
+    in_fleet = {_module(p): sorted(_defined(p) & set(MIXTURE)) for p in _room_modules("fleet")}
+    assert not {m: v for m, v in in_fleet.items() if v}, in_fleet
+    mixture = PACKAGE / "fetch" / "_mixture.py"
+    assert mixture.is_file() and set(MIXTURE) <= _defined(mixture)

@@ -46,20 +46,13 @@ from ..fleet._capabilities import Capabilities, Side
 from ..fleet._discovery import FleetDirectory
 from ..fleet._endpoints import Endpoints
 from ..fleet._engines import EngineDirectory, EngineUnknown
-from ..fleet._ensemble import (
-    Ensemble,
-    member_error,
-    mix_logprobs,
-    mixed_rows,
-    mixture_topk,
-    present,
-    union_ids,
-)
+from ..fleet._ensemble import Ensemble
 from ..fleet._router import Teacher
 from ..kl._plan import RequestPlan, plan_requests
 from ..transport._transports import Transport
 from ..wire._request import ScoreRequest, auto_block_size
 from ._attempts import AttemptSender, Counter, Failed
+from ._mixture import member_error, mix_logprobs, mixed_rows, mixture_topk, present, union_ids
 from ._retry import RetryPolicy
 
 __all__ = ("SampleFetcher", "ScoreAttemptError")
@@ -297,7 +290,7 @@ class SampleFetcher:
         ``make(top_k, ids)`` builds the teacher request's factory. An ensemble's members
         are asked at once (the same request each); with a top-k and two members or more,
         each then scores every id of the union of their top-k, and the mixture's top-k is
-        chosen there (:mod:`opd_stream.fleet._ensemble`). A member that fails (after its
+        chosen there (:mod:`opd_stream.fetch._mixture`). A member that fails (after its
         retries) fails the whole answer, the member named in the error.
 
         One set of weights per member: a member's two answers (its top-k, then the union's

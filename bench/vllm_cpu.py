@@ -165,7 +165,8 @@ async def decode_alone(
     import aiohttp
     import msgspec
 
-    from opd_stream.wire._codec import decode, timed_build
+    from opd_stream.fetch._threads import timed_build
+    from opd_stream.wire._codec import decode
     from opd_stream.wire._payloads import build_block_payloads
     from opd_stream.wire._request import multi_body
     from opd_stream.wire._vllm import ENGINE_PATHS

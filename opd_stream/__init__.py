@@ -53,11 +53,12 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
     )
     from ._logging import configure_logging
     from ._sample import Candidates, Sample, SampleFailure, ScoredSample, TokenAlignment
-    from ._stats import ChannelStats, EndpointStats, FleetState, KLStageStats, StreamStats
+    from ._stats import ChannelStats, KLStageStats, StreamStats
     from ._stream import OPDStream, Results
     from .config._settings import Secret, StreamConfig
     from .fleet._ensemble import Ensemble
     from .fleet._probe import ProbeReport, ReplicaProbe
+    from .fleet._records import EndpointStats, FleetState
     from .transport._transports import AiohttpTransport, MockTransport, Response, Transport
 
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -84,7 +85,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "._logging": ("configure_logging",),
     ".fleet._probe": ("ProbeReport", "ReplicaProbe"),
     "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample", "TokenAlignment"),
-    "._stats": ("ChannelStats", "EndpointStats", "FleetState", "KLStageStats", "StreamStats"),
+    "._stats": ("ChannelStats", "KLStageStats", "StreamStats"),
+    ".fleet._records": ("EndpointStats", "FleetState"),
     "._stream": ("OPDStream", "Results"),
     ".transport._transports": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
 }

@@ -45,6 +45,7 @@ from ._sample import Sample, SampleFailure, ScoredSample, prepare_sample
 from ._stats import StatsRecorder, StreamStats
 from .config._settings import StreamConfig, resolve_decode_threads, resolve_kl_device
 from .fetch._fetcher import SampleFetcher
+from .fleet._fleet import Fleet
 from .fleet._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
 from .fleet._probe_requests import run_probe
 from .fleet._router import TeacherRouter, replica_groups
@@ -116,6 +117,26 @@ def default_transport(config: StreamConfig) -> Transport:
             "(or pass a transport)"
         ) from None
     return HttpxTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
+
+
+def build_fleet(config: StreamConfig, transport: Transport) -> Fleet:
+    """The stream's :class:`~opd_stream.fleet._fleet.Fleet`, from its settings."""
+    return Fleet(
+        transport,
+        balance=config.balance,
+        load_factor=config.balance_load_factor,
+        limit=config.max_inflight_per_endpoint,
+        eject_after=config.eject_after_failures,
+        cooldown_s=config.eject_cooldown_s,
+        unreachable_after_s=config.unreachable_after_s,
+        id_scoring=config.id_scoring,
+        topk_wire=config.topk_wire,
+        discovery=config.router_discovery == "auto",
+        engine=config.engine,
+        server_engines=config.server_engines,
+        max_logprobs=config.vllm_max_logprobs,
+        secret=config.api_key.get_secret_value() if config.api_key else None,
+    )
 
 
 class Results:
@@ -213,6 +234,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         self._stats.kl_device = self._device_name or config.kl_device
         self._tg: anyio.abc.TaskGroup | None = None
         self._parts: StreamParts | None = None  # what every run shares (set on entry)
+        self._fleet: Fleet | None = None  # the servers and all known of them (set on entry)
         self._in_use: Transport | None = None
         self._decode_limiter = anyio.CapacityLimiter(resolve_decode_threads(config))
         # open run handles: a dropped one is closed at the stream's exit
@@ -284,8 +306,10 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 transport = default_transport(self.config)
             assert self._device is not None
             async with transport, anyio.create_task_group() as tg:
+                fleet = self._fleet = build_fleet(self.config, transport)
                 fetcher = SampleFetcher(
                     self.config,
+                    fleet,
                     transport,
                     self._stats,
                     threads=self._decode_limiter,
@@ -378,8 +402,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         Raises:
             InvalidSampleError: ``sample`` is not a valid sample.
         """
-        parts, transport = self._parts, self._in_use
-        if parts is None or transport is None:
+        fleet, transport = self._fleet, self._in_use
+        if self._parts is None or fleet is None or transport is None:
             raise RuntimeError("OPDStream.probe() called outside 'async with OPDStream(...)'")
         if sample is None:
             tokens, r = default_probe_tokens(), PROBE_RESPONSE_LENGTH
@@ -392,7 +416,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         cfg = self.config
         report = await run_probe(
             transport,
-            parts.fetcher.fleets,
+            fleet.gateways,
             replica_groups(cfg.teachers),
             tokens,
             r,
@@ -401,7 +425,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             deadline_s=cfg.probe_deadline_s,
             max_bytes=cfg.max_response_bytes,
             secret=cfg.api_key.get_secret_value() if cfg.api_key else None,
-            engines=parts.fetcher.engines,
+            engines=fleet.engines,
             others=() if cfg.student_url is None else (cfg.student_url,),
         )
         log.info(
@@ -416,7 +440,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         out = set(ejectable(report))
         for replica in report.replicas:
             if replica.url in out:
-                parts.fetcher.eject_for_good(replica.url)
+                fleet.eject_for_good(replica.url)
                 log.warning(
                     "replica_ejected_by_probe",
                     teacher=replica.teacher,
@@ -440,12 +464,10 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         if self._kernels_from is not None:
             self._stats.cpu.kernels = kernels_cpu() - self._kernels_from
         snap = self._stats.snapshot()
-        if self._parts is None:
+        if self._fleet is None:
             return snap
         return msgspec.structs.replace(
-            snap,
-            endpoints=self._parts.fetcher.endpoints.snapshot(),
-            fleets=self._parts.fetcher.fleets.snapshot(),
+            snap, endpoints=self._fleet.endpoint_stats(), fleets=self._fleet.gateway_stats()
         )
 
     # one sample at a time ------------------------------------------------------------

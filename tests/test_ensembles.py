@@ -37,7 +37,8 @@ from opd_stream import (
     ScoredSample,
     StreamConfig,
 )
-from opd_stream.fleet._ensemble import Ensemble, mix_logprobs, mixture_topk, union_ids
+from opd_stream.fetch._mixture import mix_logprobs, mixture_topk, union_ids
+from opd_stream.fleet._ensemble import Ensemble
 from opd_stream.fleet._router import TeacherRouter, normalize_teachers, parse_teacher_urls
 from opd_stream.integrations.miles import config_from_miles_args
 from opd_stream.kl._math import STRATEGIES

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,114 @@ def test_the_circle_check_sees_two_modules_of_a_room_importing_each_other(
     (room / "_c.py").write_text("from ._a import A\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "opd_stream")
     assert cycles(module_graph()) == [["opd_stream.room._a", "opd_stream.room._b"]]
+
+
+# ---------------------------------------------------------------- issue 36, item 2: the fleet
+
+#: The top-level modules every room may import: the error tree, the logger, and the
+#: answers' model (``_answers``: wire's, on its way into ``wire/``).
+FOUNDATIONS = ("opd_stream._errors", "opd_stream._logging")
+
+
+def _room_modules(room: str) -> list[Path]:
+    return sorted((PACKAGE / room).rglob("*.py"))
+
+
+def _where(found: Callable[[Path], set[str]], paths: list[Path]) -> dict[str, list[str]]:
+    """``{module: sorted(found(path))}`` for the paths where ``found`` finds something."""
+    out = {_module(p): sorted(found(p)) for p in paths}
+    return {m: v for m, v in out.items() if v}
+
+
+def _calls(path: Path) -> set[str]:
+    """The names ``path`` calls (``f(...)`` and ``x.f(...)``: ``f``), at any depth."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                out.add(func.id)
+            elif isinstance(func, ast.Attribute):
+                out.add(func.attr)
+    return out
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of the modules ``path`` imports that are not ``opd_stream``'s."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out - {"opd_stream"}
+
+
+def test_the_fleet_imports_no_top_level_module_but_the_foundations() -> None:
+    # the fleet's records live in fleet/ (not in _stats): the top level imports the fleet,
+    # never the other way round
+    wrong = _where(
+        lambda p: {
+            m
+            for m in _imports(p)
+            if _room(m) == m and m.count(".") == 1 and not m.startswith(FOUNDATIONS)
+        },
+        _room_modules("fleet"),
+    )
+    assert not wrong, wrong
+
+
+#: What a sans-IO room never imports: an event loop, threads, a clock.
+_IO = {"anyio", "asyncio", "trio", "sniffio", "threading", "concurrent", "time"}
+
+
+def test_the_wire_is_sans_io() -> None:
+    # bytes in, rows out: which step runs in a worker thread, and its timing, is the
+    # fetch stage's (fetch/_threads)
+    wrong = _where(lambda p: _third_party(p) & _IO, _room_modules("wire"))
+    assert not wrong, wrong
+
+
+def _defined(path: Path) -> set[str]:
+    """The names ``path`` defines at its top level (functions and classes)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        n.name
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+
+
+#: An ensemble's mixture: arithmetic of the fetch plan that asks the members.
+MIXTURE = ("member_error", "mix_logprobs", "mixed_rows", "mixture_topk", "present", "union_ids")
+
+
+def test_the_ensembles_mixture_is_the_fetch_plans_arithmetic() -> None:
+    # the fleet knows an ensemble's members and weights; the fetch plan mixes their answers
+    in_fleet = _where(lambda p: _defined(p) & set(MIXTURE), _room_modules("fleet"))
+    assert not in_fleet, in_fleet
+    mixture = PACKAGE / "fetch" / "_mixture.py"
+    assert mixture.is_file() and set(MIXTURE) <= _defined(mixture)
+
+
+#: The fleet's parts: built by the fleet (fleet/_fleet.py) alone.
+FLEET_PARTS = ("Endpoints", "EndpointPool", "Capabilities", "FleetDirectory", "EngineDirectory")
+
+
+def test_the_fleet_builds_its_parts_and_the_stream_builds_the_fleet() -> None:
+    # one place knows the servers (and which engine each speaks): the stream owns it and
+    # hands it to the fetcher, which asks it
+    outside = [p for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "fleet"]
+    wrong = _where(lambda p: _calls(p) & set(FLEET_PARTS), outside)
+    assert not wrong, wrong
+    fetch = _where(lambda p: _calls(p) & {"Fleet"}, _room_modules("fetch"))
+    assert not fetch, fetch
+    assert "Fleet" in _calls(PACKAGE / "_stream.py")
+
+
+def test_the_fetcher_is_handed_the_fleet() -> None:
+    tree = ast.parse((PACKAGE / "fetch" / "_fetcher.py").read_text(encoding="utf-8"))
+    (cls,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SampleFetcher")
+    (init,) = (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    kinds = [a.annotation for a in init.args.args + init.args.kwonlyargs]
+    assert any(isinstance(a, ast.Name) and a.id == "Fleet" for a in kinds)

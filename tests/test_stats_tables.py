@@ -9,8 +9,9 @@ import msgspec
 import pytest
 
 from opd_stream import EndpointStats
-from opd_stream._stats import CPU_STEPS, CpuSeconds, EndpointTraffic, StatsRecorder
+from opd_stream._stats import CPU_STEPS, CpuSeconds, StatsRecorder
 from opd_stream.fleet._endpoints import Endpoint
+from opd_stream.fleet._records import EndpointTraffic
 from opd_stream.wire._codec import PARSERS, Parser
 
 

@@ -278,7 +278,7 @@ def _mixture_expected(sample: Sample, servers: dict[str, InProcessSGLang], strat
 def test_a_members_weight_version_error_names_the_member() -> None:
     import pickle
 
-    from opd_stream.fleet._ensemble import member_error
+    from opd_stream.fetch._mixture import member_error
 
     exc = WeightVersionChanged(("a", "b"), where="the items of one answer")
     named = member_error(exc, "member 2 of 3 (http://b:1)")

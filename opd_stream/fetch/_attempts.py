@@ -34,20 +34,13 @@ from ..fleet._router import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Transport
 from ..wire._answers import Body, ScoreRows
-from ..wire._codec import (
-    Answer,
-    answer_size,
-    build_in_thread,
-    decode,
-    decode_in_thread,
-    timed_build,
-    timed_decode,
-)
+from ..wire._codec import Answer, answer_size, decode
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
 from ..wire._request import Layout, ScoreRequest, layout, multi_body
 from ..wire._vllm import ENGINE_PATHS
 from ._retry import retry_after_s
+from ._threads import build_in_thread, decode_in_thread, timed_build, timed_decode
 
 __all__ = ("AttemptSender", "Counter", "Failed")
 
@@ -473,7 +466,7 @@ class AttemptSender:
 
     async def _build_body(self, req: ScoreRequest) -> tuple[bytes, Layout]:
         """The request body and its layout; a large one is built in a worker thread (the
-        GIL released while the ids are written). Where: ``_codec``."""
+        GIL released while the ids are written). Where: ``_threads``."""
         if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
             body, lay, cpu = timed_build(req)
             self._stats.spent("build", cpu)  # (on the loop)
@@ -488,7 +481,7 @@ class AttemptSender:
 
     async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
-        released while it parses), a small one on the loop."""
+        released while it parses), a small one on the loop. Where: ``_threads``."""
         size = answer_size(body)
         if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
             start = time.thread_time()

@@ -9,7 +9,6 @@ fetch -> student fetch -> decode). Single attempts (hedging, health, decode) are
 
 from __future__ import annotations
 
-import math
 import random
 import secrets
 import time
@@ -32,20 +31,11 @@ from .._logging import get_logger
 from .._sample import CrossSample, Fetched, PreparedSample, cross_sample, request_ids
 from .._stats import StatsRecorder
 from ..config._settings import StreamConfig
-from ..fleet._balance import EndpointPool, Route, prefix_key, routing_tokens
-from ..fleet._capabilities import Capabilities, Side
-from ..fleet._discovery import FleetDirectory
-from ..fleet._endpoints import Endpoints
-from ..fleet._engines import EngineDirectory, EngineUnknown
-from ..fleet._ensemble import (
-    Ensemble,
-    member_error,
-    mix_logprobs,
-    mixed_rows,
-    mixture_topk,
-    present,
-    union_ids,
-)
+from ..fleet._balance import Route, prefix_key, routing_tokens
+from ..fleet._capabilities import Side
+from ..fleet._engines import EngineUnknown
+from ..fleet._ensemble import Ensemble
+from ..fleet._fleet import Fleet
 from ..fleet._router import Teacher
 from ..kl._plan import RequestPlan, plan_requests
 from ..transport._transports import Transport
@@ -59,6 +49,7 @@ from ..xtok._tokenizers import (
     topk_rows,
 )
 from ._attempts import AttemptSender, Counter, Failed
+from ._mixture import member_error, mix_logprobs, mixed_rows, mixture_topk, present, union_ids
 from ._retry import RetryPolicy
 
 __all__ = ("SampleFetcher", "ScoreAttemptError")
@@ -88,13 +79,15 @@ class ScoreAttemptError(Exception):
 class SampleFetcher:
     """Runs a sample's request plan against the configured servers.
 
-    One instance serves a whole stream; it owns the replica pool (balancing, health), the
-    capability state and the attempt sender (per-endpoint limits) of that stream.
+    One instance serves a whole stream; it asks the stream's :class:`Fleet` (replicas,
+    health, capabilities, each server's engine) and owns the attempt sender (per-endpoint
+    limits) of that stream.
     """
 
     def __init__(
         self,
         config: StreamConfig,
+        fleet: Fleet,
         transport: Transport,
         stats: StatsRecorder,
         *,
@@ -113,49 +106,19 @@ class SampleFetcher:
             max_s=config.backoff_max_s,
             rng=self._rng,
         )
-        self.endpoints = Endpoints()  # every URL's load, health and capabilities
-        self._pool = EndpointPool(
-            self.endpoints,
-            balance=config.balance,
-            load_factor=config.balance_load_factor,
-            limit=config.max_inflight_per_endpoint,
-            eject_after=config.eject_after_failures,
-            cooldown_s=config.eject_cooldown_s,
-            unreachable_after_s=config.unreachable_after_s,
-            rng=self._rng,
-        )
-        self._caps = Capabilities(
-            self.endpoints, id_scoring=config.id_scoring, topk_wire=config.topk_wire
-        )
-        self.fleets = FleetDirectory(transport, enabled=config.router_discovery == "auto")
-        self.engines = EngineDirectory(  # each URL's engine: configured, or detected once
-            self.endpoints,
-            transport,
-            setting=config.engine,
-            server_engines=config.server_engines,
-            max_logprobs=config.vllm_max_logprobs,
-            secret=config.api_key.get_secret_value() if config.api_key else None,
-            gateway_of=self.fleets.gateway_of,
-        )
+        self._fleet = fleet
+        self._pool = fleet.pool
+        self._caps = fleet.capabilities
         self._sender = AttemptSender(
             config,
             transport,
             stats,
-            self.endpoints,
-            self._pool,
-            self._caps,
-            self.engines,
+            fleet.endpoints,
+            fleet.pool,
+            fleet.capabilities,
+            fleet.engines,
             threads=threads,
         )
-
-    def eject_for_good(self, url: str) -> None:
-        """Take replica ``url`` out of the rotation for the stream's life (the probe found
-        its numbers off, which a ``/health`` probe cannot re-admit: its cool-down never
-        ends). If every replica of a teacher is out, the choice still fails open."""
-        state = self._pool.health(url)
-        if state.ejected_until != math.inf:
-            state.ejections += 1
-        state.ejected_until = math.inf
 
     # one logical request -------------------------------------------------------------
     async def _request(
@@ -184,7 +147,7 @@ class SampleFetcher:
         configured = urls
         with anyio.move_on_at(deadline):
             while True:
-                urls = await self.fleets.expand(configured)  # routers -> their workers
+                urls = await self._fleet.expand(configured)  # routers -> their workers
                 self._check_reachable(side, urls, let_through=True)
                 await self._sender.maybe_probe(side, urls)
                 url = self._pool.pick(urls, failed_url, key) or self._pool.pick(urls, key=key)
@@ -197,7 +160,7 @@ class SampleFetcher:
                         # /generate answered 404/405 (auto): find the engine, ask again; not
                         # an attempt (like a capability probe)
                         try:
-                            await self.engines.detect(side, failed.url, exc.status)
+                            await self._fleet.engines.detect(side, failed.url, exc.status)
                         except OPDStreamError as found:
                             exc = found
                         else:
@@ -296,7 +259,7 @@ class SampleFetcher:
         ``make(top_k, ids)`` builds the teacher request's factory. An ensemble's members
         are asked at once (the same request each); with a top-k and two members or more,
         each then scores every id of the union of their top-k, and the mixture's top-k is
-        chosen there (:mod:`opd_stream.fleet._ensemble`). A member that fails (after its
+        chosen there (:mod:`opd_stream.fetch._mixture`). A member that fails (after its
         retries) fails the whole answer, the member named in the error.
 
         One set of weights per member: a member's two answers (its top-k, then the union's
@@ -365,7 +328,7 @@ class SampleFetcher:
         tokens = prepared.tokens
         if teacher and prepared.teacher_tokens is not None:
             tokens = prepared.teacher_tokens
-        engine = self.engines.engine(url)
+        engine = self._fleet.engine(url)
         if engine != "sglang":  # vLLM: ids per position, from the response start, always
             return ScoreRequest(
                 tokens=tokens,
@@ -375,7 +338,7 @@ class SampleFetcher:
                 cache_salt=new_salt() if self._cfg.cache_salt == "per-request" else salt,
                 salt_each_item=self._cfg.cache_salt == "per-request",
                 engine=engine,
-                max_ids=self.engines.max_ids,
+                max_ids=self._fleet.engines.max_ids,
             )
         id_form = self._caps.id_form(url)
         block_size = self._cfg.id_block_size
@@ -386,7 +349,7 @@ class SampleFetcher:
         if per_request:
             salt = new_salt()  # every attempt (a retry, a hedge) its own
         elif self._cfg.cache_salt == "weight-version":
-            salt = self.endpoints(url).weight_version  # None until the server has answered
+            salt = self._fleet.endpoints(url).weight_version  # None until it has answered
         return ScoreRequest(
             tokens=tokens,
             response_length=prepared.response_length,

@@ -36,9 +36,9 @@ import msgspec
 
 from .._errors import ConfigError, OPDStreamError
 from .._logging import get_logger
-from .._stats import FleetState, Kind
 from ..transport._transports import Transport
 from ..wire._answers import Body
+from ._records import FleetState, Kind
 from ._router import endpoint_url, normalize_server_url
 
 __all__ = ("REFRESH_S", "FleetDirectory", "parse_rl_workers", "parse_router_workers")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import msgspec
 
-from .._stats import EndpointStats, EndpointTraffic
 from ..wire._request import Engine
+from ._records import EndpointStats, EndpointTraffic
 
 __all__ = ("Endpoint", "EndpointHealth", "Endpoints")
 

@@ -13,8 +13,9 @@ import numpy.typing as npt
 
 from .._errors import OPDStreamError, ServerError, ServerHTTPError
 from ..transport._transports import Transport
-from ..wire._codec import decode, timed_build
+from ..wire._codec import decode
 from ..wire._error_body import parse_error_message
+from ..wire._payloads import build_laid
 from ..wire._request import ScoreRequest, layout
 from ..wire._vllm import ENGINE_PATHS
 from ._discovery import FleetDirectory
@@ -39,7 +40,8 @@ async def _ask(
     as sent (in the engine found)."""
     if engines is not None:
         req = msgspec.structs.replace(req, engine=engines.engine(url))
-    body, lay, _ = timed_build(req)
+    lay = layout(req)
+    body = build_laid(req, lay)
     resp = await transport.post(
         endpoint_url(url, ENGINE_PATHS[req.engine]), body, max_bytes=max_bytes
     )

@@ -1,8 +1,7 @@
-"""The answer codec: a scoring request's body built, its answer decoded, and where each runs.
+"""The answer codec: a scoring request's answer decoded, by whichever parser is ready.
 
-Plain sync functions; the async shell (:mod:`opd_stream.fetch._attempts`) asks
-:func:`build_in_thread` / :func:`decode_in_thread` whether a step goes to a worker thread
-and runs :func:`timed_build` / :func:`decode` / :func:`timed_decode` there or on the loop.
+Plain sync functions; which step runs in a worker thread, and its timing, is the fetch
+stage's (:mod:`opd_stream.fetch._threads`).
 
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream.wire._scan_reader`,
 numba, GIL released) wherever it is ready (it is compiled once per process in the
@@ -11,15 +10,11 @@ msgspec (GIL held). The scanner hands an answer it does not accept to msgspec, w
 the precise error. Their costs with every check, by answer shape: the scanner ~1.5-3 ns of
 CPU per answer byte, msgspec ~4-10 (``python -m bench.scan_micro``, R = 2048, k = 16, GC
 off, on the 2-core development box; other days read up to 2x lower, the ratio holds; the
-table is in ``docs/performance.md``, "Parsing answers"). Which thread: a request body (by
-:func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
-``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
-stays on the loop.
+table is in ``docs/performance.md``, "Parsing answers").
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Final, Literal, get_args
 
@@ -27,7 +22,7 @@ from ..scanner._loader import available
 from ._answers import Body, ScoreRows
 from ._decode_columns import decode_segments_columns
 from ._decode_score import decode_segments
-from ._payloads import build_block_payloads, build_laid, payload_size_hint
+from ._payloads import build_block_payloads
 from ._request import Layout, ScoreRequest, layout
 from ._vllm_decode import decode_vllm
 
@@ -37,14 +32,10 @@ __all__ = (
     "Parser",
     "answer_size",
     "build_block_payloads",
-    "build_in_thread",
     "decode",
     "decode_block_answers",
-    "decode_in_thread",
     "decode_score_response",
     "parser_for",
-    "timed_build",
-    "timed_decode",
 )
 
 Parser = Literal["jit", "msgspec"]
@@ -62,26 +53,6 @@ def answer_size(answer: Answer) -> int:
     return sum(map(len, answer))
 
 
-def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
-    """Whether ``req``'s body is built in a worker thread (estimated at ``threshold`` bytes
-    or more)."""
-    return payload_size_hint(req) >= threshold
-
-
-def decode_in_thread(size: int, threshold: int) -> bool:
-    """Whether an answer of ``size`` bytes is decoded in a worker thread."""
-    return size >= threshold
-
-
-def timed_build(req: ScoreRequest) -> tuple[bytes, Layout, float]:
-    """``req``'s body, its layout (checked once: the decode of the answer takes it again)
-    and the CPU seconds of the thread that built it (it never waits for the kernels)."""
-    start = time.thread_time()
-    lay = layout(req)
-    body = build_laid(req, lay)
-    return body, lay, time.thread_time() - start
-
-
 def parser_for() -> Parser:
     """The parser for a decode, on the loop or in a thread: the compiled scanner once it
     is ready (never waited for), else msgspec."""
@@ -93,7 +64,7 @@ def decode(
 ) -> tuple[ScoreRows, Parser]:
     """Decode an answer with the parser of the moment (:func:`parser_for`): the rows,
     and the parser that gave them (``"msgspec"`` where the fast one handed it on). ``lay``:
-    ``layout(req)`` where the caller has it (from :func:`timed_build`). A vLLM request's
+    ``layout(req)`` where the caller has it (from the body's build). A vLLM request's
     answer is decoded by :func:`~opd_stream.wire._vllm_decode.decode_vllm` (msgspec; a
     request split into column chunks, :func:`~opd_stream.wire._request.multi_body`, gives a
     list of answers like the ``"blocks"`` id form)."""
@@ -103,19 +74,6 @@ def decode(
     if isinstance(answer, Body):
         return _decode_one(answer, req, parser, lay)
     return _decode_blocks(answer, req, parser)
-
-
-def timed_decode(
-    answer: Answer, req: ScoreRequest, lay: Layout | None = None
-) -> tuple[tuple[ScoreRows, Parser] | BaseException, float]:
-    """Decode in a worker thread: the rows and their parser, or the error (raised again in
-    the caller's task), and the thread's CPU seconds."""
-    start = time.thread_time()
-    try:
-        got: tuple[ScoreRows, Parser] | BaseException = decode(answer, req, lay=lay)
-    except Exception as exc:  # raised again in the caller's task
-        got = exc
-    return got, time.thread_time() - start
 
 
 def decode_score_response(

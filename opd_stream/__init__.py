@@ -58,7 +58,14 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
     from .config._settings import Secret, StreamConfig
     from .fleet._ensemble import Ensemble
     from .fleet._probe import ProbeReport, ReplicaProbe
-    from .transport._transports import AiohttpTransport, MockTransport, Response, Transport
+    from .transport._budget import BudgetLease
+    from .transport._transports import (
+        AiohttpTransport,
+        MockTransport,
+        Request,
+        Response,
+        Transport,
+    )
 
 _MODULES: dict[str, tuple[str, ...]] = {
     ".config._settings": ("Secret", "StreamConfig"),
@@ -86,7 +93,14 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "._sample": ("Candidates", "Sample", "SampleFailure", "ScoredSample", "TokenAlignment"),
     "._stats": ("ChannelStats", "EndpointStats", "FleetState", "KLStageStats", "StreamStats"),
     "._stream": ("OPDStream", "Results"),
-    ".transport._transports": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
+    ".transport._budget": ("BudgetLease",),
+    ".transport._transports": (
+        "AiohttpTransport",
+        "MockTransport",
+        "Request",
+        "Response",
+        "Transport",
+    ),
 }
 _SOURCE = {name: module for module, names in _MODULES.items() for name in names}
 
@@ -121,6 +135,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     "AiohttpTransport",
+    "BudgetLease",
     "Candidates",
     "CapabilityError",
     "ChannelStats",
@@ -142,6 +157,7 @@ __all__ = [
     "ProbeReport",
     "ProtocolError",
     "ReplicaProbe",
+    "Request",
     "Response",
     "ResponseTooLarge",
     "Results",

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import OPDStreamError, ServerError, ServerHTTPError
-from ..transport._transports import Transport
+from ..transport._transports import Request, Transport
 from ..wire._codec import decode, timed_build
 from ..wire._error_body import parse_error_message
 from ..wire._request import ScoreRequest, layout
@@ -40,8 +40,8 @@ async def _ask(
     if engines is not None:
         req = msgspec.structs.replace(req, engine=engines.engine(url))
     body, lay, _ = timed_build(req)
-    resp = await transport.post(
-        endpoint_url(url, ENGINE_PATHS[req.engine]), body, max_bytes=max_bytes
+    resp = await transport.send(
+        Request(url=endpoint_url(url, ENGINE_PATHS[req.engine]), max_bytes=max_bytes, body=body)
     )
     if (
         resp.status in DETECT_STATUSES

@@ -61,6 +61,9 @@ _PROBE_TIMEOUT_S = 2.0
 
 _PROBE_MAX_BYTES = 64 * 1024
 
+_NO_WATCHDOG = contextlib.nullcontext()
+"""An attempt's watchdog under ``attempt_timeout_s=0`` (reusable: it holds nothing)."""
+
 
 class Counter:
     """Attempts made (a mutable count shared by the requests of one sample)."""
@@ -230,7 +233,7 @@ class AttemptSender:
         """
         start = anyio.current_time()
         limit = self._cfg.attempt_timeout_s
-        watchdog = anyio.move_on_after(limit) if limit > 0 else contextlib.nullcontext()
+        watchdog = anyio.move_on_after(limit) if limit > 0 else _NO_WATCHDOG
         rows: ScoreRows | None = None
         lay: Layout | None = None
         try:

@@ -174,3 +174,32 @@ def test_the_seams_types_are_public_and_documented() -> None:
         assert getattr(opd_stream, name) is getattr(transport, name)
         assert (getattr(opd_stream, name).__doc__ or "").strip()
     assert "done_reading" in (Request.__doc__ or "")  # how a transport charges the lease
+
+
+class _HeadersNoLease:
+    """An old transport whose ``post`` took ``headers`` but not yet ``lease``."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    async def post(self, url: str, body: bytes, *, max_bytes: int, headers: Any = None) -> Response:
+        self.calls.append({"url": url, "headers": headers})
+        return Response(200, b"x" * 10)
+
+
+async def test_the_wrapper_passes_the_keywords_an_old_post_takes_and_charges_the_rest() -> None:
+    from opd_stream.transport._budget import ByteBudget
+    from opd_stream.transport._legacy import PostTransport
+
+    inner = _HeadersNoLease()
+    wrapped = PostTransport(inner)
+    budget = ByteBudget(1 << 20)
+    for n in range(3):
+        with budget.lease() as lease:
+            request = Request(
+                url=f"{T}/{n}", max_bytes=100, body=b"{}", headers={"k": "v"}, lease=lease
+            )
+            resp = await wrapped.send(request)
+            assert (resp.status, lease.held) == (200, 10)  # charged once whole
+    assert inner.calls == [{"url": f"{T}/{n}", "headers": {"k": "v"}} for n in range(3)]
+    assert wrapped._refused == {"lease"}

@@ -89,19 +89,17 @@ class PostTransport:
         given = {"headers": request.headers, "lease": request.lease}
         extra = {k: v for k, v in given.items() if v is not None and k not in self._refused}
         while True:
-            try:  # the call only: the coroutine is made (the arguments bound), not run
+            try:  # binds the arguments (a refused keyword raises here), runs nothing yet
                 call = self.inner.post(
                     request.url, request.body or b"", max_bytes=request.max_bytes, **extra
                 )
+                break
             except TypeError as exc:
-                refused = [k for k in extra if f"'{k}'" in str(exc)]
+                refused = {k for k in extra if f"'{k}'" in str(exc)}
                 if not refused:
                     raise
-                self._refused.update(refused)
-                for k in refused:
-                    del extra[k]
-                continue
-            break
+                self._refused |= refused
+                extra = {k: v for k, v in extra.items() if k not in refused}
         resp = _response(await call)
         lease = request.lease
         if lease is not None and "lease" not in extra:  # charged after the fact

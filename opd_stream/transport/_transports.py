@@ -140,8 +140,8 @@ class Transport(Protocol):
 
 
 class HTTPMethods(abc.ABC):
-    """``post`` and ``get`` over ``send``, for the transports here (and yours): each builds
-    the :class:`Request` and sends it."""
+    """``post`` and ``get`` over ``send``, for the transports here: each builds the
+    :class:`Request` and sends it."""
 
     @abc.abstractmethod
     async def send(self, request: Request) -> Response:

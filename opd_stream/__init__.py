@@ -59,7 +59,14 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
     from .fleet._ensemble import Ensemble
     from .fleet._probe import ProbeReport, ReplicaProbe
     from .fleet._records import EndpointStats, FleetState
-    from .transport._transports import AiohttpTransport, MockTransport, Response, Transport
+    from .transport._budget import BudgetLease
+    from .transport._transports import (
+        AiohttpTransport,
+        MockTransport,
+        Request,
+        Response,
+        Transport,
+    )
 
 _MODULES: dict[str, tuple[str, ...]] = {
     ".config._settings": ("Secret", "StreamConfig"),
@@ -88,7 +95,14 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "._stats": ("ChannelStats", "KLStageStats", "StreamStats"),
     ".fleet._records": ("EndpointStats", "FleetState"),
     "._stream": ("OPDStream", "Results"),
-    ".transport._transports": ("AiohttpTransport", "MockTransport", "Response", "Transport"),
+    ".transport._budget": ("BudgetLease",),
+    ".transport._transports": (
+        "AiohttpTransport",
+        "MockTransport",
+        "Request",
+        "Response",
+        "Transport",
+    ),
 }
 _SOURCE = {name: module for module, names in _MODULES.items() for name in names}
 
@@ -123,6 +137,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     "AiohttpTransport",
+    "BudgetLease",
     "Candidates",
     "CapabilityError",
     "ChannelStats",
@@ -144,6 +159,7 @@ __all__ = [
     "ProbeReport",
     "ProtocolError",
     "ReplicaProbe",
+    "Request",
     "Response",
     "ResponseTooLarge",
     "Results",

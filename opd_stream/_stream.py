@@ -51,6 +51,7 @@ from .fleet._probe_requests import run_probe
 from .fleet._router import TeacherRouter, replica_groups
 from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
+from .transport._legacy import as_transport
 from .transport._transports import AiohttpTransport, Transport
 from .wire._answers import ScoreRows
 from .xtok._tokenizers import CrossTokenizers
@@ -212,6 +213,12 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         transport: the HTTP transport; by default (see :func:`default_transport`) a pooled
             :class:`AiohttpTransport` under asyncio and a pooled ``HttpxTransport`` under
             trio (the ``httpx`` extra). Pass a ``MockTransport`` to run without sockets.
+            One with only the ``post`` / ``get`` of the releases before
+            :class:`~opd_stream.Request` is wrapped (a ``DeprecationWarning``, here).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`StreamConfig`; ``transport`` has neither
+            ``send`` nor ``post``.
     """
 
     def __init__(
@@ -229,7 +236,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         # be read in the caller's thread (see _kl_device_now), else there.
         self._device_name = _kl_device_now(config)
         self._device: torch.device | None = None
-        self._transport = transport
+        # a transport with the old post()/get() is wrapped here, once (DeprecationWarning)
+        self._transport = None if transport is None else as_transport(transport)
         self._stats = StatsRecorder()
         self._stats.kl_device = self._device_name or config.kl_device
         self._tg: anyio.abc.TaskGroup | None = None

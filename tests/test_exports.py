@@ -36,7 +36,7 @@ def test_the_top_level_is_what_an_application_needs() -> None:
 
     assert wire.build_score_payload is not None
     assert kl.topk_reverse_kl is not None
-    assert len(opd_stream.__all__) <= 40
+    assert len(opd_stream.__all__) <= 42  # (40, and the transport seam's Request, BudgetLease)
 
 
 def test_every_exported_name_resolves() -> None:

@@ -451,7 +451,9 @@ async def test_an_answer_read_by_a_transport_without_a_lease_is_charged_once_who
     transport = _TransportWithoutLease(mock_transport({url: InProcessSGLang("teacher", 1)}))
     cfg = _cfg(url, max_inflight_response_bytes=1024)
     samples = [Sample([1, 2, 3, 4 + i, 5, 6], 3) for i in range(6)]
-    async with OPDStream(cfg, transport=transport) as stream:  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning, match="implement send"):  # the old seam, wrapped
+        stream = OPDStream(cfg, transport=transport)  # type: ignore[arg-type]
+    async with stream:
         budget = stream._parts.fetcher._sender._body_budget  # type: ignore[union-attr]
         async with stream.run(samples) as results:
             out = [r async for r in results]

@@ -1,17 +1,20 @@
 """One HTTP attempt at a time: send to a replica (hedged to another when it is slow),
 check the status, decode, and keep per-endpoint health; re-admission probes.
 
+An attempt is one path, :meth:`AttemptSender._attempt`: a lease of the stream's byte
+budget, the body built and sent (under ``attempt_timeout_s``), the answer read and its
+status classified, decoded, and its outcome recorded.
+
 The retry loop and the request plan live in ``_fetcher``; replica choice and health
 bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import inspect
 import time
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 
@@ -32,7 +35,7 @@ from ..fleet._endpoints import Endpoints
 from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, max_logprobs_problem
 from ..fleet._router import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
-from ..transport._transports import Transport
+from ..transport._transports import Request, Transport
 from ..wire._answers import Body, ScoreRows
 from ..wire._codec import Answer, answer_size, decode
 from ..wire._error_body import parse_error_message
@@ -51,15 +54,8 @@ _PROBE_TIMEOUT_S = 2.0
 
 _PROBE_MAX_BYTES = 64 * 1024
 
-
-def _post_takes(transport: Transport, name: str) -> bool:
-    """The transport's ``post`` takes the keyword ``name`` (``headers``, ``lease``): one
-    written before it existed does not, and still works, never passed it."""
-    try:
-        params = inspect.signature(transport.post).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+_NO_WATCHDOG = contextlib.nullcontext()
+"""An attempt's watchdog under ``attempt_timeout_s=0`` (reusable: it holds nothing)."""
 
 
 class Counter:
@@ -107,8 +103,6 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
-        self._headers_ok = _post_takes(transport, "headers")
-        self._lease_ok = _post_takes(transport, "lease")
 
     def _pick(
         self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: Route | None = None
@@ -149,7 +143,7 @@ class AttemptSender:
             urls, self._cfg.hedge_after_percentile, self._cfg.hedge_min_s
         )
         if delay is None or tries.attempts >= self._cfg.max_attempts:
-            return await self._one(side, urls, url, req, key)
+            return await self._attempt(side, urls, url, req, key)
 
         winner: list[ScoreRows] = []
         won_by: list[str] = []
@@ -162,7 +156,7 @@ class AttemptSender:
         async def run(target: str, request: ScoreRequest) -> None:
             nonlocal finished
             try:
-                rows = await self._one(side, urls, target, request, key)
+                rows = await self._attempt(side, urls, target, request, key)
             except Failed as failed:
                 failures.append(failed)
             else:
@@ -209,7 +203,7 @@ class AttemptSender:
         first = [f for f in failures if f.url == url]
         raise (first or failures)[0]
 
-    async def _one(
+    async def _attempt(
         self,
         side: Side,
         urls: tuple[str, ...],
@@ -217,41 +211,74 @@ class AttemptSender:
         req: ScoreRequest,
         key: Route | None = None,
     ) -> ScoreRows:
-        """One HTTP attempt, with its outcome recorded for passive health and hedging."""
+        """One HTTP attempt: lease -> build -> post -> read -> classify -> decode, with its
+        outcome recorded for passive health and hedging.
+
+        The answer is charged to the stream's byte budget while it is read (the lease goes
+        to the transport in the :class:`Request`) and held until it is decoded (released on
+        any exit: success, error, cancel, lost hedge). Under ``attempt_timeout_s`` (> 0) an
+        attempt with no answer by then is abandoned (its connection closed) and becomes a
+        retryable :class:`ConnectionFailed`: a hung server would otherwise use up the whole
+        ``request_deadline_s`` of the logical request.
+
+        Raises:
+            Failed: the attempt failed.
+        """
         start = anyio.current_time()
+        limit = self._cfg.attempt_timeout_s
+        watchdog = anyio.move_on_after(limit) if limit > 0 else _NO_WATCHDOG
+        rows: ScoreRows | None = None
+        lay: Layout | None = None
         try:
-            rows = await self._watched_attempt(side, url, req, key)
+            with watchdog, self._body_budget.lease() as lease:
+                answer: Answer
+                try:
+                    if multi_body(req):
+                        answer = await self._post_blocks(side, url, req, lease, key)
+                    else:
+                        body, lay = await self._build_body(req)
+                        answer = await self._post(
+                            side, url, body, lease, key, ENGINE_PATHS[req.engine]
+                        )
+                except ServerHTTPError as exc:
+                    raise self._refusal(side, url, req, exc) from None
+                except CapabilityError as exc:  # the engine cannot answer the request (the build)
+                    raise _named(exc, side, url) from None
+                self._stats.stage_active["decode"] += 1
+                try:
+                    rows = await self._decode_body(answer, req, lay)
+                except ServerError as exc:
+                    exc.side = side
+                    exc.url = url
+                    if isinstance(exc, WeightVersionChanged):  # the server's weights are the last
+                        self._endpoints(url).weight_version = exc.versions[-1]
+                    raise
+                finally:
+                    self._stats.stage_active["decode"] -= 1
+                self._learn(side, url, req, rows, lay, key)
+            if rows is None:  # the watchdog fired
+                raise ConnectionFailed(
+                    f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
+                )
         except OPDStreamError as exc:
-            if not isinstance(exc, CapabilityError):
-                self._endpoints(url).traffic.errors += 1
-            if exc.retryable and isinstance(exc, ServerError):
-                self._note_failure(side, url, urls)
-            if isinstance(exc, ConnectionFailed):
-                if exc.refused:  # not reached (a reset or a timeout says nothing either way)
-                    self._pool.record_refused(url, anyio.current_time())
-            elif isinstance(exc, ServerError):  # it answered
-                self._pool.record_reached(url)
+            self._record_failure(side, urls, url, exc)
             raise Failed(exc, url, req) from None
         self._pool.record_success(url, urls, anyio.current_time() - start)
         return rows
 
-    async def _watched_attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
-    ) -> ScoreRows:
-        """``_attempt`` under the optional per-attempt watchdog (``attempt_timeout_s``).
-
-        A hung server would otherwise use up the whole ``request_deadline_s`` of the
-        logical request; with the watchdog the attempt is abandoned (its connection is
-        closed) and becomes a retryable :class:`ConnectionFailed`.
-        """
-        limit = self._cfg.attempt_timeout_s
-        if limit <= 0:
-            return await self._attempt(side, url, req, key)
-        with anyio.move_on_after(limit):
-            return await self._attempt(side, url, req, key)
-        raise ConnectionFailed(
-            f"no answer within attempt_timeout_s={limit:g} s", side=side, url=url
-        )
+    def _record_failure(
+        self, side: Side, urls: tuple[str, ...], url: str, exc: OPDStreamError
+    ) -> None:
+        """A failed attempt's outcome, for passive health."""
+        if not isinstance(exc, CapabilityError):
+            self._endpoints(url).traffic.errors += 1
+        if exc.retryable and isinstance(exc, ServerError):
+            self._note_failure(side, url, urls)
+        if isinstance(exc, ConnectionFailed):
+            if exc.refused:  # not reached (a reset or a timeout says nothing either way)
+                self._pool.record_refused(url, anyio.current_time())
+        elif isinstance(exc, ServerError):  # it answered
+            self._pool.record_reached(url)
 
     def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
         if self._pool.record_failure(url, urls, anyio.current_time()):  # ejected it
@@ -277,8 +304,12 @@ class AttemptSender:
         try:
             with anyio.move_on_after(_PROBE_TIMEOUT_S):
                 try:
-                    resp = await self._transport.get(
-                        endpoint_url(url, "health"), max_bytes=_PROBE_MAX_BYTES
+                    resp = await self._transport.send(
+                        Request(
+                            url=endpoint_url(url, "health"),
+                            max_bytes=_PROBE_MAX_BYTES,
+                            method="GET",
+                        )
                     )
                 except OPDStreamError:
                     healthy = False
@@ -293,42 +324,20 @@ class AttemptSender:
                 self._pool.probe_result(url, healthy, anyio.current_time())
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
-    async def _attempt(
-        self, side: Side, url: str, req: ScoreRequest, key: Route | None = None
-    ) -> ScoreRows:
-        # the answer is charged to the stream's byte budget while it is read (the lease is
-        # handed to the transport), and held until it is decoded (released on any exit:
-        # success, error, cancel, lost hedge)
-        with self._body_budget.lease() as lease:
-            return await self._attempt_held(side, url, req, lease, key)
+    def _learn(
+        self,
+        side: Side,
+        url: str,
+        req: ScoreRequest,
+        rows: ScoreRows,
+        lay: Layout | None,
+        key: Route | None,
+    ) -> None:
+        """What an answer says of its server: tokens, cache, weights, engine, capabilities.
 
-    async def _attempt_held(
-        self, side: Side, url: str, req: ScoreRequest, lease: BudgetLease, key: Route | None = None
-    ) -> ScoreRows:
-        answer: Answer
-        lay: Layout | None = None
-        path = ENGINE_PATHS[req.engine]
-        try:
-            if multi_body(req):
-                answer = await self._post_blocks(side, url, req, lease, key)
-            else:
-                body, lay = await self._build_body(req)
-                answer = await self._post(side, url, body, lease, key, path)
-        except ServerHTTPError as exc:
-            raise self._refusal(side, url, req, exc) from None
-        except CapabilityError as exc:  # the engine cannot answer the request (the build)
-            raise _named(exc, side, url) from None
-        self._stats.stage_active["decode"] += 1
-        try:
-            rows = await self._decode_body(answer, req, lay)
-        except ServerError as exc:
-            exc.side = side
-            exc.url = url
-            if isinstance(exc, WeightVersionChanged):  # the server's weights are the last
-                self._endpoints(url).weight_version = exc.versions[-1]
-            raise
-        finally:
-            self._stats.stage_active["decode"] -= 1
+        Raises:
+            CapabilityError: ``topk_wire="b64"`` and the server ignored it.
+        """
         ep = self._endpoints(url)
         ep.traffic.prompt_tokens += sum(seg.length for seg in (lay or layout(req)).segments)
         if rows.cached_tokens is not None:
@@ -338,14 +347,13 @@ class AttemptSender:
             ep.weight_version = rows.weight_version  # cache_salt="weight-version" reads it
         self._engines.answered(url, req.engine)
         if req.engine != "sglang":
-            return rows  # SGLang's capabilities (per_position, b64_topk, blocked_batch) only
+            return  # SGLang's capabilities (per_position, b64_topk, blocked_batch) only
         if req.top_k > 0:
             self._after_topk(side, url, req, rows)
         if req.ids is not None and req.id_form == "per-position":
             self._caps.note(url, side, "per_position", True)
         if req.ids is not None and req.id_form == "blocked":
             self._endpoints(url).blocked_batch = True
-        return rows
 
     def _refusal(
         self, side: Side, url: str, req: ScoreRequest, exc: ServerHTTPError
@@ -377,28 +385,28 @@ class AttemptSender:
         track: bool = True,
     ) -> Body:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
-        ``lease`` (by the transport as it reads it, or here once it is whole). ``track``:
-        count it in the replica's load (off for a block: its attempt is counted once)."""
+        ``lease`` by the transport as it reads it. ``track``: count it in the replica's
+        load (off for a block: its attempt is counted once)."""
         self._stats.stage_active[f"{side}_fetch"] += 1
         work = self._pool.begin(url, key) if track else 0
         ep = self._endpoints(url)
-        # a transport written before headers (or the lease) existed is not passed them
-        extra: dict[str, Any] = {}
-        if key is not None and self._headers_ok:
-            headers = extra["headers"] = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
+        headers: dict[str, str] | None = None
+        if key is not None:
+            headers = {ROUTING_KEY_HEADER: f"{key.key:016x}"}
             if key.head:
                 headers[ROUTING_TOKENS_HEADER] = key.head
-        if self._lease_ok:
-            extra["lease"] = lease
+        request = Request(
+            url=endpoint_url(url, path),
+            max_bytes=self._cfg.max_response_bytes,
+            body=body,
+            headers=headers,
+            lease=lease,
+        )
         try:
             async with self._limiter(url):
                 ep.traffic.requests += 1
                 self._stats.requests += 1
-                resp = await self._transport.post(
-                    endpoint_url(url, path), body, max_bytes=self._cfg.max_response_bytes, **extra
-                )
-                if not self._lease_ok:  # charged after the fact
-                    await lease.settle(lease.held + len(resp.body))
+                resp = await self._transport.send(request)
         except ServerError as exc:
             exc.side = side
             raise
@@ -407,7 +415,7 @@ class AttemptSender:
                 self._pool.end(url, key, work)
             self._stats.stage_active[f"{side}_fetch"] -= 1
         self._stats.bytes_received += len(resp.body)
-        kept = getattr(resp, "headers", None)  # (a user's Response may predate it)
+        kept = resp.headers
         if kept:
             worker = kept.get("x-smg-routed-worker-id")
             if worker is not None:  # which worker of a gateway answered

@@ -36,7 +36,7 @@ import msgspec
 
 from .._errors import ConfigError, OPDStreamError
 from .._logging import get_logger
-from ..transport._transports import Transport
+from ..transport._transports import Request, Transport
 from ..wire._answers import Body
 from ._records import FleetState, Kind
 from ._router import endpoint_url, normalize_server_url
@@ -193,7 +193,9 @@ class FleetDirectory:
         for path, parse in (("workers", parse_router_workers), ("v1/rl/workers", parse_rl_workers)):
             try:
                 with anyio.fail_after(_PROBE_TIMEOUT_S):
-                    resp = await self._transport.get(endpoint_url(url, path), max_bytes=_MAX_BYTES)
+                    resp = await self._transport.send(
+                        Request(url=endpoint_url(url, path), max_bytes=_MAX_BYTES, method="GET")
+                    )
             except (OPDStreamError, TimeoutError):
                 return _UNREACHABLE
             listed = parse(resp.body) if resp.status == 200 else None
@@ -208,8 +210,12 @@ class FleetDirectory:
         async def probe(n: int) -> None:
             try:
                 with anyio.fail_after(_PROBE_TIMEOUT_S):
-                    resp = await self._transport.get(
-                        endpoint_url(workers[n], "health"), max_bytes=_MAX_BYTES
+                    resp = await self._transport.send(
+                        Request(
+                            url=endpoint_url(workers[n], "health"),
+                            max_bytes=_MAX_BYTES,
+                            method="GET",
+                        )
                     )
             except (OPDStreamError, TimeoutError):
                 return

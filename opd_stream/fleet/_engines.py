@@ -42,7 +42,7 @@ from .._errors import (
     ServerHTTPError,
 )
 from .._logging import get_logger
-from ..transport._transports import Transport
+from ..transport._transports import Request, Transport
 from ..wire._error_body import parse_error_message
 from ..wire._request import ENGINES, Engine
 from ..wire._vllm import ENGINE_PATHS, probe_body
@@ -348,8 +348,8 @@ class EngineDirectory:
         """One detection request: its status and the server's message (cut short); a
         status that says nothing about the engine (5xx, 429) is raised."""
         try:
-            resp = await self._transport.post(
-                endpoint_url(url, path), body, max_bytes=_PROBE_MAX_BYTES
+            resp = await self._transport.send(
+                Request(url=endpoint_url(url, path), max_bytes=_PROBE_MAX_BYTES, body=body)
             )
         except ServerError as exc:
             exc.side, exc.url = side, url

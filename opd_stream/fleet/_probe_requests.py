@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import OPDStreamError, ServerError, ServerHTTPError
-from ..transport._transports import Transport
+from ..transport._transports import Request, Transport
 from ..wire._codec import decode
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_laid
@@ -42,8 +42,8 @@ async def _ask(
         req = msgspec.structs.replace(req, engine=engines.engine(url))
     lay = layout(req)
     body = build_laid(req, lay)
-    resp = await transport.post(
-        endpoint_url(url, ENGINE_PATHS[req.engine]), body, max_bytes=max_bytes
+    resp = await transport.send(
+        Request(url=endpoint_url(url, ENGINE_PATHS[req.engine]), max_bytes=max_bytes, body=body)
     )
     if (
         resp.status in DETECT_STATUSES

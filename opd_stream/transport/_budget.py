@@ -4,8 +4,8 @@
 holds at once (being read, or read and waiting for their decode). Each attempt takes a
 :class:`BudgetLease` from the stream's :class:`ByteBudget` for as long as it holds its body
 (:meth:`ByteBudget.lease`, around the request and the decode) and hands it to the
-transport (``Transport.post(..., lease=lease)``), which charges the body to it chunk by
-chunk as it reads it (:meth:`BudgetLease.grow`), so a reader that would go over the budget
+transport (``Transport.send(Request(..., lease=lease))``), which charges the body to it
+chunk by chunk as it reads it (:meth:`BudgetLease.grow`), so a reader that would go over the budget
 waits, and stops reading its socket, until bodies held by others are released.
 
 Rules (they make the budget deadlock-free and never refuse an answer):
@@ -18,9 +18,9 @@ Rules (they make the budget deadlock-free and never refuse an answer):
   at once until it has read its whole body (:meth:`BudgetLease.done_reading`) or released.
   So the bytes held stay below ``limit`` plus one answer (at most ``max_response_bytes``).
 
-The lease travels as an argument, nothing is read from the running task's context: a
-:class:`~opd_stream.transport._transports.Transport` whose ``post`` takes no ``lease`` (one written
-before it existed) is never passed one, and the attempt charges its answer after the fact
+The lease travels in the request, nothing is read from the running task's context: a
+transport with the old ``post`` that takes no ``lease`` (one written before it existed) is
+never passed one, and its wrapper (``_legacy``) charges the answer after the fact
 (:meth:`BudgetLease.settle`). Works on any anyio backend.
 """
 
@@ -48,7 +48,14 @@ class _Waiter:
 
 class BudgetLease:
     """The bytes one attempt holds: made by :meth:`ByteBudget.lease`, released on exit
-    from its ``with`` block (or by :meth:`release`)."""
+    from its ``with`` block (or by :meth:`release`).
+
+    A transport gets one in :attr:`Request.lease <opd_stream.Request>` and charges the
+    answer's body to it as it reads: :meth:`grow` for each chunk (it waits while the stream
+    holds too many answer bytes: stop reading meanwhile), :meth:`done_reading` once the
+    body is whole; or :meth:`settle` once, for a body read in one piece. ``held``: the
+    bytes charged so far.
+    """
 
     __slots__ = ("_budget", "_released", "held")
 

@@ -13,8 +13,7 @@ picks it by itself under trio, where aiohttp cannot run; under asyncio the defau
 * redirects are not followed (a 3xx is handed to the caller as it is), and no proxy or
   ``.netrc`` setting of the environment is read (aiohttp's default too);
 * the byte cap is enforced while reading (a lying or absent ``Content-Length`` included),
-  and each chunk is charged to the :class:`~opd_stream.transport._budget.BudgetLease` given to
-  ``post``;
+  and each chunk is charged to the request's :class:`~opd_stream.BudgetLease`;
 * no compression is asked for (``Accept-Encoding: identity``) and none is undone: a body
   with a ``Content-Encoding`` is refused unread (:class:`MalformedResponseError`);
 * connection problems become :class:`ConnectionFailed`, redacted of the key.
@@ -25,15 +24,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Self
 
 import anyio.to_thread
 import httpx
 
 from .._errors import ResponseTooLarge
-from ._budget import BudgetLease
-from ._transports import PooledTransport, Response, kept_headers
+from ._transports import PooledTransport, Request, Response, kept_headers
 
 __all__ = ("HttpxTransport",)
 
@@ -93,20 +91,15 @@ class HttpxTransport(PooledTransport):
         connections = getattr(pool, "connections", ())
         return all(c.is_idle() or c.is_closed() for c in connections)
 
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None,
-        max_bytes: int,
-        headers: Mapping[str, str] | None = None,
-        lease: BudgetLease | None = None,
-    ) -> Response:
+    async def send(self, request: Request) -> Response:
         client = self._client
         if client is None:
             raise RuntimeError("HttpxTransport used outside its 'async with' block")
+        url, max_bytes, lease = request.url, request.max_bytes, request.lease
         try:
-            async with client.stream(method, url, content=body, headers=headers) as resp:
+            async with client.stream(
+                request.method, url, content=request.body, headers=request.headers
+            ) as resp:
                 text = resp.headers.get("Content-Length", "").strip()
                 declared = int(text) if text.isdigit() else None
                 self._check_head(resp.headers.get("Content-Encoding", ""), declared, max_bytes, url)

@@ -1,21 +1,21 @@
 """HTTP transports: the one seam between the pipeline and the network.
 
-A :class:`Transport` has two operations, ``post`` and ``get``, each returning a
-:class:`Response` whose body was read under a byte cap. :class:`AiohttpTransport` is the
-production transport (asyncio only: aiohttp does not run under trio);
+A :class:`Transport` has one operation, ``send``: it takes a :class:`Request` (method,
+URL, body, byte cap, extra headers, the :class:`~opd_stream.BudgetLease` to charge) and
+returns a :class:`Response` whose body was read under the cap. :class:`AiohttpTransport` is
+the production transport (asyncio only: aiohttp does not run under trio);
 :class:`MockTransport` calls a handler in-process and runs on any anyio backend, so the
 pipeline's logic (routing, deadlines, retries, backpressure) is tested on asyncio and trio
-without sockets.
+without sockets. Both also have ``post`` and ``get``, which build the :class:`Request`.
 
 Errors: connection problems become :class:`ConnectionFailed`; a body over the cap becomes
 :class:`ResponseTooLarge`; a compressed body (which we never ask for) becomes
 :class:`MalformedResponseError`. HTTP status codes are *not* errors here: the caller decides.
 
 Memory: besides the per-answer cap, every transport here charges what it reads to the
-:class:`~opd_stream.transport._budget.BudgetLease` passed to ``post`` (``lease=``, when there is
-one):
-the stream's budget for all bodies in flight. The stream hands each scoring attempt's lease
-to the transport explicitly; nothing is read from the running task's context.
+request's ``lease`` (when there is one): the stream's budget for all bodies in flight. The
+stream hands each scoring attempt's lease to the transport in the request; nothing is read
+from the running task's context.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import inspect
 import os
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Protocol, Self
+from typing import Literal, Protocol, Self
 from urllib.parse import urlsplit
 
 import anyio.lowlevel
@@ -39,7 +39,9 @@ from ._budget import BudgetLease
 
 __all__ = (
     "AiohttpTransport",
+    "HTTPMethods",
     "MockTransport",
+    "Request",
     "Response",
     "Transport",
 )
@@ -47,6 +49,38 @@ __all__ = (
 _READ_CHUNK = 1 << 18
 #: Bytes read between two turns given to the event loop (see ``_read_body``).
 _YIELD_BYTES = 1 << 20
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    """One HTTP request, as the stream hands it to :meth:`Transport.send`.
+
+    Attributes:
+        url: the whole URL (``http://host:port/generate``).
+        max_bytes: the cap on the answer's body: read no more than this, raise
+            :class:`~opd_stream.ResponseTooLarge` instead (a ``Content-Length`` over it is
+            refused unread).
+        method: ``"POST"`` (a scoring or detection request) or ``"GET"`` (``/health``,
+            a gateway's worker list).
+        body: the JSON body of a POST (``None`` for a GET).
+        headers: sent besides the transport's own (the stream passes a request's routing
+            key, ``X-SMG-Routing-Key`` and ``X-SMG-Routing-Tokens``, under the ``prefix``
+            balance); ``None``: none.
+        lease: the stream's byte budget for this answer (``None``: none): charge each chunk
+            as it is read (``await lease.grow(len(chunk))``, which waits while the stream
+            holds too many answer bytes), then call ``lease.done_reading()`` once the body
+            is whole; a transport that reads the body in one piece calls
+            ``await lease.settle(lease.held + len(body))``.
+
+    There is no timeout: the caller bounds a request with its own anyio cancel scopes
+    (``request_deadline_s``, ``attempt_timeout_s``), which cancel ``send``.
+    """
+
+    url: str
+    max_bytes: int
+    method: Literal["GET", "POST"] = "POST"
+    body: bytes | None = None
+    headers: Mapping[str, str] | None = None
+    lease: BudgetLease | None = None
 
 
 class Response(msgspec.Struct, frozen=True):
@@ -75,7 +109,14 @@ def kept_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
 
 
 class Transport(Protocol):
-    """What the pipeline needs from HTTP."""
+    """What the pipeline needs from HTTP: an async context manager (entered once, around
+    the stream's life) whose :meth:`send` makes one request.
+
+    A transport written for the ``post(url, body, *, max_bytes, headers=, lease=)`` and
+    ``get(url, *, max_bytes)`` of releases before :class:`Request` still works for one
+    release: :class:`~opd_stream.OPDStream` wraps it (a ``DeprecationWarning``, once, when
+    the stream is made).
+    """
 
     async def __aenter__(self) -> Self: ...
 
@@ -86,6 +127,26 @@ class Transport(Protocol):
         tb: types.TracebackType | None,
     ) -> None: ...
 
+    async def send(self, request: Request) -> Response:
+        """Send ``request``; its answer, the body read under ``request.max_bytes`` and
+        charged to ``request.lease`` (see :class:`Request`).
+
+        Raises:
+            ConnectionFailed: no answer (refused, reset, cut short); ``refused=True`` when
+                no connection could be made at all.
+            ResponseTooLarge: the body is over ``request.max_bytes``.
+        """
+        ...
+
+
+class HTTPMethods(abc.ABC):
+    """``post`` and ``get`` over ``send``, for the transports here: each builds the
+    :class:`Request` and sends it."""
+
+    @abc.abstractmethod
+    async def send(self, request: Request) -> Response:
+        """Send ``request`` (see :meth:`Transport.send`)."""
+
     async def post(
         self,
         url: str,
@@ -95,27 +156,19 @@ class Transport(Protocol):
         headers: Mapping[str, str] | None = None,
         lease: BudgetLease | None = None,
     ) -> Response:
-        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer.
-
-        ``headers`` are sent besides the transport's own (the stream passes a request's
-        routing key, ``X-SMG-Routing-Key``, under the ``prefix`` balance). ``lease`` is the
-        stream's byte budget for this answer: charge each chunk read to it (``await
-        lease.grow(len(chunk))``, which waits while the stream holds too many answer bytes)
-        and call ``lease.done_reading()`` once the body is complete. A transport whose
-        ``post`` has no ``headers`` or ``lease`` parameter still works: it is never passed
-        one (an answer read without a lease is charged to it once it is whole).
-        """
-        ...
+        """POST ``body`` (JSON) to ``url``; read at most ``max_bytes`` of the answer."""
+        request = Request(url=url, max_bytes=max_bytes, body=body, headers=headers, lease=lease)
+        return await self.send(request)
 
     async def get(self, url: str, *, max_bytes: int) -> Response:
         """GET ``url``; read at most ``max_bytes`` of the answer."""
-        ...
+        return await self.send(Request(url=url, max_bytes=max_bytes, method="GET"))
 
 
 Handler = Callable[[str, str, bytes], "Response | Awaitable[Response]"]
 
 
-class MockTransport:
+class MockTransport(HTTPMethods):
     """A transport that answers every request by calling ``handler(method, url, body)``.
 
     The handler may be sync or async and returns a :class:`Response`; it may raise
@@ -126,7 +179,8 @@ class MockTransport:
     (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
     without calling the handler; pass
     ``routers=True`` to let the handler answer it (to play an sglang-router).
-    ``last_headers`` holds the extra headers of the last POST (``None``: none).
+    ``last_headers`` holds the extra headers of the last POST (``None``: none). The
+    ``lease`` of a request is charged once the handler's answer is whole.
     """
 
     def __init__(self, handler: Handler, *, routers: bool = False) -> None:
@@ -146,45 +200,31 @@ class MockTransport:
     ) -> None:
         return None
 
-    async def _call(
-        self, method: str, url: str, body: bytes, max_bytes: int, lease: BudgetLease | None
-    ) -> Response:
-        if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+    async def send(self, request: Request) -> Response:
+        method, url, max_bytes = request.method, request.url, request.max_bytes
+        if method == "POST":
+            self.last_headers = dict(request.headers) if request.headers else None
+        elif not self._routers and url.split("?")[0].endswith("/workers"):
             # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1
-        result = self._handler(method, url, body)
+        result = self._handler(method, url, request.body or b"")
         if inspect.isawaitable(result):
             result = await result
         assert isinstance(result, Response)
         if len(result.body) > max_bytes:
             raise ResponseTooLarge(max_bytes, url=url)
-        if lease is not None:
-            await lease.settle(len(result.body))
+        if request.lease is not None:
+            await request.lease.settle(len(result.body))
         return result
 
-    async def post(
-        self,
-        url: str,
-        body: bytes,
-        *,
-        max_bytes: int,
-        headers: Mapping[str, str] | None = None,
-        lease: BudgetLease | None = None,
-    ) -> Response:
-        self.last_headers = dict(headers) if headers else None
-        return await self._call("POST", url, body, max_bytes, lease)
 
-    async def get(self, url: str, *, max_bytes: int) -> Response:
-        return await self._call("GET", url, b"", max_bytes, None)
-
-
-class PooledTransport(abc.ABC):
+class PooledTransport(HTTPMethods):
     """What both pooled HTTP transports share (aiohttp here, httpx in ``_httpx``):
-    the headers (``Accept-Encoding: identity``, the bearer token), ``post`` / ``get``, the
-    refusal of a compressed answer, reading a body under the byte cap while charging the
-    budget lease it was given, and turning connection problems into a redacted
-    :class:`ConnectionFailed`. Subclasses implement ``_request``.
+    the headers (``Accept-Encoding: identity``, the bearer token), the refusal of a
+    compressed answer, reading a body under the byte cap while charging the budget lease it
+    was given, and turning connection problems into a redacted :class:`ConnectionFailed`.
+    Subclasses implement ``send``.
 
     Args:
         api_key: sent as ``Authorization: Bearer <api_key>``.
@@ -208,31 +248,6 @@ class PooledTransport(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(connect_timeout_s={self._connect_timeout_s})"
-
-    async def post(
-        self,
-        url: str,
-        body: bytes,
-        *,
-        max_bytes: int,
-        headers: Mapping[str, str] | None = None,
-        lease: BudgetLease | None = None,
-    ) -> Response:
-        return await self._request("POST", url, body, max_bytes, headers, lease)
-
-    async def get(self, url: str, *, max_bytes: int) -> Response:
-        return await self._request("GET", url, None, max_bytes)
-
-    @abc.abstractmethod
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None,
-        max_bytes: int,
-        headers: Mapping[str, str] | None = None,
-        lease: BudgetLease | None = None,
-    ) -> Response: ...
 
     @staticmethod
     def _check_head(encoding: str, declared: int | None, max_bytes: int, url: str) -> None:
@@ -391,23 +406,20 @@ class AiohttpTransport(PooledTransport):
         acquired = getattr(connector, "_acquired", ())
         return len(acquired) == 0
 
-    async def _request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None,
-        max_bytes: int,
-        headers: Mapping[str, str] | None = None,
-        lease: BudgetLease | None = None,
-    ) -> Response:
+    async def send(self, request: Request) -> Response:
         import aiohttp
 
         session = self._session
         if not isinstance(session, aiohttp.ClientSession):
             raise RuntimeError("AiohttpTransport used outside its 'async with' block")
+        url, max_bytes, lease = request.url, request.max_bytes, request.lease
         try:
             async with session.request(
-                method, url, data=body, headers=headers, allow_redirects=False
+                request.method,
+                url,
+                data=request.body,
+                headers=request.headers,
+                allow_redirects=False,
             ) as resp:
                 self._check_head(
                     resp.headers.get("Content-Encoding", ""), resp.content_length, max_bytes, url

@@ -277,9 +277,9 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
             each(lambda b, r: decode_score_response(b, r)), gc_off=False
         ),
     }
-    if threaded == "jit":
+    if threaded == "scanner":
         res["opd_stream compiled scanner"] = _best_cpu(
-            each(lambda b, r: decode_score_response(b, r, parser="jit")), gc_off=False
+            each(lambda b, r: decode_score_response(b, r, parser="scanner")), gc_off=False
         )
     work = bodies * max(1, 8 // max(len(bodies), 1))
     for threads in (1, 2):

@@ -25,7 +25,7 @@ from .._errors import (
     WeightVersionChanged,
 )
 from .._logging import get_logger
-from .._stats import StatsRecorder
+from .._stats import StageName, StatsRecorder
 from ..config._settings import StreamConfig
 from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
@@ -386,7 +386,8 @@ class AttemptSender:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
         ``lease`` (by the transport as it reads it, or here once it is whole). ``track``:
         count it in the replica's load (off for a block: its attempt is counted once)."""
-        self._stats.stage_active[f"{side}_fetch"] += 1
+        stage: StageName = "teacher_fetch" if side == "teacher" else "student_fetch"
+        self._stats.stage_active[stage] += 1
         work = self._pool.begin(url, key) if track else 0
         ep = self._endpoints(url)
         # a transport written before headers (or the lease) existed is not passed them
@@ -412,7 +413,7 @@ class AttemptSender:
         finally:
             if track:
                 self._pool.end(url, key, work)
-            self._stats.stage_active[f"{side}_fetch"] -= 1
+            self._stats.stage_active[stage] -= 1
         self._stats.bytes_received += len(resp.body)
         kept = getattr(resp, "headers", None)  # (a user's Response may predate it)
         if kept:

@@ -264,7 +264,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     read. A short run in a fresh process decodes with msgspec until the scanner is ready."""
     fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
     """Each configured server URL asked so far: an sglang-router (and its workers, used
-    directly when reachable from here) or a server (``router_discovery``)."""
+    directly when reachable from here) or a server (``gateway_discovery``)."""
 
 
 class CpuSeconds(msgspec.Struct, kw_only=True):

@@ -350,8 +350,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         same request again under the same salt (the cold request's prefix is cached).
         A replica is named when its cold answer is more than ``tolerance`` nats from its
         teacher's median replica at some position (with two replicas: from the other
-        one), or its warm answer from its cold one. Routers are expanded to their workers
-        (``router_discovery``). Each replica's two requests share ``probe_deadline_s``;
+        one), or its warm answer from its cold one. Gateways are expanded to their workers
+        (``gateway_discovery``). Each replica's two requests share ``probe_deadline_s``;
         a failed one is reported (``failed``), not retried; one with no answer by then has
         error ``deadline_exceeded``.
 

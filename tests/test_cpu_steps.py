@@ -41,7 +41,7 @@ def _burn(seconds: float) -> None:
 
 
 async def test_the_loop_step_is_the_loops_cpu_beyond_the_steps_that_ran_on_it() -> None:
-    cfg = _cfg(top_k=0, decode_thread_bytes=1 << 30)  # every answer decoded on the loop
+    cfg = _cfg(top_k=0, offload_bytes=1 << 30)  # every answer decoded on the loop
     samples = _samples(8)
     start = time.thread_time()
     async with OPDStream(cfg, transport=mock_transport({T: InProcessSGLang("teacher", 1)})) as s:
@@ -83,7 +83,7 @@ async def test_the_loop_clock_stops_when_the_stream_is_left() -> None:
 
 
 async def test_decoded_bytes_are_the_answer_bytes_each_parser_read() -> None:
-    cfg = _cfg(top_k=0, decode_thread_bytes=1 << 30)
+    cfg = _cfg(top_k=0, offload_bytes=1 << 30)
     async with OPDStream(cfg, transport=mock_transport({T: InProcessSGLang("teacher", 1)})) as s:
         async with s.run(_samples(5)) as results:
             assert len([r async for r in results]) == 5

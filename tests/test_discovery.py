@@ -1,4 +1,4 @@
-"""Router discovery (``router_discovery``): reading sglang-router's worker list, and what a
+"""Router discovery (``gateway_discovery``): reading sglang-router's worker list, and what a
 configured URL expands to (the real router is in test_sglang_router.py)."""
 
 from __future__ import annotations

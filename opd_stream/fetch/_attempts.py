@@ -475,7 +475,7 @@ class AttemptSender:
     async def _build_body(self, req: ScoreRequest) -> tuple[bytes, Layout]:
         """The request body and its layout; a large one is built in a worker thread (the
         GIL released while the ids are written). Where: ``_codec``."""
-        if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
+        if self._threads is None or not build_in_thread(req, self._cfg.offload_bytes):
             body, lay, cpu = timed_build(req)
             self._stats.spent("build", cpu)  # (on the loop)
             return body, lay
@@ -491,7 +491,7 @@ class AttemptSender:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
         released while it parses), a small one on the loop."""
         size = answer_size(body)
-        if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
+        if self._threads is None or not decode_in_thread(size, self._cfg.offload_bytes):
             start = time.thread_time()
             try:
                 rows, parser = decode(body, req, lay=lay)

@@ -128,7 +128,7 @@ class SampleFetcher:
         self._caps = Capabilities(
             self.endpoints, id_scoring=config.id_scoring, topk_wire=config.topk_wire
         )
-        self.fleets = FleetDirectory(transport, enabled=config.router_discovery == "auto")
+        self.fleets = FleetDirectory(transport, enabled=config.gateway_discovery == "auto")
         self.engines = EngineDirectory(  # each URL's engine: configured, or detected once
             self.endpoints,
             transport,

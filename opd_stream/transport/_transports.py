@@ -123,7 +123,7 @@ class MockTransport:
     on what it returns, like a real transport.
 
     Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
-    (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
+    (``gateway_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
     without calling the handler; pass
     ``routers=True`` to let the handler answer it (to play an sglang-router).
     ``last_headers`` holds the extra headers of the last POST (``None``: none).

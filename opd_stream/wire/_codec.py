@@ -13,7 +13,7 @@ CPU per answer byte, msgspec ~4-10 (``python -m bench.scan_micro``, R = 2048, k 
 off, on the 2-core development box; other days read up to 2x lower, the ratio holds; the
 table is in ``docs/performance.md``, "Parsing answers"). Which thread: a request body (by
 :func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
-``decode_thread_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
+``offload_bytes`` goes to one of ``decode_threads`` worker threads, a smaller one
 stays on the loop.
 """
 

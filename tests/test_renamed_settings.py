@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from opd_stream import MockTransport, Response
 from opd_stream._errors import ConfigError
 from opd_stream.config._settings import (
     ENV_PREFIX,
@@ -93,3 +94,20 @@ def test_the_old_and_the_new_name_together_are_refused(old: str) -> None:
 def test_a_bad_value_under_the_old_name_names_the_new_field() -> None:
     with pytest.deprecated_call(), pytest.raises(ConfigError, match=r"^offload_bytes"):
         StreamConfig(teachers=T, decode_thread_bytes=-1)
+
+
+async def _workers(transport: MockTransport) -> int:
+    return (await transport.get("http://gw:1/workers", max_bytes=1 << 20)).status
+
+
+@pytest.mark.parametrize("gateways", [False, True])
+async def test_a_mock_transport_plays_a_gateway_when_asked(gateways: bool) -> None:
+    transport = MockTransport(lambda m, u, b: Response(200, b"{}"), gateways=gateways)
+    assert await _workers(transport) == (200 if gateways else 404)
+
+
+async def test_the_mock_transports_old_keyword_routers_warns() -> None:
+    with pytest.deprecated_call(match=r"MockTransport\(routers=...\) is deprecated") as caught:
+        transport = MockTransport(lambda m, u, b: Response(200, b"{}"), routers=True)
+    assert [w.filename for w in caught] == [__file__]
+    assert await _workers(transport) == 200

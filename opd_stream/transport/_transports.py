@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 
 from .._answers import Body
+from .._deprecated import warn_renamed
 from .._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
 from .._redact import redact
 from ._budget import BudgetLease
@@ -122,16 +123,22 @@ class MockTransport:
     :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
     on what it returns, like a real transport.
 
-    Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
+    Gateway discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
     (``gateway_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
-    without calling the handler; pass
-    ``routers=True`` to let the handler answer it (to play an sglang-router).
+    without calling the handler; pass ``gateways=True`` to let the handler answer them (to
+    play a gateway: smg, sglang-router). (``routers=``, its name before 1.0, still works for
+    one release, with a ``DeprecationWarning``.)
     ``last_headers`` holds the extra headers of the last POST (``None``: none).
     """
 
-    def __init__(self, handler: Handler, *, routers: bool = False) -> None:
+    def __init__(
+        self, handler: Handler, *, gateways: bool = False, routers: bool | None = None
+    ) -> None:
+        if routers is not None:
+            warn_renamed("MockTransport(routers=...)", "MockTransport(gateways=...)")
+            gateways = gateways or routers
         self._handler = handler
-        self._routers = routers
+        self._gateways = gateways
         self.requests = 0
         self.last_headers: dict[str, str] | None = None
 
@@ -149,7 +156,7 @@ class MockTransport:
     async def _call(
         self, method: str, url: str, body: bytes, max_bytes: int, lease: BudgetLease | None
     ) -> Response:
-        if not self._routers and method == "GET" and url.split("?")[0].endswith("/workers"):
+        if not self._gateways and method == "GET" and url.split("?")[0].endswith("/workers"):
             # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1

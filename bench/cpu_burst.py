@@ -58,7 +58,7 @@ async def _opd_burst(
         async with OPDStream(cfg) as stream, stream.run(samples) as results:
             async for _ in results:
                 pass
-    return meter.cpu_s, stream.stats().cpu_s  # (read once the stream is left)
+    return meter.cpu_s, stream.stats().cpu_s.as_dict()  # (read once the stream is left)
 
 
 async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> float:
@@ -165,7 +165,7 @@ if thread is not None:
     thread.join()  # a benchmark waits for the background work, to count it
 print(json.dumps({
     "run_cpu_s": run,
-    "cpu_s": stats.cpu_s,
+    "cpu_s": msgspec.to_builtins(stats.cpu_s),
     "decoded": msgspec.to_builtins(stats.decoded),
     "decoded_bytes": msgspec.to_builtins(getattr(stats, "decoded_bytes", {})),
     "kernels_cpu_s_by_the_end_of_the_run": at_exit,

@@ -302,7 +302,7 @@ FLOOR_PARSERS = ("msgspec.json.decode, untyped, gc off", "pyarrow.json.read_json
 
 def cpu_by_step(stats: Any, tokens: int, cpu_s: float) -> dict[str, float]:
     """``stats().cpu_s`` in us per response token, with ``other`` = the rest of the CPU."""
-    steps = {step: v / tokens * 1e6 for step, v in stats.cpu_s.items()}
+    steps = {step: v / tokens * 1e6 for step, v in stats.cpu_s.as_dict().items()}
     steps["other"] = cpu_s / tokens * 1e6 - sum(steps.values())
     return steps
 

@@ -225,7 +225,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of a stream's state (see ``OPDStream.stats``)."""
 
     channels: PipelineChannels
+    """Each bounded channel between the stages: depth now, high-water mark, capacity."""
     stages: StageActivity
+    """Tasks of each stage running now."""
     in_flight: int
     admitted: int
     completed: int
@@ -240,7 +242,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_lag_max_s: float
     endpoints: dict[str, EndpointStats]
     kl: KLStageStats
-    cpu_s: dict[str, float]
+    cpu_s: CpuSeconds
     """CPU seconds of each step, measured in the thread that ran it: ``prepare`` (sample
     checks, top-k rows into arrays), ``build`` (request payloads), ``decode_loop``
     (answers decoded on the event loop), ``decode_threads`` (answers parsed in decode
@@ -267,8 +269,10 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     directly when reachable from here) or a server (``gateway_discovery``)."""
 
 
-class CpuSeconds(msgspec.Struct, kw_only=True):
-    """CPU seconds of each synchronous step so far (:attr:`StreamStats.cpu_s` is a copy).
+class CpuSeconds(DictRead, msgspec.Struct, kw_only=True):
+    """CPU seconds of each synchronous step so far (:attr:`StreamStats.cpu_s` is a copy,
+    whose fields are documented there). (Reading it like a ``dict``, as ``cpu_s`` was
+    before 1.0, still works for one release, with a ``DeprecationWarning``.)
 
     One field per step, so a misspelt step is an ``AttributeError`` (and a mypy error),
     never a new key."""
@@ -461,7 +465,7 @@ class StatsRecorder:
                 batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
-            cpu_s=self.cpu_seconds().as_dict(),
+            cpu_s=self.cpu_seconds(),
             decoded=ParserCounts(**self.decoded),
             decoded_bytes=ParserCounts(**self.decoded_bytes),
         )

@@ -251,7 +251,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
         clock = self._stats.loop_clock
-        clock.start()  # the loop's CPU, from here until the stream is left (cpu_s["loop"])
+        clock.start()  # the loop's CPU, from here until the stream is left (cpu_s.loop)
         try:
             async with self._entered() as stream:
                 yield stream
@@ -295,7 +295,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
                 # the compiled kernels, once per process, in the background; never waited for
                 # (msgspec decodes until they are ready), and never holding the process (_jit)
-                if start_kernels():  # this stream counts their CPU (cpu_s["kernels"])
+                if start_kernels():  # this stream counts their CPU (cpu_s.kernels)
                     self._kernels_from = kernels_cpu()
                 log.info("stream_started", **self.config.to_log_dict())
                 try:

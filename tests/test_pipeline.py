@@ -500,7 +500,7 @@ async def test_the_kernels_are_compiled_as_a_stream_starts_so_loop_decodes_use_t
         await _collect(stream, _samples(3))
         stats = stream.stats()
     assert stats.decoded.scanner == 3 and stats.decoded.msgspec == 0
-    assert stats.cpu_s["decode_threads"] == 0.0  # all on the loop
+    assert stats.cpu_s.decode_threads == 0.0  # all on the loop
 
 
 class _FakeGroup:

@@ -32,7 +32,7 @@ def test_the_cpu_steps_are_the_fields_of_one_struct() -> None:
     rec = StatsRecorder()
     rec.cpu.align += 1.5
     rec.cpu.kl += 0.25
-    cpu_s = rec.snapshot().cpu_s
+    cpu_s = rec.snapshot().cpu_s.as_dict()
     assert tuple(cpu_s) == CPU_STEPS == CpuSeconds.__struct_fields__
     assert cpu_s["align"] == 1.5 and cpu_s["kl"] == 0.25
     assert sum(cpu_s.values()) == 1.75
@@ -42,7 +42,7 @@ def test_a_misspelt_cpu_step_is_an_error_not_a_new_key() -> None:
     rec = StatsRecorder()
     with pytest.raises(AttributeError):
         rec.cpu.algin = 1.0  # type: ignore[attr-defined]
-    assert tuple(rec.snapshot().cpu_s) == CPU_STEPS
+    assert tuple(rec.snapshot().cpu_s.as_dict()) == CPU_STEPS
 
 
 def test_the_parsers_of_the_stats_are_the_parser_literal() -> None:
@@ -99,6 +99,8 @@ def test_reading_a_stats_table_like_a_dict_is_deprecated_but_works() -> None:
         assert list(snap.channels) == list(CHANNELS)
     with pytest.deprecated_call():
         assert "decode" in snap.stages and "nope" not in snap.stages
+    with pytest.deprecated_call(match="CpuSeconds like a dict"):
+        assert snap.cpu_s["kl"] == snap.cpu_s.kl == 0.0
     with pytest.deprecated_call(), pytest.raises(KeyError):
         snap.stages["nope"]
 

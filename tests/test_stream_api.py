@@ -196,7 +196,7 @@ async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -
     async with OPDStream(cfg, transport=mock_transport(_servers())) as stream:
         async with stream.run(_samples(6)) as results:
             out = [r async for r in results]
-        cpu = stream.stats().cpu_s
+        cpu = stream.stats().cpu_s.as_dict()
     assert all(isinstance(r, ScoredSample) for r in out)
     assert set(cpu) == {
         "prepare",
@@ -260,7 +260,7 @@ async def test_blocks_sent_as_independent_requests_give_per_position_values(
     async with OPDStream(blocks, transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             got = sorted([r async for r in results], key=lambda r: r.index)
-        cpu = stream.stats().cpu_s
+        cpu = stream.stats().cpu_s.as_dict()
     assert (cpu["decode_threads"] > 0) is threaded
     for a, b in zip(want, got, strict=True):
         assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)

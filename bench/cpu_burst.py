@@ -139,12 +139,11 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
 
 _CHILD = """
 import asyncio, json, resource, sys, time
-
-import msgspec
 t0 = time.process_time()
 from bench.workload import make_samples
 from opd_stream import OPDStream, StreamConfig
 from opd_stream.scanner import _loader
+import msgspec  # (loaded by opd_stream already)
 
 async def main(teacher, student, n, prompt, response, k):
     samples = make_samples(n, prompt, response, k)

@@ -347,13 +347,13 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                 configs = {
                     PREFIX: {"teachers": {"default": workers}},
                     LEAST: {"teachers": {"default": workers}, "balance": "least-outstanding"},
-                    SMG: {"teachers": smg_default, "router_discovery": "off"},
+                    SMG: {"teachers": smg_default, "gateway_discovery": "off"},
                     SMG_BARE: {
                         "teachers": smg_default,
-                        "router_discovery": "off",
+                        "gateway_discovery": "off",
                         "balance": "least-outstanding",  # sends no routing headers
                     },
-                    SMG_MANUAL: {"teachers": smg_manual, "router_discovery": "off"},
+                    SMG_MANUAL: {"teachers": smg_manual, "gateway_discovery": "off"},
                     TIGHT: {"teachers": {"default": workers}, "balance_load_factor": 1.0},
                     FLOOR: {"teachers": {"default": workers[:1]}},
                 }

@@ -71,7 +71,7 @@ async def _run(parser: str, n: int, passes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parser", choices=PARSERS, default="jit")
+    ap.add_argument("--parser", choices=PARSERS, default="scanner")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()

@@ -6,7 +6,7 @@ bytes, each the least of ``--reps`` runs (CPU time, GC off):
 
 - ``scan``: the kernel alone (:func:`opd_stream.scanner._calls.run_scan`, buffers included);
 - ``scanner decode``: the compiled reader with every check
-  (``decode_score_response(parser="jit")``);
+  (``decode_score_response(parser="scanner")``);
 - ``msgspec decode``: opd_stream's msgspec decoder, every check (the fallback);
 - ``msgspec untyped``: ``msgspec.json.decode`` with no types, the baseline of this run.
 
@@ -84,12 +84,12 @@ def measure(response: int, k: int, reps: int) -> dict[str, dict[str, float]]:
 
     out: dict[str, dict[str, float]] = {}
     for name, (body, req) in shapes(response, k).items():
-        assert decode_score_response(body, req, parser="jit") is not None
+        assert decode_score_response(body, req, parser="scanner") is not None
         assert _calls.run_scan(body, False, _SCHEMA).status == _calls.OK, name
         ways: dict[str, Callable[[], Any]] = {
             "scan": lambda body=body: _calls.run_scan(body, False, _SCHEMA),
             "scanner decode": lambda body=body, req=req: decode_score_response(
-                body, req, parser="jit"
+                body, req, parser="scanner"
             ),
             "msgspec decode": lambda body=body, req=req: decode_score_response(body, req),
             "msgspec untyped": lambda body=body: msgspec.json.decode(body),

@@ -277,9 +277,9 @@ def decode_floor(bodies: list[tuple[bytes, ScoreRequest]]) -> dict[str, float]:
             each(lambda b, r: decode_score_response(b, r)), gc_off=False
         ),
     }
-    if threaded == "jit":
+    if threaded == "scanner":
         res["opd_stream compiled scanner"] = _best_cpu(
-            each(lambda b, r: decode_score_response(b, r, parser="jit")), gc_off=False
+            each(lambda b, r: decode_score_response(b, r, parser="scanner")), gc_off=False
         )
     work = bodies * max(1, 8 // max(len(bodies), 1))
     for threads in (1, 2):
@@ -302,7 +302,7 @@ FLOOR_PARSERS = ("msgspec.json.decode, untyped, gc off", "pyarrow.json.read_json
 
 def cpu_by_step(stats: Any, tokens: int, cpu_s: float) -> dict[str, float]:
     """``stats().cpu_s`` in us per response token, with ``other`` = the rest of the CPU."""
-    steps = {step: v / tokens * 1e6 for step, v in stats.cpu_s.items()}
+    steps = {step: v / tokens * 1e6 for step, v in stats.cpu_s.as_dict().items()}
     steps["other"] = cpu_s / tokens * 1e6 - sum(steps.values())
     return steps
 
@@ -533,7 +533,7 @@ async def s3_long(sz: Sizes, progress: Progress) -> dict[str, Any]:
             ("opd_stream (defaults)", _config(teacher, student, top_k=k, strategy=strategy)),
             (
                 ON_LOOP,
-                _config(teacher, student, top_k=k, strategy=strategy, decode_thread_bytes=2**40),
+                _config(teacher, student, top_k=k, strategy=strategy, offload_bytes=2**40),
             ),
         ]
         base = None
@@ -881,7 +881,7 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
                 ROUTER_RUNS[0]: _config({"default": workers}, top_k=k, strategy=strategy),
                 ROUTER_RUNS[1]: _config(router_url, top_k=k, strategy=strategy),
                 ROUTER_RUNS[2]: _config(
-                    router_url, top_k=k, strategy=strategy, router_discovery="off"
+                    router_url, top_k=k, strategy=strategy, gateway_discovery="off"
                 ),
             }
             results = {}
@@ -897,11 +897,11 @@ async def s8_router(sz: Sizes, progress: Progress) -> dict[str, Any]:
     # smg registers only workers that answer /server_info: mocks with their info endpoints
     smg_runs = (
         (ROUTER_RUNS[3], REPLAY, {}),
-        (ROUTER_RUNS[4], REPLAY, {"router_discovery": "off"}),
+        (ROUTER_RUNS[4], REPLAY, {"gateway_discovery": "off"}),
         (
             ROUTER_RUNS[5],
             msgspec.structs.replace(REPLAY, per_position="unpatched"),
-            {"router_discovery": "off"},
+            {"gateway_discovery": "off"},
         ),
     )
     for name, opts_smg, kw in smg_runs:

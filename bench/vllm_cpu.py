@@ -111,8 +111,9 @@ class _Run:
         self.cpu_s.append(meter.cpu_s)
         self.wall_s.append(meter.wall_s)
         self.bytes += after.bytes_received - before.bytes_received
-        for step, v in after.cpu_s.items():
-            self.steps[step] = self.steps.get(step, 0.0) + v - before.cpu_s[step]
+        was = before.cpu_s.as_dict()
+        for step, v in after.cpu_s.as_dict().items():
+            self.steps[step] = self.steps.get(step, 0.0) + v - was[step]
 
     def summary(self) -> dict[str, Any]:
         per = [c / self.tokens * 1e6 for c in self.cpu_s]

@@ -204,7 +204,7 @@ async def run(n: int, prompt: int, response: int) -> dict[str, Any]:
         "cross_cpu_us_per_token": cross_cpu / tokens * 1e6,
         "ratio": cross_cpu / same_cpu,
         "target_ratio": 2.0,
-        "align_cpu_us_per_token": cross_stats.cpu_s["align"] / tokens * 1e6,
+        "align_cpu_us_per_token": cross_stats.cpu_s.align / tokens * 1e6,
         "encoder": teacher.encoder,
         "encode_floor_us_per_token": floor / tokens * 1e6,
         "tokenizers_encode_us_per_token": ref / tokens * 1e6,
@@ -213,7 +213,7 @@ async def run(n: int, prompt: int, response: int) -> dict[str, Any]:
         "floor_ratio": (same_cpu + floor) / same_cpu,
         # the same with tokenizers as the encoder
         "tokenizers_floor_ratio": (same_cpu + ref) / same_cpu,
-        "cpu_s_by_step": {"same": same_stats.cpu_s, "cross": cross_stats.cpu_s},
+        "cpu_s_by_step": {"same": same_stats.cpu_s.as_dict(), "cross": cross_stats.cpu_s.as_dict()},
         "summed_reverse_kl_max_difference": worst,
     }
     return result

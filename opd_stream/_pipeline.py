@@ -34,7 +34,7 @@ from ._logging import get_logger
 from ._memory import maybe_release_freed_memory, release_freed_memory
 from ._redact import redact
 from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepare_sample
-from ._stats import StatsRecorder
+from ._stats import CHANNELS, ChannelName, StatsRecorder
 from .config._settings import StreamConfig
 from .fetch._fetcher import SampleFetcher, ScoreAttemptError
 from .fleet._router import TeacherRouter
@@ -243,7 +243,7 @@ class _Pipeline:
         self.calls: dict[int, Call] = {}  # admitted calls by index, until handed over
         self.secret = None if config.api_key is None else config.api_key.get_secret_value()
         cap = config.channel_capacity
-        for name in ("intake", "kl", "emit", "output"):
+        for name in CHANNELS:
             self.stats.channel(name, cap)
 
     # stage 1: intake ---------------------------------------------------------------
@@ -352,7 +352,9 @@ class _Pipeline:
             crew.before_send()
             await self._send("intake", work, _Job(prepared, admitted_at, call))
 
-    async def _send(self, channel: str, stream: MemoryObjectSendStream[Any], item: Any) -> None:
+    async def _send(
+        self, channel: ChannelName, stream: MemoryObjectSendStream[Any], item: Any
+    ) -> None:
         """Send, then count the item as sitting in ``channel`` (for depth/high-water stats)."""
         await stream.send(item)
         self.stats.put(channel)

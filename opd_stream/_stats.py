@@ -10,20 +10,28 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from typing import Final, Literal, Protocol
+from typing import ClassVar, Final, Literal, Protocol, get_args
 
 import msgspec
 import numpy as np
 
+from ._deprecated import DictRead
 from .fleet._records import EndpointStats, FleetState
 from .wire._codec import PARSERS, Parser
 
 __all__ = (
+    "CHANNELS",
     "CPU_STEPS",
+    "STAGES",
+    "ChannelName",
     "ChannelStats",
     "CpuSeconds",
     "KLStageStats",
     "LoopClock",
+    "ParserCounts",
+    "PipelineChannels",
+    "StageActivity",
+    "StageName",
     "StatsRecorder",
     "Step",
     "StreamStats",
@@ -38,6 +46,68 @@ class ChannelStats(msgspec.Struct, frozen=True, kw_only=True):
     depth: int
     high_water: int
     capacity: int
+
+
+#: The pipeline's bounded channels: the fields of :class:`PipelineChannels`.
+ChannelName = Literal["intake", "kl", "emit", "output"]
+CHANNELS: Final[tuple[ChannelName, ...]] = get_args(ChannelName)
+
+#: The stages whose running tasks are counted: the fields of :class:`StageActivity`.
+StageName = Literal["teacher_fetch", "student_fetch", "decode", "kl"]
+STAGES: Final[tuple[StageName, ...]] = get_args(StageName)
+
+
+class PipelineChannels(DictRead, msgspec.Struct, frozen=True, kw_only=True):
+    """The pipeline's bounded channels (``stats().channels``), one :class:`ChannelStats`
+    each; their capacity is ``channel_capacity``. (Reading it like a ``dict``, as it was
+    before 1.0, still works for one release, with a ``DeprecationWarning``.)
+
+    Attributes:
+        intake: admitted samples waiting for a fetch worker.
+        kl: fetched samples waiting for the KL stage.
+        emit: scored samples and failures waiting to be put in order and handed on.
+        output: results waiting for the caller to take them.
+    """
+
+    intake: ChannelStats
+    kl: ChannelStats
+    emit: ChannelStats
+    output: ChannelStats
+
+
+class StageActivity(DictRead, msgspec.Struct, frozen=True, kw_only=True):
+    """Tasks of each stage running now (``stats().stages``). (Reading it like a ``dict``,
+    as it was before 1.0, still works for one release, with a ``DeprecationWarning``.)
+
+    Attributes:
+        teacher_fetch: teacher requests in flight (retries and hedges included).
+        student_fetch: student requests in flight (only without the student's own top-k).
+        decode: answers being decoded (on the event loop or in a decode thread).
+        kl: KL batches being scored.
+    """
+
+    teacher_fetch: int = 0
+    student_fetch: int = 0
+    decode: int = 0
+    kl: int = 0
+
+
+class ParserCounts(DictRead, msgspec.Struct, frozen=True, kw_only=True):
+    """A count per answer parser (``stats().decoded``: answers, ``stats().decoded_bytes``:
+    their bytes). (Reading it like a ``dict``, as it was before 1.0, still works for one
+    release, with a ``DeprecationWarning``; so does the old key ``"jit"``, for
+    ``scanner``.)
+
+    Attributes:
+        scanner: by the compiled scanner, once it is ready.
+        msgspec: by msgspec: until the scanner is ready, where numba cannot run, and every
+            answer the scanner handed on.
+    """
+
+    old_keys: ClassVar[dict[str, str]] = {"jit": "scanner"}
+
+    scanner: int = 0
+    msgspec: int = 0
 
 
 class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,8 +135,10 @@ class KLStageStats(msgspec.Struct, frozen=True, kw_only=True):
 class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of a stream's state (see ``OPDStream.stats``)."""
 
-    channels: dict[str, ChannelStats]
-    stages: dict[str, int]
+    channels: PipelineChannels
+    """Each bounded channel between the stages: depth now, high-water mark, capacity."""
+    stages: StageActivity
+    """Tasks of each stage running now."""
     in_flight: int
     admitted: int
     completed: int
@@ -81,7 +153,7 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     loop_lag_max_s: float
     endpoints: dict[str, EndpointStats]
     kl: KLStageStats
-    cpu_s: dict[str, float]
+    cpu_s: CpuSeconds
     """CPU seconds of each step, measured in the thread that ran it: ``prepare`` (sample
     checks, top-k rows into arrays), ``build`` (request payloads), ``decode_loop``
     (answers decoded on the event loop), ``decode_threads`` (answers parsed in decode
@@ -96,20 +168,22 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     thread, and the CPU of the process that compiled it when the cache lacked it). What
     the process spent beyond their sum is the worker threads' own hand-offs (and anything
     else the host runs in its threads)."""
-    decoded: dict[str, int] = msgspec.field(default_factory=dict)
-    """Scoring answers decoded by each parser: ``jit`` (the compiled scanner, once it is
-    ready), ``msgspec`` (until then, where numba cannot run, and every answer the scanner
-    handed on)."""
-    decoded_bytes: dict[str, int] = msgspec.field(default_factory=dict)
-    """The bytes of those answers, by parser (the keys of ``decoded``): what each parser
+    decoded: ParserCounts = msgspec.field(default_factory=ParserCounts)
+    """Scoring answers decoded by each parser: ``scanner`` (the compiled scanner, once it
+    is ready), ``msgspec`` (until then, where numba cannot run, and every answer the
+    scanner handed on)."""
+    decoded_bytes: ParserCounts = msgspec.field(default_factory=ParserCounts)
+    """The bytes of those answers, by parser (the fields of ``decoded``): what each parser
     read. A short run in a fresh process decodes with msgspec until the scanner is ready."""
     fleets: dict[str, FleetState] = msgspec.field(default_factory=dict)
     """Each configured server URL asked so far: an sglang-router (and its workers, used
-    directly when reachable from here) or a server (``router_discovery``)."""
+    directly when reachable from here) or a server (``gateway_discovery``)."""
 
 
-class CpuSeconds(msgspec.Struct, kw_only=True):
-    """CPU seconds of each synchronous step so far (:attr:`StreamStats.cpu_s` is a copy).
+class CpuSeconds(DictRead, msgspec.Struct, kw_only=True):
+    """CPU seconds of each synchronous step so far (:attr:`StreamStats.cpu_s` is a copy,
+    whose fields are documented there). (Reading it like a ``dict``, as ``cpu_s`` was
+    before 1.0, still works for one release, with a ``DeprecationWarning``.)
 
     One field per step, so a misspelt step is an ``AttributeError`` (and a mypy error),
     never a new key."""
@@ -189,10 +263,10 @@ class StatsRecorder:
     """
 
     def __init__(self) -> None:
-        self.channel_capacity: dict[str, int] = {}
-        self._depth: Counter[str] = Counter()
-        self._high: Counter[str] = Counter()
-        self.stage_active: Counter[str] = Counter()
+        self.channel_capacity: dict[ChannelName, int] = dict.fromkeys(CHANNELS, 0)
+        self._depth: Counter[ChannelName] = Counter()
+        self._high: Counter[ChannelName] = Counter()
+        self.stage_active: Counter[StageName] = Counter()
         self.runs: set[CountsInFlight] = set()
         self.admitted = 0
         self.completed = 0
@@ -239,15 +313,15 @@ class StatsRecorder:
         return sum(run.in_flight for run in self.runs)
 
     # channels ---------------------------------------------------------------------
-    def channel(self, name: str, capacity: int) -> None:
+    def channel(self, name: ChannelName, capacity: int) -> None:
         self.channel_capacity[name] = capacity
 
-    def put(self, name: str) -> None:
+    def put(self, name: ChannelName) -> None:
         self._depth[name] += 1
         if self._depth[name] > self._high[name]:
             self._high[name] = self._depth[name]
 
-    def take(self, name: str) -> None:
+    def take(self, name: ChannelName) -> None:
         self._depth[name] -= 1
 
     def record_latency(self, seconds: float) -> None:
@@ -272,13 +346,15 @@ class StatsRecorder:
         lag = np.fromiter(self._lag, dtype=np.float64)
         klb = np.fromiter(self._kl_batch, dtype=np.float64)
         return StreamStats(
-            channels={
-                name: ChannelStats(
-                    depth=self._depth[name], high_water=self._high[name], capacity=cap
-                )
-                for name, cap in self.channel_capacity.items()
-            },
-            stages=dict(self.stage_active),
+            channels=PipelineChannels(
+                **{
+                    name: ChannelStats(
+                        depth=self._depth[name], high_water=self._high[name], capacity=cap
+                    )
+                    for name, cap in self.channel_capacity.items()
+                }
+            ),
+            stages=StageActivity(**{name: self.stage_active[name] for name in STAGES}),
             in_flight=self.in_flight,
             admitted=self.admitted,
             completed=self.completed,
@@ -300,7 +376,7 @@ class StatsRecorder:
                 batch_p50_s=float(np.percentile(klb, 50)) if klb.size else None,
                 batch_p99_s=float(np.percentile(klb, 99)) if klb.size else None,
             ),
-            cpu_s=self.cpu_seconds().as_dict(),
-            decoded=dict(self.decoded.items()),
-            decoded_bytes=dict(self.decoded_bytes.items()),
+            cpu_s=self.cpu_seconds(),
+            decoded=ParserCounts(**self.decoded),
+            decoded_bytes=ParserCounts(**self.decoded_bytes),
         )

@@ -132,7 +132,7 @@ def build_fleet(config: StreamConfig, transport: Transport) -> Fleet:
         unreachable_after_s=config.unreachable_after_s,
         id_scoring=config.id_scoring,
         topk_wire=config.topk_wire,
-        discovery=config.router_discovery == "auto",
+        discovery=config.gateway_discovery == "auto",
         engine=config.engine,
         server_engines=config.server_engines,
         max_logprobs=config.vllm_max_logprobs,
@@ -282,7 +282,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Self]:
         clock = self._stats.loop_clock
-        clock.start()  # the loop's CPU, from here until the stream is left (cpu_s["loop"])
+        clock.start()  # the loop's CPU, from here until the stream is left (cpu_s.loop)
         try:
             async with self._entered() as stream:
                 yield stream
@@ -336,7 +336,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
                 # the compiled kernels, once per process, in the background; never waited for
                 # (msgspec decodes until they are ready), and never holding the process (_jit)
-                if start_kernels():  # this stream counts their CPU (cpu_s["kernels"])
+                if start_kernels():  # this stream counts their CPU (cpu_s.kernels)
                     self._kernels_from = kernels_cpu()
                 log.info("stream_started", **self.config.to_log_dict())
                 try:
@@ -391,8 +391,8 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         same request again under the same salt (the cold request's prefix is cached).
         A replica is named when its cold answer is more than ``tolerance`` nats from its
         teacher's median replica at some position (with two replicas: from the other
-        one), or its warm answer from its cold one. Routers are expanded to their workers
-        (``router_discovery``). Each replica's two requests share ``probe_deadline_s``;
+        one), or its warm answer from its cold one. Gateways are expanded to their workers
+        (``gateway_discovery``). Each replica's two requests share ``probe_deadline_s``;
         a failed one is reported (``failed``), not retried; one with no answer by then has
         error ``deadline_exceeded``.
 

@@ -85,9 +85,9 @@ async def main():
         # CPU is left to the compile (a busy machine has little to spare)
         warm, give_up = 0, time.monotonic() + 300
         while True:
-            jit_before = stream.stats().decoded["jit"]
+            jit_before = stream.stats().decoded.scanner
             warm += await score(stream, 8, 0)
-            if stream.stats().decoded["jit"] - jit_before == 8 or time.monotonic() > give_up:
+            if stream.stats().decoded.scanner - jit_before == 8 or time.monotonic() > give_up:
                 break
             await anyio.sleep(1)
         gc.collect()

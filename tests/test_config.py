@@ -60,7 +60,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.backoff_max_s == 2.0
     assert cfg.connect_timeout_s == 10.0
     assert cfg.decode_threads == 0
-    assert cfg.decode_thread_bytes == 1 << 20
+    assert cfg.offload_bytes == 1 << 20
     assert cfg.max_reorder == 1024
 
 
@@ -127,8 +127,8 @@ def test_top_k_bounds_are_inclusive() -> None:
 
 
 def test_kl_batch_wait_may_be_zero_and_decode_threads_may_be_positive() -> None:
-    cfg = _config(kl_batch_wait_s=0.0, decode_threads=3, decode_thread_bytes=0)
-    assert (cfg.kl_batch_wait_s, cfg.decode_threads, cfg.decode_thread_bytes) == (0.0, 3, 0)
+    cfg = _config(kl_batch_wait_s=0.0, decode_threads=3, offload_bytes=0)
+    assert (cfg.kl_batch_wait_s, cfg.decode_threads, cfg.offload_bytes) == (0.0, 3, 0)
 
 
 # --------------------------------------------------------------------------- invalid values
@@ -216,7 +216,7 @@ INVALID: list[tuple[str, Any]] = [
     ("connect_timeout_s", math.inf),
     ("connect_timeout_s", math.nan),
     ("decode_threads", -1),
-    ("decode_thread_bytes", -1),
+    ("offload_bytes", -1),
     ("max_reorder", 0),
     ("balance", "random"),
     ("balance_load_factor", 0.9),
@@ -228,7 +228,7 @@ INVALID: list[tuple[str, Any]] = [
     ("hedge_min_s", -1.0),
     ("attempt_timeout_s", -1.0),
     ("attempt_timeout_s", math.inf),
-    ("router_discovery", "always"),
+    ("gateway_discovery", "always"),
     ("cache_salt", "per_sample"),
     ("probe_tolerance", 0.0),
     ("probe_tolerance", math.inf),
@@ -315,7 +315,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("backoff_max_s", "0.01"),
     ("connect_timeout_s", "-inf"),
     ("decode_threads", "-1"),
-    ("decode_thread_bytes", "-1"),
+    ("offload_bytes", "-1"),
     ("max_reorder", "0"),
     ("balance", "p2c"),
     ("balance_load_factor", "one"),
@@ -325,7 +325,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("hedge_after_percentile", "101"),
     ("hedge_min_s", "-0.5"),
     ("attempt_timeout_s", "soon"),
-    ("router_discovery", "sometimes"),
+    ("gateway_discovery", "sometimes"),
     ("cache_salt", "always"),
     ("probe_tolerance", "-1"),
     ("probe_deadline_s", "never"),
@@ -495,7 +495,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_BACKOFF_MAX_S": "3",
         "OPD_STREAM_CONNECT_TIMEOUT_S": "4",
         "OPD_STREAM_DECODE_THREADS": "2",
-        "OPD_STREAM_DECODE_THREAD_BYTES": "100",
+        "OPD_STREAM_OFFLOAD_BYTES": "100",
         "OPD_STREAM_MAX_REORDER": "9",
         "OPD_STREAM_BALANCE": "round-robin",
         "OPD_STREAM_BALANCE_LOAD_FACTOR": "1.5",
@@ -505,7 +505,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_HEDGE_AFTER_PERCENTILE": "90",
         "OPD_STREAM_HEDGE_MIN_S": "0.2",
         "OPD_STREAM_ATTEMPT_TIMEOUT_S": "2.5",
-        "OPD_STREAM_ROUTER_DISCOVERY": "off",
+        "OPD_STREAM_GATEWAY_DISCOVERY": "off",
         "OPD_STREAM_CACHE_SALT": "per-request",
         "OPD_STREAM_PROBE_TOLERANCE": "0.5",
         "OPD_STREAM_PROBE_DEADLINE_S": "2.5",
@@ -549,7 +549,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         backoff_max_s=3.0,
         connect_timeout_s=4.0,
         decode_threads=2,
-        decode_thread_bytes=100,
+        offload_bytes=100,
         max_reorder=9,
         balance="round-robin",
         balance_load_factor=1.5,
@@ -559,7 +559,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         hedge_after_percentile=90.0,
         hedge_min_s=0.2,
         attempt_timeout_s=2.5,
-        router_discovery="off",
+        gateway_discovery="off",
         cache_salt="per-request",
         probe_tolerance=0.5,
         probe_deadline_s=2.5,
@@ -713,7 +713,7 @@ def test_table_defaults_match_the_struct_defaults() -> None:
     assert shown["teachers"] == "required"
     assert shown["student_url"] == "none"
     assert shown["max_response_bytes"] == "1 GiB"
-    assert shown["decode_thread_bytes"] == "1 MiB"
+    assert shown["offload_bytes"] == "1 MiB"
     assert shown["top_k"] == "0"
     assert shown["strategy"] == "only-student"
     assert shown["request_deadline_s"] == "60"

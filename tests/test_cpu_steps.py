@@ -41,7 +41,7 @@ def _burn(seconds: float) -> None:
 
 
 async def test_the_loop_step_is_the_loops_cpu_beyond_the_steps_that_ran_on_it() -> None:
-    cfg = _cfg(top_k=0, decode_thread_bytes=1 << 30)  # every answer decoded on the loop
+    cfg = _cfg(top_k=0, offload_bytes=1 << 30)  # every answer decoded on the loop
     samples = _samples(8)
     start = time.thread_time()
     async with OPDStream(cfg, transport=mock_transport({T: InProcessSGLang("teacher", 1)})) as s:
@@ -49,7 +49,7 @@ async def test_the_loop_step_is_the_loops_cpu_beyond_the_steps_that_ran_on_it() 
             out = [r async for r in results]
         _burn(0.05)  # the loop busy with something else: the loop's share too
         await anyio.to_thread.run_sync(_burn, 0.05)  # a worker thread's: not the loop's
-        cpu = s.stats().cpu_s
+        cpu = s.stats().cpu_s.as_dict()
     spent = time.thread_time() - start
     assert all(isinstance(r, ScoredSample) for r in out)
     on_loop = cpu["loop"] + cpu["prepare"] + cpu["build"] + cpu["decode_loop"]
@@ -66,7 +66,7 @@ async def test_steps_measured_in_a_worker_thread_are_not_taken_out_of_the_loop()
     _burn(0.02)
     rec.spent("build", 0.01)  # measured on the loop: out of ``loop``
     await anyio.to_thread.run_sync(rec.spent, "decode_threads", 0.5)  # in a worker thread
-    cpu = rec.snapshot().cpu_s
+    cpu = rec.snapshot().cpu_s.as_dict()
     rec.loop_clock.stop()
     assert cpu["build"] == 0.01 and cpu["decode_threads"] == 0.5
     assert 0.01 <= cpu["loop"] < 0.5
@@ -77,22 +77,23 @@ async def test_the_loop_clock_stops_when_the_stream_is_left() -> None:
     stream = OPDStream(_cfg(), transport=transport)
     async with stream:
         pass
-    before = stream.stats().cpu_s["loop"]
+    before = stream.stats().cpu_s.loop
     _burn(0.03)
-    assert stream.stats().cpu_s["loop"] == before
+    assert stream.stats().cpu_s.loop == before
 
 
 async def test_decoded_bytes_are_the_answer_bytes_each_parser_read() -> None:
-    cfg = _cfg(top_k=0, decode_thread_bytes=1 << 30)
+    cfg = _cfg(top_k=0, offload_bytes=1 << 30)
     async with OPDStream(cfg, transport=mock_transport({T: InProcessSGLang("teacher", 1)})) as s:
         async with s.run(_samples(5)) as results:
             assert len([r async for r in results]) == 5
         stats = s.stats()
-    assert tuple(stats.decoded_bytes) == PARSERS
-    assert sum(stats.decoded.values()) == stats.requests == 5
-    assert sum(stats.decoded_bytes.values()) == stats.bytes_received > 0
+    decoded, decoded_bytes = stats.decoded.as_dict(), stats.decoded_bytes.as_dict()
+    assert tuple(decoded_bytes) == PARSERS
+    assert sum(decoded.values()) == stats.requests == 5
+    assert sum(decoded_bytes.values()) == stats.bytes_received > 0
     for parser in PARSERS:
-        assert (stats.decoded[parser] > 0) is (stats.decoded_bytes[parser] > 0)
+        assert (decoded[parser] > 0) is (decoded_bytes[parser] > 0)
 
 
 async def test_setup_is_the_cpu_of_the_imports_in_their_thread(
@@ -144,8 +145,8 @@ async def test_the_stream_that_starts_the_kernels_counts_their_cpu(
     transport = mock_transport({T: InProcessSGLang("teacher", 1)})
     async with OPDStream(_cfg(), transport=transport) as stream:
         spent[0] = 10.75
-        assert stream.stats().cpu_s["kernels"] == 0.75
+        assert stream.stats().cpu_s.kernels == 0.75
     monkeypatch.setattr(_stream, "start_kernels", lambda: False)  # started by another
     async with OPDStream(_cfg(), transport=transport) as other:
         spent[0] = 12.0
-        assert other.stats().cpu_s["kernels"] == 0.0
+        assert other.stats().cpu_s.kernels == 0.0

@@ -1,4 +1,4 @@
-"""Router discovery (``router_discovery``): reading sglang-router's worker list, and what a
+"""Router discovery (``gateway_discovery``): reading sglang-router's worker list, and what a
 configured URL expands to (the real router is in test_sglang_router.py)."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class _Net:
 async def test_a_router_expands_to_its_reachable_workers_and_a_server_to_itself() -> None:
     net = _Net()
     net.reachable = {W2}
-    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    fleets = FleetDirectory(MockTransport(net.handle, gateways=True), enabled=True)
     assert await fleets.expand([R, W2, W1]) == (W2, W1)  # W2 once
     state = fleets.snapshot()
     assert state[R].kind == "router" and state[R].direct and state[R].workers == (W2,)
@@ -85,7 +85,7 @@ async def test_a_router_expands_to_its_reachable_workers_and_a_server_to_itself(
 async def test_unreachable_workers_mean_through_the_router() -> None:
     net = _Net()
     net.reachable = set()
-    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    fleets = FleetDirectory(MockTransport(net.handle, gateways=True), enabled=True)
     assert await fleets.expand([R]) == (R,)
     assert fleets.snapshot()[R].direct is False
 
@@ -100,7 +100,7 @@ async def test_the_list_is_read_again_after_the_refresh_period() -> None:
     from opd_stream.fleet._discovery import REFRESH_S
 
     net = _Net()
-    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=True)
+    fleets = FleetDirectory(MockTransport(net.handle, gateways=True), enabled=True)
     assert await fleets.expand([R]) == (W1, W2)
     net.workers = [W2]
     await anyio.sleep(REFRESH_S * 0.99)
@@ -113,7 +113,7 @@ async def test_the_list_is_read_again_after_the_refresh_period() -> None:
 
 async def test_off_never_asks() -> None:
     net = _Net()
-    fleets = FleetDirectory(MockTransport(net.handle, routers=True), enabled=False)
+    fleets = FleetDirectory(MockTransport(net.handle, gateways=True), enabled=False)
     assert await fleets.expand([R]) == (R,)
     assert net.gets == 0 and fleets.snapshot() == {}
 
@@ -122,7 +122,7 @@ async def test_a_stream_scores_on_the_workers_and_says_so_in_its_stats() -> None
     net = _Net()
     cfg = stream_config(R)
     samples = [Sample([1, 2, 3, 4 + i], 2, rollout_logprobs=[-1.0, -1.0]) for i in range(8)]
-    async with OPDStream(cfg, transport=MockTransport(net.handle, routers=True)) as stream:
+    async with OPDStream(cfg, transport=MockTransport(net.handle, gateways=True)) as stream:
         async with stream.run(samples) as results:
             out = [r async for r in results]
         stats = stream.stats()
@@ -167,6 +167,6 @@ async def test_a_gateway_without_workers_listing_is_read_from_its_rl_control_pla
             return Response(200, _rl(*(_rw(w) for w in net.workers)))
         return net.handle(method, url, body)
 
-    fleets = FleetDirectory(MockTransport(handle, routers=True), enabled=True)
+    fleets = FleetDirectory(MockTransport(handle, gateways=True), enabled=True)
     assert await fleets.expand([R]) == (W1, W2)
     assert net.gets == 1 and fleets.snapshot()[R].kind == "router"

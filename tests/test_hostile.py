@@ -126,7 +126,7 @@ _cfg = partial(
     **FAST_BACKOFF,
     request_deadline_s=10.0,
     max_attempts=2,
-    router_discovery="off",  # these servers answer every request alike
+    gateway_discovery="off",  # these servers answer every request alike
 )
 
 
@@ -492,7 +492,7 @@ async def test_a_deeply_nested_unknown_field_is_malformed_never_internal(
     assert jr.prepare()
     async with raw_server(answer) as (url, _):
         threaded = parser != "msgspec"
-        cfg = _cfg(url, max_attempts=1, decode_thread_bytes=1 if threaded else 1 << 30)
+        cfg = _cfg(url, max_attempts=1, offload_bytes=1 if threaded else 1 << 30)
         if parser == "msgspec":
             monkeypatch.setattr(jr, "_kernel", None)
             monkeypatch.setattr(jr, "_failed", True)
@@ -510,7 +510,7 @@ async def test_a_positive_teacher_logprob_is_a_malformed_answer(threaded: bool) 
         return http(200, msgspec.json.encode(_valid_answer(tokens, 5.0)))
 
     async with raw_server(answer) as (url, _):
-        cfg = _cfg(url, max_attempts=1, decode_thread_bytes=1 if threaded else 1 << 30)
+        cfg = _cfg(url, max_attempts=1, offload_bytes=1 if threaded else 1 << 30)
         (out,) = await _run(cfg, [Sample(tokens, 1, rollout_logprobs=[-0.5])])
     assert isinstance(out, SampleFailure)
     assert out.reason == "malformed_response" and "logprob above 0" in out.message

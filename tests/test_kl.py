@@ -76,10 +76,10 @@ def check_against_reference(
     r_max = max(s.s_ids.shape[0] for s in samples)
     ks, kt = samples[0].s_ids.shape[1], samples[0].t_ids.shape[1]
     c = {"only-student": ks, "only-teacher": kt, "intersection": ks}.get(strategy, ks + kt)
-    assert result.reverse_kl.shape == (b, r_max)
+    assert result.signal.shape == (b, r_max)
     for name in ("ids", "student_lp", "teacher_lp", "weights", "mask"):
         assert getattr(result, name).shape == (b, r_max, c), name
-    assert result.reverse_kl.dtype == torch.float32
+    assert result.signal.dtype == torch.float32
     assert result.ids.dtype == torch.int64
     assert result.mask.dtype == torch.bool
     assert result.weights.dtype == torch.float32
@@ -115,7 +115,7 @@ def check_against_reference(
             exp_w[i, pos, :n] = ref.weights
             exp_mask[i, pos, :n] = True
 
-    got_r = result.reverse_kl.double().cpu().numpy()
+    got_r = result.signal.double().cpu().numpy()
     assert np.isfinite(got_r).all()
     worst = np.abs(got_r - exp_r) - tol_r
     assert (worst <= 0).all(), f"r off by {np.abs(got_r - exp_r).max()}"
@@ -266,14 +266,14 @@ def test_worked_example_only_student_student_p() -> None:
         0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.7),
         0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6),
     ]
-    assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert res.signal[0].tolist() == pytest.approx(expected, abs=1e-6)
     assert res.weights[0].flatten().tolist() == pytest.approx([0.6, 0.4, 0.7, 0.3], abs=1e-6)
 
 
 def test_worked_example_intersection_none() -> None:
     res = topk_reverse_kl(worked_example_batch(), "intersection", "none")
     expected = [math.log(0.4 / 0.5), math.log(0.7 / 0.8)]
-    assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert res.signal[0].tolist() == pytest.approx(expected, abs=1e-6)
     assert res.ids[0].tolist() == [[2, -1], [4, -1]]
 
 
@@ -285,7 +285,7 @@ def test_worked_example_only_teacher_student_p_without_student_topk() -> None:
         (2 / 3) * math.log(0.4 / 0.5) + (1 / 3) * math.log(0.2 / 0.5),
         (7 / 8) * math.log(0.7 / 0.8) + (1 / 8) * math.log(0.1 / 0.2),
     ]
-    assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert res.signal[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_worked_example_xor_none() -> None:
@@ -294,7 +294,7 @@ def test_worked_example_xor_none() -> None:
         math.log(0.6 / 0.3) + math.log(0.2 / 0.5),
         math.log(0.3 / 0.6) + math.log(0.1 / 0.2),
     ]
-    assert res.reverse_kl[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert res.signal[0].tolist() == pytest.approx(expected, abs=1e-6)
     assert res.ids[0].tolist() == [[1, 3, -1, -1], [5, 6, -1, -1]]
 
 
@@ -351,9 +351,9 @@ def test_all_inf_logprobs_give_finite_results(strategy: Strategy, weight_mode: W
     rng = np.random.default_rng(0)
     samples = [random_sample(rng, 6, 4, 4, overlap=0.5, p_inf=1.0, p_hole=0.0)]
     res = topk_reverse_kl(make_batch(samples, strategy), strategy, weight_mode)
-    for name in ("reverse_kl", "student_lp", "teacher_lp", "weights"):
+    for name in ("signal", "student_lp", "teacher_lp", "weights"):
         assert torch.isfinite(getattr(res, name)).all(), name
-    assert (res.reverse_kl == 0).all()  # floor - floor = 0 everywhere
+    assert (res.signal == 0).all()  # floor - floor = 0 everywhere
     check_against_reference(samples, strategy, weight_mode)
 
 
@@ -361,7 +361,7 @@ def test_inf_student_logprob_is_floored_not_nan() -> None:
     batch = one_position_batch([7], [-INF], [-1.0], [7], [-1.0], [-INF])
     res = topk_reverse_kl(batch, "only-student", "none")
     assert res.student_lp[0, 0, 0].item() == LOGPROB_FLOOR
-    assert res.reverse_kl[0, 0].item() == pytest.approx(LOGPROB_FLOOR + 1.0)
+    assert res.signal[0, 0].item() == pytest.approx(LOGPROB_FLOOR + 1.0)
 
 
 def test_finite_values_above_floor_are_untouched() -> None:
@@ -452,8 +452,8 @@ def test_zero_length_batch_gives_empty_tensors(strategy: Strategy, weight_mode: 
     )
     res = topk_reverse_kl(batch, strategy, weight_mode)
     c = 2 * k if strategy in ("union", "xor") else k
-    assert res.reverse_kl.shape == (2, 0)
-    assert res.reverse_kl.dtype == torch.float32
+    assert res.signal.shape == (2, 0)
+    assert res.signal.dtype == torch.float32
     assert res.ids.shape == res.weights.shape == res.mask.shape == (2, 0, c)
 
 
@@ -466,7 +466,7 @@ def test_empty_selection_gives_zero(strategy: Strategy, weight_mode: WeightMode)
         [1, 2], [-1.0, -2.0], [-3.0, -4.0], t_ids, [-1.0, -1.0], [-2.0, -2.0]
     )
     res = topk_reverse_kl(batch, strategy, weight_mode)
-    assert res.reverse_kl.tolist() == [[0.0]]
+    assert res.signal.tolist() == [[0.0]]
     assert not res.mask.any()
     assert (res.ids == -1).all()
     assert (res.weights == 0).all()
@@ -478,7 +478,7 @@ def test_padding_positions_give_zero_and_no_candidates() -> None:
     rng = np.random.default_rng(3)
     samples = [random_sample(rng, r, 5, 5, overlap=0.5, p_inf=0.0, p_hole=0.0) for r in (1, 4)]
     res = topk_reverse_kl(make_batch(samples, "union"), "union", "student_p")
-    assert res.reverse_kl[0, 1:].tolist() == [0.0, 0.0, 0.0]
+    assert res.signal[0, 1:].tolist() == [0.0, 0.0, 0.0]
     assert not res.mask[0, 1:].any()
     assert (res.ids[0, 1:] == -1).all()
 
@@ -610,7 +610,7 @@ def test_pad_topk_batch_builds_a_batch_the_kl_accepts() -> None:
     assert batch.valid.sum().item() == 7
     expected = topk_reverse_kl(make_batch(samples, "only-student"), "only-student", "student_p")
     got = topk_reverse_kl(batch, "only-student", "student_p")
-    assert torch.equal(got.reverse_kl, expected.reverse_kl)
+    assert torch.equal(got.signal, expected.signal)
     with pytest.raises(ValueError, match="disagree"):
         pad_topk_batch(student_ids=[samples[0].s_ids], student_lp=[s.s_lp for s in samples])
 
@@ -656,7 +656,7 @@ def test_only_student_on_empty_rows_is_zero_and_union_takes_t_alone() -> None:
     smp.s_ids[:] = -1
     smp.s_lp[:] = -np.inf
     res = topk_reverse_kl(make_batch([smp], "only-student"), "only-student", "student_p")
-    assert res.reverse_kl.tolist() == [[0.0, 0.0, 0.0]]
+    assert res.signal.tolist() == [[0.0, 0.0, 0.0]]
     assert not res.mask.any()
     res = topk_reverse_kl(make_batch([smp], "union"), "union", "student_p")
     assert res.ids[0, :, :4].tolist() == smp.t_ids.tolist()

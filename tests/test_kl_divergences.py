@@ -58,7 +58,6 @@ def check(
 ) -> tuple[Any, list[Any]]:
     """Run and compare every output with the float64 reference."""
     res = run(samples, strategy, divergence, tail=tail, beta=beta, device=device)
-    assert res.signal is res.reverse_kl
     got_r = res.signal.double().cpu().numpy()
     got_w = res.weights.double().cpu().numpy()
     refs = []
@@ -121,6 +120,24 @@ def test_forward_kl_by_hand() -> None:
     w = (2 / 3, 1 / 3)  # the teacher's softmax over the two candidates
     expected = w[0] * math.log(0.6 / 0.5) + w[1] * math.log(0.3 / 0.2)
     assert plain.signal.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_result_names_its_signal_whatever_the_divergence() -> None:
+    batch = one_position([math.log(0.5), math.log(0.2)], [math.log(0.6), math.log(0.3)])
+    res = topk_divergence(batch, "only-student", "teacher_p", divergence="forward_kl", tail=True)
+    assert res._fields[0] == "signal" and "reverse_kl" not in res._fields
+    assert res.signal is res[0]
+
+
+def test_the_old_name_reverse_kl_reads_the_signal_with_a_warning() -> None:
+    batch = one_position([math.log(0.5), math.log(0.2)], [math.log(0.6), math.log(0.3)])
+    res = topk_divergence(batch, "only-student", "teacher_p", divergence="forward_kl", tail=True)
+    with pytest.deprecated_call(
+        match=r"TopKResult.reverse_kl is deprecated: it is TopKResult.signal"
+    ) as caught:
+        old = res.reverse_kl
+    assert old is res.signal
+    assert caught[0].filename == __file__
 
 
 def test_jsd_by_hand() -> None:

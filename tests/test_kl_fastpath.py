@@ -155,10 +155,10 @@ def expected(
 
 
 def assert_sample_matches(got: dict[str, torch.Tensor], refs: list[Any], c: int) -> None:
-    """``got``: one sample's ``reverse_kl [R]`` and ``ids/student_lp/teacher_lp/weights/mask
+    """``got``: one sample's ``signal [R]`` and ``ids/student_lp/teacher_lp/weights/mask
     [R, C]`` (padding positions excluded) against the reference positions."""
     r = len(refs)
-    assert got["reverse_kl"].shape == (r,)
+    assert got["signal"].shape == (r,)
     for name in ("ids", "student_lp", "teacher_lp", "weights", "mask"):
         assert got[name].shape == (r, c), name
     exp_ids = np.full((r, c), -1, dtype=np.int64)
@@ -170,7 +170,7 @@ def assert_sample_matches(got: dict[str, torch.Tensor], refs: list[Any], c: int)
         exp["teacher_lp"][pos, :n] = ref.teacher
         exp["weights"][pos, :n] = ref.weights
         tol = 1e-5 + 2e-6 * ref.scale
-        assert abs(float(got["reverse_kl"][pos]) - ref.r) <= tol, (pos, ref.r)
+        assert abs(float(got["signal"][pos]) - ref.r) <= tol, (pos, ref.r)
     np.testing.assert_array_equal(got["ids"].numpy(), exp_ids)
     np.testing.assert_array_equal(got["mask"].numpy(), exp_ids != -1)
     for name, want in exp.items():
@@ -190,7 +190,7 @@ def check_batch(
     assert res.ids.device.type == device
     assert res.student_tail_lp is None and res.teacher_tail_lp is None  # (tail=False)
     res = kl.TopKResult(*(x.cpu() for x in res[:6]))
-    assert res.reverse_kl.dtype == res.student_lp.dtype == res.weights.dtype == torch.float32
+    assert res.signal.dtype == res.student_lp.dtype == res.weights.dtype == torch.float32
     assert res.ids.dtype == torch.int64 and res.mask.dtype == torch.bool
     ks, kt = samples[0]["s_ids"].shape[1], samples[0]["t_ids"].shape[1]
     c = {"only-student": ks, "only-teacher": kt, "intersection": ks}.get(strategy, ks + kt)
@@ -199,7 +199,7 @@ def check_batch(
         got = {name: getattr(res, name)[i, :r] for name in res._fields[:6]}
         assert_sample_matches(got, refs, c)
         # padding positions: nothing selected
-        assert not res.mask[i, r:].any() and (res.reverse_kl[i, r:] == 0).all()
+        assert not res.mask[i, r:].any() and (res.signal[i, r:] == 0).all()
 
 
 # ------------------------------------------------------- both backends vs the reference
@@ -392,7 +392,7 @@ def as_dict(res: ScoredSample) -> dict[str, torch.Tensor]:
     c = res.candidates
     assert c is not None and res.reverse_kl is not None
     return {
-        "reverse_kl": res.reverse_kl,
+        "signal": res.reverse_kl,
         "ids": c.ids,
         "student_lp": c.student_logprobs,
         "teacher_lp": c.teacher_logprobs,

@@ -37,8 +37,8 @@ def check(samples: list[Rows], strategy: Strategy, device: str = "cpu") -> Any:
     res = topk_reverse_kl(batch_of(samples, device), strategy, "student_p", tail=True)
     assert res.student_tail_lp is not None and res.teacher_tail_lp is not None
     assert res.student_tail_lp.dtype == res.teacher_tail_lp.dtype == torch.float32
-    assert res.student_tail_lp.shape == res.reverse_kl.shape
-    got_r = res.reverse_kl.double().cpu().numpy()
+    assert res.student_tail_lp.shape == res.signal.shape
+    got_r = res.signal.double().cpu().numpy()
     got_ls = res.student_tail_lp.double().cpu().numpy()
     got_lt = res.teacher_tail_lp.double().cpu().numpy()
     got_w = res.weights.double().cpu().numpy()
@@ -91,14 +91,14 @@ def test_a_hand_computed_position() -> None:
     )
     res = topk_reverse_kl(batch, "only-student", "student_p", tail=True)
     expected = 0.5 * math.log(0.5 / 0.6) + 0.2 * math.log(0.2 / 0.3) + 0.3 * math.log(0.3 / 0.1)
-    assert res.reverse_kl.item() == pytest.approx(expected, rel=1e-6)
+    assert res.signal.item() == pytest.approx(expected, rel=1e-6)
     assert res.weights[0, 0].tolist() == pytest.approx([0.5, 0.2], rel=1e-6)
     assert res.student_tail_lp is not None and res.teacher_tail_lp is not None
     assert res.student_tail_lp.item() == pytest.approx(math.log(0.3), rel=1e-6)
     assert res.teacher_tail_lp.item() == pytest.approx(math.log(0.1), rel=1e-6)
     # without the tail: the normalised top-k sum, which is negative here
     plain = topk_reverse_kl(batch, "only-student", "student_p")
-    assert plain.reverse_kl.item() < 0 < res.reverse_kl.item()
+    assert plain.signal.item() < 0 < res.signal.item()
     assert plain.student_tail_lp is None and plain.teacher_tail_lp is None
 
 
@@ -163,7 +163,7 @@ def test_rows_where_the_candidates_hold_almost_all_or_almost_none_of_the_mass(
     # almost none of the mass in C: r is about the tails' log-ratio, to float64 precision
     for j, (a, b) in enumerate(grid):
         if a <= 1e-6 and b <= 1e-6:
-            assert refs[j].r == pytest.approx(float(res.reverse_kl[0, j]), rel=1e-5, abs=1e-12)
+            assert refs[j].r == pytest.approx(float(res.signal[0, j]), rel=1e-5, abs=1e-12)
 
 
 def test_floored_and_empty_rows() -> None:
@@ -177,7 +177,7 @@ def test_floored_and_empty_rows() -> None:
         "s_on_t": np.array([[-np.inf, math.log(0.3)], [-1.0, -3.0]], dtype=np.float32),
     }
     res, _ = check([rows], "only-student")
-    assert res.reverse_kl[0, 1].item() == 0.0
+    assert res.signal[0, 1].item() == 0.0
     assert res.student_tail_lp[0, 1].item() == res.teacher_tail_lp[0, 1].item() == 0.0
     assert res.weights[0, 0].tolist() == pytest.approx([0.0, 0.25])
     for strategy in STRATEGIES:
@@ -189,7 +189,7 @@ def test_padding_positions_give_zero_and_tails_zero() -> None:
     short = distribution_rows(rng, 2, 4, overlap=0.5, mass_s=0.7, mass_t=0.4)
     long = distribution_rows(rng, 5, 4, overlap=0.5, mass_s=0.7, mass_t=0.4)
     res, _ = check([short, long], "union")
-    assert res.reverse_kl[0, 2:].eq(0).all()
+    assert res.signal[0, 2:].eq(0).all()
     assert res.student_tail_lp[0, 2:].eq(0).all() and res.teacher_tail_lp[0, 2:].eq(0).all()
 
 
@@ -259,7 +259,7 @@ def test_tail_is_at_least_zero_and_at_most_the_full_reverse_kl_of_the_mock_model
     positions = np.arange(1, 24)
     rows, full = model_rows(student, teacher, tokens, positions, min(k, head_size))
     res, _ = check([rows], strategy)  # the library on the servers' float32 rows == reference
-    got = res.reverse_kl[0].double().numpy()
+    got = res.signal[0].double().numpy()
     # The bound is a fact of the exact distributions (the tail bucket merges tokens, and
     # merging never raises a KL): checked on the closed form's float64 rows. The servers'
     # float32 rows may exceed it: rounding each head logprob moves the tail's mass
@@ -294,7 +294,7 @@ def test_the_torch_index_backend_gives_the_same_tails(
     numpy_res, _ = check(samples, strategy)
     monkeypatch.setattr(_select, "_CPU_INDEX_BACKEND", "torch")
     torch_res, _ = check(samples, strategy)
-    for name in ("reverse_kl", "student_tail_lp", "teacher_tail_lp", "weights"):
+    for name in ("signal", "student_tail_lp", "teacher_tail_lp", "weights"):
         assert torch.equal(getattr(numpy_res, name), getattr(torch_res, name)), name
 
 

@@ -417,3 +417,62 @@ def test_the_transport_seams_types_are_public() -> None:
     seam = {"Transport", "Request", "Response", "BudgetLease"}
     assert seam <= exported(PACKAGE / "__init__.py")
     assert seam <= exported(PACKAGE / "transport" / "__init__.py")
+
+
+# ------------------------------------------------------------------- names before 1.0 (#36)
+
+#: The stats tables keyed by data (URLs, failure reasons), which no struct could name.
+KEYED_BY_DATA = ("endpoints", "failures", "fleets")
+
+
+def _class(path: Path, name: str) -> ast.ClassDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    (found,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    return found
+
+
+def test_no_stats_table_is_a_dict_keyed_by_a_fixed_set_of_names() -> None:
+    # channels, stages, parsers, CPU steps: a struct with a documented field each, never
+    # string keys
+    stats = _class(PACKAGE / "_stats.py", "StreamStats")
+    dicts = [
+        node.target.id
+        for node in stats.body
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and "dict[" in ast.unparse(node.annotation)
+    ]
+    assert sorted(set(dicts) - set(KEYED_BY_DATA)) == []
+
+
+def _old_names() -> set[str]:
+    """Every old spelling the package still reads: the ``warn_renamed`` calls with a
+    literal old name, the keys of ``RENAMED_SETTINGS`` and of each ``old_keys`` table."""
+    found: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "warn_renamed"
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.add(node.args[0].value)
+            targets = (
+                [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+            )
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if names & {"RENAMED_SETTINGS", "old_keys"} and node.value is not None:
+                for inner in ast.walk(node.value):
+                    if isinstance(inner, ast.Dict):
+                        found.update(k.value for k in inner.keys if isinstance(k, ast.Constant))
+    return found
+
+
+def test_every_deprecated_old_name_is_in_the_changelog() -> None:
+    changelog = PACKAGE.parent / "docs" / "changelog.md"
+    assert changelog.exists(), "docs/changelog.md lists the names renamed before 1.0"
+    text = changelog.read_text(encoding="utf-8")
+    old = _old_names()
+    assert {"jit", "decode_thread_bytes", "router_discovery", "TopKResult.reverse_kl"} <= old
+    assert sorted(name for name in old if name not in text) == []

@@ -204,7 +204,7 @@ async def test_through_smg_the_routed_worker_is_counted_and_a_group_stays_on_one
     for _ in range(6):
         head = rng.integers(1, 3000, 48).tolist()
         samples += [Sample(head + rng.integers(1, 3000, 6).tolist(), 6) for _ in range(4)]
-    cfg = stream_config(url, router_discovery="off", max_inflight=1)
+    cfg = stream_config(url, gateway_discovery="off", max_inflight=1)
     async with OPDStream(cfg) as stream:
         async with stream.run(samples) as results:
             out = [r async for r in results]

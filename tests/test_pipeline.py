@@ -380,7 +380,7 @@ async def test_slow_consumer_stops_intake_and_channels_stay_bounded() -> None:
                 assert servers[T1].requests <= n + 4 + 2
         stats = stream.stats()
     assert n == 40
-    for name, ch in stats.channels.items():
+    for name, ch in stats.channels.as_dict().items():
         assert ch.high_water <= ch.capacity, name
 
 
@@ -499,8 +499,8 @@ async def test_the_kernels_are_compiled_as_a_stream_starts_so_loop_decodes_use_t
         assert jit.available()
         await _collect(stream, _samples(3))
         stats = stream.stats()
-    assert stats.decoded["jit"] == 3 and stats.decoded["msgspec"] == 0
-    assert stats.cpu_s["decode_threads"] == 0.0  # all on the loop
+    assert stats.decoded.scanner == 3 and stats.decoded.msgspec == 0
+    assert stats.cpu_s.decode_threads == 0.0  # all on the loop
 
 
 class _FakeGroup:

@@ -103,7 +103,7 @@ async def _core_result(
         valid=torch.ones((1, r), dtype=torch.bool),
     )
     res = topk_reverse_kl(batch, strategy, weight_mode)  # type: ignore[arg-type]
-    return res.reverse_kl[0], torch.from_numpy(t.token_logprobs)
+    return res.signal[0], torch.from_numpy(t.token_logprobs)
 
 
 async def test_sampled_token_mode_matches_core_and_closed_form() -> None:

@@ -478,7 +478,7 @@ async def test_a_router_is_probed_through_its_workers() -> None:
         base = next(u for u in workers if url.startswith(u))
         return workers[base].handle(method, url[len(base) :], body)
 
-    transport = MockTransport(handle, routers=True)
+    transport = MockTransport(handle, gateways=True)
     async with OPDStream(stream_config(router), transport=transport) as stream:
         report = await stream.probe()
     assert [r.url for r in report.replicas] == [A1, A2, A3]

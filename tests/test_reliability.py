@@ -57,13 +57,13 @@ async def test_a_slow_consumer_over_http_keeps_every_bound() -> None:
                 await anyio.sleep(0.02)
                 st = stream.stats()
                 assert st.in_flight <= 5
-                for name, ch in st.channels.items():
+                for name, ch in st.channels.as_dict().items():
                     assert ch.depth <= ch.capacity and ch.high_water <= ch.capacity, name
                 # intake stops: admitted <= taken + slots + the output channel
                 assert st.admitted <= n + 5 + 3
         stats = stream.stats()
     assert n == 60
-    assert {ch.high_water for ch in stats.channels.values()} != {0}
+    assert {ch.high_water for ch in stats.channels.as_dict().values()} != {0}
     for cluster in (teacher, student):
         assert cluster.stats[0].max_in_flight <= 2  # max_inflight_per_endpoint
 

@@ -3,7 +3,7 @@ same bytes.
 
 The rule: the scanner accepts an answer only when the msgspec decoder accepts it, and then
 gives exactly the same arrays (it has no leniency: an id written ``5.0`` is handed back);
-every other answer is handed back (``None``), and ``decode_score_response(parser="jit")``
+every other answer is handed back (``None``), and ``decode_score_response(parser="scanner")``
 raises the msgspec decoder's error, type and message.
 """
 
@@ -105,7 +105,7 @@ def _differential(body: bytes, req: ScoreRequest) -> ScoreRows | None:
         assert not isinstance(slow, OPDStreamError), f"jit accepted what msgspec rejects: {slow}"
         _assert_same(slow, fast)
     try:
-        public: ScoreRows | OPDStreamError = decode_score_response(body, req, parser="jit")
+        public: ScoreRows | OPDStreamError = decode_score_response(body, req, parser="scanner")
     except OPDStreamError as exc:
         public = exc
     if isinstance(slow, OPDStreamError):
@@ -118,7 +118,7 @@ def _differential(body: bytes, req: ScoreRequest) -> ScoreRows | None:
 
 def test_the_scanner_compiles_and_is_the_parser_of_choice() -> None:
     assert available()
-    assert parser_for() == "jit"
+    assert parser_for() == "scanner"
 
 
 @pytest.mark.parametrize(("name", "req"), MOCK, ids=[n for n, _ in MOCK])
@@ -127,7 +127,7 @@ def test_mock_answers_decode_to_identical_arrays(name: str, req: ScoreRequest) -
     fast = _jit(body, req)
     assert fast is not None, "the scanner handed a valid answer back"
     _assert_same(decode_score_response(body, req), fast)
-    _assert_same(decode_score_response(bytearray(body), req, parser="jit"), fast)
+    _assert_same(decode_score_response(bytearray(body), req, parser="scanner"), fast)
 
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))
@@ -226,7 +226,7 @@ def test_an_integral_float_id_is_handed_back() -> None:
     assert body != text.encode()
     assert _jit(body, REQUESTS["ids-per-position"]) is None
     with pytest.raises(OPDStreamError, match="Expected `int`, got `float`"):
-        decode_score_response(body, REQUESTS["ids-per-position"], parser="jit")
+        decode_score_response(body, REQUESTS["ids-per-position"], parser="scanner")
 
 
 def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
@@ -235,7 +235,7 @@ def test_an_abort_is_reported_by_the_msgspec_decoder() -> None:
     body = wf.encode(obj)
     assert _jit(body, REQUESTS["plain"]) is None
     with pytest.raises(OPDStreamError, match="queue full") as info:
-        decode_score_response(body, REQUESTS["plain"], parser="jit")
+        decode_score_response(body, REQUESTS["plain"], parser="scanner")
     assert info.value.reason == "aborted"
 
 
@@ -361,7 +361,7 @@ def test_a_negative_zero_logprob_is_read_alike_on_every_path(name: str, spelling
     assert fast is not None
     slow = decode_score_response(body, req)
     _assert_same(slow, fast)
-    _assert_same(slow, decode_score_response(body, req, parser="jit"))
+    _assert_same(slow, decode_score_response(body, req, parser="scanner"))
     assert fast.token_logprobs[-1] == 0.0
     for arr in (fast.token_logprobs, fast.top_logprobs, fast.id_logprobs):
         if arr is not None:
@@ -419,7 +419,7 @@ def test_without_numba_msgspec_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_answers_jit(body, False) is None
     _assert_same(
         decode_score_response(body, REQUESTS["plain"]),
-        decode_score_response(body, REQUESTS["plain"], parser="jit"),
+        decode_score_response(body, REQUESTS["plain"], parser="scanner"),
     )
 
 

@@ -67,7 +67,7 @@ async def test_sampled_token_scoring_through_the_router_reaches_both_replicas(
 ) -> None:
     url, workers = router
     before = await generate_counts(workers)
-    cfg = stream_config(url, router_discovery="off")
+    cfg = stream_config(url, gateway_discovery="off")
     out, _ = await score_all(cfg, gateway_samples(10, top_k=0))
     check_scored(out, top_k=0)
     after = await generate_counts(workers)
@@ -78,7 +78,7 @@ async def test_per_position_dropped_by_the_router_is_detected_and_falls_back_und
     router: tuple[str, list[str]],
 ) -> None:
     url, _ = router
-    cfg = stream_config(url, top_k=K, id_scoring="auto", router_discovery="off")
+    cfg = stream_config(url, top_k=K, id_scoring="auto", gateway_discovery="off")
     samples = gateway_samples(8, top_k=K, seed=1)
     out, stats = await score_all(cfg, samples)
     check_scored(out, top_k=K)
@@ -100,7 +100,7 @@ async def test_top_k_intersection_through_the_router_matches_the_reference(
         url,
         top_k=K,
         strategy="intersection",
-        router_discovery="off",
+        gateway_discovery="off",
     )
     out, stats = await score_all(cfg, gateway_samples(8, top_k=K, seed=2))
     check_scored(out, top_k=K, strategy="intersection")
@@ -115,7 +115,7 @@ async def test_strict_per_position_through_the_router_fails_loudly(
         url,
         top_k=K,
         id_scoring="per-position",
-        router_discovery="off",
+        gateway_discovery="off",
     )
     out, _ = await score_all(cfg, gateway_samples(2, top_k=K, seed=3))
     assert all(isinstance(r, SampleFailure) and r.reason == "capability" for r in out)
@@ -162,7 +162,7 @@ async def test_discovery_off_sends_blocks_through_the_router_with_the_same_value
     url, _ = router
     samples = gateway_samples(10, top_k=K, seed=5)
     direct = stream_config(url, top_k=K)
-    through = stream_config(url, top_k=K, router_discovery="off")
+    through = stream_config(url, top_k=K, gateway_discovery="off")
     out_direct, _ = await score_all(direct, samples)
     out_router, stats = await score_all(through, samples)
     check_scored(out_router, top_k=K)

@@ -92,7 +92,7 @@ async def test_per_position_ids_pass_through_smg_with_discovery_off(
     url, _ = gateway
     samples = gateway_samples(10, top_k=K, seed=5)
     out_direct, _ = await score_all(_cfg(url), samples)
-    out_smg, stats = await score_all(_cfg(url, router_discovery="off"), samples)
+    out_smg, stats = await score_all(_cfg(url, gateway_discovery="off"), samples)
     check_scored(out_smg, top_k=K)
     for a, b in zip(out_direct, out_smg, strict=True):
         assert np.array_equal(a.teacher_logprobs, b.teacher_logprobs)
@@ -140,7 +140,7 @@ async def test_unpatched_workers_behind_smg_get_the_blocks_as_separate_requests(
         urls = [p.start() for p in procs]
         with launch_smg(urls) as url:
             samples = gateway_samples(8, top_k=K, seed=6)
-            out, stats = await score_all(_cfg(url, router_discovery="off"), samples)
+            out, stats = await score_all(_cfg(url, gateway_discovery="off"), samples)
     finally:
         for p in procs:
             p.kill()
@@ -164,7 +164,7 @@ async def test_the_routing_key_keeps_each_prompt_on_one_worker_under_manual_poli
                 out, stats = await score_all(
                     stream_config(
                         url,
-                        router_discovery="off",
+                        gateway_discovery="off",
                         balance=balance,
                         max_inflight=32,
                     ),

@@ -18,6 +18,7 @@ from opd_stream import (
     Sample,
     ScoredSample,
 )
+from opd_stream._stats import ParserCounts
 from opd_stream.testing import capture_events
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 
@@ -84,7 +85,7 @@ async def test_answers_parsed_in_decode_threads_give_identical_results() -> None
     async with OPDStream(_cfg(**cfg_topk), transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             inline = sorted([r async for r in results], key=lambda r: r.index)
-    offload = _cfg(**cfg_topk, decode_threads=2, decode_thread_bytes=1)
+    offload = _cfg(**cfg_topk, decode_threads=2, offload_bytes=1)
     async with OPDStream(offload, transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             pooled = sorted([r async for r in results], key=lambda r: r.index)
@@ -103,21 +104,21 @@ async def test_every_parser_gives_identical_results_and_stats_say_which_ran(
     samples = _samples(6, seed=4)
     cfg_topk = {"top_k": 4, "student_url": S, "strategy": "union"}
 
-    async def run(**kw: Any) -> tuple[list[Any], dict[str, int]]:
+    async def run(**kw: Any) -> tuple[list[Any], ParserCounts]:
         async with OPDStream(_cfg(**cfg_topk, **kw), transport=mock_transport(_servers())) as st:
             async with st.run(samples) as results:
                 out = sorted([r async for r in results], key=lambda r: r.index)
             return out, st.stats().decoded
 
     assert jr.prepare()
-    scanned, by_jit = await run(decode_threads=2, decode_thread_bytes=1)
-    assert by_jit["jit"] > 0 and set(by_jit) == {"jit", "msgspec"}
+    scanned, by_scanner = await run(decode_threads=2, offload_bytes=1)
+    assert by_scanner.scanner > 0
     monkeypatch.setattr(jr, "_kernel", None)
     monkeypatch.setattr(jr, "_failed", True)  # as without numba
-    pooled, by_threads = await run(decode_threads=2, decode_thread_bytes=1)
-    assert by_threads["msgspec"] > 0 and by_threads["jit"] == 0
-    inline, by_msgspec = await run(decode_thread_bytes=1 << 30)
-    assert by_msgspec["msgspec"] > 0 and by_msgspec["jit"] == 0
+    pooled, by_threads = await run(decode_threads=2, offload_bytes=1)
+    assert by_threads.msgspec > 0 and by_threads.scanner == 0
+    inline, by_msgspec = await run(offload_bytes=1 << 30)
+    assert by_msgspec.msgspec > 0 and by_msgspec.scanner == 0
     for a, b, c in zip(scanned, pooled, inline, strict=True):
         assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
         assert isinstance(c, ScoredSample)
@@ -180,7 +181,7 @@ async def test_errors_raised_in_a_decode_thread_fail_only_their_sample() -> None
         return Response(200, msgspec.json.encode(good))
 
     teacher.fault = misalign
-    cfg = _cfg(decode_threads=1, decode_thread_bytes=1, max_inflight=1)
+    cfg = _cfg(decode_threads=1, offload_bytes=1, max_inflight=1)
     async with OPDStream(cfg, transport=mock_transport({T: teacher})) as stream:
         async with stream.run(_samples(4)) as results:
             out = sorted([r async for r in results], key=lambda r: r.index)
@@ -191,11 +192,11 @@ async def test_errors_raised_in_a_decode_thread_fail_only_their_sample() -> None
 @pytest.mark.parametrize("threaded", [False, True], ids=["on-the-loop", "in-threads"])
 async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -> None:
     threshold = 1 if threaded else 1 << 30
-    cfg = _cfg(top_k=4, student_url=S, strategy="union", decode_thread_bytes=threshold)
+    cfg = _cfg(top_k=4, student_url=S, strategy="union", offload_bytes=threshold)
     async with OPDStream(cfg, transport=mock_transport(_servers())) as stream:
         async with stream.run(_samples(6)) as results:
             out = [r async for r in results]
-        cpu = stream.stats().cpu_s
+        cpu = stream.stats().cpu_s.as_dict()
     assert all(isinstance(r, ScoredSample) for r in out)
     assert set(cpu) == {
         "prepare",
@@ -255,11 +256,11 @@ async def test_blocks_sent_as_independent_requests_give_per_position_values(
         async with stream.run(samples) as results:
             want = sorted([r async for r in results], key=lambda r: r.index)
     threshold = 1 if threaded else 1 << 30
-    blocks = _cfg(**common, id_scoring="blocks", id_block_size=2, decode_thread_bytes=threshold)
+    blocks = _cfg(**common, id_scoring="blocks", id_block_size=2, offload_bytes=threshold)
     async with OPDStream(blocks, transport=mock_transport(_servers())) as stream:
         async with stream.run(samples) as results:
             got = sorted([r async for r in results], key=lambda r: r.index)
-        cpu = stream.stats().cpu_s
+        cpu = stream.stats().cpu_s.as_dict()
     assert (cpu["decode_threads"] > 0) is threaded
     for a, b in zip(want, got, strict=True):
         assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)

@@ -152,7 +152,7 @@ async def test_workers_found_behind_a_gateway_speak_the_gateways_engine() -> Non
         return await route({worker: vllm})(method, url, body)
 
     cfg = stream_config(gateway, **FAST_BACKOFF, server_engines={gateway: "vllm"})
-    async with OPDStream(cfg, transport=MockTransport(handler, routers=True)) as stream:
+    async with OPDStream(cfg, transport=MockTransport(handler, gateways=True)) as stream:
         got = [await stream.score(s) for s in _samples(2)]
     assert all(isinstance(r, ScoredSample) for r in got)
     assert vllm.paths.count("/inference/v1/generate") == 2

@@ -75,7 +75,7 @@ def test_both_parsers_agree_on_it() -> None:
     req = ScoreRequest(tokens=TOK, response_length=R, top_k=2)
     body = wf.encode(lmdeploy(sglang_answer(req)))
     same(
-        decode_score_response(body, req, parser="jit"),
+        decode_score_response(body, req, parser="scanner"),
         decode_score_response(body, req, parser="msgspec"),
     )
 

@@ -232,7 +232,7 @@ async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values() -> 
     async with OPDStream(cfg, transport=mock_transport({T: server})) as stream:
         async with stream.run([sample]) as results:
             (res,) = [r async for r in results]
-        assert stream.stats().cpu_s["align"] > 0
+        assert stream.stats().cpu_s.align > 0
     assert isinstance(res, ScoredSample) and res.reverse_kl is not None
     assert res.alignment is not None
     ref = byte_reference(

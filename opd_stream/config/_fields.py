@@ -27,6 +27,7 @@ from typing import Annotated, Any, Final, Literal, NamedTuple, Union, get_args, 
 
 import msgspec
 
+from .._deprecated import warn_renamed
 from .._errors import ConfigError
 
 __all__ = (
@@ -269,24 +270,37 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 
 
 def read_env(
-    specs: Mapping[str, FieldSpec], environ: Mapping[str, str], prefix: str
+    specs: Mapping[str, FieldSpec],
+    environ: Mapping[str, str],
+    prefix: str,
+    renamed: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Read every ``<prefix><FIELD>`` variable of ``environ`` (other names are ignored).
+    """Read every ``<prefix><FIELD>`` variable of ``environ`` (other names are ignored);
+    ``renamed`` (old field name -> new) names fields whose old variable is still read, with
+    a ``DeprecationWarning``.
 
     Returns:
         (field -> parsed value, field -> the variable it came from).
 
     Raises:
         ConfigError: a variable with the prefix that names no field (with the closest
-            name), or text that does not parse (see :meth:`FieldSpec.parse_env`).
+            name), or text that does not parse (see :meth:`FieldSpec.parse_env`), or both
+            the old and the new variable of a renamed field.
     """
     by_var = {prefix + name.upper(): spec for name, spec in specs.items()}
+    old_vars = {prefix + old.upper(): prefix + new.upper() for old, new in (renamed or {}).items()}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for var in sorted(environ):
         if not var.startswith(prefix):
             continue
         spec = by_var.get(var)
+        if var in old_vars:
+            if old_vars[var] in environ:
+                raise ConfigError(f"{old_vars[var]}: set twice, also as {var} (its old name)")
+            # (the line that asked for the configuration: from_env's caller)
+            warn_renamed(f"the environment variable {var}", old_vars[var], stacklevel=4)
+            spec = by_var[old_vars[var]]
         if spec is None:
             raise ConfigError(f"unknown environment variable {var}{did_you_mean(var, by_var)}")
         values[spec.name] = spec.parse_env(var, environ[var])

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, Literal, TypeAlias
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
+from .._deprecated import warn_renamed
 from .._errors import ConfigError
 from ..fleet._balance import Balance
 from ..fleet._engines import EngineSetting, normalize_server_engines
@@ -55,6 +57,7 @@ __all__ = (
     "CONFIG_FIELDS",
     "ENV_PREFIX",
     "MAX_TOP_K",
+    "RENAMED_SETTINGS",
     "CacheSalt",
     "ConfigField",
     "IdScoring",
@@ -98,7 +101,55 @@ def _device_spelling(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
-class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+RENAMED_SETTINGS: Final[Mapping[str, str]] = MappingProxyType(
+    {"decode_thread_bytes": "offload_bytes", "router_discovery": "gateway_discovery"}
+)
+"""Settings renamed before 1.0, old name -> new. The old name is still read for one release
+(a keyword of ``StreamConfig(...)``, ``from_env``, ``evolve``; its ``OPD_STREAM_*``
+variable; the attribute), each use a ``DeprecationWarning``."""
+
+
+def renamed_settings(values: Mapping[str, Any], *, stacklevel: int) -> dict[str, Any]:
+    """``values`` with each old setting name (:data:`RENAMED_SETTINGS`) replaced by its new
+    one, with a ``DeprecationWarning`` (``stacklevel``: the caller's line, counted from the
+    function that calls this one, as 2).
+
+    Raises:
+        ConfigError: both the old and the new name are given.
+    """
+    out = dict(values)
+    for old, new in RENAMED_SETTINGS.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{new}: given twice, also as {old} (its old name)")
+            warn_renamed(f"the setting {old}", new, stacklevel=stacklevel + 2)
+            out[new] = out.pop(old)
+    return out
+
+
+if TYPE_CHECKING:
+    from msgspec import StructMeta as _StructMeta
+else:  # (msgspec.StructMeta is public from msgspec 0.20 on)
+    _StructMeta = type(msgspec.Struct)
+
+
+class _RenamedKeywords(_StructMeta):
+    """``StreamConfig(old_name=...)`` works for one release (msgspec Structs take no
+    ``__init__``): the old names of :data:`RENAMED_SETTINGS` become the new ones."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not RENAMED_SETTINGS.keys() & kwargs.keys():
+            return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **renamed_settings(kwargs, stacklevel=2))
+
+
+class StreamConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    metaclass=_RenamedKeywords,
+):
     """Configuration of an ``OPDStream``; see :data:`CONFIG_FIELDS` for every field.
 
     Build it with :meth:`from_env` (``StreamConfig.from_env(teachers="http://h:30000",
@@ -286,18 +337,19 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decode_threads: Annotated[
         int,
         _doc(
-            "threads that parse large answers (GIL released, side by side); "
+            "threads that build large request bodies and parse large answers (offload_bytes; "
+            "GIL released, side by side); "
             "0 = auto: one per CPU this process may run on, at most 8",
             ge=0,
             advanced=True,
         ),
     ] = 0
-    decode_thread_bytes: Annotated[
+    offload_bytes: Annotated[
         int,
         _doc(
-            "answers at least this big are parsed in a decode thread; smaller ones on the event "
-            "loop (each holds the loop ~1.5-3 ms per MiB with the compiled scanner, ~4-10 with "
-            "msgspec)",
+            "request bodies and answers at least this big are built and parsed in a decode "
+            "thread; smaller ones on the event loop (an answer holds the loop ~1.5-3 ms per MiB "
+            "with the compiled scanner, ~4-10 with msgspec); formerly decode_thread_bytes",
             ge=0,
             advanced=True,
         ),
@@ -368,12 +420,12 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ge=0.0,
         ),
     ] = 0.0
-    router_discovery: Annotated[
+    gateway_discovery: Annotated[
         Literal["auto", "off"],
         _doc(
             "auto = a server URL that is a gateway (smg, sglang-router) is replaced by its "
             "workers reachable from here (listed again every 5 s); off = always send through "
-            "the configured URL"
+            "the configured URL; formerly router_discovery"
         ),
     ] = "auto"
     cache_salt: Annotated[
@@ -470,6 +522,18 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ),
     ] = 20
 
+    @property
+    def decode_thread_bytes(self) -> int:
+        """Deprecated: :attr:`offload_bytes`."""
+        warn_renamed("StreamConfig.decode_thread_bytes", "StreamConfig.offload_bytes")
+        return self.offload_bytes
+
+    @property
+    def router_discovery(self) -> Literal["auto", "off"]:
+        """Deprecated: :attr:`gateway_discovery`."""
+        warn_renamed("StreamConfig.router_discovery", "StreamConfig.gateway_discovery")
+        return self.gateway_discovery
+
     def __post_init__(self) -> None:
         values = {name: getattr(self, name) for name in _SPECS}
         try:
@@ -500,7 +564,10 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 that does not parse, or any validation failure; the message names the
                 field and, when the value came from the environment, the variable.
         """
-        values, sources = read_env(_SPECS, os.environ if environ is None else environ, ENV_PREFIX)
+        values, sources = read_env(
+            _SPECS, os.environ if environ is None else environ, ENV_PREFIX, RENAMED_SETTINGS
+        )
+        overrides = renamed_settings(overrides, stacklevel=2)
         _check_names(overrides)
         values.update(overrides)
         for name in overrides:
@@ -530,6 +597,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Raises:
             ConfigError: an unknown field name or an invalid result.
         """
+        changes = renamed_settings(changes, stacklevel=2)
         _check_names(changes)
         return type(self)(**{name: getattr(self, name) for name in _SPECS} | changes)
 
@@ -576,6 +644,7 @@ def check_settings(**values: Any) -> dict[str, Any]:
     Raises:
         ConfigError: an invalid value or combination; the message names the field(s).
     """
+    values = renamed_settings(values, stacklevel=2)
     _check_names(values)
     try:
         return check_values(_SPECS, values)

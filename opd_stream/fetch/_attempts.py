@@ -27,7 +27,7 @@ from .._errors import (
     WeightVersionChanged,
 )
 from .._logging import get_logger
-from .._stats import StatsRecorder
+from .._stats import StageName, StatsRecorder
 from ..config._settings import StreamConfig
 from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, EndpointPool, Route
 from ..fleet._capabilities import Capabilities, Side
@@ -387,7 +387,8 @@ class AttemptSender:
         """One HTTP request under the endpoint's limit; the 200 answer's body, charged to
         ``lease`` by the transport as it reads it. ``track``: count it in the replica's
         load (off for a block: its attempt is counted once)."""
-        self._stats.stage_active[f"{side}_fetch"] += 1
+        stage: StageName = "teacher_fetch" if side == "teacher" else "student_fetch"
+        self._stats.stage_active[stage] += 1
         work = self._pool.begin(url, key) if track else 0
         ep = self._endpoints(url)
         headers: dict[str, str] | None = None
@@ -413,7 +414,7 @@ class AttemptSender:
         finally:
             if track:
                 self._pool.end(url, key, work)
-            self._stats.stage_active[f"{side}_fetch"] -= 1
+            self._stats.stage_active[stage] -= 1
         self._stats.bytes_received += len(resp.body)
         kept = resp.headers
         if kept:
@@ -475,7 +476,7 @@ class AttemptSender:
     async def _build_body(self, req: ScoreRequest) -> tuple[bytes, Layout]:
         """The request body and its layout; a large one is built in a worker thread (the
         GIL released while the ids are written). Where: ``_threads``."""
-        if self._threads is None or not build_in_thread(req, self._cfg.decode_thread_bytes):
+        if self._threads is None or not build_in_thread(req, self._cfg.offload_bytes):
             body, lay, cpu = timed_build(req)
             self._stats.spent("build", cpu)  # (on the loop)
             return body, lay
@@ -491,7 +492,7 @@ class AttemptSender:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
         released while it parses), a small one on the loop. Where: ``_threads``."""
         size = answer_size(body)
-        if self._threads is None or not decode_in_thread(size, self._cfg.decode_thread_bytes):
+        if self._threads is None or not decode_in_thread(size, self._cfg.offload_bytes):
             start = time.thread_time()
             try:
                 rows, parser = decode(body, req, lay=lay)

@@ -7,7 +7,7 @@ Plain sync functions; the async shell (:mod:`opd_stream.fetch._attempts`) asks
 and runs :func:`timed_build` / :func:`~opd_stream.wire._codec.decode` /
 :func:`timed_decode` there or on the loop. A request body (by
 :func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
-``decode_thread_bytes`` goes to a worker thread, a smaller one stays on the loop.
+``offload_bytes`` goes to a worker thread, a smaller one stays on the loop.
 """
 
 from __future__ import annotations

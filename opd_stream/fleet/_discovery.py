@@ -19,7 +19,7 @@ carries the sample's ``X-SMG-Routing-Key``, by which smg can keep a prompt on on
 
 Discovery is lazy and runs in the requesting task (no task outlives a request): the first
 request to a URL discovers it while later ones wait for that answer; a refresh is done by
-one request while the others keep using the current list. ``router_discovery="off"``
+one request while the others keep using the current list. ``gateway_discovery="off"``
 sends everything to the configured URLs.
 
 The sans-IO part (:func:`parse_router_workers`, :func:`parse_rl_workers`) reads the

@@ -33,7 +33,7 @@ class Fleet:
     The keywords are the stream's settings of the same names (``StreamConfig``):
     ``balance``, ``balance_load_factor``, ``max_inflight_per_endpoint`` (``limit``),
     ``eject_after_failures``, ``eject_cooldown_s``, ``unreachable_after_s``,
-    ``id_scoring``, ``topk_wire``, ``router_discovery == "auto"`` (``discovery``),
+    ``id_scoring``, ``topk_wire``, ``gateway_discovery == "auto"`` (``discovery``),
     ``engine``, ``server_engines``, ``vllm_max_logprobs`` and the ``api_key``'s value
     (``secret``: kept out of the messages quoted from a server).
     """

@@ -12,6 +12,7 @@ from typing import Final, NamedTuple
 import torch
 from torch import Tensor
 
+from .._deprecated import warn_renamed
 from ._names import STRATEGIES, Strategy
 from ._plan import STRATEGY_NEEDS, StrategyNeeds
 
@@ -86,10 +87,10 @@ class TopKResult(NamedTuple):
     positions have no selected candidate.
 
     Attributes:
-        reverse_kl: float32 ``[B, R]``: ``r_t``, the signal of the divergence asked (the
-            reverse KL unless :func:`topk_divergence` was asked for another; the field's
-            name is older than the others, :attr:`signal` is the same tensor); 0 where
-            nothing is selected or on padding.
+        signal: float32 ``[B, R]``: ``r_t``, the per-token signal of the divergence asked
+            (the reverse KL unless :func:`topk_divergence` was asked for another); 0 where
+            nothing is selected or on padding. (Before 1.0 this field was ``reverse_kl``,
+            a name still readable for one release, with a ``DeprecationWarning``.)
         ids: int64 ``[B, R, C]``: candidate token ids.
         student_lp: float32 ``[B, R, C]``: student logprob of each candidate (floored).
         teacher_lp: float32 ``[B, R, C]``: teacher logprob of each candidate (floored).
@@ -103,7 +104,7 @@ class TopKResult(NamedTuple):
         teacher_tail_lp: float32 ``[B, R]``, only with ``tail`` (else None): ``log T_tail``.
     """
 
-    reverse_kl: Tensor
+    signal: Tensor
     ids: Tensor
     student_lp: Tensor
     teacher_lp: Tensor
@@ -113,9 +114,10 @@ class TopKResult(NamedTuple):
     teacher_tail_lp: Tensor | None = None
 
     @property
-    def signal(self) -> Tensor:
-        """``r_t`` of the divergence asked (the same tensor as :attr:`reverse_kl`)."""
-        return self.reverse_kl
+    def reverse_kl(self) -> Tensor:
+        """Deprecated: :attr:`signal` (whichever divergence was asked)."""
+        warn_renamed("TopKResult.reverse_kl", "TopKResult.signal")
+        return self.signal
 
 
 def needed_inputs(strategy: Strategy) -> frozenset[str]:
@@ -148,7 +150,7 @@ def empty_topk_result(b: int, r: int, c: int, device: torch.device, tail: bool) 
         return torch.zeros(shape, dtype=torch.float32, device=device)
 
     return TopKResult(
-        reverse_kl=f32(b, r),
+        signal=f32(b, r),
         ids=torch.full((b, r, c), -1, dtype=torch.int64, device=device),
         student_lp=f32(b, r, c),
         teacher_lp=f32(b, r, c),

@@ -565,7 +565,7 @@ async def _run_streams(
             max_lat = max(max_lat, item.latency_s)
             wrong += not closed_form_ok(workload, item)
     high_ok = all(
-        ch.high_water <= ch.capacity for st in stats for ch in st.channels.values()
+        ch.high_water <= ch.capacity for st in stats for ch in st.channels.as_dict().values()
     ) and all(st.in_flight == 0 for st in stats)
     unique = len({(0, r.index) for r in out_a} | {(1, r.index) for r in out_b})
     row = MatrixRow(

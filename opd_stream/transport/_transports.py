@@ -32,6 +32,7 @@ import anyio.lowlevel
 import msgspec
 import numpy as np
 
+from .._deprecated import warn_renamed
 from .._errors import ConfigError, ConnectionFailed, MalformedResponseError, ResponseTooLarge
 from .._redact import redact
 from ..wire._answers import Body
@@ -175,17 +176,23 @@ class MockTransport(HTTPMethods):
     :class:`ConnectionFailed` to simulate a network failure. The byte cap is enforced
     on what it returns, like a real transport.
 
-    Router discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
-    (``router_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
-    without calling the handler; pass
-    ``routers=True`` to let the handler answer it (to play an sglang-router).
+    Gateway discovery's ``GET .../workers`` and ``GET .../v1/rl/workers``
+    (``gateway_discovery="auto"``) are answered 404, as a plain SGLang server answers them,
+    without calling the handler; pass ``gateways=True`` to let the handler answer them (to
+    play a gateway: smg, sglang-router). (``routers=``, its name before 1.0, still works for
+    one release, with a ``DeprecationWarning``.)
     ``last_headers`` holds the extra headers of the last POST (``None``: none). The
     ``lease`` of a request is charged once the handler's answer is whole.
     """
 
-    def __init__(self, handler: Handler, *, routers: bool = False) -> None:
+    def __init__(
+        self, handler: Handler, *, gateways: bool = False, routers: bool | None = None
+    ) -> None:
+        if routers is not None:
+            warn_renamed("MockTransport(routers=...)", "MockTransport(gateways=...)")
+            gateways = gateways or routers
         self._handler = handler
-        self._routers = routers
+        self._gateways = gateways
         self.requests = 0
         self.last_headers: dict[str, str] | None = None
 
@@ -204,7 +211,7 @@ class MockTransport(HTTPMethods):
         method, url, max_bytes = request.method, request.url, request.max_bytes
         if method == "POST":
             self.last_headers = dict(request.headers) if request.headers else None
-        elif not self._routers and url.split("?")[0].endswith("/workers"):
+        elif not self._gateways and url.split("?")[0].endswith("/workers"):
             # (also smg's /v1/rl/workers)
             return Response(404, b'{"detail":"Not Found"}')
         self.requests += 1

@@ -38,9 +38,9 @@ __all__ = (
     "parser_for",
 )
 
-Parser = Literal["jit", "msgspec"]
+Parser = Literal["scanner", "msgspec"]
 """The parsers of a scoring answer: the compiled scanner, and msgspec (its fallback)."""
-#: The same names as a tuple (the keys of ``StreamStats.decoded``, in this order).
+#: The same names as a tuple (the fields of ``StreamStats.decoded``, in this order).
 PARSERS: Final[tuple[Parser, ...]] = get_args(Parser)
 #: An answer: one body, or (the ``"blocks"`` id form) one body per block, in block order.
 Answer = Body | Sequence[Body]
@@ -56,7 +56,7 @@ def answer_size(answer: Answer) -> int:
 def parser_for() -> Parser:
     """The parser for a decode, on the loop or in a thread: the compiled scanner once it
     is ready (never waited for), else msgspec."""
-    return "jit" if available() else "msgspec"
+    return "scanner" if available() else "msgspec"
 
 
 def decode(
@@ -82,7 +82,7 @@ def decode_score_response(
     """Decode and validate the HTTP 200 answer to ``build_score_payload(req)``.
 
     ``parser`` picks how the JSON is read; both give the same arrays and the same errors.
-    ``"msgspec"`` holds the GIL for the whole decode (~4-10 ns per byte). ``"jit"`` uses the
+    ``"msgspec"`` holds the GIL for the whole decode (~4-10 ns per byte). ``"scanner"`` uses the
     compiled scanner (GIL released, ~1.5-3 ns per byte; both with every check, see the
     module's docstring) when it is ready
     (:func:`opd_stream.scanner._loader.prepare`). An answer the scanner does not accept is decoded
@@ -128,7 +128,7 @@ def _decode_laid(
     per_position: bool,
 ) -> tuple[ScoreRows, Parser]:
     """``parser``'s reader first (unless msgspec), msgspec for what it hands back."""
-    if parser == "jit":
+    if parser == "scanner":
         rows = decode_segments_columns(
             body, batch=batch, segments=lay.segments, tokens=lay.tokens, top_k=top_k
         )

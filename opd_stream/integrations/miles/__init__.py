@@ -6,10 +6,10 @@
     --custom-rm-path opd_stream.integrations.miles.reward_func \\
     --custom-reward-post-process-path opd_stream.integrations.miles.post_process_rewards
 
-The reference's flags keep their meaning; other fields come from ``OPD_STREAM_*``
-(:func:`config_from_miles_args`). Each ``reward_func`` call is one :meth:`OPDStream.score`
-on a shared :class:`MilesEngine` (:func:`close` it when training ends); results and error
-families are the reference's: ``docs/design-notes.md``, "opd_stream/integrations/miles".
+The reference's flags keep their meaning, other fields come from ``OPD_STREAM_*``
+(:func:`config_from_miles_args`); each ``reward_func`` call is one :meth:`OPDStream.score` on
+a shared :class:`MilesEngine` (:func:`close` it when training ends). Results and errors as
+the reference's: ``docs/design-notes.md``, "opd_stream/integrations/miles/__init__.py".
 """
 
 from __future__ import annotations

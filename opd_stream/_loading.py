@@ -1,51 +1,14 @@
 """Heavy modules (torch and the KL code, the HTTP client) imported off the caller's event
 loop, in a worker thread, with their big shared libraries loaded first without the GIL.
 
-A worker thread alone does not keep the loop running: the loop thread needs the GIL, and
-the import machinery holds it while it maps an extension module's shared libraries
-(``dlopen``, run inside ``import``) and while it runs the module's C initialiser; so does
-:class:`ctypes.CDLL`. ``import torch`` in a thread held the loop 250-400 ms at a time on
-this project's 2-core machine, nearly all of it the ``dlopen`` of ``torch/_C`` and of the
-libraries behind it (``libtorch_cpu.so``: ~0.25 s). A ``dlopen`` called as a foreign
-function through ctypes (``libc.dlopen``) runs with the GIL released; a library loaded so
-is found loaded when the import asks for it again (the same file: no second copy, no
-second initialisation), so the import's own ``dlopen`` costs nothing.
-
-:func:`preload_torch` does that for torch, repeating exactly the steps of
-``torch/__init__.py``, with the same files and flags, in the same order, up to the point
-where that file would do something else:
-
-1. ``torch/lib/libtorch_global_deps.so`` with ``RTLD_NOW | RTLD_GLOBAL`` (torch:
-   ``ctypes.CDLL(path, mode=RTLD_GLOBAL)``, to which ctypes adds ``RTLD_NOW``);
-2. then, unless the CUDA runtime is now mapped (``libcudart.so`` in ``/proc/self/maps``:
-   torch next loads CUDA's libraries from the ``nvidia`` wheels in an order of its own, so
-   the preload stops and the import does the rest, holding the GIL as before),
-   ``torch/_C`` (the extension module's file, the first of the interpreter's extension
-   suffixes that exists) with :func:`sys.getdlopenflags`, which is what ``import`` passes
-   to ``dlopen``: every library behind it is loaded with the scope and binding order that
-   the import would give it.
-
-It does nothing (the import then runs as it always did) when torch is imported already,
-or is being imported, on another platform than Linux, when ``TORCH_USE_RTLD_GLOBAL`` is
-set or torch's ``_utils_internal.py`` does not carry the two defaults the steps above
-follow (``USE_GLOBAL_DEPS = True``, ``USE_RTLD_GLOBAL_WITH_LIBTORCH = False``; a custom
-build may change them), or when a file is missing or a ``dlopen`` fails (the import then
-raises its own error). A library loaded by the preload stays loaded, as torch's do.
-
-Two loads of ours never run at once (:data:`loading_lock`, which the compiled scanner's
-loader takes too): while one thread's ``dlopen`` runs without the GIL it holds the
-dynamic linker's lock, and another thread's ``dlopen`` (an extension module's import)
-would wait for it holding the GIL: the loop would stall as long (0.1-0.25 s measured). A
-thread of the host's that loads a library during the preload waits so too: as long as
-the import would have held the loop without the preload, no longer.
-
-What remains of ``import torch`` (the Python of its ~1,000 modules, which yields the GIL
-every 5 ms, and torch's C initialiser, 15-25 ms at a stretch) held the loop 10-30 ms at a
-time here, besides the garbage collector's full passes, which grow with the process's
-objects (torch brings ~150k: 0.1 s a pass here once it is loaded, whoever triggers it;
-``tests/support/loop_stall.py`` counts them apart).
-
 :func:`import_off_loop` is the async entry point (anyio: asyncio and trio).
+:func:`preload_torch` loads torch's libraries with ``dlopen`` called through ctypes (the GIL
+released), with the files, flags and order of ``torch/__init__.py``, so that the import finds
+them loaded; where it cannot follow torch exactly (not Linux, torch imported already, the
+CUDA runtime mapped, a custom build, a missing file or failed ``dlopen``) it stops and the
+import does the rest as it always did. :data:`loading_lock` keeps two loads of ours (this
+one, the compiled scanner's loader) from running at once. Why, step by step, and what still
+holds the loop: ``docs/design-notes.md``, "opd_stream/_loading.py".
 """
 
 from __future__ import annotations

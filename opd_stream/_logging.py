@@ -2,21 +2,12 @@
 
 The library emits structured events (``stream_started``, ``sample_failed``, ...: shapes,
 counts and reasons, never token ids, logprobs or keys) through **stdlib logging**, on the
-logger named ``"opd_stream"``, which carries only a :class:`logging.NullHandler`. So:
-
-* a host that configured nothing sees nothing (not even warnings: the NullHandler keeps
-  Python's last-resort stderr handler away), and ``logging.disable(...)`` silences us;
-* a host that configured logging sees our events in its own handlers, filtered by its
-  levels (``logging.getLogger("opd_stream").setLevel(...)``);
-* the events never depend on structlog's global configuration (structlog's default would
-  print every event to stdout). structlog only builds the event on top of the stdlib
-  logger (``structlog.stdlib``): a record's ``msg`` is the event dict (``str()`` of it reads
-  ``event key=value ...``), with the ``_logger``/``_name`` attributes that
-  :class:`structlog.stdlib.ProcessorFormatter` expects, so a host that renders with
-  structlog gets the fields as fields.
-
-:func:`configure_logging` is the opt-in for applications (the CLI and bench call it; the
-library never does): it puts one stderr handler on the ``"opd_stream"`` logger.
+logger named ``"opd_stream"``, which carries only a :class:`logging.NullHandler`: a host that
+configured nothing sees nothing, a host that configured logging sees the events in its own
+handlers and levels, and structlog's global configuration never matters (structlog only
+builds the event dict on the stdlib logger). :func:`configure_logging` is the opt-in for
+applications (the CLI and bench call it; the library never does): one stderr handler on the
+``"opd_stream"`` logger. In full: ``docs/design-notes.md``, "opd_stream/_logging.py".
 """
 
 from __future__ import annotations

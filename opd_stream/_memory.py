@@ -1,13 +1,11 @@
 """Giving freed heap memory back to the operating system (glibc only).
 
-glibc's malloc keeps large freed blocks: after a big block is freed its mmap threshold
-rises (up to 32 MiB), so later answer-sized allocations (MBs: bodies, decoded rows, KL
-arrays) come from heap arenas, and freeing them does not shrink the process. Measured
-with 64 long samples (3 MB answers) in flight at once: ~110 MB of RSS stayed after every
-result was dropped, all of it free (``malloc_trim`` gave it back). The stream calls
-:func:`release_freed_memory` when a run ends and, at most every ``_IDLE_INTERVAL_S``, when
-it has nothing in flight. ``malloc_trim`` only returns free pages; no allocator setting is
-changed. Elsewhere (musl, macOS, Windows) it does nothing.
+glibc's malloc keeps large freed blocks in its heap arenas, so freeing answer-sized
+allocations does not shrink the process. The stream calls :func:`release_freed_memory`
+(``malloc_trim``: it returns free pages only and changes no allocator setting) when a run
+ends and, at most every ``_IDLE_INTERVAL_S``, when it has nothing in flight. Elsewhere
+(musl, macOS, Windows) it does nothing. The measurement: ``docs/design-notes.md``,
+"opd_stream/_memory.py".
 """
 
 from __future__ import annotations

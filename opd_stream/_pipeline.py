@@ -1,20 +1,15 @@
 """One run of the streaming pipeline: stages joined by bounded channels.
 
-::
-
-    intake (validate + route) --[intake]--> fetch workers (payload, teacher fetch,
-    student fetch, decode) --[kl]--> KL stage (batched, worker thread) --[emit]-->
-    emitter (order, accounting) --[output]--> the caller's ``async for``
-
-Invalid samples and fetch failures go straight to ``emit``. Every admitted sample holds one
-of ``max_inflight`` slots until its result is handed over, so memory is bounded by the
-configured capacities and a slow consumer stops intake. The stage tasks live in one task
-group per run, inside the stream's (the drawing with modules: ``docs/internals.md``).
-
-What a run borrows from its stream comes in one struct (:class:`StreamParts`). The per-call
-entry points (:meth:`OPDStream.score`, :meth:`OPDStream.teacher_rows`) feed one long-lived
-run of :class:`Call` items: each carries its caller's cancel scope, and its outcome is
-handed to it (:meth:`Call.outcome`) instead of the output channel."""
+intake (validate + route) -> fetch workers (payload, teacher and student fetch, decode) ->
+KL stage (batched, worker thread) -> emitter (order, accounting) -> the caller's ``async
+for``; invalid samples and fetch failures go straight to the emitter. Every admitted sample
+holds one of ``max_inflight`` slots until its result is handed over, so memory is bounded
+and a slow consumer stops intake. The stage tasks live in one task group per run, inside
+the stream's (the drawing: ``docs/internals.md``). :class:`StreamParts` is what a run
+borrows from its stream; :meth:`OPDStream.score` and :meth:`OPDStream.teacher_rows` feed one
+long-lived run of :class:`Call` items, each with its caller's cancel scope and its outcome
+handed to it (:meth:`Call.outcome`). In full: ``docs/design-notes.md``, "opd_stream/_pipeline.py".
+"""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Secrets out of text a server sent back: sans-IO, applied before any cut or re-encoding.
 
-A server may echo the ``Authorization`` header (a proxy's error page, a debug handler, an
-abort message); what it sends back goes into :class:`SampleFailure` messages, log events
-and the score command's output. Two rules, both applied by :func:`redact`:
-
-* any ``Bearer <token>`` (case-insensitive) loses its token, whatever the token holds:
-  everything up to the next whitespace, quote-escapes and all, becomes ``***``;
-* when the key is known, the key itself (as sent, and as JSON or Python would escape it:
-  ``\\"`` for ``"``, ``\\\\`` for ``\\``, ``\\/`` for ``/``) becomes ``***``, and so does a
-  cut-off start of the key at the very end of the text (a message cap that cut inside the
-  key leaves a prefix there).
-
-Redaction must happen *before* a message is capped, and on decoded strings before they
-are re-encoded; :func:`redact` is still safe on text that was already cut (the tail rule).
+:func:`redact` replaces with ``***`` any ``Bearer <token>`` (case-insensitive; the token is
+everything up to the next whitespace) and, when the key is known, the key itself (as sent,
+and JSON- or Python-escaped) and a cut-off start of it at the very end of the text. What a
+server echoes (a proxy's error page, an abort message) goes into :class:`SampleFailure`
+messages, log events and the score command's output, so redaction happens before a message
+is capped and on decoded strings before they are re-encoded; it stays safe on text already
+cut (the tail rule). The rules in full: ``docs/design-notes.md``, "opd_stream/_redact.py".
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""``OPDStream``: the public entry point, and ``Results``, the handle of one run.
-
-::
+"""``OPDStream``: the public entry point, and ``Results``, the handle of one run::
 
     async with OPDStream(StreamConfig.from_env()) as stream:
         async with stream.run(samples) as results:
@@ -8,20 +6,10 @@
                 ...
         result = await stream.score(sample)     # or one sample at a time, from any task
 
-The stream owns one task group (the pipeline runs, the run of per-call samples, a loop-lag
-ticker), one transport
-(a pooled aiohttp session by default, created inside the running loop), and the per
-endpoint state (concurrency limiters, detected capabilities), handed to each run in one
-:class:`~opd_stream._pipeline.StreamParts`. Leaving ``results`` early, or cancelling the
-caller, cancels the run: in-flight HTTP requests are cancelled and no task is left behind;
-a cancelled :meth:`OPDStream.score` call cancels its sample's requests.
-
-A guest on the caller's event loop: building an ``OPDStream`` imports nothing heavy, and
-entering it (:meth:`OPDStream.load` first) imports torch, the KL code and the HTTP client
-in a worker thread (:mod:`opd_stream._loading`) and makes the httpx client there too: no
-call of ours holds a running loop more than 50 ms (``tests/test_loop_stall.py``), but for
-one: a teacher with its own tokenizer, whose tables ``tokenizers`` and ``tiktoken`` build
-holding the GIL (0.2-0.7 s at a time for a 150k vocabulary, in the loading thread).
+The stream owns one task group, one transport and the per-endpoint state (handed to each
+run as :class:`~opd_stream._pipeline.StreamParts`); leaving ``results`` early or cancelling
+the caller cancels the run, leaving no request or task behind. Entering it imports torch,
+the KL code and the HTTP client in a worker thread (:mod:`opd_stream._loading`).
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 
 Starts mock teacher servers (one per teacher name; SGLang, or vLLM with ``--engine vllm`` /
 ``vllm-completions``) and a mock SGLang student server as subprocesses, generates rollouts
-from the student the way a rollout engine does (``/generate`` with ``max_new_tokens > 0``),
-streams them through :class:`OPDStream` while they are still being generated, and prints a
-summary. A sample of the results is checked against the mock's closed-form model (the vLLM
-mock serves the same model: the same values).
-
-The stream is left to detect each server's engine (``engine="auto"``, whatever
-``OPD_STREAM_ENGINE`` says: the demo starts its own servers), and the summary shows what it
-found. A mode the teachers' engine cannot serve is refused before any server starts, with
-the sentence a stream configured with that engine gives (:func:`~opd_stream.wire._vllm.
-engine_problem`).
+from the student (``/generate`` with ``max_new_tokens > 0``), streams them through
+:class:`OPDStream` while they are still being generated, checks a sample of the results
+against the mock's closed-form model and prints a summary. The stream detects each
+server's engine (``engine="auto"``, whatever ``OPD_STREAM_ENGINE`` says); a mode the
+teachers' engine cannot serve is refused before any server starts, with the stream's own
+sentence (:func:`~opd_stream.wire._vllm.engine_problem`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """``opd-stream score``: score a JSON Lines file of rollouts against real SGLang servers.
 
-The runner: :func:`run_score` (the ``score`` sub-command). Its options and configuration
-are :mod:`opd_stream.cli._score_options`' (:func:`add_score_arguments`); reading the input
-and opening the files :mod:`opd_stream.cli._score_files`'; the line schemas and the
-sans-IO decoding and rendering of one line :mod:`opd_stream.cli._score_schema`'s.
-
-Input is read incrementally in a worker thread (``read1`` chunks, lines split there,
-decoded in that thread), so memory stays bounded by the pipeline's capacities (plus the
-longest line) however large the file; every non-blank input line gives exactly one output
-line. Output is rendered and written in a worker thread, in batches.
-
-Order: by default output lines come in completion order. With ``--ordered`` (or
-``OPD_STREAM_ORDER=input``) they come in input order: the stream runs with
-``order="input"`` (its reorder buffer holds at most ``max_reorder`` results) and lines
-that fail to decode are merged back in at their place through a bounded queue of
-``max_inflight + max_reorder`` tickets.
+The runner, :func:`run_score`; its options are :mod:`opd_stream.cli._score_options`', input
+and files :mod:`opd_stream.cli._score_files`', line schemas and codecs
+:mod:`opd_stream.cli._score_schema`'s. Input is read and decoded incrementally in a worker
+thread, so memory stays bounded however large the file; every non-blank input line gives
+exactly one output line, rendered and written in a worker thread, in batches. Lines come in
+completion order, or with ``--ordered`` (``OPD_STREAM_ORDER=input``) in input order: the
+stream's reorder buffer, plus a bounded queue of ``max_inflight + max_reorder`` tickets
+that merges the lines that fail to decode back in at their place.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""The JSON Lines schemas of ``opd-stream score`` and the sans-IO line codecs.
+"""The JSON Lines schemas of ``opd-stream score`` and the sans-IO line codecs: plain functions
+and msgspec Structs, usable without a server or an event loop (the runner is
+:mod:`opd_stream.cli._score`).
 
-Plain functions and msgspec Structs, usable and testable without a server or an event loop:
+* :class:`InputLine` / :func:`decode_line`: one input line -> a :class:`Sample` whose
+  ``sample_id`` is a :class:`LineRef`, or an :class:`InvalidSampleError` that names the
+  field and never repeats the line; :func:`line_failure`: the result of such a line;
+* :class:`ScoredLine` / :class:`FailedLine` / :func:`render_result`: one output line.
 
-* :class:`InputLine`: the schema of one input line (a JSON object; unknown keys are errors);
-* :func:`decode_line`: one input line (bytes) -> a :class:`Sample` whose ``sample_id`` is a
-  :class:`LineRef`, or :class:`InvalidSampleError` with a message that names the field and
-  never repeats the line's contents; :func:`line_failure`: the result of a line that did
-  not decode;
-* :class:`ScoredLine` / :class:`FailedLine`: the schema of one output line;
-* :func:`render_result`: a :class:`ScoredSample` or :class:`SampleFailure` -> one output line.
-
-The runner that reads, scores and writes the lines is :mod:`opd_stream.cli._score`.
-
-Probability 0: one representation in every output line. A logprob of a token the model
-gives probability 0 (``-inf``; SGLang sends it as ``null``) is written as ``null``, in
-``teacher_logprobs`` and in ``candidates`` alike: the library's candidate arrays hold the
-floored value ``LOGPROB_FLOOR = -1e4`` there (every logprob is clamped to it before any
-arithmetic), and a candidate logprob at or below the floor is rendered ``null`` too. The
-signals are computed with the floor and stay finite: ``reverse_kl`` and ``weights`` never
-hold ``null`` (a sampled token the teacher gives probability 0 has ``reverse_kl =
-rollout_logprob + 1e4``). The library never emits NaN.
+Probability 0 is written ``null`` in every output line (``teacher_logprobs`` and
+``candidates``, values at or below ``LOGPROB_FLOOR`` included); ``reverse_kl`` and
+``weights`` are computed with the floor: never ``null``, never NaN.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Settings fields declared once, and everything derived from the declaration.
 
-A field of a settings Struct is declared as ``Annotated[type, msgspec.Meta(...), ...]``:
-the type, the bounds (``ge``/``gt``/``le``/``lt``, ``min_length``, ``pattern``), the
-``description`` and, in ``Meta.extra``, ``"advanced": True`` for a tuning knob and
-``"problem"``/``"above"`` for a custom error phrase. A field whose value needs more than a
-type and bounds (a URL, a secret) also carries a :class:`Normalise` marker. From that one
-declaration this module derives, per field (:class:`FieldSpec`):
-
-* the check of a value (:meth:`FieldSpec.check`): a normaliser if any, the Python type
-  (``bool`` is never a number, numpy integers are integers, ``int`` becomes ``float``,
-  floats must be finite), then the Meta constraints, enforced by ``msgspec.convert``;
-* the parse of an environment variable's text (:meth:`FieldSpec.parse_env`);
-* the row of the documented table (:meth:`FieldSpec.row`).
-
-Nothing here knows a particular field: see :mod:`opd_stream.config._settings`.
+A field of a settings Struct is ``Annotated[type, msgspec.Meta(...), ...]``: type, bounds,
+``description`` and, in ``Meta.extra``, ``"advanced": True`` (a tuning knob) or
+``"problem"``/``"above"`` (a custom error phrase); a value that needs more (a URL, a secret)
+also carries a :class:`Normalise` marker. :class:`FieldSpec` derives from it the check of a
+value (:meth:`FieldSpec.check`: the normaliser, the Python type with ``bool`` never a number
+and floats finite, then the Meta constraints through ``msgspec.convert``), the parse of an
+environment variable (:meth:`FieldSpec.parse_env`) and the documented table's row
+(:meth:`FieldSpec.row`). Nothing here knows a particular field: see
+:mod:`opd_stream.config._settings`.
 """
 
 from __future__ import annotations

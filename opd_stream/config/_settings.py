@@ -1,24 +1,14 @@
 """``StreamConfig``: every knob of ``opd_stream``, declared once, validated once.
 
-Each field is declared once, on :class:`StreamConfig`: type, default, bounds and
-description, as ``Annotated[int, msgspec.Meta(ge=1, description=...)]``. The checks, the
-``OPD_STREAM_<FIELD>`` environment parsing (:mod:`opd_stream.config._fields`), the rules
-between fields (:mod:`opd_stream.config._rules`), ``opd-stream config`` and the
-configuration table of ``docs/configuration.md`` are all derived from it. Fields marked
-``advanced`` are tuning and benchmarking knobs; the defaults are right for a training job.
-
-Precedence is explicit arguments, then ``OPD_STREAM_<FIELD>`` environment variables, then
-the defaults. Every problem raises :class:`ConfigError` (a ``ValueError``) whose message
-names the field, and the environment variable when the value came from one. An unknown
-``OPD_STREAM_*`` variable is an error (a typo must not be silently ignored).
-
-Validation lives in ``StreamConfig.__post_init__``, so a direct ``StreamConfig(...)`` call
-validates too (msgspec Structs only type-check on decode); so do
-``msgspec.structs.replace``, :meth:`StreamConfig.evolve` and :meth:`StreamConfig.from_env`
-(which runs it exactly once).
-
-The API key is held in a :class:`Secret` and never appears in ``repr``/``str``, in
-:meth:`StreamConfig.to_log_dict` or in error messages.
+Each field is declared once on :class:`StreamConfig` (type, default, bounds, description);
+the checks and ``OPD_STREAM_<FIELD>`` parsing (:mod:`opd_stream.config._fields`), the rules
+between fields (:mod:`opd_stream.config._rules`), ``opd-stream config`` and the table of
+``docs/configuration.md`` derive from it. Precedence: explicit arguments, then
+``OPD_STREAM_<FIELD>`` variables, then defaults; an unknown ``OPD_STREAM_*`` variable is an
+error. Every problem raises :class:`ConfigError` naming the field (and the variable).
+Validation runs in ``__post_init__``, so direct construction, ``msgspec.structs.replace``,
+:meth:`StreamConfig.evolve` and :meth:`StreamConfig.from_env` all validate. The API key is a
+:class:`Secret`: never in ``repr``/``str``, :meth:`StreamConfig.to_log_dict` or a message.
 """
 
 from __future__ import annotations

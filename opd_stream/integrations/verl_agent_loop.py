@@ -5,14 +5,10 @@ Imported by verl only (it imports ``verl`` and ``ray``): select it with::
     actor_rollout_ref.rollout.agent.agent_loop_manager_class=\\
         opd_stream.integrations.verl_agent_loop.OPDStreamAgentLoopManager
 
-verl's trainer builds its ``AgentLoopManager`` from that class; this one starts
-:class:`OPDStreamAgentLoopWorker` actors instead of verl's ``AgentLoopWorker``. Each worker
-builds verl's own state, then swaps ``teacher_server_manager`` for a
-:class:`~opd_stream.integrations.verl.TeacherManager` read from verl's configuration and the
-``OPD_STREAM_*`` variables of the worker's process (``OPD_STREAM_TEACHERS`` names the
-servers; set the variables in Ray's ``runtime_env``). verl's own teacher manager is never
-asked anything; when verl passes no in-process teacher clients, the worker gives verl's
-constructor placeholders named after the teachers (verl only compares the names).
+:class:`OPDStreamAgentLoopManager` starts :class:`OPDStreamAgentLoopWorker` actors; each
+builds verl's own state and swaps ``teacher_server_manager`` for a ``TeacherManager`` read
+from verl's configuration and the worker's ``OPD_STREAM_*`` variables
+(``OPD_STREAM_TEACHERS`` names the servers; set them in Ray's ``runtime_env``).
 """
 
 from __future__ import annotations

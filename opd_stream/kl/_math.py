@@ -1,93 +1,14 @@
-"""Vectorised torch KL math: top-k candidate sets, weights, per-token reverse KL (and the
-forward KL and generalized JSD over the same candidates).
+"""Vectorised torch KL math over top-k candidate sets: per-token reverse KL
+(:func:`sampled_reverse_kl`, :func:`topk_reverse_kl`), forward KL and generalized JSD
+(:func:`topk_divergence`), with the per-candidate arrays a candidate-level loss needs.
 
-Semantics are ``docs/semantics.md`` (numerically compatible with the reference Miles
-implementation); the tensor contract is ``docs/internals.md``, "The KL contract".
-
-Two signal families:
-
-* **Sampled-token** (:func:`sampled_reverse_kl`): ``r_t = rollout_lp[t] - teacher_lp[t]``.
-* **Top-k** (:func:`topk_reverse_kl`): per response position a candidate set ``sel(t)`` is
-  chosen from the student top-k ``S`` and the teacher top-k ``T`` by a :data:`Strategy`, each
-  candidate gets a weight by a :data:`WeightMode`, and
-  ``r_t = sum_{v in sel(t)} w(v) * (s(v) - t(v))``.  Besides ``r_t`` the per-candidate arrays
-  (ids, student and teacher logprobs, weights, mask) are returned, so a trainer can use a
-  candidate-level loss (``r_t`` alone depends only on the prefix).
-
-Other divergences (:func:`topk_divergence`, issue 27):
-    Over the same candidates, ``divergence="forward_kl"`` is ``sum_C w_t(v) (t(v) - s(v))``
-    with the teacher's weights (``weight_mode="teacher_p"``), and ``"jsd"`` is TRL's
-    generalized JSD ``beta KL(Q || M) + (1 - beta) KL(P || M)``, ``M = beta Q + (1 - beta)
-    P``, of the two sides renormalised over the candidates (float64). With ``tail=True``
-    each is taken over ``|C| + 1`` outcomes, the tail bucket included (the forward KL gains
-    ``T_tail (log T_tail - log S_tail)``), with the same float64 tails and clamp as below.
-    ``docs/semantics.md`` ("Other divergences") has the table and the JSD's limits.
-
-The -inf floor:
-    A logprob of ``-inf`` is a real value: SGLang serialises it as JSON ``null`` and it means
-    probability 0.  Every logprob is clamped to :data:`LOGPROB_FLOOR` (``-1e4``) before any
-    arithmetic.  With the floor every weight and every log-ratio stays finite, so no NaN can
-    arise (``-inf - -inf`` becomes ``0``, ``exp(-1e4)`` is exactly ``0.0`` in float32, and a
-    softmax over floored values is well defined).  Finite values above the floor are never
-    changed; finite values below it (which no real model produces) are clamped too.  The
-    per-candidate logprobs in :class:`TopKResult` are the floored values.
-
-The tail bucket (``tail=True``):
-    Top-k ignores the mass outside the candidate set ``C = sel(t)``.  With ``tail=True`` one
-    more outcome, the *tail*, holds the rest of each model's mass, and ``r_t`` is the reverse
-    KL between the two distributions over ``|C| + 1`` outcomes::
-
-        r_t = sum_{v in C} p_s(v) (s(v) - t(v)) + S_tail (log S_tail - log T_tail)
-
-    with ``p_s(v) = exp(s(v))`` (unnormalised student weights, whatever the strategy; only
-    ``weight_mode="student_p"`` is accepted), ``S_tail = 1 - sum_{v in C} exp(s(v))`` and
-    ``T_tail = 1 - sum_{v in C} exp(t(v))``.  It is a proper KL (never negative) and, by the
-    log-sum inequality, a lower bound of the full-vocabulary reverse KL.  The tails are
-    computed in float64 (a tail of 1e-6 is the difference of two numbers near 1, far below
-    float32's resolution there) as ``log1p(-mass)``, with the mass of ``C`` clamped to at
-    most ``1 - TAIL_MIN`` (so a tail is never below :data:`TAIL_MIN` = 1e-6, beyond which a
-    float32 logprob's rounding is all that is left of it; this also absorbs inputs whose
-    candidates sum to more than 1, e.g. values from two slightly different sources).  A tail
-    near 1 needs no clamp: ``log1p`` keeps ``log(1 - mass) ~ -mass`` exact for a small mass,
-    and an empty ``C`` gives tails of exactly 1 (log 0) and ``r_t = 0``.  The clamp and
-    float32 rounding can leave ``-1e-7``-sized negatives, which are returned as ``0``.  The
-    two tail logprobs are returned too (``student_tail_lp``, ``teacher_tail_lp``).
-
-NaN means "missing":
-    NaN never leaves this module.  A NaN in a *selected* candidate's student or teacher value
-    raises :class:`~opd_stream._errors.MissingLogprobError` naming the side, the token id, the
-    response position and the batch index of the first offender (in batch, position, candidate
-    order).  A NaN in a slot that is not used (a padding position, an unselected candidate, or
-    ``teacher_on_student`` for an id of ``S`` that is also in ``T`` when ``T``'s value is used)
-    is ignored.  Unselected slots are cleared before any arithmetic, so a selected NaN is the
-    only way ``r_t`` can become NaN: one reduction over ``r`` finds out, and only then is the
-    offender looked for.
-
-Devices:
-    The math is computed on the device the input tensors are on (CPU or CUDA); the inputs of
-    one call must share a device.  What reaches the host is a few scalars per call, never one
-    per position: whether every position is valid, whether some id is empty (only-*) or the
-    id range (intersection, union, xor), whether some row selects nothing, the NaN check
-    (and, only when it fails, the offender's coordinates).
-
-Precision and batch invariance:
-    Everything is float32, like the results (as the reference checks show, the error against
-    a float64 computation is ~1e-6, far inside the 1e-5 tolerances; float64 would double the
-    memory traffic of every pass).  Every reduction is per row (softmax, ``sum(dim=1)``; not
-    BLAS, whose rounding of a row depends on the row count), so on CPU a position's results
-    do not depend on the other positions or samples in the batch, bit for bit (CUDA kernels
-    may pick another reduction order for another shape).
-
-Candidate selection:
-    Which ids each position selects, and in which order, is decided by integer index work
-    in :mod:`opd_stream.kl._select` (:func:`~opd_stream.kl._select.plan_selection`: numpy on
-    CPU, torch elsewhere).  This module gathers ids and values by that plan and does the
-    float math, torch on every device, in float32 (as the results).
-
-Input conventions: ids are int64 (a negative id marks an empty slot, never selected); ids
-within one row of ``S`` (or ``T``) are distinct, as SGLang's top-k always is.  ``S`` and ``T``
-may have different widths ``Ks`` and ``Kt``; with the usual ``Ks == Kt == K`` the candidate
-axis is ``C = K`` or ``2K`` as in ``docs/internals.md``.
+Semantics: ``docs/semantics.md``; the tensors: ``docs/internals.md``, "The KL contract".
+Every logprob is clamped to :data:`LOGPROB_FLOOR` (``-1e4``) first, so no value is infinite;
+``tail=True`` adds the rest-of-mass bucket (float64 tails, at least :data:`TAIL_MIN`). A NaN
+in a selected candidate raises :class:`~opd_stream._errors.MissingLogprobError`; NaN never
+leaves the module. float32 on the inputs' device (one per call), per-row reductions only
+(batch-invariant on CPU); ids int64, a negative id an empty slot. The selection plan is
+:mod:`opd_stream.kl._select`'s. In full: ``docs/design-notes.md``, "opd_stream/kl/_math.py".
 """
 
 from __future__ import annotations

@@ -2,29 +2,13 @@
 
 :func:`plan_selection` turns the id rows of a batch (one id set for only-student /
 only-teacher, the joined ``[S | T]`` for intersection, union and xor) into a
-:class:`SelectionPlan`: for every output slot the base column to read the id and student
-value from, the column to read the teacher value from, and the masks that clear unselected
-slots.  Integer index work only; the float math (gathers, weights, log-ratio sums) is
-:mod:`opd_stream.kl._math`'s.  Selection per strategy is ``docs/semantics.md``, "Top-k mode".
-
-How candidates are selected (no Python loop over positions):
-    Every selected candidate of a position is one column of the joined row ``[S | T]``, and
-    the strategy's order is column order.  So the output is a stable sort of the row's columns on
-    ``(unselected, column)``; the sort key carries in its low bits the column to read the
-    teacher value from (a ``T`` column for an ``S`` id that is also in ``T``), and one gather
-    per output array then reads ids and values.  Unselected slots are cleared with bit masks
-    (id ``-1``, value ``+0.0``), which also drops any NaN there.  Membership of an ``S`` id in
-    ``T`` comes from a row sort of packed ``(id, column)`` keys, where an id in both sets sorts
-    as a pair ``S`` then ``T`` (ids are distinct within ``S`` and within ``T``); below
-    ``_BROADCAST_MAX_K``, or for ids too large to pack (>= ``2**(63 - bits(Ks + Kt))``), from a
-    broadcast equality ``[rows, Ks, Kt]`` chunked so that at most ``2**22`` booleans exist at
-    once.  This index work is integer-only; on CPU it runs on numpy views of the tensors
-    (numpy's row sort is SIMD, and its integer/bool kernels are several times faster than
-    torch's on one thread), on other devices as the same code on torch tensors.
-
-Tuning knobs and test hooks (module globals, read at call time): ``_BROADCAST_MAX_K``,
-``_EQ_CHUNK_ELEMENTS`` and ``_CPU_INDEX_BACKEND`` (``"numpy"``, or ``"torch"`` to run the
-other devices' code on CPU).
+:class:`SelectionPlan`: per output slot the column to read the id and student value from,
+the column to read the teacher value from, and the masks that clear unselected slots (id
+``-1``, value ``+0.0``). Integer index work only, no Python loop over positions (numpy on
+CPU, torch elsewhere); the float math is :mod:`opd_stream.kl._math`'s. Semantics:
+``docs/semantics.md``, "Top-k mode". Tuning knobs and test hooks (module globals, read at
+call time): ``_BROADCAST_MAX_K``, ``_EQ_CHUNK_ELEMENTS``, ``_CPU_INDEX_BACKEND``. How it
+works: ``docs/design-notes.md``, "opd_stream/kl/_select.py".
 """
 
 from __future__ import annotations

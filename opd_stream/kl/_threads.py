@@ -1,20 +1,12 @@
 """The KL stage's torch ops on one intra-op thread, for the calling thread only.
 
-On CPU, torch runs an op over more elements than its grain size, and some smaller ones, in
-its OpenMP pool: each such op wakes the pool's threads, which wait at its end. The KL's ops
-are many and short, so the waiting costs far more than the work: an only-student batch of
-8 x 2048 positions (k = 16) took 24-48 ms of the process's CPU with torch's default two
-threads on the 2-core box, 1.4 ms with one (``python -m bench.cpu_burst`` shows it in a
-run). The number of threads is the host's setting (``torch.set_num_threads`` is in part
-process-wide), so it is left alone: :func:`one_intraop_thread` sets OpenMP's
-``nthreads-var`` of the calling thread only (``omp_set_num_threads``, a per-thread value in
-the OpenMP runtime torch loaded; torch reads it as ``torch.get_num_threads()`` in that
-thread), runs the function and sets it back, so no other thread, and no later work of the
-host's on the same worker thread, sees a difference.
-
-Where torch has no OpenMP runtime this module can find (another threading backend, no
-``/proc/self/maps``, several runtimes loaded from outside torch's folder), or setting it has
-no effect on ``torch.get_num_threads()``, the function runs as it is.
+:func:`one_intraop_thread` sets OpenMP's ``nthreads-var`` of the calling thread only
+(``omp_set_num_threads`` in the OpenMP runtime torch loaded), runs the function and sets it
+back: the KL's many short ops never wake torch's OpenMP pool, and no other thread (nor later
+host work on the same thread) sees a difference; ``torch.set_num_threads``, in part
+process-wide, is the host's and left alone. Where no such runtime is found, or setting it
+has no effect on ``torch.get_num_threads()``, the function runs as it is. Why (the
+measurement): ``docs/design-notes.md``, "opd_stream/kl/_threads.py".
 """
 
 from __future__ import annotations

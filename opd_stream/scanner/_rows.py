@@ -1,22 +1,13 @@
 """A compiled reader (numba, ``nogil``) of a rollout's Python top-k rows, as
 ``msgspec.msgpack`` writes them: ``R`` arrays of entries ``[logprob, id(, text)]``.
 
-MessagePack keeps a float as its 8 IEEE bytes, so no number is printed or parsed: the
-logprobs come back bit for bit (NaN and infinities included) and the reader's work is a
-byte walk. Called through :mod:`opd_stream.scanner._calls`; it calls no function of another
-file (numba's disk cache keys a compiled function on its own file only) and takes from
-other files only what :mod:`opd_stream.scanner._shared` holds (the load intrinsics, whose code
-is generated inline), whose digest it carries as ``SHARED_DIGEST``
-(``tests/test_scanner_cache.py``).
-
-What it accepts, and nothing else (it answers ``False`` for the rest, which the
-entry-by-entry conversion then takes or rejects with its precise error): an outer array
-of ``R`` arrays; entries that are arrays of 2 or 3 elements; a logprob that is a
-float64, ``nil`` (written ``-inf``) or an integer within ``±2^53``; an id that is an
-integer within int64; a third element that is ``nil`` or a string (skipped: the text is
-never used); at least ``k`` entries in every row, of which the first ``k`` are kept (the
-rest are still read and checked). A ``nil`` entry, a short row, a bool, a float32, a map
-or anything else is unusual.
+MessagePack keeps a float as its 8 IEEE bytes, so the logprobs come back bit for bit (NaN
+and infinities included) from a byte walk. Called through :mod:`opd_stream.scanner._calls`;
+it calls no function of another file and takes only :mod:`opd_stream.scanner._shared`'s
+names, carrying its ``SHARED_DIGEST`` (``tests/test_scanner_cache.py``). Anything but the
+exact shape (entries of 2-3 elements; a float64, ``nil`` or ±2^53 integer logprob; an int64
+id; ``nil`` or string text; at least ``k`` entries a row, the first ``k`` kept) is answered
+``False``, for the entry-by-entry conversion to take or reject with its precise error.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ __all__ = ("SHARED_DIGEST", "read_rows")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "8bf75b6a394423db"
+SHARED_DIGEST = "9123fbd748ca68e2"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53

@@ -2,52 +2,14 @@
 answer's logprob lists straight into numpy buffers.
 
 Plain functions over numpy arrays, called through :mod:`opd_stream.scanner._calls`;
-:mod:`opd_stream.wire._scan_reader` turns what the scan returns into the checked columns the
-column decoder (:mod:`opd_stream.wire._decode_columns`) reads. Every function the scan calls is
-in this one file, and it takes from other files only what :mod:`opd_stream.scanner._shared`
-holds (decorators, byte-access intrinsics, the bytes of JSON by name), whose digest it
-carries as ``SHARED_DIGEST``: numba's disk cache keys a compiled function on its own file
-only, so a callee in another file could be served stale after an edit
-(``tests/test_scanner_cache.py`` holds both rules).
-
-What the scan does, in one pass:
-
-- It follows the JSON structure of the whole body (objects, arrays, strings with their
-  escapes) without judging it: msgspec later decodes everything *outside* the lists it
-  cut out, with the precise decoder's own types, so the envelope is validated there.
-- Where a key of an answer's ``meta_info`` object (depth 2, or 3 in a batch) names one
-  of the logprob lists it is given (``keys``, from the msgspec decoder's schema:
-  :data:`opd_stream.wire._decode_score.SCANNED`) and its value opens with ``[``, it parses that
-  value under a strict grammar and records its span, so the caller can cut it out; where
-  it names one of the base64 flat top-k strings, it decodes the string (canonical
-  base64 only) into a byte buffer and records its span likewise. The names come in as
-  arguments, not constants: numba's cache keys a kernel on its own file only.
-
-The strict grammar accepts a subset of what msgspec's types accept, and nothing else:
-an entry is ``[logprob, id]`` or ``[logprob, id, null]``; a logprob a JSON number or
-``null``; an id a JSON integer below 2^53; a row ``null`` or a list of entries.
-Anything else (a text element, an id written ``5.0``, a key spelled with an escape, a
-duplicate key, nesting deeper than :data:`MAX_DEPTH`) ends the scan with :data:`UNUSUAL`
-and the answer goes to the next parser, which either takes it or raises the precise error.
-
-Numbers: a logprob with at most 18 significant digits and a decimal exponent within
-±22 whose digits fit in 2^53 is converted exactly (one correctly rounded IEEE operation,
-as any correct parser gives). Others (17-18 digit mantissas are common: SGLang prints a
-float32 as its shortest double repr) are within a few double ulps; they are accepted only
-when their float32 rounding (what the decoders keep) is unambiguous and they are nowhere
-near a threshold the checks compare against, else :data:`UNUSUAL`.
-
-Speed: the scan is one serial chain (each token's place depends on the one before), so
-what counts is the bytes touched per step. An entry in SGLang's own compact form,
-``-D.DDD,ID,null],[``, is read eight bytes at a time (``_fast_entry``: the fraction and the
-id as SWAR words, the entry's end as one word compare), the same value :func:`_number`
-gives; anything else in the entry sends it down the general path (``bench/scan_micro.py``,
-on the mock's answers: without it the scan takes 6-15% more CPU by answer shape, 0.63-0.66
-against 0.69-0.72 ns per byte of a per-position answer; its compile, ~0.3 s of the ~7 s).
-A base64 string is decoded four characters a step through a table (0.5 ns per byte of a
-b64 top-k answer, 3.4 one character at a time). Bytes are read through
-:data:`load_byte` / :data:`load_le64`, which skip numba's negative-index wraparound (a
-compare and select on every signed index, which also keeps LLVM from merging loads).
+:mod:`opd_stream.wire._scan_reader` turns the result into checked columns. In one pass it
+follows the JSON structure of the whole body without judging it (msgspec decodes the rest),
+parses the logprob lists named by ``keys`` (:data:`opd_stream.wire._decode_score.SCANNED`)
+under a strict grammar and decodes the base64 flat top-k strings, recording their spans;
+anything outside the grammar ends the scan with :data:`UNUSUAL` (the next parser decides).
+Every function it calls is in this file; it takes only :mod:`opd_stream.scanner._shared`'s
+names and carries its ``SHARED_DIGEST``. Grammar, numbers and speed:
+``docs/design-notes.md``, "opd_stream/scanner/_scan.py".
 """
 
 from __future__ import annotations
@@ -112,7 +74,7 @@ __all__ = (
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "8bf75b6a394423db"
+SHARED_DIGEST = "9123fbd748ca68e2"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).

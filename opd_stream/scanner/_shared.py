@@ -1,16 +1,12 @@
 """What every compiled kernel file shares (numba): the decorators, the byte-access
 intrinsics, and the bytes of JSON by name.
 
-numba's disk cache keys a compiled function on its own source file only (its modification
-time and size): what a kernel takes from another file, an intrinsic's generated code
-inlined into it, a constant frozen into it, a decorator's options, is not part of that key.
-So every file that imports from this one (:mod:`opd_stream.scanner._scan`,
-:mod:`opd_stream.scanner._ids`, :mod:`opd_stream.scanner._rows`, :mod:`opd_stream.scanner._checks`)
-carries ``SHARED_DIGEST``, the digest of this file's bytes, and
-``tests/test_scanner_cache.py`` fails until each holds the current one: an edit here then
-edits them too, and numba compiles them again instead of serving stale code. The same
-test checks that no kernel file takes anything else from another kernel file. The digest
-is :func:`digest` of this file (the test prints the new value).
+numba's disk cache keys a compiled function on its own source file only, so every kernel
+file that imports from this one (:mod:`opd_stream.scanner._scan`, ``_ids``, ``_rows``,
+``_checks``) carries ``SHARED_DIGEST``, :func:`digest` of this file's bytes;
+``tests/test_scanner_cache.py`` fails until each holds the current one (it prints the new
+value), so an edit here recompiles them, and checks that no kernel file takes anything else
+from another kernel file. Why: ``docs/design-notes.md``, "opd_stream/scanner/_shared.py".
 """
 
 from __future__ import annotations

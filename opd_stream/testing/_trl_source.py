@@ -1,15 +1,11 @@
-"""TRL 1.16.0's own teacher client and its server-teacher trainer, loaded from the source
-that ``scripts/dev.sh setup`` unpacks from TRL's wheel into the checkout's ``.cache/trl/src``
-(never installed, never imported as the ``trl`` package): what the tests and
-``bench/trl_teacher.py`` run TRL's own code with. Works from a source checkout only.
+"""TRL 1.16.0's own teacher client and server-teacher trainer, loaded from the source that
+``scripts/dev.sh setup`` unpacks from TRL's wheel into ``.cache/trl/src`` (never installed,
+never imported as the ``trl`` package), for the tests and ``bench/trl_teacher.py``. Works
+from a source checkout only.
 
-* :func:`trl_client`: a ``VLLMClient`` from ``.cache/trl/src/trl/generation/vllm_client.py``
-  (the set-up step extracts it from the wheel), the one file loaded by path with stub
-  modules for the imports that are not installed here (``transformers.utils.get_json_schema``,
-  ``trl.import_utils``), and built without its constructor (which needs vLLM installed):
-  ``VLLMClient.__new__`` plus the attributes ``get_sequence_logprobs`` reads (``session``,
-  ``base_url``, and ``model`` from the server's ``/v1/models``, as the constructor reads
-  it). Its method runs as TRL ships it.
+* :func:`trl_client`: a ``VLLMClient`` loaded by path with stubs for the imports not
+  installed here, built without its constructor (which needs vLLM): ``VLLMClient.__new__``
+  plus the attributes ``get_sequence_logprobs`` reads. Its method runs as TRL ships it.
 * :func:`load_server_distillation_trainer`: TRL's ``ServerDistillationTrainer`` module (its
   teacher-server loss path), with stubs for its base class and configuration.
 """

@@ -1,20 +1,14 @@
 """SGLang's gateways as local subprocesses, for tests and benchmarks of fleets behind one:
 smg (PyPI ``smg``, :class:`SMGGateway`) and the older sglang-router 0.3.2 (PyPI
-``sglang-router``, :class:`SGLangRouter`).
-
-::
+``sglang-router``, :class:`SGLangRouter`)::
 
     with SGLangRouter([worker_a, worker_b]) as url:   # round robin, on 127.0.0.1
         ...
-    with SMGGateway([worker_a, worker_b], policy="manual", enable_rl=True) as url:
-        ...
 
-Each runs as ``python -m <package>.launch_router`` on 127.0.0.1 with its metrics server on
-its own free port (the default 29000 would clash between gateways), and with
-``HF_HUB_OFFLINE=1`` so that it never looks for a tokenizer on a model hub (mock workers for
-sglang-router should 404 their info endpoints: ``MockOptions(info_endpoints=False)``; smg
-needs them, and the mock's ``model_path`` is a local path). Nothing leaves 127.0.0.1. The
-packages are optional: :class:`RouterUnavailable` says so when one is missing.
+Each runs as ``python -m <package>.launch_router`` on 127.0.0.1, its metrics server on a
+free port of its own, with ``HF_HUB_OFFLINE=1`` (mock workers for sglang-router should 404
+their info endpoints: ``MockOptions(info_endpoints=False)``; smg needs them). Nothing leaves
+127.0.0.1. The packages are optional: :class:`RouterUnavailable` says when one is missing.
 """
 
 from __future__ import annotations

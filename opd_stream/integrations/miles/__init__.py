@@ -1,59 +1,15 @@
 """Miles / slime drop-in: ``reward_func`` and ``post_process_rewards`` backed by one shared
-:class:`~opd_stream.OPDStream`.
-
-Point Miles at this module instead of ``miles.rollout.on_policy_distillation``::
+:class:`~opd_stream.OPDStream`. Point Miles at this module instead of
+``miles.rollout.on_policy_distillation``::
 
     --use-opd --opd-type sglang --rm-url http://teacher:30000/generate \\
     --custom-rm-path opd_stream.integrations.miles.reward_func \\
     --custom-reward-post-process-path opd_stream.integrations.miles.post_process_rewards
 
-The reference flags (``--opd-log-prob-top-k``, ``--opd-top-k-strategy``,
-``--opd-reward-weight-mode``, ``--opd-topk-per-position``, ``--opd-teacher-urls``,
-``--opd-teacher-key``, ``--rm-url``, ``--sglang-router-ip/--sglang-router-port``,
-``--sglang-router-request-timeout-secs``) keep their meaning; every other
-:class:`~opd_stream.StreamConfig` field comes from its ``OPD_STREAM_*`` variable (the flags
-win where both speak); see :func:`config_from_miles_args`.
-
-How it runs: Miles' rollout loop calls ``reward_func(args, sample)`` once per sample,
-concurrently, on one asyncio loop. The first call starts a :class:`MilesEngine` for that
-loop and configuration: one background task holds an :class:`~opd_stream.OPDStream` open,
-and each call is one :meth:`OPDStream.score` on it, so every call shares one connection
-pool, the per-endpoint limits, the replica balancing and the batched KL stage, and shows
-in the stream's ``stats()``. The engine lives until :func:`close` (or :meth:`MilesEngine.aclose`);
-call it when training ends. A caller that is cancelled (a ``reward_func`` call cancelled by
-its rollout) cancels its sample: the sample's requests in flight are cancelled at once (or
-never sent), and the rest of the stream goes on.
-
-Results equal the reference's (``docs/semantics.md``, "Top-k mode"), merged multi-turn samples
-included (an empty student top-k row, ``[]``, on an observation span contributes what the
-reference gives it: nothing under only-student, the teacher's top-k under union):
-``reward_func`` returns a dict holding ``teacher_log_probs`` (float32 ``[R]``,
-sampled-token mode) or ``opd_reverse_kl`` (float32 ``[R]``, top-k mode), and
-``post_process_rewards`` sets those attributes on each sample and returns
-``(rewards, rewards)`` of zeros, like the reference (pure OPD). ``rollout_log_probs`` is
-never read (the reference does not use it either), but for a teacher with another
-tokenizer in sampled-token mode.
-
-A teacher with another tokenizer (``--opd-student-tokenizer``, ``--opd-teacher-tokenizers``):
-each trained turn of the sample (a run of ``loss_mask`` 1; the whole response of a
-single-turn sample) is scored after the teacher's own context for it, rendered with its chat
-template (:mod:`._turns` says what the teacher sees in each case), and the values land on
-trained tokens only. Sampled-token mode: Miles' trainer takes ``student_logp -
-teacher_log_probs`` per token (``apply_opd_kl_to_advantages``), so ``teacher_log_probs``
-is ``rollout_log_probs - signal``, where ``signal`` is the documented span signal (each
-span's value on its last token, 0 on its other tokens, on textless tokens and on masked
-ones): the trainer gets ``signal + (student_logp - rollout_log_probs)``, the signal itself
-when its ``student_logp`` is the rollout's (on-policy, or ``--use-rollout-logprobs``), and
-off it by what a same-tokenizer teacher's signal is off by. A sample without
-``rollout_log_probs`` is refused (:class:`MilesInvalidSampleError`). Top-k mode
-(``only-student``): ``opd_reverse_kl`` is the signal itself.
-
-Errors keep the reference's families: a bad flag or teacher configuration raises a
-``ValueError`` (:class:`~opd_stream.ConfigError`), a sample whose teacher key is missing or
-unknown (and no ``default`` teacher) :class:`MilesRoutingError` (a ``ValueError``), an
-invalid sample :class:`MilesInvalidSampleError` (a ``ValueError``), a deadline
-:class:`MilesTimeoutError` (a ``TimeoutError``), anything else (HTTP errors, bad answers)
-:class:`OPDSampleError`; the reference's wording is kept where it has one.
+The reference's flags keep their meaning, other fields come from ``OPD_STREAM_*``
+(:func:`config_from_miles_args`); each ``reward_func`` call is one :meth:`OPDStream.score` on
+a shared :class:`MilesEngine` (:func:`close` it when training ends). Results and errors as
+the reference's: ``docs/design-notes.md``, "opd_stream/integrations/miles/__init__.py".
 """
 
 from __future__ import annotations

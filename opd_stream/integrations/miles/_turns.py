@@ -1,30 +1,14 @@
 """The trained turns of a Miles sample, for a teacher with its own tokenizer
 (``teacher_tokenizers``): which turns, what the teacher sees before each (plain functions,
 run in a worker thread: chat templates, encoding), and the sample's result joined from
-theirs.
-
-A Miles sample may be a merged multi-turn rollout (``merge_samples``): its response is turn
-1, an observation (a tool's answer, in the student's chat format: ``loss_mask`` 0,
-``rollout_log_probs`` 0.0), turn 2, ... Only the trained tokens (``loss_mask`` 1) are the
-student's; an observation is context. So each **trained turn**, a run of ``loss_mask`` 1
-(the whole response when ``loss_mask`` is None), is scored as a response of its own
-(:meth:`OPDStream.score`, all turns at once), after the teacher's context for it
-(:func:`plan_turns`):
-
-* the sample carries the conversation (``metadata["messages"]``, Miles' trajectory: its
-  multi-turn and session rollouts record it with ``--save-debug-trajectory-data``) and no
-  ``metadata["opd_teacher_prompt_ids"]``: the conversation up to the turn's assistant
-  message (the trained turns are the last assistant messages, in order), rendered with the
-  teacher's chat template, so the teacher reads every earlier turn and tool answer in its
-  own format;
-* else the teacher's prompt (``metadata["opd_teacher_prompt_ids"]``, or the sample's prompt
-  rendered with the teacher's template) followed by the text of the response before the
-  turn, as the student's tokens spell it, encoded by the teacher's tokenizer: earlier turns
-  and observations in the **student's** chat format, its special tokens left out (they
-  have no text), so the student's role words (``user``, ``assistant``) read as plain text.
-
-Values land on trained tokens only; a masked token gets 0. ``metadata["tools"]`` (Miles'
-``--tool-key`` column) is given to the teacher's template as ``tools``.
+theirs. Each **trained turn** (a run of ``loss_mask`` 1; the whole response when
+``loss_mask`` is None) is scored as a response of its own, all turns at once, after the
+teacher's context for it (:func:`plan_turns`): the conversation up to that assistant
+message (``metadata["messages"]``) rendered with the teacher's chat template, else the
+teacher's prompt followed by the earlier response text as the student's tokens spell it
+(special tokens left out). Values land on trained tokens only (a masked token gets 0);
+``metadata["tools"]`` goes to the teacher's template as ``tools``. In full:
+``docs/design-notes.md``, "opd_stream/integrations/miles/_turns.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """TRL's ``get_sequence_logprobs`` contract, sans IO: the checks of a call's arguments and
 one sequence's result lists built from the teacher's :class:`~opd_stream.wire.ScoreRows`.
 
-TRL 1.16.0's ``VLLMClient.get_sequence_logprobs`` gives, per sequence, one row per position
-``prompt_length .. len(sequence) - 1`` (row ``t`` predicts ``sequence[prompt_length + t]``
-from the tokens before it):
-
-* ``logprobs`` ``[R][top_logprobs]``: the teacher's top entries by rank (best first),
-  padded with ``-inf`` up to ``top_logprobs``; ``logprob_token_ids`` the same shape, padded
-  with id 0;
-* ``actual_logprobs`` ``[R][1]``: the teacher's logprob of the actual token;
-  ``actual_token_ids`` ``[R][1]``: that token.
-
-vLLM writes a logprob of ``-inf`` (a probability-0 token) as ``-9999.0`` in its JSON, and
-TRL passes it on as is; padding is ``-inf``. So a real entry whose logprob is ``-inf`` is
-given as ``-9999.0`` here (whatever the engine), and only padding is ``-inf``: the trainer
-sees what TRL's own client gives it. Position 0 (no context: vLLM's ``None``) is a padding
-row with the actual token's logprob ``-inf``.
+Per sequence, one row per position ``prompt_length .. len(sequence) - 1`` (row ``t``
+predicts ``sequence[prompt_length + t]``): ``logprobs`` / ``logprob_token_ids``
+``[R][top_logprobs]``, the teacher's top entries best first, padded with ``-inf`` / id 0;
+``actual_logprobs`` / ``actual_token_ids`` ``[R][1]``, the actual token. As TRL's own
+client (vLLM's JSON) gives them, a real ``-inf`` logprob is ``-9999.0`` and only padding is
+``-inf``; position 0 (no context) is a padding row with an actual logprob of ``-inf``.
 """
 
 from __future__ import annotations

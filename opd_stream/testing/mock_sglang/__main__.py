@@ -3,17 +3,12 @@
 Every :class:`MockOptions` field is a flag (``--fault-http-503 0.1``, ``--per-position
 unpatched``, ``--api-key KEY``, ``--masked-ids 5,7``, ``--no-info-endpoints``). The first line
 printed is ``listening on http://HOST:PORT``; SIGTERM/SIGINT stop the server.
-
-``--vocab-size V``: the ids the server accepts, ``[0, V)`` (any other id is answered 400, as
-SGLang does). The command's default, :data:`CLI_VOCAB_SIZE` (248,320), holds the ids of
-every tokenizer the README names (Qwen 3.5: 248,070; GLM 4.7: 154,856; DeepSeek V3:
-128,815; Llama 3: 128,256); :class:`MockOptions`' own default, for Python use, stays
-Qwen 2.5 / 3's 151,936.
-
-``--byte-model-tokenizer PATH`` (a ``tokenizer.json`` or its directory; the ``[xtok]``
-extra): the sampled tokens' logprobs come from a :class:`ByteModel` over that tokenizer's
-ids (``--byte-model-q``, ``--byte-model-salt``), so that a text has the same logprob in any
-tokenization: for a teacher with another tokenizer. ``--vocab-size`` must hold its ids.
+``--vocab-size V``: the ids accepted, ``[0, V)`` (others answered 400, as SGLang does); its
+default :data:`CLI_VOCAB_SIZE` (248,320) holds every tokenizer the README names, while
+:class:`MockOptions`' own default stays 151,936. ``--byte-model-tokenizer PATH`` (the
+``[xtok]`` extra): the sampled tokens' logprobs come from a :class:`ByteModel` over that
+tokenizer's ids (``--byte-model-q``, ``--byte-model-salt``), for a teacher with another
+tokenizer; ``--vocab-size`` must hold its ids.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Sans-IO SGLang ``/generate`` answers of the mock: one answer object per request item.
 
-Semantics follow ``docs/protocol.md`` (SGLang 0.5.23 plus the per-position patch
-#38119); the request was parsed by :mod:`._request`:
-
-* every ``input_*`` list has ``L - s`` entries, entry ``j`` about absolute position ``s + j``,
-  entry 0 always empty (``[null, ids[s], null]`` / ``null``); empty rows and ``-inf`` are ``null``;
-* values are float64 model logprobs rounded to float32, emitted as Python floats;
-* ``return_flat_raw_top_logprobs`` / ``return_flat_raw_output_top_logprobs`` replace the nested
-  ``input_top_logprobs`` / ``output_top_logprobs`` by ``{side}_top_logprobs_val_flat``,
-  ``_idx_flat``, ``_shape`` (``[rows, k]``) and ``_null_prefix`` (leading null rows, not in the
-  arrays); ``return_flat_raw_top_logprobs_b64`` sends the arrays as base64 little-endian
-  float32 / int32 (``..._flat_b64`` plus ``..._flat_b64_dtype`` markers) (SGLang 0.5.23
-  ``tokenizer_manager._build_flat_top_logprobs_fields``).
+Semantics follow ``docs/protocol.md`` (SGLang 0.5.23 plus the per-position patch #38119);
+the request was parsed by :mod:`._request`. Every ``input_*`` list has ``L - s`` entries
+(entry ``j`` about position ``s + j``, entry 0 always empty); empty rows and ``-inf`` are
+``null``; values are float64 logprobs rounded to float32. The ``return_flat_raw_*`` flags
+replace the nested top logprobs by ``{side}_top_logprobs_val_flat``, ``_idx_flat``,
+``_shape`` and ``_null_prefix``, as base64 little-endian float32 / int32 with ``_b64``
+(``tokenizer_manager._build_flat_top_logprobs_fields``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The aiohttp application of the mock SGLang server, and :class:`MockServer` that runs it.
 
-The server's lifecycle, options, authentication and simple endpoints are here; ``/generate``
-and ``/abort_request`` are :class:`~._generate.GenerateEndpoint`'s.
-
-Routes (SGLang 0.5.23 names): ``POST|PUT /generate``, ``GET /health``, ``GET /health_generate``,
-``GET /ready``, ``GET /model_info`` (+ ``/get_model_info``), ``GET /server_info``
-(+ ``/get_server_info``), ``GET|POST /flush_cache``, ``POST /abort_request``.
-Mock-only (never authenticated): ``GET /mock/stats``, ``POST /mock/options`` (a JSON object of
-:class:`MockOptions` fields to change), ``POST /mock/reset_stats``.
-
-The server runs with aiohttp's handler cancellation on, so a client that disconnects cancels
-its request (like SGLang's abort on disconnect); that is counted in ``stats.disconnects``.
+Lifecycle, options, authentication and simple endpoints are here; ``/generate`` and
+``/abort_request`` are :class:`~._generate.GenerateEndpoint`'s. Routes (SGLang 0.5.23
+names): ``POST|PUT /generate``, ``GET /health``, ``GET /health_generate``, ``GET /ready``,
+``GET /model_info`` (+ ``/get_model_info``), ``GET /server_info`` (+ ``/get_server_info``),
+``GET|POST /flush_cache``, ``POST /abort_request``; mock-only, never authenticated:
+``GET /mock/stats``, ``POST /mock/options``, ``POST /mock/reset_stats``. Handler
+cancellation is on: a client that disconnects cancels its request (``stats.disconnects``).
 """
 
 from __future__ import annotations

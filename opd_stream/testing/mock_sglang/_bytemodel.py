@@ -1,21 +1,15 @@
 """A closed-form language model over **bytes**, for cross-tokenizer tests.
 
-A token's logprob is the sum, over the token's bytes, of the byte model's log-probability
-of each byte given all the bytes before it (the bytes of every earlier token of the
-sequence). So the log-probability of a piece of text is the same in any tokenization: a
-student and a teacher served with the same byte model give a span signal of exactly 0
-whatever their two tokenizers, and different byte models give values computable by hand.
+A token's logprob is the sum of its bytes' log-probabilities, each given all the bytes
+before it, so a text's log-probability is the same in any tokenization (the same byte model
+on both sides: a span signal of exactly 0). After a history ``h`` of ``n`` bytes the byte
+law is geometric over the 256 values, rotated by a context byte::
 
-The byte distribution after history ``h`` (its bytes ``h_0 .. h_{n-1}``) is a geometric
-law over the 256 byte values rotated by a context byte ``c(h)``::
+    c(h) = (salt + 7 n + sum(h)) mod 256,    d = (b - c(h)) mod 256
+    log p(b|h) = log(1 - q) + d log q - log(1 - q^256)
 
-    c(h)        = (salt + 7 n + sum(h)) mod 256
-    d           = (b - c(h)) mod 256
-    log p(b|h)  = log(1 - q) + d log q - log(1 - q^256)
-
-It sums to 1 over the 256 bytes for any ``q`` in ``(0, 1)``; ``q`` and ``salt`` make two
-models differ. A textless token (no bytes: a special token) has the logprob
-``textless_logprob`` and adds no byte to the history.
+``q`` in ``(0, 1)`` and ``salt`` make two models differ. A textless token (a special token)
+has the logprob ``textless_logprob`` and adds no byte to the history.
 """
 
 from __future__ import annotations

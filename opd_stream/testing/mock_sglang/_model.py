@@ -1,26 +1,14 @@
 """A deterministic, seeded synthetic language model with a closed form.
 
-The distribution of the token at absolute position ``p`` (given ``tokens[:p]``, ``p >= 1``)
-depends only on a *context key*: the two previous tokens and ``p`` (plus ``p // block_size``
-for a slowly varying part). It has:
-
-* a **head** of ``head_size`` explicit candidate ids with float64 logits. Half of the head is
-  drawn from the position block (shared by neighbouring positions, so adjacent top-k sets
-  overlap partly), half from the full context key. Head ids are distinct by construction:
-  the block half holds even ids ``2 * ((a + j * b) mod M)``, the context half odd ids
-  ``2 * ((a' + j * b') mod M) + 1`` with ``M`` prime, so membership of any id is an O(1)
-  modular inversion;
-* a **tail**: every other non-masked id shares one logit ``tail_logit`` (below every head
-  logit), so the tail mass is ``n_tail * exp(tail_logit)``;
-* **masked ids** (default: the two largest ids, never in any head) with logprob ``-inf``.
-
-So every logprob is O(1), normalisation over the full vocabulary is exact, and top-k is a sort
-of the head. The candidate pool and base logits are seed- and role-independent; the role
-(``teacher`` / ``student``) and the seed perturb the head logits with noise of weight
-``divergence`` in ``[0, 1]`` (0: identical models; 1: independent logits over the same pool),
-so teacher and student top-k sets overlap partly.
-
-Everything is computed in float64; callers that emit values like SGLang round to float32.
+The distribution at position ``p`` depends only on a context key (the two previous tokens,
+``p`` and ``p // block_size``): a **head** of ``head_size`` distinct candidate ids with
+float64 logits (half from the position block, so neighbouring top-k sets overlap, half from
+the full key; membership of an id is O(1)), a **tail** where every other non-masked id
+shares ``tail_logit``, and **masked ids** with ``-inf``. So every logprob is O(1), the
+normalisation over the full vocabulary is exact and top-k is a sort of the head. The role
+and the seed perturb the head logits with weight ``divergence`` in ``[0, 1]`` (0: identical
+models), so teacher and student top-k overlap partly. All float64; callers that emit
+values like SGLang round to float32.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The mock's prefix cache: what ``meta_info.cached_tokens`` reports, and how much a replica
 computes, as SGLang's radix cache would have it.
 
-SGLang keeps the KV of the sequences it computed in a radix tree, per replica, in pages of
-``--page-size`` tokens; a new request reuses the longest cached prefix of its input, whole
-pages only, and reports the reused part as ``meta_info.cached_tokens``. At least one input
-token is always computed, and a request that returns input logprobs reuses at most
-``logprob_start_len`` tokens (logprobs of cached positions are not kept). After a request
-the whole input is in the cache; when the cache is over capacity, the least recently used
-leaves go first. Requests with different ``cache_salt`` share nothing.
-
-:class:`PrefixCache` is that, small: one node per cached page, named by a hash chained
-over the pages before it (a page is only reachable through its parent, as in the tree);
-an LRU order in which a page is always more recent than its descendants (a path is
-touched from its leaf up), so eviction takes leaves first. Sans-IO; a hash collision
-(64-bit, Python's ``hash``) is ignored, as a mock may.
+Per replica, in pages of ``--page-size`` tokens: a request reuses the longest cached prefix
+of whole pages (at least one input token is computed; at most ``logprob_start_len`` tokens
+are reused when input logprobs are returned); afterwards its whole input is cached; over
+capacity, the least recently used leaves go first; different ``cache_salt`` share nothing.
+:class:`PrefixCache`: one node per page, named by a hash chained over the pages before it,
+in an LRU order where a page is more recent than its descendants. Sans-IO; a 64-bit hash
+collision is ignored, as a mock may.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Sans-IO SGLang ``/generate`` protocol of the mock: request parsing and validation.
 
 Independent of ``opd_stream``'s client code. Semantics follow ``docs/protocol.md`` (SGLang
-0.5.23 plus the per-position patch #38119):
-
-* validation happens in SGLang's three layers, each with its error shape (:class:`RequestError`);
-* ``logprob_start_len`` ``s`` defaults to -1, mapped to ``L`` (to ``L-1`` when
-  ``token_ids_logprob`` is set and the request generates);
-* with ``stream: true``, SGLang's ValueErrors (tokenizer-manager checks, ``"value"`` kind) are
-  answered in the event stream (HTTP 200, ``data: {"error": {...}}`` then ``data: [DONE]``),
-  as 0.5.23's ``/generate`` does; only the body and contract checks answer HTTP 400.
-
-The answers are built by :mod:`._answer`; the error shapes are :mod:`._errors`'.
+0.5.23 plus the per-position patch #38119): validation in SGLang's three layers, each with
+its error shape (:class:`RequestError`); ``logprob_start_len`` ``s`` defaults to -1, mapped
+to ``L`` (``L-1`` when ``token_ids_logprob`` is set and the request generates); with
+``stream: true`` SGLang's ValueErrors are answered in the event stream (HTTP 200,
+``data: {"error": {...}}`` then ``data: [DONE]``), only body and contract checks with HTTP
+400. The answers are built by :mod:`._answer`; the error shapes are :mod:`._errors`'.
 """
 
 from __future__ import annotations

@@ -2,17 +2,13 @@
 client code; written from vLLM's own source).
 
 * :func:`serve_vllm_mock`: in-process replicas (asyncio), yielding the SGLang mock's
-  :class:`~opd_stream.testing.mock_sglang.MockCluster` (``.urls``, ``.stats``,
-  ``.set_options(...)``).
-* :class:`VllmMockProcess`: the CLI ``python -m opd_stream.testing.mock_vllm`` as a
-  subprocess.
-* :class:`VllmMockOptions`: the SGLang mock's :class:`MockOptions` plus vLLM's flags
-  (``max_logprobs``, ``prompt_tokens_details``).
+  :class:`~opd_stream.testing.mock_sglang.MockCluster`.
+* :class:`VllmMockProcess`: ``python -m opd_stream.testing.mock_vllm`` as a subprocess.
+* :class:`VllmMockOptions`: the SGLang mock's :class:`MockOptions` plus vLLM's flags.
 
-Endpoints: ``POST /inference/v1/generate`` (scale-out; ``prompt_logprob_token_ids`` answered
-as base64 ``.npy`` float32, ``prompt_logprobs`` dicts), ``POST /v1/completions``,
-``GET /health``, ``GET /v1/models``, ``GET /version``, and ``/mock/*`` as the SGLang mock. The
-same model, seed and tokens give float32-identical values to the SGLang mock's.
+Endpoints: ``POST /inference/v1/generate`` (scale-out), ``POST /v1/completions``,
+``GET /health``, ``GET /v1/models``, ``GET /version``, and ``/mock/*``. The same model,
+seed and tokens give float32-identical values to the SGLang mock's.
 """
 
 from __future__ import annotations

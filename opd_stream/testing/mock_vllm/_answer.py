@@ -1,18 +1,13 @@
 """Sans-IO answers of the mock vLLM server: the engine's output for one request item, and
 the JSON bodies of ``/inference/v1/generate`` and ``/v1/completions``.
 
-Values come from the SGLang mock's closed-form :class:`MockModel`, so the same model, seed
-and tokens give float32-identical numbers on either mock:
-
-* ``prompt_token_id_logprobs``: row ``i`` scores its ids as predictions of prompt token
-  ``start + i + 1``; float32 ``[rows, cols]``, ``-inf`` where the id is -1; sent as base64 of
-  an ``.npy`` file (``np.save(..., allow_pickle=False)``, as vLLM's ``numpy2base64``);
-* ``prompt_logprobs``: ``None`` for position 0 and the ``start`` positions after it, then per
-  position a dict built as ``append_logprobs_for_next_position`` builds it: the actual token
-  first with its rank (1 + the ids whose float32 logprob is above it, ties counted: the number
-  of ids ``>=`` it), then the top-N in rank order with ranks 1..N (an actual token inside the
-  top-N keeps its first place in the dict and takes its top-N rank); ``-inf`` written as
-  ``-9999.0`` (``clamp_prompt_logprobs``); ``decoded_token`` null (no tokenizer).
+Values come from the SGLang mock's :class:`MockModel` (float32-identical on either mock).
+``prompt_token_id_logprobs``: row ``i`` scores its ids as predictions of prompt token
+``start + i + 1``, float32 ``[rows, cols]``, ``-inf`` where the id is -1, sent as base64 of
+an ``.npy`` file (as vLLM's ``numpy2base64``). ``prompt_logprobs``: ``None`` for position 0
+and the ``start`` positions after it, then per position a dict built as vLLM's
+``append_logprobs_for_next_position`` builds it (the actual token first with its rank, then
+the top-N in rank order), ``-inf`` written ``-9999.0``, ``decoded_token`` null.
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@
 Routes (vLLM 0.34.0 names): ``POST /inference/v1/generate`` and
 ``POST /inference/v1/abort_requests`` (``vllm serve --enable-scale-out``; without it the
 generate path answers vLLM's 403), ``POST /v1/completions``, ``GET /health``,
-``GET /v1/models``, ``GET /version``. Other paths answer FastAPI's 404 / 405
-(``{"detail": "Not Found"}``). Mock-only (never authenticated): ``GET /mock/stats``,
-``POST /mock/options``, ``POST /mock/reset_stats``.
-
-What the SGLang mock has is shared, not copied: the model (:class:`MockModel`, so the same
-tokens give the same values), the options and their validation, the stats, the capacity
-(``max_running`` / ``max_queued``), latency, the prefix cache and compute model, the signal
-faults (``logprob_offset``, ``warm_drift``, ``weight_versions``), the injected faults and the
-replay cache (the SGLang mock's :class:`GenerateEndpoint` machinery, driven from here).
+``GET /v1/models``, ``GET /version``; other paths answer FastAPI's 404 / 405; mock-only,
+never authenticated: ``/mock/stats``, ``/mock/options``, ``/mock/reset_stats``. The model,
+options, stats, capacity, latency, prefix cache, faults and replay cache are the SGLang
+mock's, shared, not copied (its :class:`GenerateEndpoint` machinery, driven from here).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Sans-IO parsing and validation of the mock vLLM server's requests (vLLM 0.34.0).
 
 Independent of ``opd_stream``'s client code; written from vLLM's own source:
-
-* ``POST /inference/v1/generate`` (``GenerateRequest``: ``token_ids``, ``sampling_params``,
-  ``request_id``, ``cache_salt``, ``return_token_ids``, ``stream``, ``output_mode``);
-* ``POST /v1/completions`` (``CompletionRequest``: ``prompt`` as token ids, one list or a
-  batch of lists, ``max_tokens``, ``temperature``, ``prompt_logprobs``, ...).
-
-Checks run in vLLM's order, each with its message: the body (pydantic, and
-``SamplingParams.__post_init__``: answered 400 with type ``"Bad Request"``), the serving
-layer, then ``SamplingParams.verify`` / ``_validate_logprobs`` and the input processor
-(prompt length, token ids, ``prompt_logprob_start``, the row count: 400
-``"BadRequestError"`` with the field at fault as ``param``).
-
-The mock serves a model without a tokenizer (as ``vllm serve --skip-tokenizer-init``): text
-prompts, stop strings and ``output_mode`` other than ``"tokens"`` are refused.
+``POST /inference/v1/generate`` (``GenerateRequest``) and ``POST /v1/completions``
+(``CompletionRequest``: ``prompt`` as token ids). Checks run in vLLM's order, each with its
+message: the body (400, type ``"Bad Request"``), the serving layer, then
+``SamplingParams.verify`` / ``_validate_logprobs`` and the input processor (400
+``"BadRequestError"`` with the field at fault as ``param``). The model has no tokenizer
+(as ``vllm serve --skip-tokenizer-init``): text prompts, stop strings and an ``output_mode``
+other than ``"tokens"`` are refused.
 """
 
 from __future__ import annotations

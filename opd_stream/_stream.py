@@ -19,7 +19,7 @@ a cancelled :meth:`OPDStream.score` call cancels its sample's requests.
 A guest on the caller's event loop: building an ``OPDStream`` imports nothing heavy, and
 entering it (:meth:`OPDStream.load` first) imports torch, the KL code and the HTTP client
 in a worker thread (:mod:`opd_stream._loading`) and makes the httpx client there too: no
-call of ours holds a running loop more than 50 ms (``tests/test_loop_stall.py``), but for
+call of ours holds a running loop more than 50 ms (``tests/system/test_loop_stall.py``), but for
 one: a teacher with its own tokenizer, whose tables ``tokenizers`` and ``tiktoken`` build
 holding the GIL (0.2-0.7 s at a time for a 150k vocabulary, in the loading thread).
 """

@@ -7,7 +7,7 @@ byte walk. Called through :mod:`opd_stream.scanner._calls`; it calls no function
 file (numba's disk cache keys a compiled function on its own file only) and takes from
 other files only what :mod:`opd_stream.scanner._shared` holds (the load intrinsics, whose code
 is generated inline), whose digest it carries as ``SHARED_DIGEST``
-(``tests/test_scanner_cache.py``).
+(``tests/scanner/test_scanner_cache.py``).
 
 What it accepts, and nothing else (it answers ``False`` for the rest, which the
 entry-by-entry conversion then takes or rejects with its precise error): an outer array
@@ -29,7 +29,7 @@ __all__ = ("SHARED_DIGEST", "read_rows")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "8bf75b6a394423db"
+SHARED_DIGEST = "68c64049749a2c50"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53

@@ -8,7 +8,7 @@ in this one file, and it takes from other files only what :mod:`opd_stream.scann
 holds (decorators, byte-access intrinsics, the bytes of JSON by name), whose digest it
 carries as ``SHARED_DIGEST``: numba's disk cache keys a compiled function on its own file
 only, so a callee in another file could be served stale after an edit
-(``tests/test_scanner_cache.py`` holds both rules).
+(``tests/scanner/test_scanner_cache.py`` holds both rules).
 
 What the scan does, in one pass:
 
@@ -112,7 +112,7 @@ __all__ = (
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "8bf75b6a394423db"
+SHARED_DIGEST = "68c64049749a2c50"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
@@ -121,7 +121,7 @@ UNUSUAL = 1
 CAPACITY = 2
 
 #: The kinds of value (``kinds``), as the wire numbers them (:data:`opd_stream.wire.
-#: _decode_score.ENTRIES` ...; ``tests/test_scanner_constants.py`` ties the two).
+#: _decode_score.ENTRIES` ...; ``tests/scanner/test_scanner_constants.py`` ties the two).
 ENTRIES, ROWS, B64 = 0, 1, 2
 MAX_DEPTH = 64
 

@@ -7,7 +7,7 @@ inlined into it, a constant frozen into it, a decorator's options, is not part o
 So every file that imports from this one (:mod:`opd_stream.scanner._scan`,
 :mod:`opd_stream.scanner._ids`, :mod:`opd_stream.scanner._rows`, :mod:`opd_stream.scanner._checks`)
 carries ``SHARED_DIGEST``, the digest of this file's bytes, and
-``tests/test_scanner_cache.py`` fails until each holds the current one: an edit here then
+``tests/scanner/test_scanner_cache.py`` fails until each holds the current one: an edit here then
 edits them too, and numba compiles them again instead of serving stale code. The same
 test checks that no kernel file takes anything else from another kernel file. The digest
 is :func:`digest` of this file (the test prints the new value).

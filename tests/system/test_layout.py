@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "opd_stream"
+PACKAGE = Path(__file__).resolve().parents[2] / "opd_stream"
 #: Rooms that hold tools around the library, which the library itself never imports.
 OUTSIDE = ("cli", "testing", "integrations")
 

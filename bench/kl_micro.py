@@ -8,7 +8,7 @@ several repeats, after a warm-up).
 
 Every configuration is checked before it is timed: the result of every sample is compared
 with the independent float64 reference ``tests/support/kl_reference.py`` (all arrays of a spread of
-positions, with the tolerances of ``tests/test_kl.py``), and dtypes and shapes are checked.
+positions, with the tolerances of ``tests/kl/test_kl.py``), and dtypes and shapes are checked.
 
 Before/after in one run: ``--baseline REV`` (default: the commit before the KL fast path)
 also loads ``opd_stream/_kl.py`` and ``opd_stream/_klstage.py`` (today's ``kl/_math.py`` and
@@ -180,7 +180,7 @@ def _check_against_reference(
     positions_per_sample: int,
 ) -> float:
     """Compare every array of a spread of positions with the float64 reference (the
-    tolerances of ``tests/test_kl.py``); return the largest ``|r_t - reference|`` seen."""
+    tolerances of ``tests/kl/test_kl.py``); return the largest ``|r_t - reference|`` seen."""
     c = candidate_width(strategy, k)
     worst = 0.0
     for f, res in zip(items, results, strict=True):

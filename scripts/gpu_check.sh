@@ -7,7 +7,7 @@
 #   on the device (the `device` tool's run, about 3-5 minutes):
 #       command: bash scripts/gpu_check.sh run     carry: [".whl"]     timeout_s: 540
 #
-# `run` writes to $OUT: pytest.log (tests/test_kl*.py, which add a cuda parameter when CUDA
+# `run` writes to $OUT: pytest.log (tests/kl/test_kl*.py, which add a cuda parameter when CUDA
 # is present), gpu_check.log (scripts/gpu_check.py: the whole stream on cuda vs cpu, every
 # strategy x weight mode, and the KL stage's time per batch on each) and bench/ (scenario 1
 # at quick sizes with OPD_STREAM_KL_DEVICE=cuda: results.md has the KL stage table).
@@ -34,7 +34,7 @@ run)
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
         | tee -a "$out/pytest.log"
     status=0
-    python3 -m pytest -q tests/test_kl.py tests/test_kl_fastpath.py 2>&1 | tee -a "$out/pytest.log" \
+    python3 -m pytest -q tests/kl/test_kl.py tests/kl/test_kl_fastpath.py 2>&1 | tee -a "$out/pytest.log" \
         || status=1
     python3 scripts/gpu_check.py --device cuda 2>&1 | tee "$out/gpu_check.log" || status=1
     OPD_STREAM_KL_DEVICE=cuda python3 -m bench.run --quick --scenario 1 --no-progress \

@@ -6,7 +6,7 @@ checked and picked (:func:`pick_id_rows`).
 
 Its own module: it calls no function of another file (numba's disk cache keys a compiled
 function on its own file only); it takes the decorators of :mod:`opd_stream.scanner._shared`,
-whose digest it carries as ``SHARED_DIGEST`` (``tests/test_scanner_cache.py``).
+whose digest it carries as ``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ("FAULTS", "SHARED_DIGEST", "pick_id_rows", "request_id_fault", "topk_
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "9123fbd748ca68e2"
+SHARED_DIGEST = "dc320d44834b263b"
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (

@@ -3,8 +3,8 @@
 Its own module: numba caches a compiled function keyed on its file alone; it takes from
 other files only what :mod:`opd_stream.scanner._shared` holds (the store intrinsic, whose code
 is generated inline, and the bytes of JSON by name), whose digest it carries as
-``SHARED_DIGEST`` (``tests/test_scanner_cache.py``). A token id (below 10^8) is written as one
-SWAR word of eight digits, shifted to its own digits, and one unaligned store.
+``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``). A token id (below 10^8) is written as
+one SWAR word of eight digits, shifted to its own digits, and one unaligned store.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ("SHARED_DIGEST", "positions_json")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "9123fbd748ca68e2"
+SHARED_DIGEST = "dc320d44834b263b"
 
 #: "00" "01" ... "99": two digits per table step, half the divisions.
 _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()

@@ -4,7 +4,7 @@
 MessagePack keeps a float as its 8 IEEE bytes, so the logprobs come back bit for bit (NaN
 and infinities included) from a byte walk. Called through :mod:`opd_stream.scanner._calls`;
 it calls no function of another file and takes only :mod:`opd_stream.scanner._shared`'s
-names, carrying its ``SHARED_DIGEST`` (``tests/test_scanner_cache.py``). Anything but the
+names, carrying its ``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``). Anything but the
 exact shape (entries of 2-3 elements; a float64, ``nil`` or ±2^53 integer logprob; an int64
 id; ``nil`` or string text; at least ``k`` entries a row, the first ``k`` kept) is answered
 ``False``, for the entry-by-entry conversion to take or reject with its precise error.
@@ -20,7 +20,7 @@ __all__ = ("SHARED_DIGEST", "read_rows")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "9123fbd748ca68e2"
+SHARED_DIGEST = "dc320d44834b263b"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53

@@ -74,7 +74,7 @@ __all__ = (
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "9123fbd748ca68e2"
+SHARED_DIGEST = "dc320d44834b263b"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
@@ -83,7 +83,7 @@ UNUSUAL = 1
 CAPACITY = 2
 
 #: The kinds of value (``kinds``), as the wire numbers them (:data:`opd_stream.wire.
-#: _decode_score.ENTRIES` ...; ``tests/test_scanner_constants.py`` ties the two).
+#: _decode_score.ENTRIES` ...; ``tests/scanner/test_scanner_constants.py`` ties the two).
 ENTRIES, ROWS, B64 = 0, 1, 2
 MAX_DEPTH = 64
 

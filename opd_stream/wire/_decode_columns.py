@@ -12,8 +12,8 @@ of the msgspec decoder passes, and gives exactly the arrays that decoder gives. 
 else (a parse error, a type the msgspec decoder would reject, a count, width, id or value
 that fails a check, an abort) returns ``None``, and the caller runs the msgspec decoder on
 the same bytes for the precise error: error types and messages stay those of one
-implementation. tests/test_scanner_decode.py checks the rule differentially (valid, mutated and
-random answers through both).
+implementation. tests/scanner/test_scanner_decode.py checks the rule differentially (valid,
+mutated and random answers through both).
 
 Costs (``python -m bench.scan_micro``: R = 2048, k = 16, a per-position answer of ~564 bytes
 per response token; us of CPU per response token): the scan ~0.5, the reader and the checks

@@ -1,7 +1,10 @@
 """Helpers shared by the test modules (no test imports another test module, nor ``bench``).
 
-pytest's default ``prepend`` import mode puts ``tests/`` (it has no ``__init__.py``) on
-``sys.path``, so a test imports these as ``from support.<module> import ...``:
+The tests live in one folder per room (``tests/kl/``, ``tests/wire/`` ...) and
+``tests/system/``, each a package (an ``__init__.py``; ``tests/`` itself has none), so pytest's
+default ``prepend`` import mode puts ``tests/`` on ``sys.path`` (a test module is ``kl.test_kl``:
+same-named files in two folders do not clash), and a test imports these as
+``from support.<module> import ...``:
 
 * ``config``: :func:`~support.config.stream_config`, the one ``StreamConfig`` builder;
 * ``cli``: ``opd-stream`` in-process and ``python -m`` (``bench`` included) as a subprocess,
@@ -17,5 +20,7 @@ pytest's default ``prepend`` import mode puts ``tests/`` (it has no ``__init__.p
 * ``threaded_mock``: the mock servers in a thread, for tests on any anyio backend;
 * ``routers``: sglang-router / smg launched on free ports in front of mock workers;
 * ``samples``: sample builders several modules use (groups sharing a prefix);
-* ``xtok_vocabs``: small and real tokenizers for the cross-tokenizer tests.
+* ``xtok_vocabs``: small and real tokenizers for the cross-tokenizer tests;
+* ``fault_matrix``: the fault matrix runner (``system/test_fault_matrix.py`` asserts on its
+  rows, ``bench/reliability.py`` reads it by path and renders them).
 """

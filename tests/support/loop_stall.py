@@ -1,5 +1,5 @@
 """A host, in a fresh process, whose event loop keeps a heartbeat while it uses a stream:
-how long did any of our calls hold its loop? Run by tests/test_loop_stall.py as
+how long did any of our calls hold its loop? Run by tests/system/test_loop_stall.py as
 
     python tests/support/loop_stall.py BACKEND TEACHER_URL STUDENT_URL
     python tests/support/loop_stall.py BACKEND TEACHER_URL --xtok SAMPLES_JSON

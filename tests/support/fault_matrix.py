@@ -3,7 +3,7 @@
 One function, :func:`run_fault_mode`, runs one fault mode of the mock (:data:`MODES`) on a
 mixed workload and returns a :class:`FaultRun` (its :class:`MatrixRow` plus the raw results
 for deeper checks); :func:`run_matrix` runs every mode. The project's
-``tests/test_fault_matrix.py`` asserts on the rows, and ``python -m bench.reliability``
+``tests/system/test_fault_matrix.py`` asserts on the rows, and ``python -m bench.reliability``
 renders them as the table in ``docs/reliability.md``.
 
 The workload (every mode): two ``OPDStream`` s running at once, each with its own
@@ -37,7 +37,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from .. import (
+from opd_stream import (
     AiohttpTransport,
     OPDStream,
     Sample,
@@ -45,9 +45,9 @@ from .. import (
     ScoredSample,
     StreamConfig,
 )
-from .mock_sglang import MockModel, MockOptions, MockProcess, serve_mock
-from .mock_vllm import VllmMockOptions, VllmMockProcess, serve_vllm_mock
-from .tasks import pending_tasks
+from opd_stream.testing.mock_sglang import MockModel, MockOptions, MockProcess, serve_mock
+from opd_stream.testing.mock_vllm import VllmMockOptions, VllmMockProcess, serve_vllm_mock
+from opd_stream.testing.tasks import pending_tasks
 
 __all__ = (
     "DEADLINE_S",
@@ -108,7 +108,7 @@ class FaultMode:
         title: what the server does, for the table.
         rate: probability per ``/generate`` request (1.0 for a server-wide property).
         options: :class:`MockOptions` changes applied to every mock server.
-        expect: the class of outcome (see ``tests/test_fault_matrix.py``).
+        expect: the class of outcome (see ``tests/system/test_fault_matrix.py``).
         reasons: the failure reasons this fault may produce (when attempts run out, or
             at once for a non-retryable fault).
         fault_kind: the mock's counter in ``MockStats.faults`` (None: not counted there).

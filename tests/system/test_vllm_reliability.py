@@ -1,5 +1,5 @@
 """vLLM teachers and students when things change or go wrong (issue 33, part 2), on the mock vLLM
-servers over HTTP; the fault matrix's rows run on them too (``tests/test_fault_matrix.py``).
+servers over HTTP; the fault matrix's rows run on them too (``tests/system/test_fault_matrix.py``).
 
 * misaligned answers: vLLM's binary rows (``prompt_token_id_logprobs``) carry values only,
   no token ids, so a server that shifts them is caught where the answer also names the

@@ -47,7 +47,7 @@ def test_every_exported_name_resolves() -> None:
 def test_readme_documents_the_headline_api() -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     for name in ("OPDStream", "StreamConfig", "Sample", "ScoredSample", "SampleFailure"):
         assert name in readme
 
@@ -55,7 +55,7 @@ def test_readme_documents_the_headline_api() -> None:
 def test_the_configuration_page_table_is_the_generated_one() -> None:
     from pathlib import Path
 
-    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     from opd_stream.config._settings import render_config_table
 
     assert render_config_table() in page

@@ -33,7 +33,7 @@ from support.xtok_vocabs import family_dir, family_vocab
 import opd_stream
 from opd_stream.testing.mock_sglang import MockProcess
 
-SCRIPT = Path(__file__).parent / "support" / "loop_stall.py"
+SCRIPT = Path(__file__).parents[1] / "support" / "loop_stall.py"
 ROOT = Path(opd_stream.__file__).resolve().parents[1]
 LIMIT_S = 0.050
 

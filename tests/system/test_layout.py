@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "opd_stream"
+PACKAGE = Path(__file__).resolve().parents[2] / "opd_stream"
 #: Rooms that hold tools around the library, which the library itself never imports.
 OUTSIDE = ("cli", "testing", "integrations")
 
@@ -126,6 +126,23 @@ def test_the_library_never_imports_the_tools_around_it() -> None:
         if b in OUTSIDE and a not in OUTSIDE and a != "opd_stream.__main__"  # the command
     }
     assert not wrong, wrong
+
+
+#: What drives a stream: the package's public face (``OPDStream``), the stream and its stages.
+_DRIVES_A_STREAM = ("opd_stream._stream", "opd_stream._pipeline", "opd_stream.fetch")
+
+
+def test_the_testing_kit_serves_and_never_drives_a_stream() -> None:
+    # opd_stream.testing ships in the wheel for users' tests (mock servers, the in-process
+    # transport, log capture); the project's own machinery that drives streams against them
+    # (the fault matrix) lives in tests/support
+    wrong = {
+        _module(path): sorted(
+            m for m in _imports(path) if m == "opd_stream" or m.startswith(_DRIVES_A_STREAM)
+        )
+        for path in sorted((PACKAGE / "testing").rglob("*.py"))
+    }
+    assert {module: found for module, found in wrong.items() if found} == {}
 
 
 @pytest.mark.parametrize(

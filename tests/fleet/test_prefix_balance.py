@@ -68,7 +68,7 @@ def test_keys_spread_evenly_over_idle_replicas() -> None:
     assert all(800 <= c <= 1200 for c in counts.values()), counts
 
 
-# (placement by work, the bound, joins and remembered prompts: tests/test_locality_balance.py)
+# (placement by work, the bound, joins and remembered prompts: tests/fleet/test_locality_balance.py)
 
 
 def test_one_prompt_with_many_requests_spills_at_the_endpoint_limit() -> None:

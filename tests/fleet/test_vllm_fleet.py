@@ -327,7 +327,7 @@ def test_the_refusal_read_is_vllms_own_wording() -> None:
 
     from opd_stream.fleet._engines import max_logprobs_problem
 
-    src = (Path(__file__).parents[1] / ".cache/vllm/src/vllm/sampling_params.py").read_text()
+    src = (Path(__file__).parents[2] / ".cache/vllm/src/vllm/sampling_params.py").read_text()
     assert "token ids per row in " in src
     for wording in ("which is greater than max allowed: ", "Set max_logprobs (--max-logprobs)"):
         assert wording in src

@@ -30,7 +30,7 @@ import pytest
 
 from opd_stream.testing._process import stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 _FENCE = re.compile(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.S | re.M)
 _SERVER = re.compile(r"127\.0\.0\.1:(?P<port>\d+)")

@@ -4,7 +4,8 @@ logprob, vLLM's -9999.0 for a probability-0 token), checked against a float64 re
 built with loops from the mock's closed-form model; bad input and failed sequences raise
 clearly; the client's loop thread is joined on close and never keeps the interpreter alive.
 
-(The same calls against TRL's own client on vLLM mocks: tests/test_integration_trl_vs_trl.py.)
+(The same calls against TRL's own client on vLLM mocks:
+tests/integrations/test_integration_trl_vs_trl.py.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "opd_stream"
 TESTS = ROOT / "tests"
 THIS_FILE = Path(__file__).resolve()
@@ -37,7 +37,7 @@ _LINK = re.compile(r"\]\((?P<path>[^)#\s]*)(?:#(?P<anchor>[^)\s]*))?\)")
 #: file (from the root) -> the exact lines, stripped. This file is not scanned at all (its
 #: strings plant citations on purpose).
 _ALLOWED_LINES = {
-    "tests/test_cli_hardening.py": {'assert "shared/spec" not in text'},
+    "tests/cli/test_cli_hardening.py": {'assert "shared/spec" not in text'},
 }
 
 
@@ -140,8 +140,8 @@ def test_no_source_file_cites_a_document_outside_the_repository(path: Path) -> N
 
 def test_the_scan_covers_the_tests_but_not_this_file() -> None:
     scanned = {f.relative_to(ROOT).as_posix() for f in _python_files()}
-    assert {"tests/test_kl.py", "tests/support/kl_reference.py"} <= scanned
-    assert "tests/test_docs_in_repo.py" not in scanned
+    assert {"tests/kl/test_kl.py", "tests/support/kl_reference.py"} <= scanned
+    assert "tests/system/test_docs_in_repo.py" not in scanned
 
 
 @pytest.mark.parametrize(("name", "lines"), sorted(_ALLOWED_LINES.items()))

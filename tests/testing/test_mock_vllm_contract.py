@@ -22,7 +22,7 @@ import pytest
 from opd_stream.testing.mock_sglang import MockCluster
 from opd_stream.testing.mock_vllm import SCALE_OUT_DISABLED, VllmMockOptions, serve_vllm_mock
 
-SRC = Path(__file__).resolve().parents[1] / ".cache/vllm/src/vllm"
+SRC = Path(__file__).resolve().parents[2] / ".cache/vllm/src/vllm"
 V = 1000
 L = 8
 TOKENS = list(range(3, 3 + L))

@@ -1,6 +1,6 @@
 """The fault matrix, asserted: every fault mode of the mock, over real HTTP, mixed workload.
 
-Each mode runs ``opd_stream.testing.fault_matrix.run_fault_mode`` (the function that
+Each mode runs ``support.fault_matrix.run_fault_mode`` (the function that
 ``bench/reliability.py`` renders as docs/reliability.md) and checks: every sample comes out
 exactly once; retryable faults recover and the retries are counted; non-retryable faults
 fail their sample alone with the right reason; every scored result equals the independent
@@ -16,7 +16,7 @@ The same rows run against the mock vLLM servers (``engine="vllm"``, issue 33), o
 samples: every mode whose outcome depends on the answer the client decodes (the vLLM
 dialect's errors, abort, bodies cut or bad, rows missing, sizes); "hang", "hang_watchdog"
 and "restart" end before any answer is decoded (the SGLang rows cover them), and "misaligned" is
-``tests/test_vllm_reliability.py``'s (vLLM's binary rows carry no token ids).
+``tests/system/test_vllm_reliability.py``'s (vLLM's binary rows carry no token ids).
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.pipeline_reference import assert_matches, expected_result
-
-from opd_stream import SampleFailure, ScoredSample
-from opd_stream.testing.fault_matrix import (
+from support.fault_matrix import (
     DEFAULT_N,
     HANG_DEADLINE_S,
     MODES,
@@ -38,6 +35,9 @@ from opd_stream.testing.fault_matrix import (
     run_fault_mode,
     teacher_model,
 )
+from support.pipeline_reference import assert_matches, expected_result
+
+from opd_stream import SampleFailure, ScoredSample
 from opd_stream.testing.mock_sglang import FAULT_KINDS
 
 N = DEFAULT_N  # samples per stream: 240 per mode, as in docs/reliability.md

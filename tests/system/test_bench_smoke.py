@@ -115,7 +115,7 @@ def test_vllm_cpu_bench_runs_and_both_engines_agree(tmp_path: Path) -> None:
     assert "| top-k 4 intersection | vLLM scale-out |" in proc.stdout
 
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.mark.parametrize(

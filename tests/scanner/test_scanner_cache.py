@@ -18,7 +18,7 @@ import pytest
 
 from opd_stream.scanner._shared import digest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "opd_stream" / "scanner"
+PACKAGE = Path(__file__).resolve().parents[2] / "opd_stream" / "scanner"
 SHARED = "_shared"
 DECORATORS = {"njit_cached", "njit_leaf", "njit_once"}
 

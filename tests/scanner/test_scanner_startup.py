@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups, /proc")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The host's script: a stream starts (and with it the kernels), its "work" waits until the
 #: compiling process runs, then it says so and (``hold``) waits to be interrupted.

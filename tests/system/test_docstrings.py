@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "opd_stream"
 NOTES = ROOT / "docs" / "design-notes.md"
 MAX_LINES = 12
@@ -31,7 +31,8 @@ LONGER = {"opd_stream/_errors.py": "draws the error tree, the one place it is dr
 #: limit, or no longer exists, fails the check below and must be taken out.
 NOT_YET = frozenset(
     {
-        "opd_stream/_cross.py",
+        "opd_stream/fetch/_mixture.py",
+        "opd_stream/xtok/_tokenizers.py",
         "opd_stream/_scoring.py",
         "opd_stream/fleet/_balance.py",
         "opd_stream/fleet/_discovery.py",
@@ -40,7 +41,6 @@ NOT_YET = frozenset(
         "opd_stream/fleet/_probe.py",
         "opd_stream/fleet/_router.py",
         "opd_stream/scanner/_loader.py",
-        "opd_stream/testing/fault_matrix.py",
         "opd_stream/transport/_budget.py",
         "opd_stream/transport/_httpx.py",
         "opd_stream/transport/_transports.py",

@@ -33,7 +33,7 @@ from opd_stream.wire._payloads import build_score_payload
 from opd_stream.wire._request import ENGINES, ScoreRequest, column_chunks, layout, multi_body
 from opd_stream.wire._vllm import ENGINE_PATHS, engine_problem, probe_body, sends_id_columns
 
-VLLM_SRC = Path(__file__).resolve().parents[1] / ".cache/vllm/src/vllm"
+VLLM_SRC = Path(__file__).resolve().parents[2] / ".cache/vllm/src/vllm"
 V = 12  # vocabulary; ids 10 and 11 are masked (-inf) everywhere
 MASKED = (10, 11)
 P, R = 5, 4

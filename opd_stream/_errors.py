@@ -8,7 +8,7 @@ The whole tree::
     ├── RoutingError(LookupError)           no teacher for a sample's metadata (no ``default``)
     ├── MissingLogprobError(ValueError)     a selected token has no logprob on one side
     ├── DeadlineExceeded(TimeoutError)      a logical request ran out of its budget
-    ├── xtok._worker.EncoderError(RuntimeError)  a tokenizer's helper process exited or
+    ├── xtok._process.EncoderError(RuntimeError)  a tokenizer's helper process exited or
     │                                       failed (reason ``encoder_failed``)
     └── ServerError                         one request to one SGLang server went wrong
         ├── ServerHTTPError                 non-2xx answer: ``.status``, the server's message

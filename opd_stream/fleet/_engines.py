@@ -10,7 +10,7 @@ until its ``/generate`` answers 404 or 405. Then, once per URL (concurrent reque
 that one detection; a cancelled one leaves the engine unknown for the next request to try):
 
 1. ``POST /inference/v1/generate`` with a tiny scoring body
-   (:func:`~opd_stream.wire._vllm.probe_body`): 200 -> ``"vllm"``;
+   (:func:`~opd_stream.wire._payloads.probe_body`): 200 -> ``"vllm"``;
 2. otherwise (vLLM answers 403 there without ``--enable-scale-out``; an older vLLM 404)
    ``POST /v1/completions``: 200 -> ``"vllm-completions"``;
 3. otherwise nothing can score there: a :class:`~opd_stream.CapabilityError`
@@ -44,8 +44,9 @@ from .._errors import (
 from .._logging import get_logger
 from ..transport._transports import Request, Transport
 from ..wire._error_body import parse_error_message
+from ..wire._payloads import probe_body
 from ..wire._request import ENGINES, Engine
-from ..wire._vllm import ENGINE_PATHS, probe_body
+from ..wire._vllm import ENGINE_PATHS
 from ._endpoints import Endpoints
 from ._router import endpoint_url, normalize_server_url
 

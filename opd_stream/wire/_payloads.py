@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ._request import Layout, ScoreRequest, json_digits, layout, multi_body
+from ._request import Engine, Layout, ScoreRequest, json_digits, layout, multi_body
 from ._rows_json import rows_json
 from ._vllm import build_vllm_bodies
 
@@ -23,6 +23,7 @@ __all__ = (
     "build_generate_payload",
     "build_score_payload",
     "payload_size_hint",
+    "probe_body",
 )
 
 _ENCODER = msgspec.json.Encoder()
@@ -43,6 +44,15 @@ def build_score_payload(req: ScoreRequest) -> bytes:
         InvalidSampleError: a malformed request (names the field).
     """
     return build_laid(req, layout(req))
+
+
+def probe_body(engine: Engine) -> bytes:
+    """A tiny valid scoring request for ``engine`` (tokens ``[0, 0]``, the last one scored:
+    id 0 is in every vocabulary): what engine detection sends."""
+    req = ScoreRequest(tokens=np.zeros(2, dtype=np.int64), response_length=1, engine=engine)
+    if engine == "sglang":
+        return build_score_payload(req)
+    return build_vllm_bodies(req, layout(req))[0]
 
 
 def build_laid(req: ScoreRequest, lay: Layout) -> bytes:

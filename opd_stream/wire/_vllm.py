@@ -33,14 +33,13 @@ import msgspec
 import numpy as np
 
 from .._errors import CapabilityError
-from ._request import Engine, Layout, ScoreRequest, column_chunks, layout
+from ._request import Engine, Layout, ScoreRequest, column_chunks
 from ._rows_json import rows_json
 
 __all__ = (
     "ENGINE_PATHS",
     "build_vllm_bodies",
     "engine_problem",
-    "probe_body",
     "sends_id_columns",
 )
 
@@ -84,17 +83,6 @@ def sends_id_columns(req: ScoreRequest) -> bool:
     token in every ``prompt_logprobs`` dict (``append_logprobs_for_next_position``), with
     the same float32 logprob."""
     return req.ids is not None or req.top_k == 0
-
-
-def probe_body(engine: Engine) -> bytes:
-    """A tiny valid scoring request for ``engine`` (tokens ``[0, 0]``, the last one scored:
-    id 0 is in every vocabulary): what engine detection sends."""
-    req = ScoreRequest(tokens=np.zeros(2, dtype=np.int64), response_length=1, engine=engine)
-    if engine == "sglang":
-        from ._payloads import build_score_payload  # the SGLang builder imports this module
-
-        return build_score_payload(req)
-    return build_vllm_bodies(req, layout(req))[0]
 
 
 def build_vllm_bodies(req: ScoreRequest, lay: Layout) -> list[bytes]:

@@ -29,7 +29,7 @@ from .._errors import ConfigError, InvalidSampleError
 from ._vocab import resolve_tokenizer_path
 
 if TYPE_CHECKING:
-    from ._worker import EncoderProcess
+    from ._process import EncoderProcess
 
 __all__ = ("ChatTemplate", "TeacherPrompts", "as_messages", "read_template")
 
@@ -104,7 +104,7 @@ def read_template(setting: str, path: str) -> tuple[str, dict[str, str]]:
 class ChatTemplate:
     """One teacher's chat template and tokenizer (special tokens recognised in prompts);
     the tokenizer is loaded and run in a process of its own
-    (:class:`~opd_stream.xtok._worker.EncoderProcess`: building it in this one would hold
+    (:class:`~opd_stream.xtok._process.EncoderProcess`: building it in this one would hold
     the GIL, so the host's event loop, for up to 0.6 s).
 
     Build it with :meth:`load`; :meth:`prompt_ids` is blocking (~1 ms: the rendering, and a
@@ -156,7 +156,7 @@ class ChatTemplate:
                 f"{setting}: rendering a teacher prompt needs jinja2 and tokenizers "
                 "(pip install 'opd-stream[xtok]')"
             ) from None
-        from ._worker import EncoderProcess
+        from ._process import EncoderProcess
 
         try:  # in a process of its own: building it would hold the host's GIL ~0.3-0.6 s
             process = EncoderProcess(setting, file)

@@ -34,7 +34,7 @@ from ._encoder import FastEncoder, fast_encoder
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from ._worker import EncoderProcess
+    from ._process import EncoderProcess
 
 __all__ = (
     "Vocab",
@@ -387,7 +387,7 @@ def load_vocab_process(setting: str, path: str) -> Vocab:
     """
     import sys
 
-    from ._worker import EncoderProcess
+    from ._process import EncoderProcess
 
     file = resolve_tokenizer_path(setting, path)
     if not sys.executable:  # an embedded interpreter with no Python to start: in-process

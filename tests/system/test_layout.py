@@ -261,17 +261,8 @@ def module_graph() -> dict[str, dict[str, list[str]]]:
     return graph
 
 
-#: Circles inside a room found when the rule came (issue 36 fixed the scanner's); each is a
-#: pair of modules importing each other lazily. Do not add to it.
-KNOWN_ROOM_CIRCLES = [
-    ["opd_stream.wire._payloads", "opd_stream.wire._vllm"],
-    ["opd_stream.xtok._vocab", "opd_stream.xtok._worker"],
-]
-
-
 def test_no_room_has_an_import_circle_inside() -> None:
-    found = cycles(module_graph())
-    assert [c for c in found if c not in KNOWN_ROOM_CIRCLES] == []
+    assert cycles(module_graph()) == []
 
 
 def test_the_circle_check_sees_two_modules_of_a_room_importing_each_other(

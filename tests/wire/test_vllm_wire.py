@@ -29,9 +29,9 @@ from opd_stream._errors import (
     WeightVersionChanged,
 )
 from opd_stream.wire._codec import build_block_payloads, decode, decode_score_response
-from opd_stream.wire._payloads import build_score_payload
+from opd_stream.wire._payloads import build_score_payload, probe_body
 from opd_stream.wire._request import ENGINES, ScoreRequest, column_chunks, layout, multi_body
-from opd_stream.wire._vllm import ENGINE_PATHS, engine_problem, probe_body, sends_id_columns
+from opd_stream.wire._vllm import ENGINE_PATHS, engine_problem, sends_id_columns
 
 VLLM_SRC = Path(__file__).resolve().parents[2] / ".cache/vllm/src/vllm"
 V = 12  # vocabulary; ids 10 and 11 are masked (-inf) everywhere

@@ -26,8 +26,8 @@ from support.xtok_vocabs import (
 import opd_stream
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.xtok._process import EncoderError
 from opd_stream.xtok._vocab import Vocab, load_vocab_process, vocab_from_json
-from opd_stream.xtok._worker import EncoderError
 
 TEXTS = [
     "Hello, world! Größe café naïve — Zürich façade. 12345 + 678 = 13023.",

@@ -32,7 +32,7 @@ from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepa
 from ._stats import CHANNELS, ChannelName, StatsRecorder
 from .config._settings import StreamConfig
 from .fetch._fetcher import SampleFetcher, ScoreAttemptError
-from .fleet._router import TeacherRouter
+from .fleet._routing import TeacherRouting
 from .wire._answers import ScoreRows
 from .wire._student_topk import rows_convert_in_thread
 
@@ -81,11 +81,11 @@ def internal_failure(
 class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     """What every run of a stream shares, owned by the :class:`~opd_stream.OPDStream`: its
     configuration, its fetcher (replica pool, limits, capability state, byte budget), its
-    router, its stats, the KL device and the KL stage's thread limiter."""
+    teacher routing, its stats, the KL device and the KL stage's thread limiter."""
 
     config: StreamConfig
     fetcher: SampleFetcher
-    router: TeacherRouter
+    routing: TeacherRouting
     stats: StatsRecorder
     kl_device: torch.device
     kl_limiter: anyio.CapacityLimiter
@@ -222,7 +222,7 @@ class _Pipeline:
         config = parts.config
         self.cfg = config
         self.fetcher = parts.fetcher
-        self.router = parts.router
+        self.routing = parts.routing
         self.stats = parts.stats
         self.kl_device = parts.kl_device
         self.kl_limiter = parts.kl_limiter
@@ -262,7 +262,7 @@ class _Pipeline:
                 f"required: strategy {self.cfg.strategy!r} needs the student's top-k and no "
                 "student_url is configured to fetch it",
             )
-        teacher = self.router.resolve(prepared.sample.metadata)
+        teacher = self.routing.resolve(prepared.sample.metadata)
         prepared = msgspec.structs.replace(prepared, teacher=teacher)
         xtok = self.fetcher.xtok
         if xtok is not None and teacher_only and xtok.teacher(teacher) is not None:
@@ -437,7 +437,7 @@ class _Pipeline:
     async def _fetch(
         self, prepared: PreparedSample, admitted_at: float, teacher_only: bool
     ) -> Fetched:
-        teacher = self.router.teacher(prepared.teacher)
+        teacher = self.routing.teacher(prepared.teacher)
         return await self.fetcher.fetch(prepared, teacher, admitted_at, teacher_only=teacher_only)
 
     # stage 3: KL -------------------------------------------------------------------

@@ -401,7 +401,7 @@ def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> Prep
     Args:
         sample: the caller's object; anything but a :class:`Sample` is rejected.
         index: its position in the input.
-        teacher: the routed teacher name (routing happens before, see ``TeacherRouter``).
+        teacher: the routed teacher name (routing happens before, see ``TeacherRouting``).
         top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
 
     Raises:

@@ -36,7 +36,7 @@ from .fetch._fetcher import SampleFetcher
 from .fleet._fleet import Fleet
 from .fleet._probe import PROBE_RESPONSE_LENGTH, ProbeReport, default_probe_tokens, ejectable
 from .fleet._probe_requests import run_probe
-from .fleet._router import TeacherRouter, replica_groups
+from .fleet._routing import TeacherRouting, replica_groups
 from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
 from .transport._legacy import as_transport
@@ -218,7 +218,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         if not isinstance(config, StreamConfig):
             raise TypeError(f"config must be a StreamConfig, got {type(config).__name__}")
         self.config = config
-        self._router = TeacherRouter(config.teachers, config.teacher_key)
+        self._routing = TeacherRouting(config.teachers, config.teacher_key)
         # Nothing slow here (the caller may be on its event loop): torch and the KL code
         # are loaded by load(), off the loop; kl_device is resolved here only where it must
         # be read in the caller's thread (see _kl_device_now), else there.
@@ -314,7 +314,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 self._parts = StreamParts(
                     config=self.config,
                     fetcher=fetcher,
-                    router=self._router,
+                    routing=self._routing,
                     stats=self._stats,
                     kl_device=self._device,
                     kl_limiter=anyio.CapacityLimiter(1),

@@ -29,7 +29,7 @@ from .._logging import LOG_LEVELS
 from .._sample import Sample, SampleFailure, ScoredSample
 from .._stream import OPDStream
 from ..config._settings import StreamConfig
-from ..fleet._router import generate_url, normalize_server_url
+from ..fleet._routing import generate_url, normalize_server_url
 from ..kl._names import STRATEGIES, WEIGHT_MODES
 from ..kl._plan import STRATEGY_NEEDS
 from ..wire._decode_generate import decode_generate_response

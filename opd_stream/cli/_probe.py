@@ -20,7 +20,7 @@ from .._errors import ConfigError, InvalidSampleError
 from .._logging import LOG_LEVELS
 from .._sample import Sample
 from ..config._settings import StreamConfig
-from ..fleet._router import normalize_teachers
+from ..fleet._routing import normalize_teachers
 from ._score_options import add_engine_arguments, engine_overrides, flag_teachers
 
 __all__ = ("add_probe_arguments", "run_probe_command")

@@ -14,7 +14,7 @@ from .._logging import LOG_LEVELS
 from ..config._settings import CacheSalt, IdScoring, StreamConfig
 from ..fleet._engines import ENGINE_SETTINGS
 from ..fleet._ensemble import is_ensemble_text
-from ..fleet._router import DEFAULT_TEACHER, Teacher, normalize_teachers
+from ..fleet._routing import DEFAULT_TEACHER, Teacher, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
 from ._score_files import DEFAULT_MAX_LINE_BYTES, UsageError
 
@@ -265,7 +265,7 @@ def flag_teachers(entries: Sequence[str]) -> dict[str, Teacher]:
 
 
 def _is_plain(value: str) -> bool:
-    """A value without a name: a ``://`` comes before any ``=`` (as the router reads it)."""
+    """A value without a name: a ``://`` comes before any ``=`` (as teacher routing reads it)."""
     scheme_at = value.find("://")
     equals_at = value.find("=")
     return scheme_at >= 0 and (equals_at < 0 or scheme_at < equals_at)

@@ -25,7 +25,7 @@ from .._errors import ConfigError
 from ..fleet._balance import Balance
 from ..fleet._engines import EngineSetting, normalize_server_engines
 from ..fleet._ensemble import Ensemble
-from ..fleet._router import Teacher, normalize_server_url, normalize_teachers
+from ..fleet._routing import Teacher, normalize_server_url, normalize_teachers
 from ..kl._names import Divergence, Strategy, WeightMode
 from ..wire._request import Engine, IdForm
 from ..xtok._vocab import normalize_teacher_tokenizers, normalize_tokenizer_path
@@ -155,7 +155,7 @@ class StreamConfig(
 
     The field annotations are the normalised types, which is what readers of a config see.
     At runtime the constructor also takes every ``teachers`` spelling accepted by
-    :func:`opd_stream.fleet._router.normalize_teachers` (a URL, ``NAME=URL`` entries, a mapping
+    :func:`opd_stream.fleet._routing.normalize_teachers` (a URL, ``NAME=URL`` entries, a mapping
     of name to URL or URL list) and a plain ``str`` ``api_key``; a type checker only
     accepts those through :meth:`from_env` / :meth:`evolve` (``**overrides: Any``).
 

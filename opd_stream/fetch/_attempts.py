@@ -33,7 +33,7 @@ from ..fleet._balance import ROUTING_KEY_HEADER, ROUTING_TOKENS_HEADER, Endpoint
 from ..fleet._capabilities import Capabilities, Side
 from ..fleet._endpoints import Endpoints
 from ..fleet._engines import DETECT_STATUSES, EngineDirectory, EngineUnknown, max_logprobs_problem
-from ..fleet._router import endpoint_url
+from ..fleet._routing import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Request, Transport
 from ..wire._answers import Body, ScoreRows

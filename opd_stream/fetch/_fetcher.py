@@ -36,7 +36,7 @@ from ..fleet._capabilities import Side
 from ..fleet._engines import EngineUnknown
 from ..fleet._ensemble import Ensemble
 from ..fleet._fleet import Fleet
-from ..fleet._router import Teacher
+from ..fleet._routing import Teacher
 from ..kl._plan import RequestPlan, plan_requests
 from ..transport._transports import Transport
 from ..wire._answers import ScoreRows

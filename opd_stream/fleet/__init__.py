@@ -4,7 +4,7 @@ load, what each server supports, fleets discovered behind a gateway, and the pro
 Modules (all private; the public names come from :mod:`opd_stream`):
 
 * ``_fleet``: :class:`Fleet`, every server of a stream and all known of them (built by the stream)
-* ``_router``: ``NAME=URL`` parsing, URL validation and each sample's teacher
+* ``_routing``: ``NAME=URL`` parsing, URL validation and each sample's teacher
 * ``_ensemble``: weighted teacher ensembles: their members, weights and configuration form
 * ``_endpoints``: the state of every server URL a stream talks to
 * ``_records``: what ``stats()`` reports of each server URL and each gateway

@@ -22,7 +22,7 @@ request to a URL discovers it while later ones wait for that answer; a refresh i
 one request while the others keep using the current list. ``gateway_discovery="off"``
 sends everything to the configured URLs.
 
-The sans-IO part (:func:`parse_router_workers`, :func:`parse_rl_workers`) reads the
+The sans-IO part (:func:`parse_gateway_workers`, :func:`parse_rl_workers`) reads the
 gateway's answer; the rest is
 the small async shell around the transport.
 """
@@ -39,9 +39,9 @@ from .._logging import get_logger
 from ..transport._transports import Request, Transport
 from ..wire._answers import Body
 from ._records import FleetState, Kind
-from ._router import endpoint_url, normalize_server_url
+from ._routing import endpoint_url, normalize_server_url
 
-__all__ = ("REFRESH_S", "FleetDirectory", "parse_rl_workers", "parse_router_workers")
+__all__ = ("REFRESH_S", "FleetDirectory", "parse_rl_workers", "parse_gateway_workers")
 
 log = get_logger()
 
@@ -77,7 +77,7 @@ class _RLWorkers(msgspec.Struct):
 _RL_HEALTHY = frozenset({"ready", "healthy"})
 
 
-def parse_router_workers(body: Body) -> list[str] | None:
+def parse_gateway_workers(body: Body) -> list[str] | None:
     """The worker URLs an sglang-router lists (``GET /workers``), or ``None`` when the answer
     is not a router's worker list, or the fleet cannot be addressed worker by worker.
 
@@ -100,7 +100,7 @@ def parse_router_workers(body: Body) -> list[str] | None:
 
 def parse_rl_workers(body: Body) -> list[str] | None:
     """The worker URLs smg's RL control plane lists (``GET /v1/rl/workers``, smg
-    ``--enable-rl``), under the rules of :func:`parse_router_workers`: a worker is healthy
+    ``--enable-rl``), under the rules of :func:`parse_gateway_workers`: a worker is healthy
     when its ``health`` is ``ready`` (or ``healthy``); a missing ``worker_type`` is regular."""
     try:
         listing = msgspec.json.decode(body, type=_RLWorkers)
@@ -176,7 +176,7 @@ class FleetDirectory:
         reachable = tuple(await self._reachable(listed))
         if fleet.kind != "router" or reachable != fleet.workers:
             log.info(
-                "router_workers",
+                "gateway_workers",
                 url=url,
                 listed=len(listed),
                 reachable=len(reachable),
@@ -190,7 +190,10 @@ class FleetDirectory:
         """The gateway's worker list (``/workers``, else ``/v1/rl/workers``); ``None`` when
         the URL answered something else (not a gateway); ``_UNREACHABLE`` when it did not
         answer."""
-        for path, parse in (("workers", parse_router_workers), ("v1/rl/workers", parse_rl_workers)):
+        for path, parse in (
+            ("workers", parse_gateway_workers),
+            ("v1/rl/workers", parse_rl_workers),
+        ):
             try:
                 with anyio.fail_after(_PROBE_TIMEOUT_S):
                     resp = await self._transport.send(

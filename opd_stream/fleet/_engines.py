@@ -48,7 +48,7 @@ from ..wire._payloads import probe_body
 from ..wire._request import ENGINES, Engine
 from ..wire._vllm import ENGINE_PATHS
 from ._endpoints import Endpoints
-from ._router import endpoint_url, normalize_server_url
+from ._routing import endpoint_url, normalize_server_url
 
 __all__ = (
     "DETECT_STATUSES",

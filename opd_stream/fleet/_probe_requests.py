@@ -21,7 +21,7 @@ from ..wire._vllm import ENGINE_PATHS
 from ._discovery import FleetDirectory
 from ._engines import DETECT_STATUSES, EngineDirectory
 from ._probe import UNANSWERED, Answer, ProbeReport, compare
-from ._router import endpoint_url
+from ._routing import endpoint_url
 
 __all__ = ("run_probe",)
 

@@ -11,7 +11,7 @@ from support.config import stream_config
 from trio.testing import MockClock
 
 from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample
-from opd_stream.fleet._discovery import FleetDirectory, parse_rl_workers, parse_router_workers
+from opd_stream.fleet._discovery import FleetDirectory, parse_gateway_workers, parse_rl_workers
 from opd_stream.testing.inprocess import InProcessSGLang
 
 R = "http://router:1"
@@ -28,7 +28,7 @@ def _w(url: str, **kw: Any) -> dict[str, Any]:
 
 def test_the_healthy_regular_workers_are_listed_normalised() -> None:
     body = _listing(_w("http://W1:2/"), _w(W2, is_healthy=False), _w("http://w3:4/generate"))
-    assert parse_router_workers(body) == ["http://w1:2", "http://w3:4"]
+    assert parse_gateway_workers(body) == ["http://w1:2", "http://w3:4"]
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_the_healthy_regular_workers_are_listed_normalised() -> None:
     ids=["not-json", "no-workers", "array", "disaggregated", "bad-scheme", "credentials"],
 )
 def test_anything_else_is_not_a_worker_list(body: bytes) -> None:
-    assert parse_router_workers(body) is None
+    assert parse_gateway_workers(body) is None
 
 
 class _Net:

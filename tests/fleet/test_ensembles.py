@@ -39,7 +39,7 @@ from opd_stream import (
 )
 from opd_stream.fetch._mixture import mix_logprobs, mixture_topk, union_ids
 from opd_stream.fleet._ensemble import Ensemble
-from opd_stream.fleet._router import TeacherRouter, normalize_teachers, parse_teacher_urls
+from opd_stream.fleet._routing import TeacherRouting, normalize_teachers, parse_teacher_urls
 from opd_stream.integrations.miles import config_from_miles_args
 from opd_stream.kl._math import STRATEGIES
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
@@ -111,9 +111,9 @@ def test_env_flags_and_logs_carry_an_ensemble() -> None:
     assert isinstance(cfg.teachers["mix"], Ensemble)
     assert cfg.to_log_dict()["teachers"] == {"mix": "0.7*http://a:1|http://a:2;0.3*http://b:1"}
     assert parse_teacher_urls([text]) == cfg.teachers  # --teacher NAME=...
-    router = TeacherRouter(cfg.teachers)
-    assert router.urls("mix") == ("http://a:1", "http://a:2", "http://b:1")
-    assert router.teacher("mix") == cfg.teachers["mix"]
+    routing = TeacherRouting(cfg.teachers)
+    assert routing.urls("mix") == ("http://a:1", "http://a:2", "http://b:1")
+    assert routing.teacher("mix") == cfg.teachers["mix"]
 
 
 def test_miles_teacher_urls_carry_an_ensemble() -> None:
@@ -593,7 +593,7 @@ def test_a_member_is_named_without_its_query_string() -> None:
 
 
 def test_replica_groups_split_an_ensemble_into_its_members() -> None:
-    from opd_stream.fleet._router import replica_groups
+    from opd_stream.fleet._routing import replica_groups
 
     teachers = normalize_teachers("mix=0.5*http://a:1|http://a:2;0.5*http://b:1,t=http://c:1")
     assert replica_groups(teachers) == {

@@ -38,7 +38,7 @@ from support.routers import (
 from support.samples import prefix_groups
 
 from opd_stream import OPDStream, Sample, ScoredSample
-from opd_stream.fleet._discovery import parse_rl_workers, parse_router_workers
+from opd_stream.fleet._discovery import parse_gateway_workers, parse_rl_workers
 
 K = 3
 
@@ -61,7 +61,7 @@ _cfg = partial(stream_config, top_k=K)
 # --- discovery ------------------------------------------------------------------------
 def test_both_listings_name_the_workers(gateway: tuple[str, list[str]]) -> None:
     url, workers = gateway
-    listed = parse_router_workers(gateway_api(url, "GET", "/workers")) or []
+    listed = parse_gateway_workers(gateway_api(url, "GET", "/workers")) or []
     rl_listed = parse_rl_workers(gateway_api(url, "GET", "/v1/rl/workers")) or []
     assert sorted(listed) == sorted(workers)
     assert sorted(rl_listed) == sorted(workers)

@@ -39,7 +39,7 @@ NOT_YET = frozenset(
         "opd_stream/fleet/_engines.py",
         "opd_stream/fleet/_ensemble.py",
         "opd_stream/fleet/_probe.py",
-        "opd_stream/fleet/_router.py",
+        "opd_stream/fleet/_routing.py",
         "opd_stream/scanner/_loader.py",
         "opd_stream/transport/_budget.py",
         "opd_stream/transport/_httpx.py",

@@ -484,3 +484,98 @@ def test_every_deprecated_old_name_is_in_the_changelog() -> None:
     old = _old_names()
     assert {"jit", "decode_thread_bytes", "router_discovery", "TopKResult.reverse_kl"} <= old
     assert sorted(name for name in old if name not in text) == []
+
+
+# ------------------------------------------------------- issue 36: "router" names one thing
+
+#: Names of the package that say "router" and stay: each names the sglang-router product (a
+#: gateway in front of workers), or is a public spelling kept for a release. (Values are not
+#: names: the public ``FleetState.kind`` is ``"router"`` for a gateway.)
+ROUTER_NAMES = {
+    "opd_stream.testing.router": "public: runs the real gateways (sglang-router, smg) in tests",
+    "opd_stream.testing.router.SGLangRouter": "the sglang-router product",
+    "opd_stream.testing.router.RouterUnavailable": "public: a gateway package is not installed",
+    "opd_stream.config._settings.StreamConfig.router_discovery": "deprecated gateway_discovery",
+    "opd_stream.transport._transports.MockTransport.__init__(routers)": "deprecated gateways=",
+}
+
+
+def _names(path: Path) -> set[str]:
+    """The names ``path`` defines, qualified: the module, its classes, functions and methods,
+    their parameters (``f(x)``), module variables and class fields (``self.x`` included)."""
+    module = _module(path)
+    out = {module}
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{owner}.{child.name}"
+                out.add(name)
+                if not isinstance(child, ast.ClassDef):
+                    a = child.args
+                    args = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                    out.update(f"{name}({x.arg})" for x in args if x is not None)
+                visit(child, name if isinstance(child, ast.ClassDef) else owner)
+                continue
+            targets: list[ast.expr] = []
+            if isinstance(child, ast.Assign):
+                targets = child.targets
+            elif isinstance(child, ast.AnnAssign):
+                targets = [child.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and not isinstance(node, ast.FunctionDef):
+                    out.add(f"{owner}.{t.id}")  # a module's or a class's own
+            if (
+                isinstance(child, ast.Attribute)
+                and isinstance(child.value, ast.Name)
+                and child.value.id == "self"
+                and isinstance(child.ctx, ast.Store)
+            ):
+                out.add(f"{owner}.{child.attr}")
+            visit(child, owner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), module)
+    return out
+
+
+def _says_router(name: str) -> bool:
+    """Whether the last part of ``name`` (a parameter's own name: ``f(x)``) says router."""
+    own = name.partition("(")[2] if name.endswith(")") else name.rpartition(".")[2]
+    return "router" in own.lower()
+
+
+def test_router_names_the_gateway_product_only() -> None:
+    # teacher routing (a sample's metadata -> its teacher) is "routing" (fleet/_routing.py,
+    # TeacherRouting); a gateway in front of workers is a "gateway": "router" is left to the
+    # sglang-router product and public spellings kept for a release
+    found = {n for p in sorted(PACKAGE.rglob("*.py")) for n in _names(p) if _says_router(n)}
+    assert sorted(found - set(ROUTER_NAMES)) == []
+    assert sorted(set(ROUTER_NAMES) - found) == []  # the list holds no stale entry
+
+
+def test_the_name_rule_sees_each_kind_of_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "opd_stream")
+    room = tmp_path / "opd_stream" / "room"
+    room.mkdir(parents=True)
+    path = room / "_router.py"
+    path.write_text(
+        "ROUTER = 1\n"
+        "class TeacherRouter:\n"
+        "    router_kind: str\n"
+        "    def __init__(self, router):\n"
+        "        self._router = router\n"
+        "        local_router = 2\n"
+        "def parse_router(*, routers): pass\n"
+    )
+    assert {n for n in _names(path) if _says_router(n)} == {
+        "opd_stream.room._router",
+        "opd_stream.room._router.ROUTER",
+        "opd_stream.room._router.TeacherRouter",
+        "opd_stream.room._router.TeacherRouter.router_kind",
+        "opd_stream.room._router.TeacherRouter.__init__(router)",
+        "opd_stream.room._router.TeacherRouter._router",
+        "opd_stream.room._router.parse_router",
+        "opd_stream.room._router.parse_router(routers)",
+    }

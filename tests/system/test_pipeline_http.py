@@ -19,7 +19,7 @@ from support.pipeline_reference import assert_matches, expected_result, rollout_
 from support.threaded_mock import serve_mock_threaded as serve_mock
 
 from opd_stream import OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
-from opd_stream.fleet._router import generate_url
+from opd_stream.fleet._routing import generate_url
 from opd_stream.kl import TopKBatch, sampled_reverse_kl, topk_reverse_kl
 from opd_stream.testing.mock_sglang import MockOptions
 from opd_stream.wire import ScoreRequest, build_score_payload, decode_score_response

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from support.routers import _launched
 
-from opd_stream.fleet._discovery import parse_router_workers
+from opd_stream.fleet._discovery import parse_gateway_workers
 from opd_stream.testing.mock_vllm import VllmMockOptions, VllmMockProcess
 from opd_stream.testing.router import SMGGateway
 
@@ -76,7 +76,7 @@ def test_smg_registers_vllm_workers_and_discovery_lists_them(
     assert {w["runtime_type"] for w in listed} == {"vllm"}
     # The client's router discovery reads the same listing: its workers are then scored
     # directly, the scale-out path included.
-    assert sorted(parse_router_workers(body) or []) == sorted(urls)
+    assert sorted(parse_gateway_workers(body) or []) == sorted(urls)
 
 
 def test_the_scale_out_path_is_not_routed(fleet: tuple[str, list[str]]) -> None:

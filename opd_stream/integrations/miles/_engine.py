@@ -28,7 +28,7 @@ from ..._sample import (
 )
 from ..._stream import OPDStream
 from ...config._settings import StreamConfig
-from ...fleet._router import DEFAULT_TEACHER, show_value
+from ...fleet._routing import DEFAULT_TEACHER, show_value
 from ...transport._transports import Transport
 from ...xtok._chat import TeacherPrompts
 from ...xtok._tokenizers import CrossTokenizers
@@ -129,7 +129,7 @@ def _to_sample(sample: Any, key: int, config: StreamConfig) -> Sample:
 
 def _route_error(config: StreamConfig, metadata: Mapping[str, Any]) -> str | None:
     """The reference's message when the sample's teacher key is missing or unknown and no
-    ``default`` teacher is configured, else None (the same rule as the stream's router)."""
+    ``default`` teacher is configured, else None (the same rule as the stream's teacher routing)."""
     teachers = config.teachers
     if DEFAULT_TEACHER in teachers:
         return None

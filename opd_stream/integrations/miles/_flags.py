@@ -9,7 +9,7 @@ from typing import Any, Final
 
 from ..._errors import ConfigError
 from ...config._settings import StreamConfig
-from ...fleet._router import parse_teacher_urls
+from ...fleet._routing import parse_teacher_urls
 
 __all__ = ("STRATEGIES", "WEIGHT_MODES", "config_from_miles_args")
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opd_stream._errors import ConfigError, RoutingError
-from opd_stream.fleet._router import (
+from opd_stream.fleet._routing import (
     DEFAULT_TEACHER,
-    TeacherRouter,
+    TeacherRouting,
     endpoint_url,
     generate_url,
     normalize_server_url,
@@ -259,43 +259,43 @@ def test_invalid_teacher_spec_is_a_config_error(spec: Any, problem: str) -> None
 # --------------------------------------------------------------------------- per-sample routing
 
 
-def _router(**kwargs: Any) -> TeacherRouter:
-    return TeacherRouter({"math": "http://m:1", "code": "http://c:1|http://c:2"}, **kwargs)
+def _routing(**kwargs: Any) -> TeacherRouting:
+    return TeacherRouting({"math": "http://m:1", "code": "http://c:1|http://c:2"}, **kwargs)
 
 
 def test_known_name_routes_to_that_teacher() -> None:
-    router = _router()
-    assert router.resolve({"opd_teacher": "code"}) == "code"
-    assert router.route({"opd_teacher": "code"}) == ("code", ("http://c:1", "http://c:2"))
+    routing = _routing()
+    assert routing.resolve({"opd_teacher": "code"}) == "code"
+    assert routing.route({"opd_teacher": "code"}) == ("code", ("http://c:1", "http://c:2"))
 
 
 def test_metadata_value_is_compared_as_a_string() -> None:
-    router = TeacherRouter({"7": "http://h:1", "True": "http://h:2"})
-    assert router.resolve({"opd_teacher": 7}) == "7"
-    assert router.resolve({"opd_teacher": True}) == "True"
+    routing = TeacherRouting({"7": "http://h:1", "True": "http://h:2"})
+    assert routing.resolve({"opd_teacher": 7}) == "7"
+    assert routing.resolve({"opd_teacher": True}) == "True"
 
 
 def test_custom_teacher_key() -> None:
-    router = _router(teacher_key="domain")
-    assert router.teacher_key == "domain"
-    assert router.resolve({"domain": "math", "opd_teacher": "code"}) == "math"
+    routing = _routing(teacher_key="domain")
+    assert routing.teacher_key == "domain"
+    assert routing.resolve({"domain": "math", "opd_teacher": "code"}) == "math"
 
 
 def test_unknown_name_falls_back_to_default() -> None:
-    router = TeacherRouter({"math": "http://m:1", "default": "http://d:1"})
-    assert router.resolve({"opd_teacher": "poetry"}) == "default"
+    routing = TeacherRouting({"math": "http://m:1", "default": "http://d:1"})
+    assert routing.resolve({"opd_teacher": "poetry"}) == "default"
 
 
 def test_missing_name_falls_back_to_default() -> None:
-    router = TeacherRouter({"math": "http://m:1", "default": "http://d:1"})
-    assert router.resolve({}) == "default"
-    assert router.resolve(None) == "default"
-    assert router.resolve({"opd_teacher": None}) == "default"
+    routing = TeacherRouting({"math": "http://m:1", "default": "http://d:1"})
+    assert routing.resolve({}) == "default"
+    assert routing.resolve(None) == "default"
+    assert routing.resolve({"opd_teacher": None}) == "default"
 
 
 def test_unknown_name_without_default_names_the_key_and_known_names_never_the_value() -> None:
     with pytest.raises(RoutingError) as info:
-        _router().resolve({"opd_teacher": "poetry-SECRET"})
+        _routing().resolve({"opd_teacher": "poetry-SECRET"})
     message = str(info.value)
     assert "'opd_teacher'" in message
     assert "poetry" not in message and "SECRET" not in message
@@ -305,53 +305,53 @@ def test_unknown_name_without_default_names_the_key_and_known_names_never_the_va
 
 def test_missing_name_without_default_says_missing() -> None:
     with pytest.raises(RoutingError, match=r"'opd_teacher' \(value: missing\)"):
-        _router().resolve({"other": "x"})
+        _routing().resolve({"other": "x"})
 
 
 def test_routing_error_is_a_lookup_error() -> None:
     with pytest.raises(LookupError):
-        _router().resolve({})
+        _routing().resolve({})
 
 
 def test_a_single_named_teacher_does_not_catch_unknown_names() -> None:
-    router = TeacherRouter({"math": "http://m:1"})
+    routing = TeacherRouting({"math": "http://m:1"})
     with pytest.raises(RoutingError, match="known teachers: \\['math'\\]"):
-        router.resolve({})
+        routing.resolve({})
 
 
 def test_no_routing_map_routes_every_sample_to_the_single_teacher() -> None:
-    router = TeacherRouter("http://h:1")
-    assert router.names == ("default",)
+    routing = TeacherRouting("http://h:1")
+    assert routing.names == ("default",)
     for metadata in ({}, None, {"opd_teacher": "anything"}, {"opd_teacher": 3}):
-        assert router.route(metadata) == ("default", ("http://h:1",))
+        assert routing.route(metadata) == ("default", ("http://h:1",))
 
 
 def test_long_metadata_values_are_truncated_in_the_error() -> None:
     with pytest.raises(RoutingError) as info:
-        _router().resolve({"opd_teacher": "x" * 10_000})
+        _routing().resolve({"opd_teacher": "x" * 10_000})
     assert len(str(info.value)) < 400
 
 
 def test_urls_of_a_teacher() -> None:
-    assert _router().urls("code") == ("http://c:1", "http://c:2")
+    assert _routing().urls("code") == ("http://c:1", "http://c:2")
 
 
 def test_urls_of_an_unknown_teacher_is_a_routing_error() -> None:
     with pytest.raises(RoutingError, match="unknown teacher 'poetry'"):
-        _router().urls("poetry")
+        _routing().urls("poetry")
 
 
-def test_router_validates_the_whole_configuration_at_construction() -> None:
+def test_the_routing_validates_the_whole_configuration_at_construction() -> None:
     with pytest.raises(ConfigError, match="teacher 'b'"):
-        TeacherRouter({"a": "http://h:1", "b": "ftp://h:2"})
+        TeacherRouting({"a": "http://h:1", "b": "ftp://h:2"})
 
 
 def test_empty_teacher_key_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="teacher_key"):
-        TeacherRouter("http://h:1", teacher_key="")
+        TeacherRouting("http://h:1", teacher_key="")
 
 
-def test_router_keeps_its_own_copy_of_the_map() -> None:
-    router = _router()
-    router.teachers["math"] = ("http://evil:1",)
-    assert router.urls("math") == ("http://m:1",)
+def test_the_routing_keeps_its_own_copy_of_the_map() -> None:
+    routing = _routing()
+    routing.teachers["math"] = ("http://evil:1",)
+    assert routing.urls("math") == ("http://m:1",)

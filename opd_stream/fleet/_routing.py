@@ -34,7 +34,7 @@ from ._ensemble import Ensemble, ensemble_from_mapping, is_ensemble_text, parse_
 __all__ = (
     "DEFAULT_TEACHER",
     "Teacher",
-    "TeacherRouter",
+    "TeacherRouting",
     "TeachersSpec",
     "endpoint_url",
     "generate_url",
@@ -338,7 +338,7 @@ def show_value(value: object) -> str:
     return text
 
 
-class TeacherRouter:
+class TeacherRouting:
     """Chooses the teacher of each sample from its metadata (``docs/semantics.md``, "Teachers").
 
     Args:
@@ -433,4 +433,4 @@ class TeacherRouter:
         return name, self._teachers[name]
 
     def __repr__(self) -> str:
-        return f"TeacherRouter(teachers={self._teachers!r}, teacher_key={self._teacher_key!r})"
+        return f"TeacherRouting(teachers={self._teachers!r}, teacher_key={self._teacher_key!r})"

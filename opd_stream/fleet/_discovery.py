@@ -1,11 +1,11 @@
 """Teacher (and student) fleets behind a gateway (smg, or sglang-router 0.3.2): its
 workers, addressed directly.
 
-A configured URL that is a gateway is *expanded*: its healthy regular workers (``GET
-/workers``, else ``GET /v1/rl/workers``) that answer ``/health`` from here become replicas
-of that URL, refreshed every :data:`REFRESH_S` seconds; otherwise requests go through the
-gateway. Discovery is lazy and runs in the requesting task (no task outlives a request);
-``gateway_discovery="off"`` sends everything to the configured URLs. Sans-IO:
+A configured URL that is a gateway is *expanded*: its healthy regular workers
+(``GET /workers``, else ``GET /v1/rl/workers``) that answer ``/health`` from here become
+replicas of that URL, refreshed every :data:`REFRESH_S` seconds; otherwise requests go
+through the gateway. Discovery is lazy and runs in the requesting task (no task outlives
+a request); ``gateway_discovery="off"`` sends everything to the configured URLs. Sans-IO:
 :func:`parse_router_workers`, :func:`parse_rl_workers`; the rest is a small async shell
 around the transport. Why gateways are bypassed: ``docs/design-notes.md``,
 "opd_stream/fleet/_discovery.py".

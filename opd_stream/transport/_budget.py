@@ -4,10 +4,10 @@ It bounds the bytes of *all* answers a stream holds at once (``max_response_byte
 one). Each attempt takes a :class:`BudgetLease` (:meth:`ByteBudget.lease`) and hands it to
 the transport in its request, which charges the body chunk by chunk
 (:meth:`BudgetLease.grow`): a reader over the budget waits, unread, until others release.
-Deadlock-free and never refusing an answer: a charge fits or nothing is held, waiters are
-first come first served, and a stuck set privileges its largest holder, so the bytes held
-stay below ``limit`` plus one answer. A legacy ``post`` gets no lease (charged after,
-:meth:`BudgetLease.settle`). Any anyio backend. The rules in full:
+Deadlock-free and never refusing an answer: a charge is granted when it fits or nothing is
+held, waiters first come first served, and when every holder waits the one holding the most
+reads on, so the bytes held stay below ``limit`` plus one answer. A legacy ``post`` gets
+no lease (charged after, :meth:`BudgetLease.settle`). Any anyio backend. The rules in full:
 ``docs/design-notes.md``, "opd_stream/transport/_budget.py".
 """
 

@@ -1,8 +1,8 @@
 """vLLM teachers on the wire: which path each engine answers on, what it can score, and the
 request bodies (vLLM 0.34.0: its ``sampling_params.py`` and scale-out / completions protocols).
 
-Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`): ``"vllm"`` (``POST
-/inference/v1/generate``, ``vllm serve --enable-scale-out``), whose answer's
+Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`): ``"vllm"``
+(``POST /inference/v1/generate``, ``vllm serve --enable-scale-out``), whose answer's
 ``prompt_token_id_logprobs`` is a base64 ``.npy`` float32 ``[R, cols]`` (more columns than
 ``ScoreRequest.max_ids`` are split into chunks of columns, each a whole request; chunk 0
 carries the sampled token's column and the teacher's top-k; :func:`sends_id_columns`), and

@@ -7,8 +7,9 @@ per sample, the response's alignment and the teacher's request input (:class:`Te
 in a decode thread from :data:`THREAD_TOKENS` response tokens on, and always where the
 teacher's encoder is a process of its own. In top-k mode :func:`topk_candidates` picks what
 the teacher is asked and :func:`topk_rows` turns its answer into student-row arrays. The
-KL result is :mod:`opd_stream._scoring`'s; a teacher's ids are checked like any teacher's.
-In full: ``docs/design-notes.md``, "opd_stream/xtok/_tokenizers.py".
+KL result is :mod:`opd_stream._scoring`'s; the answer's ids are checked against the ids sent,
+as any teacher's (a mismatch: ``misaligned_response``). In full: ``docs/design-notes.md``,
+"opd_stream/xtok/_tokenizers.py".
 """
 
 from __future__ import annotations

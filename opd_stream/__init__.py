@@ -11,14 +11,8 @@ payloads and answers), :mod:`opd_stream.kl` (the KL math, on your own arrays),
 :mod:`opd_stream.testing` (mock SGLang servers, an in-process transport, sglang-router),
 :mod:`opd_stream.integrations` (Miles, verl).
 
-Inside, one room (subpackage) per part of the work, each ``__init__`` naming its modules, in
-the order a sample meets them: ``config/`` (the settings), ``fleet/`` (which teacher and
-which replica), ``wire/`` (request bodies out, answers decoded in; the compiled
-``scanner/`` parses them), ``fetch/`` (one sample's requests, with deadlines and retries,
-over ``transport/``), then the KL stage's work (``_scoring``, the math in ``kl/``;
-``xtok/`` for a teacher with another tokenizer). ``_stream`` owns a run and
-``_pipeline`` joins its stages by bounded channels; ``cli/`` is the ``opd-stream`` command.
-Every module is in ``docs/internals.md``, "Module map".
+Inside, one room (subpackage) per part of the work; every room and module, and what each
+holds: ``docs/internals.md``, "Module map".
 
 Importing the package is cheap: each name is loaded from its module on first use (so the
 ``opd-stream`` command starts, and answers Ctrl-C, before any of them is loaded). It does

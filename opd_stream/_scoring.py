@@ -1,38 +1,14 @@
 """The KL stage's synchronous core: a batch of fetched samples in, scored samples out.
 
-Runs in a worker thread. The samples' response positions are concatenated, not padded: the
-math is per position, so a batch is scored as one ``[1, sum(R_i), K]``
-:class:`~opd_stream.kl._math.TopKBatch` (no padding rows, every position valid), and each
-sample's result is the row range of its positions.
-
-The GIL: the worker thread shares it with the event loop. Every torch call (views and
-reshapes included) and every numpy call on a large array releases it, and getting it back
-can mean waiting for whatever the loop thread is doing (a response decode holds it for
-milliseconds). In the pipeline the stage's wall time is mostly such waits, not CPU (bench
-scenario 1 quick, batches of 8 x 1024 tokens, only-student, top-k 16: ~48 ms wall per
-batch for ~6 ms of CPU before this layout, ~15 ms for ~2 ms now). So the stage keeps the
-number of such calls low and independent of the batch size: the per-sample arrays are
-joined and the results split with plain memory copies (``memoryview``/``bytearray``, which
-keep the GIL), not one numpy/torch call per sample and array. A copy of
-``_GIL_FREE_COPY`` bytes or more (a long response's top-k: a 16384 x 64 float32 array is
-4 MiB, ~2-5 ms to copy, more with fresh pages) is numpy's instead, which releases the GIL:
-held that long, the loop would stall.
-
-Results: every tensor of a :class:`~opd_stream._sample.ScoredSample` owns its memory (a
-copy of the sample's rows of the batch result). Views into the batch tensors would save
-that copy, but they would be observable: ``torch.save``, pickling (Ray, multiprocessing)
-and ``untyped_storage()`` of one sample's tensor would carry the whole batch (``B`` times
-the bytes), and one kept sample would pin the batch's memory. (Like ``teacher_logprobs``,
-which wraps the decoded array, these CPU tensors wrap numpy memory: ``resize_`` on them
-raises.)
-
-torch's settings are the host's: the stage never changes them (``torch.set_num_threads``
-included: part of what it sets is process-wide, so a host thread using torch meanwhile
-would be affected). On CPU the KL kernels are small and many, and torch's OpenMP pool
-spends more CPU at its barriers than it saves (measured on 2 cores, ``[32, 1024, 16]``
-only-student: 22 ms CPU with one intra-op thread, 260 ms with two), so the pipeline runs
-this stage on one intra-op thread in its own worker thread only, given back afterwards
-(:mod:`opd_stream.kl._threads`).
+Runs in a worker thread (sharing the GIL with the event loop). The samples' response
+positions are concatenated, not padded: one ``[1, sum(R_i), K]``
+:class:`~opd_stream.kl._math.TopKBatch`, each sample's result the row range of its
+positions. The number of GIL-releasing numpy/torch calls stays independent of the batch size
+(plain memory copies join and split, numpy's only from ``_GIL_FREE_COPY`` bytes on). Every
+tensor of a :class:`~opd_stream._sample.ScoredSample` owns its memory (no views into the
+batch). torch's settings are the host's, never changed; the stage runs on one intra-op
+thread in its own worker thread only (:mod:`opd_stream.kl._threads`). Why, with the
+measurements: ``docs/design-notes.md``, "opd_stream/_scoring.py".
 """
 
 from __future__ import annotations

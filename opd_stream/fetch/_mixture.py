@@ -2,21 +2,12 @@
 (:meth:`~opd_stream.fetch._fetcher.SampleFetcher._teacher`); the ensemble itself, its
 members and weights: :mod:`opd_stream.fleet._ensemble`.
 
-The ensemble's logprob of a token is ``log sum_i w_i exp(t_i(v))``, computed in float64
-(log-sum-exp) from the members' float32 answers and rounded once to float32
-(docs/semantics.md, "Teacher ensembles").
-
-The candidate set's teacher side (what the members' answers must cover):
-
-* the teacher's logprob of a sampled token or of a given id (the student's top-k ``S``) is
-  the mixture of every member's logprob of it: each member is asked for the same ids;
-* the teacher's top-k ``T`` is chosen among the union ``U`` of the members' top-k ids: each
-  member is asked for its top-k, then (with two members or more) scores every id of ``U``,
-  and ``T`` is the ``k`` ids of ``U`` with the highest mixture logprob (ties: the earlier in
-  ``U``, which lists member 1's top-k, then member 2's new ids, ...). A token outside every
-  member's top-k is never in ``T``, though it may be in the true mixture's top-k (a token
-  second everywhere can beat tokens first in one member only): ``T`` is the mixture's top-k
-  over ``U``, not over the vocabulary.
+The ensemble's logprob of a token is ``log sum_i w_i exp(t_i(v))``, in float64 from the
+members' float32 answers, rounded once to float32 (docs/semantics.md, "Teacher ensembles").
+A sampled token or a given id is asked of every member; the teacher's top-k ``T`` is the
+``k`` ids of the union ``U`` of the members' top-k with the highest mixture logprob (ties:
+the earlier in ``U``): the mixture's top-k over ``U``, not over the vocabulary. In full:
+``docs/design-notes.md``, "opd_stream/fetch/_mixture.py".
 """
 
 from __future__ import annotations

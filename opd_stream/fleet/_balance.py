@@ -2,69 +2,14 @@
 when a replica is taken out (passive health), and how long to wait before hedging.
 
 Sans-IO: plain synchronous bookkeeping. The caller passes the clock (``now``, seconds on
-any monotonic clock) and performs the I/O (requests, ``/health`` probes); see
-``fetch/_fetcher.py`` for the async side.
-
-Rules, per replica URL:
-
-* **Choice** (``pick``): among the replicas that are not ejected, ``prefix`` (the
-  default) sends a request to the first replica of its key's preference order whose load
-  is under the cap (below); ``least-outstanding`` draws two distinct replicas at random
-  and takes the one with fewer requests in flight ("power of two choices"; with two
-  replicas that is plain least-outstanding), ties going to the first drawn;
-  ``round-robin`` cycles through them. If every replica is ejected the choice is made
-  among all of them (fail open: an ejection never fails a request by itself).
-* **Prefix locality** (``prefix``): SGLang reuses a cached prompt only on the replica that
-  computed it, so requests that share a prompt should meet on one replica. A request's
-  key is :func:`prefix_key`, a 64-bit hash of its whole prompt (the tokens before the
-  response: ``tokens[:L - R]``; for a teacher request with a teacher prompt of its own,
-  that prompt): every request of one sample to one side has the same key, and so do the
-  samples of one GRPO group (same prompt, n responses) or of one privileged teacher
-  prompt. Each key orders the replicas by rendezvous hashing (highest ``mix(key, url)``
-  first; adding or removing a replica moves only the keys whose first choice it was).
-  The load is *work*, not requests: a replica's load is the uncached tokens its requests
-  in flight are expected to compute (:meth:`EndpointPool.begin` charges a request its
-  response where its prompt is cached or in flight, its prompt and response elsewhere; a
-  blocked attempt counts once, whatever its number of blocks). A request whose key already
-  has requests in flight on a replica joins them there. Any other request tries, in turn,
-  the replica its key was last placed on, the other replicas holding its prompt (those it
-  was sent to, and those whose answers reported it cached: another client put it there;
-  the pool remembers the last :data:`_HOMES` prompts), then the rest of its order; when no
-  replica is known to hold it, its first choice is taken to hold it (every client's
-  first request of it goes there). It takes the first replica whose work is under
-  ``load_factor x (the work in flight + its own cost) / replicas``, plus
-  :data:`_CACHED_SLACK` prompts for a replica holding its prompt (leaving costs the whole
-  prompt again, so the request finishes sooner where its prefix is):
-  consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018), in
-  tokens. A new placement skips a replica holding ``limit`` requests in flight (the
-  per-endpoint concurrency limit). A join skips it only while the prompt's own requests
-  there fill at least half of ``limit``: one prompt with very many samples in flight at
-  once spills to the next replica of its order rather than queue, but a group of a few
-  samples waits for the replica that holds its prefix. A retry (the failed replica
-  excluded) and a hedge (the racing replicas excluded) go to the next replica of the same
-  order that takes them, which the pool then remembers for the key, so the prompt's later
-  requests meet there. Several streams (one per rollout worker, no shared state) agree:
-  the key and its order depend on the prompt and the URLs alone.
-  A replica added or re-admitted takes new prompts; the remembered ones stay where their
-  prefixes are. A request without a key is placed as ``least-outstanding`` places it.
-* **Passive health**: ``eject_after`` consecutive failures (``record_failure``) eject a
-  replica for ``cooldown_s``. A success resets the count. After the cool-down the replica
-  stays out until a ``/health`` probe answers 200: ``claim_probe`` hands out at most one
-  probe per replica at a time, and ``probe_result`` re-admits it (200) or ejects it for
-  another cool-down. ``eject_after = 0`` disables ejection. A pool of one replica never
-  ejects (there is nothing to fail over to).
-* **Unreachable replica set** (``unreachable``, ``let_through``): a replica whose
-  connection attempt was refused (no connection made: refused, no route, a name that does
-  not resolve, a connect timed out; ``record_refused``) is *refusing* from that moment
-  until it answers anything (``record_success``, ``record_reached``). When every replica
-  of a set has been refusing for ``unreachable_after_s`` (measured from the latest of their
-  first refusals), the set is unreachable: its requests fail at once instead of being
-  retried, except one request per ``unreachable_after_s`` that ``let_through`` lets go
-  ahead (a single attempt) to see whether the set is back; any answer from any replica
-  makes the set reachable again. ``unreachable_after_s = 0`` disables the rule.
-* **Hedging delay** (``hedge_delay``): the ``percentile`` of the last ``_LATENCY_RING``
-  successful attempt latencies of the same replica set, at least ``min_s``; ``None``
-  (no hedging) while fewer than ``HEDGE_MIN_SAMPLES`` latencies are known.
+any monotonic clock) and performs the I/O (requests, ``/health`` probes). Per replica URL:
+the choice (``pick``: ``prefix`` by :func:`prefix_key` with bounded loads in tokens,
+``least-outstanding`` or ``round-robin``; fail open when every replica is ejected), passive
+health (``record_failure``, ``claim_probe``, ``probe_result``), the unreachable replica set
+(``record_refused``, ``unreachable``, ``let_through``) and the hedging delay
+(``hedge_delay``). The key and its replica order depend on the prompt and the URLs alone, so
+several streams agree. The rules in full: ``docs/design-notes.md``,
+"opd_stream/fleet/_balance.py".
 """
 
 from __future__ import annotations

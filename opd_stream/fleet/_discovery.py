@@ -1,30 +1,14 @@
 """Teacher (and student) fleets behind a gateway (smg, or sglang-router 0.3.2): its
 workers, addressed directly.
 
-sglang-router re-serialises ``/generate`` bodies: it drops ``token_ids_logprob_positions``
-and the base64 top-k flags and answers 422 to a batch with a list ``logprob_start_len``
-(``docs/protocol.md``, "Gateways"). smg 1.13 forwards unknown fields but still answers 422
-to a batch with a list ``logprob_start_len`` or a list-of-lists ``token_ids_logprob``, and
-routes each request by its own policy (prefix reuse is then the gateway's guess, not our
-key's). So a configured
-URL that is a gateway is *expanded*: its workers are listed (``GET /workers``, which both
-serve; else smg's RL control plane, ``GET /v1/rl/workers`` under ``--enable-rl``), the
-healthy regular ones that answer ``/health`` from here are used as replicas of that URL (our
-own balancing with prefix locality, ejection and hedging, per-position ids and base64
-answers intact), and the list is refreshed every :data:`REFRESH_S` seconds. When the
-workers cannot be reached from here, the endpoint is missing, or the gateway serves
-prefill/decode-disaggregated workers, requests go through the gateway as before (and id
-scoring falls back to blocks sent as independent requests, which both forward; each
-carries the sample's ``X-SMG-Routing-Key``, by which smg can keep a prompt on one worker).
-
-Discovery is lazy and runs in the requesting task (no task outlives a request): the first
-request to a URL discovers it while later ones wait for that answer; a refresh is done by
-one request while the others keep using the current list. ``gateway_discovery="off"``
-sends everything to the configured URLs.
-
-The sans-IO part (:func:`parse_gateway_workers`, :func:`parse_rl_workers`) reads the
-gateway's answer; the rest is
-the small async shell around the transport.
+A configured URL that is a gateway is *expanded*: its healthy regular workers
+(``GET /workers``, else ``GET /v1/rl/workers``) that answer ``/health`` from here become
+replicas of that URL, refreshed every :data:`REFRESH_S` seconds; otherwise requests go
+through the gateway. Discovery is lazy and runs in the requesting task (no task outlives
+a request); ``gateway_discovery="off"`` sends everything to the configured URLs. Sans-IO:
+:func:`parse_gateway_workers`, :func:`parse_rl_workers`; the rest is a small async shell
+around the transport. Why gateways are bypassed: ``docs/design-notes.md``,
+"opd_stream/fleet/_discovery.py".
 """
 
 from __future__ import annotations

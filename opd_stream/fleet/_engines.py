@@ -1,29 +1,15 @@
 """Which dialect each server speaks (SGLang, vLLM scale-out, vLLM completions): the engine
 settings per server URL, the rules of detection, and the detection itself (issue 33).
 
-Settings (:class:`~opd_stream.config._settings.StreamConfig`): ``engine`` (``auto`` or one
-engine for every server) and ``server_engines`` (per server URL, normalised like teacher
-URLs; wins over ``engine``). A URL with an explicit engine is spoken to in it from the start.
-
-``auto``: a URL is spoken to as SGLang (no extra request: an SGLang fleet pays nothing)
-until its ``/generate`` answers 404 or 405. Then, once per URL (concurrent requests wait for
-that one detection; a cancelled one leaves the engine unknown for the next request to try):
-
-1. ``POST /inference/v1/generate`` with a tiny scoring body
-   (:func:`~opd_stream.wire._payloads.probe_body`): 200 -> ``"vllm"``;
-2. otherwise (vLLM answers 403 there without ``--enable-scale-out``; an older vLLM 404)
-   ``POST /v1/completions``: 200 -> ``"vllm-completions"``;
-3. otherwise nothing can score there: a :class:`~opd_stream.CapabilityError`
-   (``capability="engine"``) naming the URL, each path tried and its answer, and what to
-   change; kept, so that later requests to the URL fail at once with the same message.
-
-A 5xx, 429 or connection failure during detection says nothing about the engine: it is
-raised as itself (retried like any failure) and the engine stays unknown. What was found is
-kept on the URL's :class:`~opd_stream.fleet._endpoints.Endpoint` (``engine``, shown in
-``stats().endpoints[url].engine``) and logged once (``engine_detected``).
-
+Settings: ``engine`` (``auto`` or one engine for every server) and ``server_engines`` (per
+URL, wins). Under ``auto`` a URL is SGLang until its ``/generate`` answers 404 or 405; then,
+once per URL, ``/inference/v1/generate`` (``"vllm"``), else ``/v1/completions``
+(``"vllm-completions"``), else a kept :class:`~opd_stream.CapabilityError`
+(``capability="engine"``). A 5xx, 429 or connection failure leaves the engine unknown. The
+result is kept on the URL's :class:`~opd_stream.fleet._endpoints.Endpoint` (``engine``).
 :func:`normalize_server_engines`, :func:`configured_engine`, :func:`verdict` and
-:func:`max_logprobs_problem` are sans-IO; :class:`EngineDirectory` is the async shell.
+:func:`max_logprobs_problem` are sans-IO; :class:`EngineDirectory` is the async shell. In
+full: ``docs/design-notes.md``, "opd_stream/fleet/_engines.py".
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
 An ensemble teacher is a probability-space mixture of member teachers (each a URL or a
 replica group, all sharing the student's tokenizer) with weights ``w_i`` that sum to 1
 (the mixture of their answers: :mod:`opd_stream.fetch._mixture`; docs/semantics.md,
-"Teacher ensembles").
-
-Configuration (``OPD_STREAM_TEACHERS``, ``--teacher``, ``--opd-teacher-urls``): a teacher's
-value ``W*URLS;W*URLS...``: members separated by ``;``, each a weight, ``*``, and its URL or
-replicas joined with ``|`` (so ``|`` keeps its meaning inside a member):
-``mix=0.7*http://a:1|http://a:2;0.3*http://b:1``. A value is an ensemble when it starts with
-a weight and ``*``; any other value is a URL (or replicas), as before. In Python a member
-map ``{"http://a:1|http://a:2": 0.7, "http://b:1": 0.3}`` or an :class:`Ensemble` works too.
+"Teacher ensembles"). Configured as ``W*URLS;W*URLS...``
+(``mix=0.7*http://a:1|http://a:2;0.3*http://b:1``), or in Python as a member map or an
+:class:`Ensemble`. The form in full: ``docs/design-notes.md``,
+"opd_stream/fleet/_ensemble.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The probe: one scoring request asked of every replica of every teacher, cold and warm,
 to see whether the fleet gives one signal (:meth:`OPDStream.probe`, ``opd-stream probe``).
 
-Replicas that should be identical can disagree on logprobs by more than the distillation
-signal itself (a replica on other weights, another kernel, a broken GPU), and a prefix-cache
-reuse can move a logprob between a cold and a warm request. The probe sends the same
-request (a caller's sample, or a fixed token sequence) to each replica:
-
-* **cold**: with a fresh random ``cache_salt``, so nothing cached is reused;
-* **warm**: the same request again with the same salt, so the cold request's prefix is
-  cached on that replica (SGLang reuses a prefix up to ``logprob_start_len``).
-
-and reports, per teacher, the largest difference between replicas (their cold answers)
-and between each replica's cold and warm answers, naming the replicas beyond the tolerance.
-
-This module is the sans-IO part (the report types, :func:`compare`, :func:`ejectable`);
-the requests are :func:`opd_stream.fleet._probe_requests.run_probe`'s.
+Each replica gets the same request cold (a fresh random ``cache_salt``) and warm (the same
+salt again); the report gives, per teacher, the largest difference between replicas (cold
+answers) and between each replica's cold and warm answers, naming the replicas beyond the
+tolerance. This module is the sans-IO part (the report types, :func:`compare`,
+:func:`ejectable`); the requests are :func:`opd_stream.fleet._probe_requests.run_probe`'s.
+Why: ``docs/design-notes.md``, "opd_stream/fleet/_probe.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Teacher routing: server URL validation, ``NAME=URL`` parsing and per-sample teacher choice.
 
-Semantics (``docs/semantics.md``, "Teachers"):
-
-* A routing map is a list of ``NAME=URL`` entries, split on the FIRST ``=`` so that
-  ``code=http://h/g?tag=a=b`` names teacher ``code`` at ``http://h/g?tag=a=b``. A teacher
-  may have several replicas, joined with ``|``: ``NAME=URL1|URL2``. An empty name, an
-  empty URL or a missing ``=`` raises :class:`ConfigError` ("expected NAME=URL"); a
-  duplicate name raises :class:`ConfigError`.
-* Without a routing map (a plain URL, or a list of plain URLs) there is one teacher, the
-  reserved name ``default``, and every sample goes to it.
-* A teacher may be a weighted ensemble of member teachers (:mod:`opd_stream.fleet._ensemble`):
-  its value is ``W*URLS;W*URLS...`` (members joined with ``;``, each a weight, ``*`` and its
-  URL or ``|``-joined replicas), e.g. ``mix=0.7*http://a|http://a2;0.3*http://b``.
-* Per sample, the teacher name is ``str(metadata[teacher_key])``. A known name routes to
-  that teacher; an unknown or missing name routes to ``default`` when one is configured,
-  and otherwise raises :class:`RoutingError` naming the key, the value and the known
-  names. Silently distilling from the wrong teacher is worse than failing.
-
-Everything is validated once, when the router (or :class:`StreamConfig`) is built.
-Error messages never contain URL credentials: URLs with ``user:password@`` are rejected.
+Semantics: ``docs/semantics.md``, "Teachers". A routing map is ``NAME=URL`` entries (split
+on the first ``=``; replicas joined with ``|``; an ensemble as ``W*URLS;W*URLS...``);
+without one there is one teacher, ``default``. Per sample the teacher is
+``str(metadata[teacher_key])``; an unknown or missing name goes to ``default`` when there is
+one, else raises :class:`RoutingError`. Everything is validated once, when
+:class:`TeacherRouting` (or :class:`StreamConfig`) is built (:class:`ConfigError`); URLs
+with ``user:password@`` are rejected. The rules in full: ``docs/design-notes.md``,
+"opd_stream/fleet/_routing.py".
 """
 
 from __future__ import annotations

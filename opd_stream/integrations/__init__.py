@@ -11,7 +11,7 @@
 The adapters are imported explicitly (``from opd_stream.integrations import miles``); this
 package imports neither.
 
-``_shared`` holds the one :class:`~opd_stream.OPDStream` the adapters share per process.
+Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from __future__ import annotations

@@ -14,15 +14,7 @@ the settings can check them without torch.
 
 The exact semantics are in ``docs/semantics.md``.
 
-Its modules (private; the names above are the public part):
-
-* ``_names``: the choices' names and constants (no torch);
-* ``_plan``: what each strategy needs, and the candidate width;
-* ``_tensors``: the tensor contract, :class:`TopKBatch` and :class:`TopKResult`;
-* ``_select``: which candidate ids each position selects;
-* ``_index``: the selection's index work, on numpy or torch;
-* ``_math``: the divergences over the selected candidates;
-* ``_threads``: the KL stage's torch ops on one intra-op thread, in its own thread only.
+Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from __future__ import annotations

@@ -2,34 +2,13 @@
 called through :mod:`opd_stream.scanner._calls`): made ready once per process, in the
 background, never waited for.
 
-:func:`start` (called as each stream starts) returns at once; a daemon thread then loads the
-kernels from numba's on-disk cache (next to the modules, or the user's cache directory, or
-``NUMBA_CACHE_DIR``): ~0.4-0.5 s of CPU, numba's import included. Where the cache lacks them
-(the first run), it first has them compiled by a process of its own (``python -c`` running
-:mod:`opd_stream.scanner._warm`, which imports nothing of the host's), ~7-8 s of CPU on a 2-core
-machine, and loads them when it is done; ``bench/jit_startup.py`` measures both. So the
-host's process is never held: its exit does not wait for the thread (a daemon) nor for the
-compiling process, which finishes writing the cache for the next run on its own (a Ctrl-C
-in the terminal stops it too). Where no process can be started, or numba cannot cache
-here, the thread compiles in-process instead (still a daemon). A command about to exit
-(the CLI) calls :func:`settle` first, so that no Python runs in the thread while the
-interpreter shuts down.
-
-Until the kernels are ready, and after a failure (numba missing, too old for this numpy,
-``NUMBA_DISABLE_JIT`` set, under which the kernels would run as Python byte by byte, or a
-big-endian machine), :func:`compiled` gives ``None`` and the callers use msgspec and numpy.
-Once ready it gives :class:`~opd_stream.scanner._types.Kernels`, the typed calls of
-:mod:`opd_stream.scanner._calls` (mypy checks that module against it, and every caller
-against it).
-A failure is logged once at DEBUG and never retried. Nothing is printed: the CLI asks for
-its one line with :func:`announce_compile`.
-
-The thread holds the host's event loop no more than any thread of ours may (50 ms): numba's
-import is Python (which yields the GIL every 5 ms) but for llvmlite's LLVM library (~180
-MB), which ``ctypes.CDLL`` maps holding the GIL: ~10 ms from the page cache, 0.1 s and more
-from the disk. So the thread first loads that file itself with the GIL released
-(:func:`opd_stream._loading.preload_library`, same file and flags as llvmlite's
-``ctypes.CDLL``), and llvmlite then finds it loaded.
+:func:`start` returns at once; a daemon thread loads the kernels from numba's cache, having
+them compiled first by a process of its own where the cache lacks them. Until they are
+ready, and after a failure (logged once at DEBUG, never retried), :func:`compiled` gives
+``None`` and callers use msgspec and numpy; then :class:`~opd_stream.scanner._types.Kernels`.
+A command about to exit calls :func:`settle`; nothing is printed (the CLI asks for its line
+with :func:`announce_compile`). The thread holds the loop no more than 50 ms. Costs and
+how: ``docs/design-notes.md``, "opd_stream/scanner/_loader.py".
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@
 :func:`capture_events` collects the library's log events (the ``"opd_stream"`` stdlib
 logger) while a block runs.
 
-``_process`` stops the server subprocesses these tools start (mock servers, sglang-router).
-``_trl_source`` loads TRL's own client and trainer from the source the set-up step unpacks
-(for the tests and ``bench/trl_teacher.py``, from a source checkout).
+Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from __future__ import annotations

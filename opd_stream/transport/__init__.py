@@ -1,14 +1,7 @@
 """HTTP: the one seam between the pipeline and the network, and the byte budget that
 bounds the answer bodies in flight.
 
-Modules (all private; the public names come from :mod:`opd_stream`, the seam's types
-from here too):
-
-* ``_transports``: the :class:`~opd_stream.Transport` protocol (``send``), its
-:class:`~opd_stream.Request` and :class:`~opd_stream.Response`, the aiohttp and mock transports
-* ``_httpx``: a transport on httpx (asyncio and trio)
-* ``_budget``: the stream's memory budget for answer bodies (:class:`~opd_stream.BudgetLease`)
-* ``_legacy``: a transport written for the old ``post`` / ``get``, wrapped for one release
+Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from ._budget import BudgetLease

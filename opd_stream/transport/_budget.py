@@ -1,27 +1,14 @@
 """A per-stream memory budget for answer bodies: an async byte semaphore.
 
-``max_response_bytes`` caps one answer; this bounds the bytes of *all* answers a stream
-holds at once (being read, or read and waiting for their decode). Each attempt takes a
-:class:`BudgetLease` from the stream's :class:`ByteBudget` for as long as it holds its body
-(:meth:`ByteBudget.lease`, around the request and the decode) and hands it to the
-transport (``Transport.send(Request(..., lease=lease))``), which charges the body to it
-chunk by chunk as it reads it (:meth:`BudgetLease.grow`), so a reader that would go over the budget
-waits, and stops reading its socket, until bodies held by others are released.
-
-Rules (they make the budget deadlock-free and never refuse an answer):
-
-* a charge is granted when it fits (``used + n <= limit``) or when nothing is held at all,
-  so one answer larger than the whole budget still goes through, alone;
-* waiters are served first come, first served (a large charge is not starved by small ones);
-* when every lease that holds bytes is itself waiting for more (each partly read, none able
-  to finish), the waiter holding the most becomes *privileged*: its charges are granted
-  at once until it has read its whole body (:meth:`BudgetLease.done_reading`) or released.
-  So the bytes held stay below ``limit`` plus one answer (at most ``max_response_bytes``).
-
-The lease travels in the request, nothing is read from the running task's context: a
-transport with the old ``post`` that takes no ``lease`` (one written before it existed) is
-never passed one, and its wrapper (``_legacy``) charges the answer after the fact
-(:meth:`BudgetLease.settle`). Works on any anyio backend.
+It bounds the bytes of *all* answers a stream holds at once (``max_response_bytes`` caps
+one). Each attempt takes a :class:`BudgetLease` (:meth:`ByteBudget.lease`) and hands it to
+the transport in its request, which charges the body chunk by chunk
+(:meth:`BudgetLease.grow`): a reader over the budget waits, unread, until others release.
+Deadlock-free and never refusing an answer: a charge is granted when it fits or nothing is
+held, waiters first come first served, and when every holder waits the one holding the most
+reads on, so the bytes held stay below ``limit`` plus one answer. A legacy ``post`` gets
+no lease (charged after, :meth:`BudgetLease.settle`). Any anyio backend. The rules in full:
+``docs/design-notes.md``, "opd_stream/transport/_budget.py".
 """
 
 from __future__ import annotations

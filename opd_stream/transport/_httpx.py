@@ -2,21 +2,12 @@
 
 The ``httpx`` extra (``pip install 'opd-stream[httpx]'``). :class:`~opd_stream.OPDStream`
 picks it by itself under trio, where aiohttp cannot run; under asyncio the default stays
-:class:`~opd_stream.AiohttpTransport`. It keeps the aiohttp transport's rules:
-
-* one pooled keep-alive client, created when the transport is entered (inside the running
-  loop) and closed when it is left; the pool has no limit of its own unless ``pool_size``
-  says so (the pipeline's per-endpoint limiters bound concurrency) and keeps every idle
-  connection alive for 30 s;
-* timing is owned by the caller's anyio cancel scopes; the client keeps only a connect
-  watchdog (``connect_timeout_s``): no read, write or pool timeout;
-* redirects are not followed (a 3xx is handed to the caller as it is), and no proxy or
-  ``.netrc`` setting of the environment is read (aiohttp's default too);
-* the byte cap is enforced while reading (a lying or absent ``Content-Length`` included),
-  and each chunk is charged to the request's :class:`~opd_stream.BudgetLease`;
-* no compression is asked for (``Accept-Encoding: identity``) and none is undone: a body
-  with a ``Content-Encoding`` is refused unread (:class:`MalformedResponseError`);
-* connection problems become :class:`ConnectionFailed`, redacted of the key.
+:class:`~opd_stream.AiohttpTransport`, whose rules it keeps: one pooled keep-alive client
+while entered, timing by the caller's cancel scopes (a connect watchdog only), no redirects,
+proxies or ``.netrc``, the byte cap enforced while reading with each chunk charged to the
+request's :class:`~opd_stream.BudgetLease`, no compression (:class:`MalformedResponseError`),
+and :class:`ConnectionFailed`, redacted of the key. The rules in full:
+``docs/design-notes.md``, "opd_stream/transport/_httpx.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """HTTP transports: the one seam between the pipeline and the network.
 
-A :class:`Transport` has one operation, ``send``: it takes a :class:`Request` (method,
-URL, body, byte cap, extra headers, the :class:`~opd_stream.BudgetLease` to charge) and
-returns a :class:`Response` whose body was read under the cap. :class:`AiohttpTransport` is
-the production transport (asyncio only: aiohttp does not run under trio);
-:class:`MockTransport` calls a handler in-process and runs on any anyio backend, so the
-pipeline's logic (routing, deadlines, retries, backpressure) is tested on asyncio and trio
-without sockets. Both also have ``post`` and ``get``, which build the :class:`Request`.
-
-Errors: connection problems become :class:`ConnectionFailed`; a body over the cap becomes
-:class:`ResponseTooLarge`; a compressed body (which we never ask for) becomes
-:class:`MalformedResponseError`. HTTP status codes are *not* errors here: the caller decides.
-
-Memory: besides the per-answer cap, every transport here charges what it reads to the
-request's ``lease`` (when there is one): the stream's budget for all bodies in flight. The
-stream hands each scoring attempt's lease to the transport in the request; nothing is read
-from the running task's context.
+A :class:`Transport` has one operation, ``send``: it takes a :class:`Request` and returns a
+:class:`Response` whose body was read under the cap (``post`` and ``get`` build the request).
+:class:`AiohttpTransport` is the production transport (asyncio only); :class:`MockTransport`
+calls a handler in-process on any anyio backend. Errors: :class:`ConnectionFailed`,
+:class:`ResponseTooLarge`, :class:`MalformedResponseError` (a compressed body); HTTP status
+codes are *not* errors here. Every transport charges what it reads to the request's
+``lease`` when there is one. In full: ``docs/design-notes.md``,
+"opd_stream/transport/_transports.py".
 """
 
 from __future__ import annotations

@@ -12,26 +12,7 @@ bytes in, bytes or numpy arrays out.
 * :func:`parse_student_topk`: a rollout's Python top-k rows into arrays;
 * :func:`parse_error_message`: the server's message from an error body, redacted.
 
-Its modules (private; the names above are the public part):
-
-* ``_answers``: the wire's model: a decoded answer (:class:`ScoreRows`, :class:`Generation`),
-  an answer's body, and one HTTP item as the decoders see it (``Segment``);
-* ``_request``: :class:`ScoreRequest` and its layout (what each HTTP item asks);
-* ``_payloads``: request bodies as ``/generate`` JSON bytes (a vLLM request's from ``_vllm``);
-* ``_rows_json``: rows of ids as compact JSON (the per-position id rows of both engines);
-* ``_vllm``: vLLM's engines: their paths, what each can score, probe and request bodies;
-* ``_vllm_decode``: vLLM answers (scale-out and completions) into checked rows;
-* ``_npy``: a base64 ``.npy`` float32 matrix read from an untrusted answer;
-* ``_codec``: a scoring request built and its answer decoded, by whichever parser is ready;
-* ``_decode_score``: the msgspec decoder of scoring answers (and the answer schema);
-* ``_decode_columns``: scoring answers decoded from a reader's checked columns;
-* ``_columns``: the checked columns a reader gives;
-* ``_scan_reader``: the compiled scanner as a reader (it hands the scanner the schema);
-* ``_checks``: the array-level checks both parsers share;
-* ``_entries``: the msgspec entry types the decoders share;
-* ``_decode_generate``: the msgspec decoder of sampling answers;
-* ``_student_topk``: a rollout's top-k rows as arrays;
-* ``_error_body``: the server's message from an error body, redacted.
+Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@ Plain sync functions; which step runs in a worker thread, and its timing, is the
 stage's (:mod:`opd_stream.fetch._threads`).
 
 Which parser (:func:`parser_for`): the compiled scanner (:mod:`opd_stream.wire._scan_reader`,
-numba, GIL released) wherever it is ready (it is compiled once per process in the
-background, :mod:`opd_stream.scanner._loader`); until then, or where numba cannot run,
-msgspec (GIL held). The scanner hands an answer it does not accept to msgspec, which raises
-the precise error. Their costs with every check, by answer shape: the scanner ~1.5-3 ns of
-CPU per answer byte, msgspec ~4-10 (``python -m bench.scan_micro``, R = 2048, k = 16, GC
-off, on the 2-core development box; other days read up to 2x lower, the ratio holds; the
-table is in ``docs/performance.md``, "Parsing answers").
+numba, GIL released) wherever it is ready (compiled once per process in the background,
+:mod:`opd_stream.scanner._loader`); until then, or where numba cannot run, msgspec (GIL
+held). The scanner hands an answer it does not accept to msgspec, which raises the precise
+error. Their costs: ``docs/design-notes.md``, "opd_stream/wire/_codec.py".
 """
 
 from __future__ import annotations

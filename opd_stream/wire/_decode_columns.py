@@ -1,24 +1,13 @@
 """Scoring answers decoded from columns: off the GIL, straight into arrays.
 
-The msgspec decoder (:mod:`opd_stream.wire._decode_score`) builds one Python object per answer
-entry while it holds the GIL; a 36 MB answer then stops the event loop for ~0.3 s, and threads
-cannot decode side by side. Here a *reader* parses the body into columns with the GIL
-released (:class:`~opd_stream.wire._columns.Answers`: the compiled scanner of
-:mod:`opd_stream.wire._scan_reader`), and every check runs over those columns in a few vectorised
-numpy passes.
-
-This module is a *fast path* with one rule: it accepts an answer only when every check
-of the msgspec decoder passes, and gives exactly the arrays that decoder gives. Anything
-else (a parse error, a type the msgspec decoder would reject, a count, width, id or value
-that fails a check, an abort) returns ``None``, and the caller runs the msgspec decoder on
-the same bytes for the precise error: error types and messages stay those of one
-implementation. tests/scanner/test_scanner_decode.py checks the rule differentially (valid,
-mutated and random answers through both).
-
-Costs (``python -m bench.scan_micro``: R = 2048, k = 16, a per-position answer of ~564 bytes
-per response token; us of CPU per response token): the scan ~0.5, the reader and the checks
-here ~0.3-0.5 more; msgspec's untyped decode (no checks, no arrays) ~3.4-4.5. The table is
-in ``docs/performance.md``, "Parsing answers".
+A *reader* (the compiled scanner of :mod:`opd_stream.wire._scan_reader`) parses the body into
+columns with the GIL released (:class:`~opd_stream.wire._columns.Answers`), and every check
+runs over those columns in a few vectorised numpy passes. A *fast path* with one rule: it
+accepts an answer only when every check of the msgspec decoder
+(:mod:`opd_stream.wire._decode_score`) passes, and gives exactly the arrays that decoder
+gives; anything else returns ``None``, and the caller runs the msgspec decoder on the same
+bytes for the precise error (tests/scanner/test_scanner_decode.py checks the rule). Why,
+with the costs: ``docs/design-notes.md``, "opd_stream/wire/_decode_columns.py".
 """
 
 from __future__ import annotations

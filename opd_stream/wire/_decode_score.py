@@ -1,24 +1,13 @@
 """The msgspec decoder of scoring answers: typed Structs into validated numpy arrays.
 
-It knows nothing about :class:`~opd_stream.wire._request.ScoreRequest`: the request layout
-(:func:`opd_stream.wire._request.layout`) turns a request into :class:`Segment` s (one per HTTP
-item) and :mod:`opd_stream.wire._codec` calls :func:`decode_segments`.
-
-Layout (``docs/protocol.md``, "Answer rows and positions"): for an item with
-``len(input_ids) == L`` sent with ``logprob_start_len == s``, every ``input_*`` list has
-``L - s`` entries, entry ``j`` is about absolute position ``s + j`` (it predicts
-``input_ids[s + j]``), and entry 0 is empty. An item's response rows are its last ``rows``
-entries.
-
-Values: a JSON ``null`` logprob is ``-inf`` (SGLang serialises ``-inf`` and ``NaN`` as
-``null``); in the b64 form a ``NaN`` is mapped to ``-inf`` for the same reason. Every
-logprob leaving this module is finite or ``-inf``; a value above the float32 range (which
-includes ``+inf``) is a :class:`MalformedResponseError`.
-
-Speed (``docs/performance.md``, "The GIL and Python's garbage collector"): module-level
-reused ``msgspec.json.Decoder`` s, entries as ``array_like`` Structs (the trailing text
-element is ignored), and ``np.fromiter`` over ``attrgetter`` maps, only for the rows that
-are kept.
+It knows nothing about :class:`~opd_stream.wire._request.ScoreRequest`:
+:func:`opd_stream.wire._request.layout` turns a request into :class:`Segment` s (one per HTTP
+item) and :mod:`opd_stream.wire._codec` calls :func:`decode_segments`. Layout:
+``docs/protocol.md``, "Answer rows and positions" (an item's response rows are its last
+``rows`` entries). Every logprob leaving this module is finite or ``-inf`` (a JSON ``null``,
+and a b64 ``NaN``, is ``-inf``); a value above the float32 range (``+inf`` included) is a
+:class:`MalformedResponseError`. In full: ``docs/design-notes.md``,
+"opd_stream/wire/_decode_score.py".
 """
 
 from __future__ import annotations

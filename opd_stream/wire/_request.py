@@ -4,48 +4,11 @@ Sans-IO. This module owns :class:`ScoreRequest`, its checks, and how it maps to 
 (:func:`layout`: one :class:`~opd_stream.wire._answers.Segment` per item; :func:`auto_block_size`).
 The bodies are built by :mod:`opd_stream.wire._payloads`, answers decoded by
 :mod:`opd_stream.wire._codec` (which picks the parser), error bodies read by
-:mod:`opd_stream.wire._error_body`.
-
-A scoring request asks for, at the ``R`` response positions of ``tokens`` (``L = P + R``,
-``P >= 1``): the sampled token's logprob (always), the top-``top_k`` (optional) and the
-logprobs of caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
-
-``per-position``
-    ``token_ids_logprob_positions`` with exactly ``L`` rows: rows of absolute positions
-    ``< P`` are ``[]``, row ``P + t`` is ``ids[t]`` in request order. Never sent together with
-    the flat field. Needs a patched SGLang (``docs/protocol.md``, "Per-position id
-    scoring"); an unpatched one silently ignores the field and the decoder raises
-    ``CapabilityError("per_position")``.
-``flat``
-    ``token_ids_logprob`` = the sorted unique union ``U`` of all ids, scored at every
-    position (answer ``O(R·|U|)``); columns are picked by ``searchsorted``.
-``blocked``
-    One SGLang *batch* body. Response positions are cut into blocks of ``block_size`` (B);
-    block ``b`` covers ``[b·B, min((b+1)·B, R))`` and is one item with
-    ``input_ids = tokens[:P + end]``, ``logprob_start_len = P + start - 1`` and
-    ``token_ids_logprob`` = the sorted unique union of ``ids[start:end]``. Without top-k
-    the item stops one token earlier (``tokens[:P + end - 1]``) and its last row is the
-    ``output_token_ids_logprobs`` row SGLang answers anyway for ``max_new_tokens = 0``
-    (that row's target token joins the union, for its logprob), so no row is wasted.
-    The answer is ``O(R·k·B)``, works on unpatched releases, and the stitched result equals the
-    per-position one exactly (causal attention: a row depends only on its prefix). The
-    request body carries one prefix per block, i.e. ``O(ceil(R/B)·L)`` token ids.
-    ``block_size = 0`` (auto) picks B per sample to minimise the estimated bytes on the
-    wire, request and answer together (see :func:`auto_block_size`).
-
-``start`` picks ``logprob_start_len`` for the single-item forms: ``"prompt"`` sends
-``P - 1`` (answer has ``R + 1`` entries, the prompt prefix stays cacheable), ``"zero"``
-sends 0 (the reference's choice: ``L`` entries, no prefix cache reuse). In the blocked form
-every item uses ``P + start - 1`` regardless, since ``"zero"`` would only add rows. Without
-``ids`` the id form is irrelevant and a single request is sent.
-
-Every scoring body has ``"return_logprob": true``, ``"return_text_in_logprobs": false``,
-``"stream": false`` and ``"sampling_params": {"temperature": 0, "max_new_tokens": 0}``;
-``top_logprobs_num`` and ``logprob_start_len`` are top-level. ``topk_wire="b64"`` (with
-``top_k > 0``) adds ``return_flat_raw_top_logprobs``, ``return_flat_raw_output_top_logprobs``
-and ``return_flat_raw_top_logprobs_b64`` (SGLang >= 0.5.23: the input top-k, and the one
-unused output row of ``max_new_tokens = 0``, as b64 arrays); a server that ignores them
-answers nested JSON, which decodes fine with ``ScoreRows.used_b64 = False``.
+:mod:`opd_stream.wire._error_body`. A request asks, at the ``R`` response positions of
+``tokens`` (``L = P + R``, ``P >= 1``), for the sampled token's logprob, the top-``top_k``
+(optional) and caller-chosen ``ids[t, :]`` (optional) in one of three id forms:
+``per-position``, ``flat`` or ``blocked`` (``block_size = 0``: auto). The forms, ``start``
+and the body's fields: ``docs/design-notes.md``, "opd_stream/wire/_request.py".
 """
 
 from __future__ import annotations

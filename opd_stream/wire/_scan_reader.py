@@ -1,17 +1,12 @@
 """The compiled scanner (:mod:`opd_stream.scanner._scan`) as a reader of scoring answers.
 
-:func:`read_answers_jit` runs the scan (GIL released), cuts the logprob lists and base64
-strings it parsed out of the body, decodes what is left (the envelope: ``finish_reason``,
-``weight_version``, the b64 shape fields, and every other key) with the msgspec decoder's
-own types
-(:func:`opd_stream.wire._decode_score.decode_metas`), and hands the column decoder
-(:mod:`opd_stream.wire._decode_columns`) checked columns (:mod:`opd_stream.wire._columns`). An
-answer
-the scan does not take, or whose envelope does not decode, gives ``None``: msgspec decodes
-it (and, if it is bad, names the fault).
-
-The kernels are compiled once per process in the background (:mod:`opd_stream.scanner._loader`);
-until then, and without numba, this reader gives ``None`` and msgspec decodes.
+:func:`read_answers_jit` runs the scan (GIL released), decodes the envelope with the msgspec
+decoder's own types (:func:`opd_stream.wire._decode_score.decode_metas`), and hands the
+column decoder (:mod:`opd_stream.wire._decode_columns`) checked columns
+(:mod:`opd_stream.wire._columns`). An answer the scan does not take, or whose envelope does
+not decode, gives ``None``: msgspec decodes it. Until the kernels are ready
+(:mod:`opd_stream.scanner._loader`), and without numba, it gives ``None``. In full:
+``docs/design-notes.md``, "opd_stream/wire/_scan_reader.py".
 """
 
 from __future__ import annotations

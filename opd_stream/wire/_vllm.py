@@ -1,26 +1,14 @@
 """vLLM teachers on the wire: which path each engine answers on, what it can score, and the
 request bodies (vLLM 0.34.0: its ``sampling_params.py`` and scale-out / completions protocols).
 
-Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`):
-
-``"vllm"`` (``POST /inference/v1/generate``, ``vllm serve --enable-scale-out``)
-    ``token_ids`` = the ``L`` tokens; ``sampling_params``: ``max_tokens`` 1 (vLLM's least),
-    ``temperature`` 0 (greedy: no sampler state), ``prompt_logprob_start`` ``P - 1`` (rows
-    from the response start only), ``prompt_logprob_token_ids`` ``[R, 1 + k]`` (row ``t`` =
-    ``[tokens[P+t], *ids[t]]``: column 0 the sampled token, columns ``1..`` the requested
-    ids; not sent for the teacher's top-k alone, whose ``prompt_logprobs`` dicts always hold
-    the sampled token: :func:`sends_id_columns`), ``skip_reading_prefix_cache`` false
-    (vLLM's default with prompt logprobs is to recompute the whole prompt),
-    ``prompt_logprobs`` = ``top_k`` when asked, ``detokenize`` false; top-level
-    ``output_mode`` ``"tokens"``, ``cache_salt`` when set, ``stream`` false.
-    The answer's ``prompt_token_id_logprobs`` is a base64 ``.npy`` float32 ``[R, cols]``.
-    More columns than the server's ``--max-logprobs`` (``ScoreRequest.max_ids``) are split
-    into chunks of columns, each a whole request (the prefix cache makes the repeats cheap):
-    chunk 0 carries the sampled token's column and the teacher's top-k.
-``"vllm-completions"`` (``POST /v1/completions``, any vLLM)
-    ``{"prompt": tokens, "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k,
-    "return_weight_versions": true, ["cache_salt"]}``: every prompt row (dicts keyed by the
-    id as a string), the whole prompt recomputed each time; no per-position ids.
+Sans-IO. Two vLLM dialects (:data:`~opd_stream.wire._request.Engine`): ``"vllm"``
+(``POST /inference/v1/generate``, ``vllm serve --enable-scale-out``), whose answer's
+``prompt_token_id_logprobs`` is a base64 ``.npy`` float32 ``[R, cols]`` (more columns than
+``ScoreRequest.max_ids`` are split into chunks of columns, each a whole request; chunk 0
+carries the sampled token's column and the teacher's top-k; :func:`sends_id_columns`), and
+``"vllm-completions"`` (``POST /v1/completions``, any vLLM: every prompt row, no
+per-position ids). The bodies field by field: ``docs/design-notes.md``,
+"opd_stream/wire/_vllm.py".
 """
 
 from __future__ import annotations

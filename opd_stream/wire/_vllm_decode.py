@@ -1,23 +1,13 @@
 """vLLM answers into :class:`~opd_stream.wire._answers.ScoreRows` (same dtypes and meaning as the
 SGLang decoders'), checked as strictly (vLLM 0.34.0; the bodies: :mod:`opd_stream.wire._vllm`).
 
-``"vllm"`` (scale-out): ``prompt_token_id_logprobs`` (base64 ``.npy`` float32 ``[R, cols]``,
-read by :func:`opd_stream.wire._npy.read_npy_f32`): column 0 the sampled token's logprob,
-columns ``1..`` the requested ids (not sent for the teacher's top-k alone: the sampled
-token's logprob is then its own entry in each row's dict); ``prompt_logprobs`` (``L``
-entries, ``None`` before the scored rows) gives the teacher's top-k; a request split into
-chunks of columns (``max_ids``) has one answer per chunk, stitched here. ``"vllm-completions"``:
-``choices[0].prompt_logprobs`` (``L`` entries, entry 0 ``None``): the sampled token's
-logprob is its own entry in each row's dict, the top-k the entries ranked ``1..top_k``.
-
-A row's dict holds the actual token first, then the top-N in rank order (the actual token
-once, with its top-k rank, when it is among them: ``vllm/logprobs.py``,
-``append_logprobs_for_next_position``), so it has ``top_k`` or ``top_k + 1`` entries; every
-row is checked for that count, the actual token, and top-k ranks that are exactly
-``1..top_k``. vLLM writes ``-inf`` as ``-9999.0`` in these dicts (``clamp_prompt_logprobs``):
-read as ``-inf``. ``weight_version``: the version of the ``choices[0].weight_versions`` span
-that covers output token 0; ``cached_tokens``: ``usage.prompt_tokens_details.cached_tokens``
-(summed over chunks). Messages name the field and position, never a payload value.
+``"vllm"``: ``prompt_token_id_logprobs`` (read by :func:`opd_stream.wire._npy.read_npy_f32`)
+and ``prompt_logprobs`` (the top-k), one answer per chunk of columns, stitched here;
+``"vllm-completions"``: ``choices[0].prompt_logprobs``. Every row's dict is checked for its
+count (``top_k`` or ``top_k + 1``), the actual token and top-k ranks exactly ``1..top_k``;
+vLLM's ``-9999.0`` is read as ``-inf``. Messages name the field and position, never a
+payload value. The fields in full: ``docs/design-notes.md``,
+"opd_stream/wire/_vllm_decode.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """Cross-tokenizer alignment of one response, and the sampled-token signal per span.
 
-The student's response ids become bytes (:class:`~opd_stream.xtok._vocab.Vocab`); the teacher
-tokenizer encodes the same text; student and teacher tokens are grouped into the smallest
-**spans** whose byte boundaries coincide (a boundary of a span is the end of a student
-token and the end of a teacher token at the same byte offset). Per span the signal is the
-reverse-KL estimate of the span's text, ``sum(student logprobs) - sum(teacher logprobs)``
-over its tokens: both are the log-probability of the same bytes given the same prefix, so
-the difference compares the two models whatever their tokenizations.
-
-**The assignment rule**: the whole value of a span goes on the span's **last** student
-token, and every other student token of the span gets 0. The last token is the one whose
-sampling completes the span's text (the value is about the whole span, not any one token
-of it), and the sum over the response is kept: ``sum(reverse_kl)`` is the sequence-level
-log-ratio of the response text. With one token on each side (most spans of two similar
-tokenizers) the value is the same-tokenizer ``student_lp - teacher_lp``.
-
-**Textless tokens** (special tokens, ``<|im_end|>``: no bytes, see
-:mod:`opd_stream.xtok._vocab`) have nothing to compare: they never count in a span's sum and
-their value is 0. Consecutive textless tokens at a span boundary form a span of their own
-with no teacher token (not scored, 0); one inside a span (between two pieces of one teacher
-token) belongs to that span.
-
-**A response cut inside a UTF-8 character** (the rollout stopped at its token limit in the
-middle of a character): the incomplete bytes cannot be text for the teacher. The teacher
-encodes the text before them; the last span, holding the incomplete bytes, has teacher
-tokens for only part of its bytes, so it is not scored (value 0).
-
-Bad input fails alone (:class:`~opd_stream._errors.InvalidSampleError`, field ``tokens``):
-a response id outside the student vocabulary, bytes that are not UTF-8 elsewhere than a
-cut final character, or text the teacher tokenizer does not round-trip (its tokens spell
-other bytes: a normaliser such as NFC changed the text).
+Student and teacher tokens of the same response text are grouped into the smallest
+**spans** whose byte boundaries coincide; a span's signal is ``sum(student logprobs) -
+sum(teacher logprobs)`` over its tokens. The whole value goes on the span's **last** student
+token, 0 on the others, so ``sum(reverse_kl)`` is the response text's sequence-level
+log-ratio. Textless tokens (:mod:`opd_stream.xtok._vocab`) and a last span cut inside a
+UTF-8 character are not scored (0). Bad input fails alone
+(:class:`~opd_stream._errors.InvalidSampleError`, field ``tokens``). The rules in full:
+``docs/design-notes.md``, "opd_stream/xtok/_align.py".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """A teacher's chat template: chat messages -> the teacher's prompt ids.
 
-For framework users whose samples carry the prompt as chat messages (Miles) or whose input
-lines do (``opd-stream score``'s ``prompt_messages``), not as teacher ids: the messages are
-rendered with the teacher's own chat template, read from the ``tokenizer_config.json``
-next to its ``tokenizer.json`` (key ``chat_template``: one template, or a list of named
-ones, ``default`` used), or from ``chat_template.jinja`` there; the rendered text is
-encoded with the teacher's tokenizer, special-token strings recognised (the template
-writes them as text: ``<|im_start|>``, ``[gMASK]``). Nothing is added around the
-template's own text (it writes the BOS token where the model wants one).
-
-The template runs in jinja2's immutable sandbox (the ``[xtok]`` extra), with what chat
-templates expect: ``messages``, ``add_generation_prompt`` (True: the prompt ends where the
-assistant's answer starts), the special tokens of ``tokenizer_config.json``
-(``bos_token``, ``eos_token``, ...), ``raise_exception`` and a ``tojson`` filter.
+For samples that carry the prompt as chat messages (Miles, ``opd-stream score``'s
+``prompt_messages``), not as teacher ids: the messages are rendered with the teacher's own
+chat template (``tokenizer_config.json``'s ``chat_template`` next to its ``tokenizer.json``,
+``default`` of a named list, or ``chat_template.jinja``) and encoded with the teacher's
+tokenizer, special-token strings recognised; nothing is added around the template's text.
+The template runs in jinja2's immutable sandbox (the ``[xtok]`` extra). What the template
+sees: ``docs/design-notes.md``, "opd_stream/xtok/_chat.py".
 """
 
 from __future__ import annotations

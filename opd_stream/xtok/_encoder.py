@@ -1,39 +1,12 @@
 """A faster exact encoder for a teacher's byte-level BPE: ``tiktoken`` built from its
 ``tokenizer.json``, used only where it gives the ids of ``tokenizers`` exactly.
 
-Re-tokenising the response is most of a cross-tokenizer sample's client CPU, and most of
-that is the tokenizer's own encoding. ``tiktoken`` (optional: ``pip install tiktoken``)
-runs the same two steps (a pre-tokenisation regex, then byte-pair merges by rank) 5-10x
-faster than ``tokenizers`` (``docs/cross-tokenizer.md``, "Teachers with another
-tokenizer", Cost). It is built from the file, never downloaded, and only for the shapes
-whose ids are provably the same:
-
-* **Merges**: a BPE model without dropout, byte fallback or affixes. An entry's rank is
-  the index of the first merge that makes it (bytes first, 0-255), so "the adjacent pair
-  whose concatenation ranks lowest" is the merge ``tokenizers`` applies next; ids are
-  mapped back from ranks. Several merges may make one entry only next to each other (as in
-  files converted from tiktoken, GLM's); an entry no merge makes is left out (the merges
-  never reach it) unless ``ignore_merges`` is on (then: no conversion). Without
-  ``ignore_merges``, every entry's own symbols must merge into that entry (``tiktoken``
-  takes a piece that is an entry as that entry): checked at load, 0.3-0.7 s.
-* **Pre-tokenisation**: ``ByteLevel`` with its own (GPT-2) regex, or one ``Split`` regex
-  (``Isolated``, or ``Removed`` with ``invert``: MiniMax) before a regex-less
-  ``ByteLevel``, or DeepSeek V3's cascade of three ``Split`` (numbers, then CJK runs, then
-  the word regex; also R1, V3.x, V4) rewritten as one regex with the same pieces
-  (:func:`_deepseek_cascade`). Characters an ``Isolated`` regex does not match are a piece
-  of their own in ``tokenizers`` and dropped by ``tiktoken``: a last alternative takes
-  each such run.
-* **Normaliser**: none, or NFC, for text that is already NFC (checked per call with
-  :func:`unicodedata.is_normalized`; other text goes to ``tokenizers``).
-* **Added tokens**: the non-special ones are text ``tokenizers`` cuts out first (special
-  ones are encoded as text, see :mod:`opd_stream.xtok._vocab`); ``tiktoken`` gets them as its
-  allowed special tokens. A non-special one inside another added token's text makes the
-  two disagree: no fast encoder.
-
-Then, before it is used, both encoders must give the same ids for every text of a built-in
-corpus (:data:`CHECK_TEXTS`: scripts, digits, CJK punctuation, emoji sequences, control
-characters, whitespace runs, and every added token's text); any difference: no fast
-encoder. Without one :class:`~opd_stream.xtok._vocab.Vocab` encodes with ``tokenizers``.
+``tiktoken`` (optional) is built from the file, never downloaded, and only for the shapes
+whose ids are provably the same (the merges, the pre-tokenisation, the normaliser, the added
+tokens); before it is used, both encoders must give the same ids for every text of
+:data:`CHECK_TEXTS`. Any difference: no fast encoder, and
+:class:`~opd_stream.xtok._vocab.Vocab` encodes with ``tokenizers``. The shapes, and why:
+``docs/design-notes.md``, "opd_stream/xtok/_encoder.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """A stream's tokenizers for teachers with another tokenizer, and what the pipeline asks of
 them, in plain values (numpy arrays, names; no sample or settings type).
 
-* :class:`CrossTokenizers`: a stream's loaded tokenizers (the student's, and each listed
-  teacher's own), loaded once as the stream starts (:meth:`CrossTokenizers.load`).
-* :meth:`CrossTokenizers.prepare`: per sample, the alignment of the response
-  (:func:`~opd_stream.xtok._align.align_response`) and the teacher's request input,
-  ``teacher_prompt_ids + teacher ids of the response text`` (:class:`TeacherInput`). The
-  fetch stage runs it, in a decode thread for a response of :data:`THREAD_TOKENS` tokens or
-  more (re-tokenisation costs ~0.3-0.5 us of CPU per token with the tiktoken encoder, ~1-3
-  with tokenizers; the loop keeps the short ones), and always in a decode thread where the
-  teacher's encoder runs in a process of its own (a pipe is never waited on from the loop).
-* In top-k mode (only-student) :func:`topk_candidates` picks what the teacher is asked and
-  :func:`topk_rows` turns its answer into the student-row arrays the usual top-k KL reads.
-
-The KL stage's result for such a sample (sampled-token mode: one value per student token,
-:func:`~opd_stream.xtok._align.span_signal`) is built by :mod:`opd_stream._scoring`.
-
-The teacher answers in its own ids: the decoder checks them against the ids sent, row
-count included, as for any teacher (a mismatch fails the sample as
-``misaligned_response``).
+:class:`CrossTokenizers` holds the student's and each listed teacher's tokenizer, loaded once
+as the stream starts (:meth:`CrossTokenizers.load`); :meth:`CrossTokenizers.prepare` gives,
+per sample, the response's alignment and the teacher's request input (:class:`TeacherInput`),
+in a decode thread from :data:`THREAD_TOKENS` response tokens on, and always where the
+teacher's encoder is a process of its own. In top-k mode :func:`topk_candidates` picks what
+the teacher is asked and :func:`topk_rows` turns its answer into student-row arrays. The
+KL result is :mod:`opd_stream._scoring`'s; the answer's ids are checked against the ids sent,
+as any teacher's (a mismatch: ``misaligned_response``). In full: ``docs/design-notes.md``,
+"opd_stream/xtok/_tokenizers.py".
 """
 
 from __future__ import annotations

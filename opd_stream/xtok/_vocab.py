@@ -1,21 +1,12 @@
 """A tokenizer as cross-tokenizer scoring sees it: :class:`Vocab`, every token id's bytes.
 
-Loaded once per stream from a Hugging Face ``tokenizer.json`` (a file, or a model
-directory holding one) with the ``tokenizers`` package (the ``[xtok]`` extra); never
-downloaded. A stream loads it in a process of its own (:func:`load_vocab_process`,
-:mod:`opd_stream.xtok._worker`), which encodes; the host keeps the bytes of every id.
-Only byte-level BPE tokenizers (GPT-2 style: Qwen, DeepSeek, GLM, Llama 3, MiniMax, ...)
-are accepted: their every vocabulary entry is a string of byte symbols, so
-every token id has exact bytes, and a token may hold part of a UTF-8 character (the bytes
-of one character split over two tokens join again when the tokens are concatenated).
-
-Added tokens: a *special* one (``"special": true`` in ``tokenizer.json``: ``<|im_end|>``,
-DeepSeek's end of sentence, ...) is **textless**: it has no bytes (it is a control symbol,
-not text; see :mod:`opd_stream.xtok._align` for what its signal is). A non-special added token
-(``<think>`` in Qwen 3.5 and GLM 4.7) is its text, UTF-8 encoded.
-
-Nothing here does I/O but :func:`load_vocab` (which reads one file) and
-:func:`load_vocab_process` (which starts a process that does).
+Loaded once per stream from a Hugging Face ``tokenizer.json`` (a file, or a model directory
+holding one) with ``tokenizers`` (the ``[xtok]`` extra); never downloaded. A stream loads it
+in a process of its own (:func:`load_vocab_process`, :mod:`opd_stream.xtok._worker`). Only
+byte-level BPE tokenizers are accepted (every token id has exact bytes). A *special* added
+token is **textless** (no bytes); a non-special one is its text, UTF-8 encoded. Nothing here
+does I/O but :func:`load_vocab` (one file) and :func:`load_vocab_process` (a process that
+does). In full: ``docs/design-notes.md``, "opd_stream/xtok/_vocab.py".
 """
 
 from __future__ import annotations

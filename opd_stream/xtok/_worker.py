@@ -1,30 +1,13 @@
 """A tokenizer loaded and run in a process of its own: the process's end of its pipe.
 
-Building a tokenizer holds the GIL for long stretches in the libraries' own C code, so a
-worker thread does not keep the host's event loop running meanwhile (measured on this
-project's 2-core machine, Qwen 3.5's 12.8 MB ``tokenizer.json``, each held in one
-stretch: ``tokenizers.Tokenizer.from_file`` 0.61 s, ``json.loads`` 0.17 s, tiktoken's
-``Encoding(...)`` 0.19 s; DeepSeek V3's: 0.34, 0.09, 0.09 s; and as long again, nearly,
-to free them). The host therefore loads no tokenizer:
-:class:`~opd_stream.xtok._process.EncoderProcess` starts
-``python -m opd_stream.xtok._worker PATH SETTING`` (its own entry point: the host's
-``__main__`` is never imported again, unlike ``multiprocessing``'s spawn), which loads the
-file as :func:`~opd_stream.xtok._vocab.load_vocab` does, sends back every token's bytes
-(what alignment reads, in the host), then encodes each text the host sends, until its
-standard input closes.
-
-The pipe carries frames: a 4-byte little-endian length, then the payload. Host to worker:
-one byte (``e``: encode, ``r``: with ``tokenizers`` itself, ``s``: with ``tokenizers``,
-special-token strings recognised), then the text in UTF-8.
-Worker to host: one byte, then ``L``: the :class:`~opd_stream.xtok._process.Loaded` tables
-(msgpack), once, first;
-``C``: a configuration error's message (the file does not load; then it exits); ``I``: the
-ids, int64, little-endian; ``E``: an encoding error's message.
-
-The worker prints nothing, ignores SIGINT (the host's Ctrl-C is the host's), and exits when
-its standard input closes: when the host closes it
-(:meth:`~opd_stream.xtok._process.EncoderProcess.close`), or when
-the host's process ends, however it ends.
+Building a tokenizer holds the GIL for long stretches, so the host loads none: the host's
+end (:class:`~opd_stream.xtok._process.EncoderProcess`) starts
+``python -m opd_stream.xtok._worker PATH SETTING`` (the host's ``__main__`` is never
+imported again), which loads the file as :func:`~opd_stream.xtok._vocab.load_vocab` does,
+sends back every token's bytes, then encodes each text the host sends. The pipe carries
+frames (a 4-byte little-endian length, then the payload). The worker prints nothing,
+ignores SIGINT, and exits when its standard input closes (the host closes it, or ends).
+The frames and the measurements: ``docs/design-notes.md``, "opd_stream/xtok/_worker.py".
 """
 
 from __future__ import annotations

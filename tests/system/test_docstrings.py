@@ -2,8 +2,8 @@
 measurements, history) is its section of docs/design-notes.md.
 
 * Every module docstring of the package is at most :data:`MAX_LINES` lines, but for the
-  package's and the rooms' ``__init__.py`` (their module lists are reworked apart), the
-  modules of :data:`LONGER` (longer on purpose) and, for now, :data:`NOT_YET`.
+  package's and the rooms' ``__init__.py`` (their module lists are reworked apart) and the
+  modules of :data:`LONGER` (longer on purpose).
 * Every ``## opd_stream/...`` section of docs/design-notes.md names a module that exists.
 
 The checks read the source (``ast``), never import it.
@@ -25,39 +25,6 @@ MAX_LINES = 12
 
 #: Modules whose docstring is longer on purpose: module -> why.
 LONGER = {"opd_stream/_errors.py": "draws the error tree, the one place it is drawn"}
-
-#: TEMPORARY (issue 36, item 6, second half): modules still over the limit, whose rooms were
-#: being reworked when the rule came. It only shrinks: an entry whose module keeps to the
-#: limit, or no longer exists, fails the check below and must be taken out.
-NOT_YET = frozenset(
-    {
-        "opd_stream/fetch/_mixture.py",
-        "opd_stream/xtok/_tokenizers.py",
-        "opd_stream/_scoring.py",
-        "opd_stream/fleet/_balance.py",
-        "opd_stream/fleet/_discovery.py",
-        "opd_stream/fleet/_engines.py",
-        "opd_stream/fleet/_ensemble.py",
-        "opd_stream/fleet/_probe.py",
-        "opd_stream/fleet/_routing.py",
-        "opd_stream/scanner/_loader.py",
-        "opd_stream/transport/_budget.py",
-        "opd_stream/transport/_httpx.py",
-        "opd_stream/transport/_transports.py",
-        "opd_stream/wire/_codec.py",
-        "opd_stream/wire/_decode_columns.py",
-        "opd_stream/wire/_decode_score.py",
-        "opd_stream/wire/_request.py",
-        "opd_stream/wire/_scan_reader.py",
-        "opd_stream/wire/_vllm.py",
-        "opd_stream/wire/_vllm_decode.py",
-        "opd_stream/xtok/_align.py",
-        "opd_stream/xtok/_chat.py",
-        "opd_stream/xtok/_encoder.py",
-        "opd_stream/xtok/_vocab.py",
-        "opd_stream/xtok/_worker.py",
-    }
-)
 
 _SECTION = re.compile(r"^## `?(?P<path>opd_stream/[^`\s]*)`?\s*$", re.MULTILINE)
 
@@ -85,14 +52,14 @@ def test_every_module_docstring_is_at_most_twelve_lines() -> None:
     over = {
         module: n
         for module, n in _checked_modules().items()
-        if n > MAX_LINES and module not in LONGER and module not in NOT_YET
+        if n > MAX_LINES and module not in LONGER
     }
     assert over == {}, f"docstrings over {MAX_LINES} lines (the long form: {NOTES.name})"
 
 
-def test_the_temporary_list_holds_only_modules_still_over_the_limit() -> None:
+def test_the_longer_list_holds_only_modules_over_the_limit() -> None:
     modules = _checked_modules()
-    stale = sorted(m for m in NOT_YET | set(LONGER) if modules.get(m, 0) <= MAX_LINES)
+    stale = sorted(m for m in LONGER if modules.get(m, 0) <= MAX_LINES)
     assert stale == [], "within the limit now, or gone: take them out of the list"
 
 

@@ -12,6 +12,7 @@ from trio.testing import MockClock
 
 from opd_stream import ConnectionFailed, MockTransport, OPDStream, Response, Sample
 from opd_stream.fleet._discovery import FleetDirectory, parse_gateway_workers, parse_rl_workers
+from opd_stream.testing import capture_events
 from opd_stream.testing.inprocess import InProcessSGLang
 
 R = "http://router:1"
@@ -80,6 +81,25 @@ async def test_a_router_expands_to_its_reachable_workers_and_a_server_to_itself(
     assert state[R].listed == (W1, W2)
     assert state[W2].kind == "server" and not state[W2].direct  # answered, not a router
     assert state[W1].kind == "unknown"  # did not answer: asked again after REFRESH_S
+
+
+async def test_a_gateways_workers_are_logged_once_as_gateway_workers() -> None:
+    net = _Net()
+    net.reachable = {W2}
+    fleets = FleetDirectory(MockTransport(net.handle, gateways=True), enabled=True)
+    with capture_events() as events:
+        await fleets.expand([R])
+    said = [e for e in events if "listed" in e]
+    assert said == [
+        {
+            "event": "gateway_workers",
+            "url": R,
+            "listed": 2,
+            "reachable": 1,
+            "direct": True,
+            "log_level": "info",
+        }
+    ]
 
 
 async def test_unreachable_workers_mean_through_the_router() -> None:

@@ -1,6 +1,7 @@
 """A tokenizer's process, the host's end: :class:`EncoderProcess` starts
-``python -m opd_stream.xtok._worker PATH SETTING`` (:mod:`opd_stream.xtok._worker`: the process's
-end, and the pipe's frames) and encodes through it.
+``python -m opd_stream.xtok._worker PATH SETTING`` (the process's own end:
+:mod:`opd_stream.xtok._worker`) and encodes through it. The pipe's frames
+(:func:`read_frame`, :func:`write_frame`) serve both ends.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: compiling process runs, then it says so and (``hold``) waits to be interrupted.
 _SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import faulthandler, signal, sys, time
     import anyio, psutil
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's look inside a hang
     from opd_stream import OPDStream, StreamConfig
     from opd_stream.scanner import _loader
 
@@ -123,7 +124,13 @@ def test_ctrl_c_while_the_kernels_compile_is_clean(tmp_path: Path) -> None:
             proc.kill()
             pytest.fail(f"{line!r} {proc.communicate()[1]}")
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # every thread's stack, to say where it hangs
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"no exit 60 s after Ctrl-C: {proc.communicate()[1][-6000:]}")
         assert proc.returncode == 130
         lines = err.splitlines()  # the script's own two; no traceback, no "Exception ignored"
         assert len(lines) == 2 and lines[1] == "interrupted", err

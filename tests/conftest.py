@@ -1,16 +1,25 @@
 """Shared fixtures: anyio backends (asyncio in debug mode, trio); the ``opd_stream``
 logger's state restored after every test (the CLI's ``configure_logging`` changes it); the
 isolated environment of the command tests (``cli_env``); an aiohttp ``session`` and SGLang's
-``api_types`` module for the mock server tests. Shared helpers: ``support/``."""
+``api_types`` module for the mock server tests. Shared helpers: ``support/``.
+
+A suite started as a background job of a non-interactive shell (``cmd &``, ``nohup``)
+inherits SIGINT ignored, and so would every process a test starts: the tests that press
+Ctrl-C on a command or a host would wait in vain. The suite's process takes Python's own
+handler back (a caught signal is the default again in a child), as a terminal gives it."""
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(

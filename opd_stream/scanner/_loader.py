@@ -270,13 +270,17 @@ def _compile_elsewhere() -> bool:
         raise RuntimeError("no interpreter to start")
     # the directory that holds the package: opd_stream/scanner/_loader.py, three up
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _compiling = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, here],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while (code := _reap(_compiling)) is None:
+    # one that a settle stopped waiting for, and that still runs, is waited for again (a
+    # second would only wait for its lock, and the first's Popen would be dropped running)
+    proc = _compiling
+    if proc is None or _reap(proc) is not None:
+        proc = _compiling = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, here],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    while (code := _reap(proc)) is None:
         if _exiting.wait(0.1):
             return False
     return code >= 0 and code != 130  # (_warm: Ctrl-C)

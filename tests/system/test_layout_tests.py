@@ -23,9 +23,12 @@ SUPPORT = "support"
 
 
 def folders_of_tests(tests: Path) -> list[Path]:
-    """The folders of ``tests`` that hold tests (each a package: see ``support/__init__.py``)."""
+    """The folders of ``tests`` that hold tests (each a package: see ``support/__init__.py``);
+    a tool's hidden folder (``.hypothesis/``, written where pytest runs) is none."""
     skip = {SUPPORT, "__pycache__"}
-    return sorted(p for p in tests.iterdir() if p.is_dir() and p.name not in skip)
+    return sorted(
+        p for p in tests.iterdir() if p.is_dir() and p.name not in skip and p.name[0] != "."
+    )
 
 
 def rooms(package: Path) -> set[str]:

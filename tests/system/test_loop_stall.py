@@ -64,6 +64,13 @@ def _host(args: list[str]) -> list[dict[str, Any]]:
     return runs
 
 
+def _brief(runs: list[dict[str, Any]]) -> list[str]:
+    """Each run's worst stall, the host's work it fell in, the next ones and the collector's
+    longest pass, in a line (pytest would cut the reports short)."""
+    keys = ("stall_s", "phases", "loop_cpu_s", "next_s", "max_gc_s", "beats")
+    return [json.dumps({k: got.get(k) for k in keys}) for got in runs]
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[str, str]]:
     with MockProcess("teacher", 1) as teacher, MockProcess("student", 2) as student:
@@ -80,7 +87,7 @@ def test_no_call_of_ours_holds_a_cold_hosts_loop_over_50_ms(
         pytest.importorskip("httpx", reason="trio's default transport is the httpx extra")
     runs = _host([backend, *servers])
     assert all(got["torch_loaded"] for got in runs), runs  # it measured what it says
-    assert min(got["stall_s"] for got in runs) <= LIMIT_S, runs
+    assert min(got["stall_s"] for got in runs) <= LIMIT_S, _brief(runs)
 
 
 RESPONSES = [
@@ -119,10 +126,11 @@ def _xtok_samples(tmp: Path, student_family: str, teacher_family: str) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize(
-    ("student_family", "teacher_family"),
-    [("qwen-3.5", "deepseek-v3"), ("deepseek-v3", "qwen-3.5")],
+    ("backend", "student_family", "teacher_family"),
+    # each backend and each direction once (the four pairs cost the suite ~30 s more; the
+    # host's tables are the same code on both backends)
+    [("asyncio", "qwen-3.5", "deepseek-v3"), ("trio", "deepseek-v3", "qwen-3.5")],
 )
 def test_loading_a_teachers_own_tokenizer_holds_a_cold_hosts_loop_under_50_ms(
     tmp_path: Path, backend: str, student_family: str, teacher_family: str
@@ -136,7 +144,7 @@ def test_loading_a_teachers_own_tokenizer_holds_a_cold_hosts_loop_under_50_ms(
         runs = _host([backend, teacher.url, "--xtok", samples])
     # loading the tokenizers in this process held it 0.74 s; in their own processes, with the
     # host's tables built in short steps, 5-31 ms at a stretch
-    assert min(got["stall_s"] for got in runs) <= LIMIT_S, runs
+    assert min(got["stall_s"] for got in runs) <= LIMIT_S, _brief(runs)
 
 
 def test_building_a_stream_imports_neither_torch_nor_the_http_client() -> None:

@@ -3,6 +3,7 @@ how long did any of our calls hold its loop? Run by tests/system/test_loop_stall
 
     python tests/support/loop_stall.py BACKEND TEACHER_URL STUDENT_URL
     python tests/support/loop_stall.py BACKEND TEACHER_URL --xtok SAMPLES_JSON
+    python tests/support/loop_stall.py BACKEND - --torch-floor
 
 (BACKEND ``asyncio`` or ``trio``); it prints one JSON object (see :func:`report`).
 
@@ -10,6 +11,11 @@ With ``--xtok``, the host's teacher has another tokenizer: SAMPLES_JSON holds th
 tokenizer paths (``student_tokenizer``, ``teacher_tokenizer``) and the samples (student
 ids, the teacher prompt in the teacher's ids); the stream loads both tokenizers as it
 starts, scores the samples in sampled-token mode, and leaves.
+
+With ``--torch-floor``, the host only imports torch off its loop, as a stream does as it is
+entered (its libraries preloaded without the GIL, then ``import torch`` in a worker thread):
+the floor of a cold host's stall, torch's own C initialiser and module code, which no code of
+ours can split.
 
 The host imports what it uses at the top of its module, as hosts do, before its loop runs;
 torch is not imported (the process is cold: nothing of torch, numba or the tokenizers is
@@ -200,11 +206,22 @@ def report() -> dict[str, object]:
     }
 
 
+async def _torch_only() -> None:
+    from opd_stream._loading import import_off_loop
+
+    _phase("enter")
+    await import_off_loop(("torch",))
+    _phase("after")
+    await anyio.sleep(0.3)
+
+
 async def main(teacher: str, student: str, xtok: dict[str, Any] | None) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(_heartbeat)
         await anyio.sleep(0.05)
-        if xtok is None:
+        if teacher == "-":
+            await _torch_only()
+        elif xtok is None:
             await _use(teacher, student)
         else:
             await _use_xtok(teacher, xtok)
@@ -214,7 +231,9 @@ async def main(teacher: str, student: str, xtok: dict[str, Any] | None) -> None:
 if __name__ == "__main__":
     backend, teacher_url = sys.argv[1:3]
     xtok = None
-    if sys.argv[3] == "--xtok":
+    if sys.argv[3] == "--torch-floor":
+        student_url = ""
+    elif sys.argv[3] == "--xtok":
         student_url = ""
         with open(sys.argv[4], encoding="utf-8") as f:
             xtok = json.load(f)

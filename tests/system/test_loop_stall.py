@@ -10,11 +10,12 @@ do not lengthen it) and leaves out the garbage collector's passes (the support m
 docstring says why); the report it asserts on names the host's work each stall fell in.
 
 What the measure cannot take out is a busy machine slowing the CPU work itself (shared
-caches, a hyperthread's sibling): torch's C initialiser, 15-25 ms here, read 60-80 ms
-once in a CI run. So a host whose worst stall goes over the limit is run once more, in a
-fresh process, and the check holds if either run keeps under it: a hold of ours over the
-limit is in every run (the code is the same each time), a machine's hiccup in one; both
-reports are in the failure's message.
+caches, a hyperthread's sibling): torch's C initialiser, 15-25 ms here alone, read 55-80 ms
+inside a CI run. So a host whose worst stall goes over the limit is run once more, in a fresh
+process, and so is a host that only imports torch as a stream does (the floor: torch's own
+import, which no code of ours can split). The check holds if either run keeps under the
+limit, or under the floor's worst stall plus 10 ms: a hold of ours shows in every run and
+beyond torch's own; every report is in the failure's message.
 """
 
 from __future__ import annotations
@@ -44,30 +45,45 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run_host(args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=260,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got: dict[str, Any] = json.loads(proc.stdout)
+    assert got["beats"] > 20, got  # it measured what it says
+    return got
+
+
 def _host(args: list[str]) -> list[dict[str, Any]]:
     """Run the host with ``args`` and return its report; when its worst stall is over the
-    limit, run a fresh host once more and return both reports (see the module's docstring)."""
-    runs: list[dict[str, Any]] = []
-    while len(runs) < 2 and (not runs or runs[-1]["stall_s"] > LIMIT_S):
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), *args],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=260,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = json.loads(proc.stdout)
-        assert got["beats"] > 20, got  # it measured what it says
-        runs.append(got)
+    limit, run a fresh host once more, then the torch-only host (the floor, last in the
+    list; see the module's docstring)."""
+    runs = [_run_host(args)]
+    if runs[0]["stall_s"] > LIMIT_S:
+        runs.append(_run_host(args))
+        if runs[1]["stall_s"] > LIMIT_S:
+            floor = _run_host([args[0], "-", "--torch-floor"])
+            runs.append({**floor, "floor": True})
     return runs
+
+
+def _held_too_long(runs: list[dict[str, Any]]) -> bool:
+    ours = [got["stall_s"] for got in runs if not got.get("floor")]
+    floors = [got["stall_s"] for got in runs if got.get("floor")]
+    bound = max([LIMIT_S, *(f + 0.010 for f in floors)])
+    return bool(min(ours) > bound)
 
 
 def _brief(runs: list[dict[str, Any]]) -> list[str]:
     """Each run's worst stall, the host's work it fell in, the next ones and the collector's
     longest pass, in a line (pytest would cut the reports short)."""
-    keys = ("stall_s", "phases", "loop_cpu_s", "next_s", "max_gc_s", "beats")
+    keys = ("floor", "stall_s", "phases", "loop_cpu_s", "next_s", "max_gc_s", "beats")
     return [json.dumps({k: got.get(k) for k in keys}) for got in runs]
 
 
@@ -87,7 +103,7 @@ def test_no_call_of_ours_holds_a_cold_hosts_loop_over_50_ms(
         pytest.importorskip("httpx", reason="trio's default transport is the httpx extra")
     runs = _host([backend, *servers])
     assert all(got["torch_loaded"] for got in runs), runs  # it measured what it says
-    assert min(got["stall_s"] for got in runs) <= LIMIT_S, _brief(runs)
+    assert not _held_too_long(runs), _brief(runs)
 
 
 RESPONSES = [
@@ -144,7 +160,7 @@ def test_loading_a_teachers_own_tokenizer_holds_a_cold_hosts_loop_under_50_ms(
         runs = _host([backend, teacher.url, "--xtok", samples])
     # loading the tokenizers in this process held it 0.74 s; in their own processes, with the
     # host's tables built in short steps, 5-31 ms at a stretch
-    assert min(got["stall_s"] for got in runs) <= LIMIT_S, _brief(runs)
+    assert not _held_too_long(runs), _brief(runs)
 
 
 def test_building_a_stream_imports_neither_torch_nor_the_http_client() -> None:

@@ -8,7 +8,7 @@
 #   scripts/dev.sh bench [flags]  runs the benchmarks in bench/ (the same set-up as test)
 #   scripts/dev.sh setup          only sets up (the same set-up as test)
 #   scripts/dev.sh fresh          pip install . (no extras) into a new venv, then the demo
-#   scripts/dev.sh lowest         the compiled kernels' tests on the lowest supported numba (0.65.0)
+#   scripts/dev.sh lowest         fresh on the lowest supported numba (0.65.0), then the kernels' tests there
 # OPD_DEV_VENV names the venv (default .venv); not OPD_STREAM_*, which the library reads strictly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -134,20 +134,44 @@ PYEOF
   fi
 }
 
-# The base install runs the main job: a new venv, the pinned CPU torch, `pip install .` with no
-# extras, then `opd-stream demo` from outside the checkout (so nothing of it is importable).
+# The base install runs the main job, on the lowest numba pyproject.toml allows (vLLM pins
+# numba==0.65.0, llvmlite 0.47), in one new venv: the pinned CPU torch, `pip install .` with
+# no extras, `opd-stream demo` from outside the checkout (so nothing of it is importable);
+# then the compiled kernels' tests in the same venv (they use llvmlite intrinsics), with what
+# they import added. numba's cache goes to a folder of its own, so the two numbas never share
+# one. `fresh` is the first half alone; `lowest` runs both (what .ci/run calls).
 fresh() {
   local tmp
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' RETURN
-  python3 -m venv "$tmp/venv"
-  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check .
-  (cd "$tmp" && "$tmp/venv/bin/opd-stream" demo --samples 16 --no-progress)
-  # the demo has passed; the process it left to fill numba's cache is not part of the check
-  # (a minute of CPU on 2 cores): stopped, not waited for, before the venv goes
-  pkill -f "$tmp/venv/" || true
+  base_install "$tmp" "numba"
+}
+
+lowest() {
+  local tmp
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' RETURN
+  base_install "$tmp" "numba==0.65.0"
+  "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
+  # only what the kernels' tests import (the whole test extra would fetch the routers too)
+  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check \
+    "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" "psutil>=5.9"
+  (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
+    scanner/test_scanner_decode.py scanner/test_scanner_payloads.py scanner/test_scanner_rows.py \
+    scanner/test_scanner_startup.py)
   wait_for_compile "$tmp/venv/"
+}
+
+# A new venv in $1 with the pinned CPU torch, then `pip install .` (no extras) with $2 (numba's
+# pin), then the demo from outside the checkout. The process the demo left to fill numba's
+# cache is not part of the check: stopped, not waited for.
+base_install() {
+  python3 -m venv "$1/venv"
+  "$1/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$1/venv/bin/python" -m pip install -q --disable-pip-version-check "$2" .
+  (cd "$1" && NUMBA_CACHE_DIR="$1/numba" "$1/venv/bin/opd-stream" demo --samples 16 --no-progress)
+  pkill -f "$1/venv/" || true
+  wait_for_compile "$1/venv/"
 }
 
 # A first run leaves the process that compiles the scanner into numba's cache to finish on its
@@ -158,25 +182,6 @@ wait_for_compile() {
     sleep 1
     waited=$((waited + 1))
   done
-}
-
-# The lowest numba pyproject.toml allows (vLLM pins numba==0.65.0, llvmlite 0.47): a new venv
-# with it and the pinned CPU torch, then the tests of the compiled kernels (they use llvmlite
-# intrinsics). numba's cache goes to a folder of its own, so the two numbas never share one.
-lowest() {
-  local tmp
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' RETURN
-  python3 -m venv "$tmp/venv"
-  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  # only what the kernels' tests import (the whole test extra would fetch the routers too)
-  "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "numba==0.65.0" . \
-    "pytest>=9" "pytest-timeout>=2.3" "hypothesis>=6.100" "psutil>=5.9"
-  "$tmp/venv/bin/python" -c "import numba; assert numba.__version__ == '0.65.0', numba.__version__"
-  (cd tests && NUMBA_CACHE_DIR="$tmp/numba" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
-    scanner/test_scanner_decode.py scanner/test_scanner_payloads.py scanner/test_scanner_rows.py \
-    scanner/test_scanner_startup.py)
-  wait_for_compile "$tmp/venv/"
 }
 
 cmd="${1:-test}"

@@ -28,10 +28,12 @@ unmeasured warm-up call on other sequences (imports, pools, engine detection):
 Floors, measured outside both clients' code in a third child (``_floor``) on a fresh
 server, say whether a missed target is within anyone's reach on vLLM 0.34's API at these
 sizes: bytes, the JSON of the response rows of TRL's own answer (``prompt_logprobs[P:]``,
-the only form vLLM gives the teacher's top-k in); CPU, an untyped ``msgspec.json.decode``
-of the answers opd_stream's client receives plus TRL's result lists built with
-``ndarray.tolist()``; memory, TRL's result's own size over TRL's peak (the least ratio any
-client returning that result can have). ``heap`` (``--sizes '{"heap": N}'``) makes each
+the only form vLLM gives the teacher's top-k in); CPU, the requests opd_stream's client
+sends, sent with ``http.client`` on one kept-alive connection, an untyped
+``msgspec.json.decode`` of their answers and TRL's result lists built with
+``ndarray.tolist()``, in a process holding torch as both clients' do; memory, TRL's
+result's own size over TRL's peak (the least ratio any client returning that result can
+have). ``heap`` (``--sizes '{"heap": N}'``) makes each
 child hold N more tracked Python objects before it measures, as a trainer's process does
 (the cyclic GC's full collections cost in proportion to what the process holds, and run
 less often the more it holds).
@@ -68,6 +70,7 @@ __all__ = ("SIZES", "Sizes", "main", "run", "workload")
 ROOT: Final = Path(__file__).resolve().parent.parent
 CLIENTS: Final = ("trl", "opd_stream")
 VOCAB: Final = 151936
+SEND_HEADERS: Final = {"Content-Type": "application/json"}
 ID_RANGE: Final = 30000
 
 
@@ -210,11 +213,21 @@ def _floor(spec: dict[str, Any]) -> dict[str, Any]:
       a scale-out answer from ``P`` (those rows and a ``null`` for each of the ``P``
       positions before them, which vLLM writes for any request scored from ``P``): the
       least any request on vLLM 0.34's API receives;
-    * CPU: an untyped ``msgspec.json.decode`` of the answers opd_stream's client receives
-      (scale-out, one per sequence) and TRL's result lists built from numpy arrays with
-      ``ndarray.tolist()`` (the least the contract forces a client to build); the arrays
-      are prepared beforehand, not counted.
+    * CPU: sending the requests opd_stream's client sends (scale-out, one per sequence:
+      the only path that meets the targets on bytes and computed tokens) with the standard
+      library's ``http.client`` on one kept-alive connection, one after another (the least
+      CPU a Python client spends per request, with no deadline, retry or bound), an untyped
+      ``msgspec.json.decode`` of their answers, and TRL's result lists built from numpy
+      arrays with ``ndarray.tolist()`` (the least the contract forces a client to build);
+      the arrays are prepared beforehand, not counted. The process holds torch, as both
+      clients' processes do (TRL's client imports it; a trainer always has): the cyclic
+      GC's full collections, which the result's lists set off, walk its objects too.
     """
+    import http.client
+    import urllib.parse
+
+    import torch  # noqa: F401  (held: as in both clients' processes)
+
     from opd_stream.integrations.trl._rows import sequence_result
     from opd_stream.wire._codec import decode_score_response
     from opd_stream.wire._payloads import build_score_payload
@@ -232,33 +245,45 @@ def _floor(spec: dict[str, Any]) -> dict[str, Any]:
         answer = _post(url + "/v1/completions", json.dumps(body).encode())
         (choice,) = msgspec.json.decode(answer, type=_Completion).choices
         rows_bytes += len(b"[" + b",".join(choice.prompt_logprobs[p:]) + b"]")
-    answers, arrays = [], []
+    answers, arrays, bodies = [], [], []
     field_bytes = 0
     for seq, p in zip(seqs, lengths, strict=True):  # opd_stream's request, as its client sends
         tokens = np.array(seq, dtype=np.int64)
         req = ScoreRequest(tokens=tokens, response_length=len(seq) - p, top_k=k, engine="vllm")
-        answer = _post(url + "/inference/v1/generate", build_score_payload(req))
+        bodies.append(bytes(build_score_payload(req)))
+        answer = _post(url + "/inference/v1/generate", bodies[-1])
         answers.append(answer)
         field_bytes += len(msgspec.json.decode(answer, type=_ScaleOut).prompt_logprobs)
         # the result's arrays (float64 / int64, TRL's shapes), ready for tolist()
         res = sequence_result(decode_score_response(answer, req), tokens, p, k)
         arrays.append(tuple(np.array(res[key]) for key in res))
+    where = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port)
+    conn.connect()
+    del answers
     gc.collect()
     t0 = time.process_time()
+    answers = []
+    for body in bodies:
+        conn.request("POST", "/inference/v1/generate", body, SEND_HEADERS)
+        answers.append(conn.getresponse().read())
+    t1 = time.process_time()
     for answer in answers:
         decoded = msgspec.json.decode(answer)
         del decoded
-    t1 = time.process_time()
-    result = [[a.tolist() for a in four] for four in arrays]
     t2 = time.process_time()
+    result = [[a.tolist() for a in four] for four in arrays]
+    t3 = time.process_time()
+    conn.close()
     del result
     return {
         "rows_bytes": rows_bytes,
         "field_bytes": field_bytes,
         "answer_bytes": sum(map(len, answers)),
-        "decode_cpu_s": t1 - t0,
-        "build_cpu_s": t2 - t1,
-        "cpu_s": t2 - t0,
+        "send_cpu_s": t1 - t0,
+        "decode_cpu_s": t2 - t1,
+        "build_cpu_s": t3 - t2,
+        "cpu_s": t3 - t0,
     }
 
 
@@ -487,7 +512,7 @@ def markdown(result: dict[str, Any], machine: str) -> str:
             "",
             "| top_logprobs | bytes floor / response token: the rows (vLLM's field) "
             "| TRL's bytes over the floor | ours over the floor "
-            "| CPU floor ms / sample (decode + tolist) "
+            "| CPU floor ms / sample (send + decode + tolist) "
             "| TRL's CPU over the floor | ours over the floor "
             "| TRL's result over its peak RSS growth (traced peak) |",
             "|---|---|---|---|---|---|---|---|",
@@ -500,7 +525,8 @@ def markdown(result: dict[str, Any], machine: str) -> str:
                 f"({f['field_bytes'] / result['response_tokens']:.0f}) | {b['bytes']:.3f}x "
                 f"({b['bytes_api']:.3f}x) | {ours['bytes_sent'] / f['rows_bytes']:.3f}x "
                 f"({ours['bytes_sent'] / f['field_bytes']:.3f}x) | {f['cpu_ms_per_sample']:.2f} "
-                f"({1000 * f['decode_cpu_s'] / result['samples']:.2f} + "
+                f"({1000 * f.get('send_cpu_s', 0.0) / result['samples']:.2f} + "
+                f"{1000 * f['decode_cpu_s'] / result['samples']:.2f} + "
                 f"{1000 * f['build_cpu_s'] / result['samples']:.2f}) | {b['cpu']:.1f}x | "
                 f"{ours['cpu_s'] / f['cpu_s']:.2f}x | {b['memory']:.3f} "
                 f"({b['memory_traced']:.3f}) |"

@@ -57,6 +57,14 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="positions of --tokens scored (its last R)",
     )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="SECONDS",
+        help="how long each replica's two probe requests may take together; a replica that "
+        "has not answered by then is reported (deadline_exceeded) and named (default: "
+        "probe_deadline_s, 10)",
+    )
     add_engine_arguments(p)
     p.add_argument(
         "--api-key-env",
@@ -91,6 +99,8 @@ def _config(args: argparse.Namespace) -> StreamConfig:
         raise _Usage(f"--teacher is required (or set {_TEACHERS_VAR})")
     if args.tolerance is not None:
         overrides["probe_tolerance"] = args.tolerance
+    if args.deadline_s is not None:
+        overrides["probe_deadline_s"] = args.deadline_s
     overrides.update(engine_overrides(args))
     if args.api_key_env is not None:
         key = os.environ.get(args.api_key_env, "").strip()

@@ -318,3 +318,26 @@ def _session_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+async def test_probe_deadline_flag_names_a_hanging_replica(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async with serve_mock("teacher", 1, replicas=2) as fleet:
+        fleet.set_options(1, fault_hang=1.0)
+        code = await run_cli("probe", "--teacher", "|".join(fleet.urls), "--deadline-s", "0.5")
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False
+    assert report["failed"] == [fleet.urls[1]]
+    (hung,) = [r for r in report["replicas"] if r["url"] == fleet.urls[1]]
+    assert hung["error"] == "deadline_exceeded", hung
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_probe_deadline_flag_out_of_range_is_a_usage_error(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", "--teacher", "http://127.0.0.1:9", "--deadline-s", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opd-stream probe: error: configuration:"), err
+    assert "probe_deadline_s" in err, err

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.cli import run_cli
-from support.xtok_vocabs import family_dir, family_vocab, small_json
+from support.xtok_vocabs import family_dir, family_vocab, small_json, small_vocab, write_small
 from tokenizers import Tokenizer, models
 
 from opd_stream import InvalidSampleError
@@ -71,7 +71,9 @@ def test_the_teacher_chat_templates_render_and_encode_their_special_tokens(
 async def test_score_with_a_deepseek_teacher_from_prompt_messages(
     tmp_path: Path, ds_template: ChatTemplate
 ) -> None:
-    student = family_vocab("qwen-3.5")
+    # the student's tokenizer: a small trained one (the teacher's is what this is about; a
+    # real student's would only add a ~3 s load to the command's start)
+    student = small_vocab("a")
     teacher = family_vocab("deepseek-v3", "teacher_tokenizers[ds]")
     s_model = ByteModel(student.token_bytes, q=0.5)
     t_model = ByteModel(teacher.token_bytes, q=0.6, salt=9)
@@ -98,7 +100,7 @@ async def test_score_with_a_deepseek_teacher_from_prompt_messages(
             "--log-level", "warning", "score",
             "--teacher", f"ds={server.url}",
             "--teacher", f"same={server.url}",
-            "--student-tokenizer", family_dir("qwen-3.5"),
+            "--student-tokenizer", write_small(tmp_path, "a"),
             "--teacher-tokenizer", f"ds={family_dir('deepseek-v3')}",
             "--with-alignment",
             "--input", str(tmp_path / "in.jsonl"),

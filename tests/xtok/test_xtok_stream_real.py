@@ -1,18 +1,19 @@
 """Teachers with another tokenizer, end to end, with the real tokenizer files: a Qwen 3.5
-student scored by DeepSeek V3 and GLM 4.7 teachers served by the mock with a model over
-bytes (:class:`ByteModel`), so every expected value is computable from the text alone.
+student scored by DeepSeek V3 and GLM 4.7 teachers, real aiohttp mock servers answering
+from a model over bytes (:class:`ByteModel`), so every expected value is computable from the
+text alone.
 
 Asyncio only (the backend-neutral paths run on both in ``test_xtok_stream.py``, with the
 small trained tokenizers; the aiohttp mock server is asyncio-only anyway). A stream's start
-loads both real tokenizers in processes of their own (~5 s on a 2-core box): the tests that
-can share a stream share one per module (:func:`teacher_stream`, :func:`ds_http_stream`), each
-reading only its own results and the stats' growth during its own run."""
+loads both real tokenizers in processes of their own (~5 s on a 2-core box): the module's
+tests share one stream per teacher family (:func:`teacher_stream`), each test reading only
+its own results and the stats' growth during its own run."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
@@ -25,22 +26,15 @@ from support.xtok_stream import (
     Q_STUDENT,
     Q_TEACHER,
     RESPONSES,
-    T,
     byte_reference,
     config,
     make_sample,
     response_ids,
-    run,
 )
 from support.xtok_vocabs import family_dir, family_vocab
 
 from opd_stream import OPDStream, SampleFailure, ScoredSample
-from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
 from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
-
-#: the two teachers of :func:`_teacher_stream` (the teacher's tokenizer): the student's byte
-#: model (``same``), and another one (``other``)
-URLS = {"same": "http://same:1", "other": "http://other:2"}
 
 
 @pytest.fixture(scope="module")
@@ -49,38 +43,51 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 
 
 def _models(teacher_family: str) -> dict[str, ByteModel]:
+    """The byte model of each teacher of :func:`teacher_stream`: with the teacher's
+    tokenizer, the student's model (``same``) and another one (``other``; ``misaligned``
+    answers from it in other ids than it was sent); ``self``, with the student's tokenizer."""
     teacher = family_vocab(teacher_family, "teacher_tokenizers[same]")
+    other = ByteModel(teacher.token_bytes, q=Q_TEACHER)
     return {
         "same": ByteModel(teacher.token_bytes, q=Q_STUDENT, salt=3),
-        "other": ByteModel(teacher.token_bytes, q=Q_TEACHER),
+        "other": other,
+        "misaligned": other,
+        "self": ByteModel(family_vocab("qwen-3.5").token_bytes, q=Q_TEACHER, salt=1),
     }
-
-
-@asynccontextmanager
-async def _teacher_stream(teacher_family: str) -> AsyncIterator[OPDStream]:
-    """A Qwen 3.5 student's stream with the teachers ``same`` and ``other`` of
-    ``teacher_family``'s tokenizer (in-process mock servers with :func:`_models`)."""
-    path = family_dir(teacher_family)
-    servers = {
-        URLS[name]: InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
-        for name, model in _models(teacher_family).items()
-    }
-    cfg = config(
-        family_dir("qwen-3.5"),
-        path,
-        teachers=URLS,
-        teacher_tokenizers={"same": path, "other": path},
-    )
-    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
-        yield stream
 
 
 @pytest.fixture(scope="module", params=["deepseek-v3", "glm-4.7-flash"])
-async def teacher_stream(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, OPDStream]]:
-    """(the teacher's family, :func:`_teacher_stream`), one stream per family for the
+async def teacher_stream(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[str, OPDStream, dict[str, str]]]:
+    """(the teacher's family, a Qwen 3.5 student's stream, each teacher's URL): the
+    teachers of :func:`_models`, one real aiohttp mock server each, ``self`` configured with
+    the student's tokenizer file as its own; one attempt per request. One per family for the
     module."""
-    async with _teacher_stream(request.param) as stream:
-        yield request.param, stream
+    family = request.param
+    path, qwen = family_dir(family), family_dir("qwen-3.5")
+    opts = MockOptions(vocab_size=262144)
+    async with AsyncExitStack() as stack:
+        urls = {}
+        for name, model in _models(family).items():
+            fault = 1.0 if name == "misaligned" else 0.0
+            server = await stack.enter_async_context(
+                serve_mock(
+                    "teacher",
+                    1,
+                    options=msgspec.structs.replace(opts, fault_misaligned=fault),
+                    byte_model=model,
+                )
+            )
+            urls[name] = server.url
+        tokenizers = dict.fromkeys(urls, path) | {"self": qwen}
+        cfg = config(qwen, path, teachers=urls, teacher_tokenizers=tokenizers, max_attempts=1)
+        async with OPDStream(cfg) as stream:
+            yield family, stream, urls
+
+
+def _to(teacher: str, samples: list[Any]) -> list[Any]:
+    return [msgspec.structs.replace(s, metadata={"opd_teacher": teacher}) for s in samples]
 
 
 async def _scored(stream: OPDStream, samples: list[Any]) -> list[Any]:
@@ -89,14 +96,14 @@ async def _scored(stream: OPDStream, samples: list[Any]) -> list[Any]:
 
 
 async def test_qwen_student_with_real_teacher_tokenizers_matches_the_byte_reference(
-    teacher_stream: tuple[str, OPDStream],
+    teacher_stream: tuple[str, OPDStream, dict[str, str]],
 ) -> None:
-    teacher_family, stream = teacher_stream
+    teacher_family, stream, _ = teacher_stream
     student = family_vocab("qwen-3.5")
     teacher = family_vocab(teacher_family, "teacher_tokenizers[same]")
     s_model = ByteModel(student.token_bytes, q=Q_STUDENT, salt=3)
     # two teachers with the teacher's tokenizer: the student's byte model, and another one
-    t_models = _models(teacher_family)
+    t_models = {name: _models(teacher_family)[name] for name in ("same", "other")}
     samples = []
     for name in t_models:
         for text in RESPONSES:
@@ -145,18 +152,22 @@ async def test_qwen_student_with_real_teacher_tokenizers_matches_the_byte_refere
                 )
 
 
-async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values() -> None:
+@pytest.mark.parametrize("teacher_stream", ["deepseek-v3"], indirect=True)
+async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values(
+    teacher_stream: tuple[str, OPDStream, dict[str, str]],
+) -> None:
+    """Teacher ``self`` has the student's own tokenizer file as its tokenizer: its results
+    equal those of a stream without any tokenizer setting, from the same server."""
+    _, stream, urls = teacher_stream
     qwen = family_vocab("qwen-3.5")
-    model = ByteModel(qwen.token_bytes, q=Q_TEACHER, salt=1)
     rollout_model = ByteModel(qwen.token_bytes, q=Q_STUDENT)
     samples = [
         make_sample(qwen, qwen, rollout_model, qwen.encode(text), i)
         for i, text in enumerate(RESPONSES)
     ]
-    server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
-    path = family_dir("qwen-3.5")
-    cross = await run(config(path, path), server, samples)
-    plain = await run(stream_config(T), server, samples)
+    cross = await _scored(stream, _to("self", samples))
+    async with OPDStream(stream_config(urls["self"])) as plain_stream:
+        plain = await _scored(plain_stream, samples)
     for a, b in zip(cross, plain, strict=True):
         assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
         assert torch.equal(a.teacher_logprobs, b.teacher_logprobs)
@@ -165,35 +176,12 @@ async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values(
         assert a.alignment is not None and b.alignment is None
 
 
-@pytest.fixture(scope="module")
-async def ds_http_stream() -> AsyncIterator[tuple[OPDStream, ByteModel]]:
-    """A Qwen 3.5 student's stream (the default HTTP transport, one attempt per request)
-    with two DeepSeek V3 teachers, real aiohttp mock servers of one byte model: ``default``,
-    and ``misaligned``, which answers in other ids than it was sent; and that byte model."""
-    teacher = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
-    t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
-    opts = MockOptions(vocab_size=262144)
-    bad = msgspec.structs.replace(opts, fault_misaligned=1.0)
-    path = family_dir("deepseek-v3")
-    async with (
-        serve_mock("teacher", 1, options=opts, byte_model=t_model) as server,
-        serve_mock("teacher", 1, options=bad, byte_model=t_model) as misaligned,
-    ):
-        cfg = config(
-            family_dir("qwen-3.5"),
-            path,
-            teachers={"default": server.url, "misaligned": misaligned.url},
-            teacher_tokenizers={"default": path, "misaligned": path},
-            max_attempts=1,
-        )
-        async with OPDStream(cfg) as stream:
-            yield stream, t_model
-
-
+@pytest.mark.parametrize("teacher_stream", ["deepseek-v3"], indirect=True)
 async def test_the_real_aiohttp_mock_serves_the_byte_model_in_the_teachers_ids(
-    ds_http_stream: tuple[OPDStream, ByteModel],
+    teacher_stream: tuple[str, OPDStream, dict[str, str]],
 ) -> None:
-    stream, t_model = ds_http_stream
+    _, stream, _ = teacher_stream
+    t_model = _models("deepseek-v3")["other"]
     student = family_vocab("qwen-3.5")
     teacher = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
     s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
@@ -201,10 +189,10 @@ async def test_the_real_aiohttp_mock_serves_the_byte_model_in_the_teachers_ids(
         make_sample(student, teacher, s_model, response_ids(student, text, "<|im_end|>"), i)
         for i, text in enumerate(RESPONSES[:2])
     ]
-    out = await _scored(stream, samples)  # to the teacher "default"
+    out = await _scored(stream, _to("other", samples))
     for text, res in zip(RESPONSES[:2], out, strict=True):
         assert isinstance(res, ScoredSample), res
-        assert res.teacher == "default"
+        assert res.teacher == "other"
         assert res.alignment is not None and res.reverse_kl is not None
         ref = byte_reference(
             PROMPT.encode(), text.encode(), res.alignment.span_bytes.tolist(), s_model, t_model
@@ -216,9 +204,9 @@ async def test_the_real_aiohttp_mock_serves_the_byte_model_in_the_teachers_ids(
 
 @pytest.mark.parametrize("teacher_stream", ["glm-4.7-flash"], indirect=True)
 async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values(
-    teacher_stream: tuple[str, OPDStream],
+    teacher_stream: tuple[str, OPDStream, dict[str, str]],
 ) -> None:
-    _, glm_stream = teacher_stream
+    _, glm_stream, _ = teacher_stream
     student = family_vocab("qwen-3.5")
     teacher = family_vocab("glm-4.7-flash", "teacher_tokenizers[other]")
     s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
@@ -241,10 +229,11 @@ async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values(
     np.testing.assert_allclose(res.reverse_kl[ends].numpy(), ref, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("teacher_stream", ["deepseek-v3"], indirect=True)
 async def test_a_teacher_answer_in_other_ids_than_sent_fails_as_misaligned(
-    ds_http_stream: tuple[OPDStream, ByteModel],
+    teacher_stream: tuple[str, OPDStream, dict[str, str]],
 ) -> None:
-    stream, _ = ds_http_stream
+    _, stream, _ = teacher_stream
     a = family_vocab("qwen-3.5")
     b = family_vocab("deepseek-v3", "teacher_tokenizers[misaligned]")
     sample = make_sample(a, b, ByteModel(a.token_bytes), a.encode(RESPONSES[0]), 0)

@@ -198,7 +198,11 @@ class SMGGateway(SGLangRouter):
         startup_timeout_s: float = 60.0,
         extra_args: Sequence[str] = (),
     ) -> None:
-        extra = ["--enable-rl", *extra_args] if enable_rl else list(extra_args)
+        # smg waits out in-flight requests for 5 s when told to stop (SIGTERM), even with
+        # none in flight; the ``with`` block has ended, so it stops at once
+        extra = ["--shutdown-grace-period-secs", "0", *extra_args]
+        if enable_rl:
+            extra.insert(0, "--enable-rl")
         super().__init__(
             workers, policy=policy, startup_timeout_s=startup_timeout_s, extra_args=extra
         )

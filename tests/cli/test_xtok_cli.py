@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from support.cli import run_cli
-from support.xtok_vocabs import family_dir, family_vocab, small_json
+from support.xtok_vocabs import family_dir, family_vocab, small_json, small_vocab, write_small
 from tokenizers import Tokenizer, models
 
 from opd_stream import InvalidSampleError
@@ -36,8 +37,21 @@ def anyio_backend() -> tuple[str, dict[str, Any]]:
 pytestmark = pytest.mark.usefixtures("cli_env")
 
 
-def test_the_teacher_chat_templates_render_and_encode_their_special_tokens() -> None:
-    ds = ChatTemplate.load("t", family_dir("deepseek-v3"))
+@pytest.fixture(scope="module")
+def ds_template() -> Iterator[ChatTemplate]:
+    """DeepSeek V3's chat template (from its tokenizer_config.json), loaded once for the
+    module: its process loads the tokenizer (~2 s)."""
+    template = ChatTemplate.load("t", family_dir("deepseek-v3"))
+    try:
+        yield template
+    finally:
+        template.close()
+
+
+def test_the_teacher_chat_templates_render_and_encode_their_special_tokens(
+    ds_template: ChatTemplate,
+) -> None:
+    ds = ds_template
     text = ds.render(MESSAGES)
     assert text.startswith(ds.tokens["bos_token"]) and text.endswith("<｜Assistant｜>")  # noqa: RUF001
     ids = ds.prompt_ids(MESSAGES).tolist()
@@ -51,12 +65,15 @@ def test_the_teacher_chat_templates_render_and_encode_their_special_tokens() -> 
     assert glm_tokenizer is not None
     assert ids[0] == glm_tokenizer.token_to_id("[gMASK]")
     assert glm_tokenizer.decode(ids, skip_special_tokens=False) == glm.render(MESSAGES)
-    ds.close()
     glm.close()
 
 
-async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path) -> None:
-    student = family_vocab("qwen-3.5")
+async def test_score_with_a_deepseek_teacher_from_prompt_messages(
+    tmp_path: Path, ds_template: ChatTemplate
+) -> None:
+    # the student's tokenizer: a small trained one (the teacher's is what this is about; a
+    # real student's would only add a ~3 s load to the command's start)
+    student = small_vocab("a")
     teacher = family_vocab("deepseek-v3", "teacher_tokenizers[ds]")
     s_model = ByteModel(student.token_bytes, q=0.5)
     t_model = ByteModel(teacher.token_bytes, q=0.6, salt=9)
@@ -83,7 +100,7 @@ async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path
             "--log-level", "warning", "score",
             "--teacher", f"ds={server.url}",
             "--teacher", f"same={server.url}",
-            "--student-tokenizer", family_dir("qwen-3.5"),
+            "--student-tokenizer", write_small(tmp_path, "a"),
             "--teacher-tokenizer", f"ds={family_dir('deepseek-v3')}",
             "--with-alignment",
             "--input", str(tmp_path / "in.jsonl"),
@@ -93,7 +110,7 @@ async def test_score_with_a_deepseek_teacher_from_prompt_messages(tmp_path: Path
         code = await run_cli(*argv)
     assert code == 0
     out = {x["id"]: x for x in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
-    template = ChatTemplate.load("t", family_dir("deepseek-v3"))
+    template = ds_template  # the command loads its own from the same file
     for key, messages in (("messages", MESSAGES), ("string", "Say hello in three scripts 🎉")):
         got = out[key]
         assert got["ok"] is True, got

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from argparse import Namespace
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -51,9 +52,10 @@ BOS, EOS = _ds("begin▁of▁sentence"), _ds("end▁of▁sentence")
 USER, ASSISTANT = _ds("User"), _ds("Assistant")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend() -> tuple[str, dict[str, Any]]:
-    return ("asyncio", {"debug": True})  # Miles runs on asyncio
+    # Miles runs on asyncio; one loop for the module, so that its tests share one engine
+    return ("asyncio", {"debug": True})
 
 
 class _MilesSample:
@@ -141,13 +143,41 @@ def _recording(server: InProcessSGLang) -> tuple[MockTransport, list[list[int]]]
     return MockTransport(handler), sent
 
 
-async def _score(sample: _MilesSample, transport: MockTransport) -> torch.Tensor:
-    args = _args()
-    miles.engine_for(args, transport=transport)
+@pytest.fixture(scope="module")
+async def served(
+    sides: tuple[_Side, _Side],
+) -> AsyncIterator[tuple[tuple[ByteModel, ByteModel], list[list[int]]]]:
+    """The byte models, and the teacher's requests: one Miles engine for the module, as in
+    a Miles run (its start loads both tokenizers and the teacher's chat template in
+    processes of their own, ~7 s), closed after the module's last test."""
+    models = _models(sides)
+    transport, sent = _recording(InProcessSGLang("teacher", 1, byte_model=models[1]))
+    miles.engine_for(_args(), transport=transport)
     try:
-        sample.reward = await miles.reward_func(args, sample)
+        yield models, sent
     finally:
         await miles.close()
+
+
+@pytest.fixture
+def models(
+    served: tuple[tuple[ByteModel, ByteModel], list[list[int]]],
+) -> tuple[ByteModel, ByteModel]:
+    return served[0]
+
+
+@pytest.fixture
+def sent(served: tuple[tuple[ByteModel, ByteModel], list[list[int]]]) -> list[list[int]]:
+    """The input ids of each ``/generate`` request the teacher got during the test."""
+    served[1].clear()
+    return served[1]
+
+
+async def _score(sample: _MilesSample) -> torch.Tensor:
+    """Through :func:`miles.reward_func` on the module's engine, then
+    :func:`miles.post_process_rewards`: ``sample.teacher_log_probs``."""
+    args = _args()
+    sample.reward = await miles.reward_func(args, sample)
     miles.post_process_rewards(args, [sample])
     values: torch.Tensor = sample.teacher_log_probs  # type: ignore[attr-defined]
     return values
@@ -233,13 +263,13 @@ def _models(sides: tuple[_Side, _Side]) -> tuple[ByteModel, ByteModel]:
 
 async def test_a_single_turn_gives_miles_trainer_the_span_signal(
     sides: tuple[_Side, _Side],
+    models: tuple[ByteModel, ByteModel],
+    sent: list[list[int]],
 ) -> None:
     student, teacher = sides
-    models = _models(sides)
     sample = _merged(student, models[0], 1)
     del sample.loss_mask  # a single-turn sample: every token trained
-    transport, sent = _recording(InProcessSGLang("teacher", 1, byte_model=models[1]))
-    got = await _score(sample, transport)
+    got = await _score(sample)
     prompt = _teacher_prompt(sent, teacher, TURNS[0])
     assert (
         teacher.hf.decode(prompt, skip_special_tokens=False) == f"{BOS}{USER}{QUESTION}{ASSISTANT}"
@@ -249,11 +279,12 @@ async def test_a_single_turn_gives_miles_trainer_the_span_signal(
 
 async def test_merged_turns_are_scored_in_the_teachers_chat_format(
     sides: tuple[_Side, _Side],
+    models: tuple[ByteModel, ByteModel],
+    sent: list[list[int]],
 ) -> None:
     """``metadata["messages"]`` (Miles' trajectory): each trained turn after the teacher's
     own rendering of the conversation before it; values on trained tokens only."""
     student, teacher = sides
-    models = _models(sides)
     sample = _merged(student, models[0], 2)
     sample.metadata["messages"] = [
         {"role": "user", "content": QUESTION},
@@ -261,8 +292,7 @@ async def test_merged_turns_are_scored_in_the_teachers_chat_format(
         {"role": "tool", "content": TOOL},
         {"role": "assistant", "content": TURNS[1]},
     ]
-    transport, sent = _recording(InProcessSGLang("teacher", 1, byte_model=models[1]))
-    got = await _score(sample, transport)
+    got = await _score(sample)
     _masked_tokens_get_nothing(got, sample)
     prompts = [_teacher_prompt(sent, teacher, text) for text in TURNS]
     shown = [teacher.hf.decode(p, skip_special_tokens=False) for p in prompts]
@@ -276,14 +306,14 @@ async def test_merged_turns_are_scored_in_the_teachers_chat_format(
 
 async def test_merged_turns_without_the_conversation_see_the_students_text(
     sides: tuple[_Side, _Side],
+    models: tuple[ByteModel, ByteModel],
+    sent: list[list[int]],
 ) -> None:
     """No ``metadata["messages"]``: the teacher's prompt, then the response before the turn
     as the student's tokens spell it (its special tokens have no text)."""
     student, teacher = sides
-    models = _models(sides)
     sample = _merged(student, models[0], 2)
-    transport, sent = _recording(InProcessSGLang("teacher", 1, byte_model=models[1]))
-    got = await _score(sample, transport)
+    got = await _score(sample)
     _masked_tokens_get_nothing(got, sample)
     prompts = [_teacher_prompt(sent, teacher, text) for text in TURNS]
     shown = [teacher.hf.decode(p, skip_special_tokens=False) for p in prompts]
@@ -295,12 +325,12 @@ async def test_merged_turns_without_the_conversation_see_the_students_text(
     _check_turns(got, sample, sides, models, prompts)
 
 
-async def test_a_sample_without_rollout_logprobs_is_refused(sides: tuple[_Side, _Side]) -> None:
+async def test_a_sample_without_rollout_logprobs_is_refused(
+    sides: tuple[_Side, _Side], models: tuple[ByteModel, ByteModel], sent: list[list[int]]
+) -> None:
     student, _ = sides
-    models = _models(sides)
     sample = _merged(student, models[0], 1)
     sample.rollout_log_probs = None
-    transport, sent = _recording(InProcessSGLang("teacher", 1, byte_model=models[1]))
     with pytest.raises(miles.MilesInvalidSampleError, match=r"rollout_log_probs: required"):
-        await _score(sample, transport)
+        await _score(sample)
     assert sent == []

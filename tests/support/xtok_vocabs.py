@@ -4,6 +4,7 @@ process (fast, no files), and the real ones the set-up step unpacks into ``.cach
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from pathlib import Path
@@ -86,8 +87,17 @@ def family_dir(family: str) -> str:
 
 
 @functools.cache
+def _loaded(family: str) -> Vocab:
+    return load_vocab("student_tokenizer", os.path.join(str(CACHE), family))
+
+
+@functools.cache
 def _family_vocab(family: str, setting: str) -> Vocab:
-    return load_vocab(setting, os.path.join(str(CACHE), family))
+    # the file loads once per test process (1.5-3.5 s each); the setting only names the
+    # Vocab in its errors, so another setting's is a copy that shares the tables
+    vocab = copy.copy(_loaded(family))
+    vocab.setting = setting
+    return vocab
 
 
 def family_vocab(family: str, setting: str = "student_tokenizer") -> Vocab:

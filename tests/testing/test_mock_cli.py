@@ -76,14 +76,15 @@ async def test_the_command_answers_the_last_id_of_qwen_3_5_by_default(tmp_path: 
 
 
 def test_a_byte_model_tokenizer_larger_than_the_vocabulary_is_one_line_and_exit_2(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     xtok = pytest.importorskip("support.xtok_vocabs")
-    path = xtok.family_dir("qwen-3.5")
-    assert mock_main(["--byte-model-tokenizer", path, "--vocab-size", "151936"]) == 2
+    path = xtok.write_small(tmp_path, "a")  # a small trained tokenizer: 401 ids
+    assert xtok.small_vocab("a").size == 401
+    assert mock_main(["--byte-model-tokenizer", path, "--vocab-size", "400"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "error: --byte-model-tokenizer: its 248070 ids do not fit --vocab-size 151936"
+        "error: --byte-model-tokenizer: its 401 ids do not fit --vocab-size 400"
     ]
 
 

@@ -1,10 +1,10 @@
-"""Teachers with another tokenizer, end to end: a Qwen 3.5 student scored by DeepSeek V3
-and GLM 4.7 teachers (the real tokenizer files) served by the mock with a model over bytes
-(:class:`ByteModel`), so every expected value is computable from the text alone."""
+"""Teachers with another tokenizer, end to end, on both backends: small trained tokenizers
+served by the mock with a model over bytes (:class:`ByteModel`), so every expected value is
+computable from the text alone. The real tokenizer files (a Qwen 3.5 student, DeepSeek V3
+and GLM 4.7 teachers): ``test_xtok_stream_real.py``."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import unicodedata
 from pathlib import Path
@@ -15,232 +15,13 @@ import numpy as np
 import pytest
 import torch
 from support.config import stream_config
-from support.xtok_vocabs import SPECIAL, family_dir, family_vocab, small_vocab, write_small
+from support.xtok_stream import PROMPT, RESPONSES, T, byte_reference, config, make_sample, run
+from support.xtok_vocabs import SPECIAL, small_vocab, write_small
 
 from opd_stream import ConfigError, OPDStream, Sample, SampleFailure, ScoredSample, StreamConfig
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
-from opd_stream.testing.mock_sglang import ByteModel, MockOptions, serve_mock
+from opd_stream.testing.mock_sglang import ByteModel
 from opd_stream.xtok._vocab import Vocab
-
-T = "http://teacher:1"
-Q_STUDENT, Q_TEACHER = 0.5, 0.6
-# Real tokenizers load in 1-3 s per stream start: those tests run on asyncio only (the
-# backend-neutral paths run on both with the small trained tokenizers); the aiohttp mock
-# server is asyncio-only anyway.
-ASYNCIO_ONLY = pytest.mark.parametrize("anyio_backend", [("asyncio", {"debug": True})])
-PROMPT = "Question: say something in many scripts.\nAnswer: "
-RESPONSES = [
-    "Hello, world! Größe café naïve — Zürich façade.",
-    "東京と北京、你好世界。Ελληνικά русский язык עברית العربية हिन्दी",
-    "```python\ndef square(x):\n    return x * x  # 平方\n```\n",
-    "emoji 🎉🎉 👍🏽 ❤️ 🇫🇷 family 👨‍👩‍👧 done",
-    "<think>let me think</think> The answer is 42.",
-]
-
-
-def byte_reference(
-    prompt: bytes, response: bytes, span_bytes: list[int], student: ByteModel, teacher: ByteModel
-) -> list[float]:
-    """float64, per span: sum over its bytes of log p_student - log p_teacher, each byte
-    given every byte before it (prompt included)."""
-    ls = student.byte_logprobs(response, history=prompt)
-    lt = teacher.byte_logprobs(response, history=prompt)
-    return [
-        math.fsum(ls[a:b].tolist()) - math.fsum(lt[a:b].tolist())
-        for a, b in itertools.pairwise(span_bytes)
-    ]
-
-
-def make_sample(
-    student: Vocab,
-    teacher: Vocab,
-    model: ByteModel,
-    response_ids: np.ndarray,
-    index: int,
-    *,
-    prompt: str = PROMPT,
-) -> Sample:
-    prompt_ids = student.encode(prompt)
-    tokens = np.concatenate([prompt_ids, response_ids])
-    positions = np.arange(prompt_ids.shape[0], tokens.shape[0])
-    rollout = model.token_logprobs(tokens, positions).astype(np.float32)
-    return Sample(
-        tokens=tokens.tolist(),
-        response_length=int(response_ids.shape[0]),
-        rollout_logprobs=rollout.tolist(),
-        teacher_prompt_ids=teacher.encode(prompt).tolist(),
-        sample_id=index,
-    )
-
-
-def config(student_path: str, teacher_path: str, **kw: Any) -> StreamConfig:
-    base: dict[str, Any] = {
-        "student_tokenizer": student_path,
-        "teacher_tokenizers": {"default": teacher_path},
-        "return_alignment": True,
-    }
-    return stream_config(T, **(base | kw))
-
-
-async def run(cfg: StreamConfig, server: InProcessSGLang, samples: list[Any]) -> list[Any]:
-    async with OPDStream(cfg, transport=mock_transport({T: server})) as stream:
-        async with stream.run(samples) as results:
-            out = [r async for r in results]
-    return sorted(out, key=lambda r: r.index)
-
-
-def response_ids(student: Vocab, text: str, special: str) -> np.ndarray:
-    end = student.tokenizer.token_to_id(special)
-    return np.concatenate([student.encode(text), [end]])
-
-
-@ASYNCIO_ONLY
-@pytest.mark.parametrize("teacher_family", ["deepseek-v3", "glm-4.7-flash"])
-async def test_qwen_student_with_real_teacher_tokenizers_matches_the_byte_reference(
-    teacher_family: str,
-) -> None:
-    student = family_vocab("qwen-3.5")
-    teacher = family_vocab(teacher_family, "teacher_tokenizers[same]")
-    s_model = ByteModel(student.token_bytes, q=Q_STUDENT, salt=3)
-    # two teachers with the teacher's tokenizer: the student's byte model, and another one
-    t_models = {
-        "same": ByteModel(teacher.token_bytes, q=Q_STUDENT, salt=3),
-        "other": ByteModel(teacher.token_bytes, q=Q_TEACHER),
-    }
-    urls = {"same": "http://same:1", "other": "http://other:2"}
-    servers = {
-        urls[name]: InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
-        for name, model in t_models.items()
-    }
-    samples = []
-    for name in t_models:
-        for text in RESPONSES:
-            ids = response_ids(student, text, "<|im_end|>")
-            sample = make_sample(student, teacher, s_model, ids, len(samples))
-            samples.append(msgspec.structs.replace(sample, metadata={"opd_teacher": name}))
-    path = family_dir(teacher_family)
-    cfg = config(
-        family_dir("qwen-3.5"),
-        path,
-        teachers=urls,
-        teacher_tokenizers={"same": path, "other": path},
-    )
-    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
-        async with stream.run(samples) as results:
-            out = sorted([r async for r in results], key=lambda r: r.index)
-    assert len(out) == 2 * len(RESPONSES)
-    for res in out:
-        assert isinstance(res, ScoredSample), res
-        name = res.sample.metadata["opd_teacher"]
-        text = RESPONSES[res.index % len(RESPONSES)]
-        r = res.sample.response_length
-        assert res.teacher == name
-        assert res.teacher_logprobs.shape == (r,) and res.teacher_logprobs.dtype == torch.float32
-        assert res.reverse_kl is not None and res.reverse_kl.shape == (r,)
-        al = res.alignment
-        assert al is not None
-        assert teacher.join(al.teacher_ids.numpy()) == text.encode("utf-8")
-        spans = al.student_spans.tolist()
-        # the reference over bytes, span by span, on each span's last student token
-        ref = byte_reference(
-            PROMPT.encode(), text.encode(), al.span_bytes.tolist(), s_model, t_models[name]
-        )
-        expected = np.zeros(r)
-        for j, value in enumerate(ref):
-            if al.scored[j]:
-                expected[spans[j + 1] - 1] = value
-        np.testing.assert_allclose(res.reverse_kl.numpy(), expected, rtol=0, atol=2e-4)
-        if name == "same":  # the same byte model: 0 whatever the two tokenizations
-            assert float(res.reverse_kl.abs().max()) < 2e-4
-        else:
-            assert float(res.reverse_kl.abs().max()) > 0.1
-        # the textless <|im_end|> is a span of its own, not compared, value 0
-        assert not bool(al.scored[-1]) and float(res.reverse_kl[-1]) == 0.0
-        # the teacher's span logprobs are its token logprobs summed
-        t_lp = al.teacher_token_logprobs.numpy().astype(np.float64)
-        t_sp = al.teacher_spans.tolist()
-        for j in range(len(spans) - 1):
-            if al.scored[j]:
-                assert math.isclose(
-                    float(res.teacher_logprobs[spans[j + 1] - 1]),
-                    math.fsum(t_lp[t_sp[j] : t_sp[j + 1]].tolist()),
-                    rel_tol=1e-6,
-                    abs_tol=1e-5,
-                )
-
-
-@ASYNCIO_ONLY
-async def test_a_same_tokenizer_teacher_configured_as_cross_gives_todays_values() -> None:
-    qwen = family_vocab("qwen-3.5")
-    model = ByteModel(qwen.token_bytes, q=Q_TEACHER, salt=1)
-    rollout_model = ByteModel(qwen.token_bytes, q=Q_STUDENT)
-    samples = [
-        make_sample(qwen, qwen, rollout_model, qwen.encode(text), i)
-        for i, text in enumerate(RESPONSES)
-    ]
-    server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=model)
-    path = family_dir("qwen-3.5")
-    cross = await run(config(path, path), server, samples)
-    plain = await run(stream_config(T), server, samples)
-    for a, b in zip(cross, plain, strict=True):
-        assert isinstance(a, ScoredSample) and isinstance(b, ScoredSample)
-        assert torch.equal(a.teacher_logprobs, b.teacher_logprobs)
-        assert a.reverse_kl is not None and b.reverse_kl is not None
-        assert torch.equal(a.reverse_kl, b.reverse_kl)
-        assert a.alignment is not None and b.alignment is None
-
-
-@ASYNCIO_ONLY
-async def test_the_real_aiohttp_mock_serves_the_byte_model_in_the_teachers_ids() -> None:
-    student = family_vocab("qwen-3.5")
-    teacher = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
-    s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
-    t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
-    samples = [
-        make_sample(student, teacher, s_model, response_ids(student, text, "<|im_end|>"), i)
-        for i, text in enumerate(RESPONSES[:2])
-    ]
-    opts = MockOptions(vocab_size=262144)
-    async with serve_mock("teacher", 1, options=opts, byte_model=t_model) as server:
-        cfg = config(family_dir("qwen-3.5"), family_dir("deepseek-v3"), teachers=server.url)
-        async with OPDStream(cfg) as stream:
-            async with stream.run(samples) as results:
-                out = sorted([r async for r in results], key=lambda r: r.index)
-    for text, res in zip(RESPONSES[:2], out, strict=True):
-        assert isinstance(res, ScoredSample), res
-        assert res.alignment is not None and res.reverse_kl is not None
-        ref = byte_reference(
-            PROMPT.encode(), text.encode(), res.alignment.span_bytes.tolist(), s_model, t_model
-        )
-        assert math.isclose(
-            float(res.reverse_kl.double().sum()), math.fsum(ref), rel_tol=0, abs_tol=1e-3
-        )
-
-
-@ASYNCIO_ONLY
-async def test_a_long_response_is_aligned_in_a_thread_with_the_same_values() -> None:
-    student = family_vocab("qwen-3.5")
-    teacher = family_vocab("glm-4.7-flash", "teacher_tokenizers[default]")
-    s_model = ByteModel(student.token_bytes, q=Q_STUDENT)
-    t_model = ByteModel(teacher.token_bytes, q=Q_TEACHER)
-    text = " ".join(RESPONSES) * 8
-    ids = student.encode(text)
-    assert ids.shape[0] >= 256  # opd_stream.xtok._tokenizers.THREAD_TOKENS
-    sample = make_sample(student, teacher, s_model, ids, 0)
-    server = InProcessSGLang("teacher", 1, vocab_size=262144, byte_model=t_model)
-    cfg = config(family_dir("qwen-3.5"), family_dir("glm-4.7-flash"))
-    async with OPDStream(cfg, transport=mock_transport({T: server})) as stream:
-        async with stream.run([sample]) as results:
-            (res,) = [r async for r in results]
-        assert stream.stats().cpu_s.align > 0
-    assert isinstance(res, ScoredSample) and res.reverse_kl is not None
-    assert res.alignment is not None
-    ref = byte_reference(
-        PROMPT.encode(), text.encode(), res.alignment.span_bytes.tolist(), s_model, t_model
-    )
-    ends = res.alignment.student_spans[1:] - 1
-    np.testing.assert_allclose(res.reverse_kl[ends].numpy(), ref, rtol=0, atol=2e-4)
-
 
 # ---------------------------------------------------------------- small tokenizers, any backend
 
@@ -374,22 +155,6 @@ async def test_text_the_teacher_tokenizer_cannot_round_trip_fails_alone(tmp_path
     assert isinstance(bad, SampleFailure) and bad.reason == "invalid_sample"
     assert "does not round-trip the response text" in bad.message
     assert isinstance(fine, ScoredSample)
-
-
-@ASYNCIO_ONLY
-async def test_a_teacher_answer_in_other_ids_than_sent_fails_as_misaligned() -> None:
-    a = family_vocab("qwen-3.5")
-    b = family_vocab("deepseek-v3", "teacher_tokenizers[default]")
-    sample = make_sample(a, b, ByteModel(a.token_bytes), a.encode(RESPONSES[0]), 0)
-    opts = MockOptions(vocab_size=262144, fault_misaligned=1.0)
-    async with serve_mock("teacher", 1, options=opts, byte_model=ByteModel(b.token_bytes)) as srv:
-        cfg = config(
-            family_dir("qwen-3.5"), family_dir("deepseek-v3"), teachers=srv.url, max_attempts=1
-        )
-        async with OPDStream(cfg) as stream:
-            async with stream.run([sample]) as results:
-                (res,) = [r async for r in results]
-    assert isinstance(res, SampleFailure) and res.reason == "misaligned_response", res
 
 
 # ---------------------------------------------------------------- configuration

@@ -168,18 +168,22 @@ def test_special_token_strings_are_those_tokens_for_a_chat_templates_text() -> N
         remote.close()
 
 
-def test_the_host_process_builds_no_tokenizer_of_a_stream_or_chat_template() -> None:
+def test_the_host_process_builds_no_tokenizer_of_a_stream_or_chat_template(
+    tmp_path: Path,
+) -> None:
     """Loading the stream's tokenizers and a teacher's chat template leaves ``tokenizers``
     and ``tiktoken`` unimported in the host: every construction holding the GIL (0.1-0.6 s
-    at a stretch) runs in another process."""
+    at a stretch) runs in another process. (The stream's tokenizers are the small trained
+    ones, whose worker builds a fast encoder too: a real one's size only makes the load
+    longer; the chat template is DeepSeek V3's.)"""
     code = (
         "import sys\n"
         "from opd_stream import StreamConfig\n"
         "from opd_stream.xtok._tokenizers import CrossTokenizers\n"
         "from opd_stream.xtok._chat import ChatTemplate\n"
         f"config = StreamConfig.from_env({{}}, teachers='http://127.0.0.1:9',"
-        f" student_tokenizer={family_dir('qwen-3.5')!r},"
-        f" teacher_tokenizers={{'default': {family_dir('deepseek-v3')!r}}})\n"
+        f" student_tokenizer={write_small(tmp_path, 'a')!r},"
+        f" teacher_tokenizers={{'default': {write_small(tmp_path, 'b')!r}}})\n"
         "xtok = CrossTokenizers.load(config.student_tokenizer, config.teacher_tokenizers)\n"
         f"chat = ChatTemplate.load('teacher_tokenizers[ds]', {family_dir('deepseek-v3')!r})\n"
         "assert xtok is not None and len(chat.prompt_ids([{'role': 'user', 'content': 'hi'}]))\n"

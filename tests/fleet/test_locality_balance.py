@@ -126,9 +126,7 @@ def test_a_replica_holding_the_prompt_keeps_it_up_to_three_prompts_above_the_bou
     assert pool.pick(URLS, key=Route(key, P, R)) != home
 
 
-def test_a_replica_within_its_share_of_the_requests_keeps_the_prompt_whatever_its_work() -> (
-    None
-):
+def test_a_replica_within_its_share_of_the_requests_keeps_the_prompt_whatever_its_work() -> None:
     """A stream with 2 requests in flight, both on the prompt's first choice, the others idle:
     hashing puts that many on one replica by chance (share: ceil(3 / 4) = 1, plus 2)."""
     key = _key(8)

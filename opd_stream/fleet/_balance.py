@@ -57,12 +57,16 @@ and still take it (elsewhere the request would compute the whole prompt again). 
 replica is known to hold has none at its first choice: moving it before any replica computed
 it costs nothing."""
 
+_FEW: Final = 2
+"""Requests in flight per replica (this one counted) up to which a stream's view of the load
+is chance: hashing so few requests onto the replicas puts 2 or 3 on one by luck alone."""
+
 _SHARE_SLACK: Final = 2
-"""Requests above its share of the stream's requests in flight (``ceil((in flight + 1) /
-replicas)``) a replica holding a request's prompt may hold and take it whatever its work:
-hashing a few requests onto a few replicas puts that many more on one by chance, which says
-nothing of the replica's load, and a prompt moved on such noise is computed again (by every
-other client, which sends it to its first choice)."""
+"""While the stream has :data:`_FEW` requests per replica in flight or fewer: requests above
+its share (``ceil((in flight + 1) / replicas)``) a replica holding a request's prompt may
+hold and take it whatever its work. Such a view says nothing of the replica's load (other
+clients' requests are not in it), and a prompt moved on it is computed again by every other
+client, which sends it to its first choice."""
 
 _MASK64: Final = (1 << 64) - 1
 
@@ -136,8 +140,9 @@ class EndpointPool:
             ``least-outstanding`` (power of two choices) or ``round-robin``.
         load_factor: ``prefix`` only: no replica takes a request while its work is
             ``load_factor`` x the mean work or more (this request counted; a replica
-            known to hold the prompt 3 prompts more; one holding the prompt within 2
-            requests of its share of the requests in flight takes it anyway), >= 1.
+            known to hold the prompt 3 prompts more; while the stream has at most 2
+            requests per replica in flight, one holding the prompt within 2 requests of
+            its share of them takes it anyway), >= 1.
         limit: ``prefix`` only: a replica with this many requests in flight takes no more
             while another has room (the per-endpoint concurrency limit).
         eject_after: consecutive failures that eject a replica (0: never eject).
@@ -240,8 +245,10 @@ class EndpointPool:
             order.insert(0, home)
         work = {url: eps.work(url) for url in pool}
         total = sum(work.values())
-        # its share of the stream's requests in flight (this one counted), and the noise
-        share = -(-(sum(eps.load(u) for u in pool) + 1) // len(pool)) + _SHARE_SLACK
+        # its share of the stream's requests in flight (this one counted) and the noise,
+        # while the stream has too few in flight to tell load from chance
+        inflight = sum(eps.load(u) for u in pool) + 1
+        share = -(-inflight // len(pool)) + _SHARE_SLACK if inflight <= _FEW * len(pool) else 0
         url = None
         for candidate in order:
             held = eps.held(candidate, key)

@@ -3,10 +3,10 @@ requests in flight are expected to compute (a request's whole prompt where that 
 cached, its response alone where it is), every request goes to the first replica of its
 order (its prompt's replicas first) under the bound, a replica known to hold the prompt keeps
 it up to 3 prompts of work above the bound (elsewhere the prompt is computed again), a new
-prompt leaves its first choice at the bound itself, a replica holding the prompt keeps it
-while it holds at most 2 requests above its share of the stream's requests in flight (what
-chance puts there), a blocked attempt counts once, and many clients agree with no shared
-state.
+prompt leaves its first choice at the bound itself, and while the stream has at most 2
+requests per replica in flight a replica holding the prompt keeps it while it holds at most 2
+requests above its share of them (what chance puts there); a blocked attempt counts once, and
+many clients agree with no shared state.
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ def _load(pool: EndpointPool, url: str, n: int, seed: int, prompt: int = P) -> N
 
 
 def _spread(pool: EndpointPool, seed: int) -> None:
-    """2 new prompts on every replica: 8 requests in flight, so a replica's share of the
-    stream's requests (this one counted) is 3, and it keeps a prompt whatever its work only
-    while it holds fewer than 3 + 2."""
+    """2 new prompts on every replica: 8 requests in flight, more than 2 per replica with the
+    next one counted, so the bound alone decides."""
     for i, url in enumerate(URLS):
         _load(pool, url, 2, seed=seed * 10 + i)
 
@@ -138,12 +137,24 @@ def test_a_replica_within_its_share_of_the_requests_keeps_the_prompt_whatever_it
     assert pool.pick(URLS, key=Route(key, P, R)) != first
 
 
+def test_with_more_than_two_requests_per_replica_in_flight_the_bound_alone_decides() -> None:
+    """9 in flight (10 with this one: more than 2 per replica) read load, not chance: a
+    replica holding 3 of them (its share 3, plus 2, would have kept it) over the bound spills."""
+    key = _key(9)
+    pool = _pool()
+    first = pool.preference(URLS, key)[0]
+    _spread(pool, seed=11)
+    _load(pool, first, 1, seed=12, prompt=4000)  # 2200 + 4100 >= 1.25 x (12900 + 100) / 4
+    assert pool.pick(URLS, key=Route(key, P, R)) != first
+
+
 @pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
 def test_no_request_is_placed_above_the_bound(factor: float) -> None:
     """Requests arrive and leave at random; a third share a few hot prompts. Each goes where
-    its prompt is in flight, or to a replica expected to hold its prompt with fewer than its
-    share of the requests in flight plus 2, or to a replica under ``factor`` x the mean work
-    (this request counted), plus 3 prompts where its prompt is known cached."""
+    its prompt is in flight, or (with at most 2 requests per replica in flight) to a replica
+    expected to hold its prompt with fewer than its share of them plus 2, or to a replica
+    under ``factor`` x the mean work (this request counted), plus 3 prompts where its prompt
+    is known cached."""
     pool = _pool(factor, limit=1 << 30)
     eps = pool._endpoints
     rng = random.Random(1)
@@ -161,7 +172,8 @@ def test_no_request_is_placed_above_the_bound(factor: float) -> None:
         known = set(pool._cached.get(key, ())) | holders
         cached = known or {pool.preference(URLS, key)[0]}
         total = sum(eps.work(u) for u in URLS)
-        share = math.ceil((sum(eps.load(u) for u in URLS) + 1) / len(URLS)) + 2
+        inflight = sum(eps.load(u) for u in URLS) + 1
+        share = math.ceil(inflight / len(URLS)) + 2 if inflight <= 2 * len(URLS) else 0
         url = pool.pick(URLS, key=route)
         assert url is not None
         if holders:

@@ -359,8 +359,10 @@ class StreamConfig(
         float,
         _doc(
             "prefix balance: a replica takes no request while its work in flight (uncached "
-            "tokens) is this many times the mean work (plus 1.5 prompts where the request's "
-            "prompt is cached) (>= 1; lower spreads more, higher reuses more)",
+            "tokens) is this many times the mean work (plus 3 prompts where the request's "
+            "prompt is cached; while the stream has at most 2 requests per replica in flight, "
+            "one holding the prompt takes it anyway while it holds at most 2 above its share) "
+            "(>= 1; lower spreads more, higher reuses more)",
             ge=1.0,
             advanced=True,
         ),

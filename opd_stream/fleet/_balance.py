@@ -51,9 +51,22 @@ decimal, at most :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes): smg's
 ROUTING_IDS: Final = 512
 ROUTING_BYTES: Final = 4096
 
-_CACHED_SLACK: Final = 1.5
-"""Prompts' worth of work a replica holding a request's prompt may hold above the bound and
-still take it (elsewhere the request would compute the whole prompt again)."""
+_CACHED_SLACK: Final = 3.0
+"""Prompts' worth of work a replica known to hold a request's prompt may hold above the bound
+and still take it (elsewhere the request would compute the whole prompt again). A prompt no
+replica is known to hold has none at its first choice: moving it before any replica computed
+it costs nothing."""
+
+_FEW: Final = 2
+"""Requests in flight per replica (this one counted) up to which a stream's view of the load
+is chance: hashing so few requests onto the replicas puts 2 or 3 on one by luck alone."""
+
+_SHARE_SLACK: Final = 2
+"""While the stream has :data:`_FEW` requests per replica in flight or fewer: requests above
+its share (``ceil((in flight + 1) / replicas)``) a replica holding a request's prompt may
+hold and take it whatever its work. Such a view says nothing of the replica's load (other
+clients' requests are not in it), and a prompt moved on it is computed again by every other
+client, which sends it to its first choice."""
 
 _MASK64: Final = (1 << 64) - 1
 
@@ -127,7 +140,9 @@ class EndpointPool:
             ``least-outstanding`` (power of two choices) or ``round-robin``.
         load_factor: ``prefix`` only: no replica takes a request while its work is
             ``load_factor`` x the mean work or more (this request counted; a replica
-            holding the prompt 1.5 prompts more), >= 1.
+            known to hold the prompt 3 prompts more; while the stream has at most 2
+            requests per replica in flight, one holding the prompt within 2 requests of
+            its share of them takes it anyway), >= 1.
         limit: ``prefix`` only: a replica with this many requests in flight takes no more
             while another has room (the per-endpoint concurrency limit).
         eject_after: consecutive failures that eject a replica (0: never eject).
@@ -218,7 +233,9 @@ class EndpointPool:
         eps, limit = self._endpoints, self._limit
         key, prompt, response = route.key, route.prompt, route.response
         order = self.preference(pool, key)
-        cached = self._holding(key, order)
+        known = self._holding(key, order)
+        # none known: its first choice, where every client's first request of it goes
+        cached = known or {order[0]}
         homes = self._homes
         home = homes.get(key)
         # where it was placed last, then the other replicas holding it, then the rest
@@ -228,16 +245,25 @@ class EndpointPool:
             order.insert(0, home)
         work = {url: eps.work(url) for url in pool}
         total = sum(work.values())
+        # its share of the stream's requests in flight (this one counted) and the noise,
+        # while the stream has too few in flight to tell load from chance
+        inflight = sum(eps.load(u) for u in pool) + 1
+        share = -(-inflight // len(pool)) + _SHARE_SLACK if inflight <= _FEW * len(pool) else 0
         url = None
         for candidate in order:
             held = eps.held(candidate, key)
-            if eps.load(candidate) >= limit and not (held and 2 * held < limit):
+            load = eps.load(candidate)
+            if load >= limit and not (held and 2 * held < limit):
                 continue  # at its limit, unless its own few requests wait for it there
             if held:
                 url = candidate  # joins its prompt's requests in flight
                 break
-            cost, slack = response, _CACHED_SLACK * prompt
-            if candidate not in cached:
+            if candidate in cached:
+                if load < share:
+                    url = candidate  # within what chance puts on a replica
+                    break
+                cost, slack = response, (_CACHED_SLACK * prompt if known else 0.0)
+            else:
                 cost, slack = prompt + response, 0.0
             # the bound: load_factor x the mean work, this request counted
             if work[candidate] < self._load_factor * (total + cost) / len(pool) + slack:
@@ -252,14 +278,12 @@ class EndpointPool:
         return url
 
     def _holding(self, key: int, order: Sequence[str]) -> set[str]:
-        """The replicas of ``order`` expected to hold ``key``'s prompt in their cache: those
+        """The replicas of ``order`` known to hold ``key``'s prompt in their cache: those
         it was sent to or reported cached by (the last :data:`_HOMES` prompts), those it is
-        in flight on; when none is known, its first choice (where every client's first
-        request of it goes)."""
+        in flight on."""
         known = self._cached.get(key, ())
         eps = self._endpoints
-        out = {url for url in order if url in known or eps.held(url, key)}
-        return out or {order[0]}
+        return {url for url in order if url in known or eps.held(url, key)}
 
     def _note_cached(self, key: int, url: str) -> None:
         cached = self._cached

@@ -1,13 +1,17 @@
 """Prefix placement by work: a replica's load is the uncached tokens its
 requests in flight are expected to compute (a request's whole prompt where that prompt is not
 cached, its response alone where it is), every request goes to the first replica of its
-order (its prompt's replicas first) under the bound, a replica holding the prompt keeps it up
-to 1.5 prompts of work above the bound (elsewhere the prompt is computed again), a blocked
-attempt counts once, and many clients agree with no shared state.
+order (its prompt's replicas first) under the bound, a replica known to hold the prompt keeps
+it up to 3 prompts of work above the bound (elsewhere the prompt is computed again), a new
+prompt leaves its first choice at the bound itself, and while the stream has at most 2
+requests per replica in flight a replica holding the prompt keeps it while it holds at most 2
+requests above its share of them (what chance puts there); a blocked attempt counts once, and
+many clients agree with no shared state.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -70,46 +74,93 @@ def test_a_replica_that_reports_the_prompt_cached_is_where_it_goes() -> None:
 
 
 # --- the bound in work -------------------------------------------------------------------
-def _load(pool: EndpointPool, url: str, n: int, seed: int) -> None:
+def _load(pool: EndpointPool, url: str, n: int, seed: int, prompt: int = P) -> None:
     for i in range(n):  # new prompts, each its whole prompt's work
-        pool.begin(url, Route(_key(seed * 1000 + i), P, R))
+        pool.begin(url, Route(_key(seed * 1000 + i), prompt, R))
+
+
+def _spread(pool: EndpointPool, seed: int) -> None:
+    """2 new prompts on every replica: 8 requests in flight, more than 2 per replica with the
+    next one counted, so the bound alone decides."""
+    for i, url in enumerate(URLS):
+        _load(pool, url, 2, seed=seed * 10 + i)
 
 
 def test_a_new_prompt_goes_to_its_first_choice_while_under_the_bound() -> None:
     key = _key(3)
     pool = _pool()
     first, second = pool.preference(URLS, key)[:2]
-    _load(pool, URLS[URLS.index(second)], 1, seed=1)
-    _load(pool, first, 2, seed=2)
+    _spread(pool, seed=1)
+    _load(pool, first, 3, seed=2, prompt=150)  # 5 of 11 there: 2200 + 3 x 250 = 2950
     # first choice: where every client's first request of it goes, so cached as far as
-    # anyone knows: 2 x 1100 < 1.25 x (3300 + 100) / 4 + 1.5 x 1000
+    # anyone knows: 2950 < 1.25 x (9550 + 100) / 4 = 3015.6
     assert pool.pick(URLS, key=Route(key, P, R)) == first
-    _load(pool, first, 1, seed=3)  # 3300 >= 1.25 x 4500 / 4 + 1500
+    _load(pool, first, 1, seed=3, prompt=150)  # 3200 >= 1.25 x (9800 + 100) / 4 = 3093.75
     assert pool.pick(URLS, key=Route(key, P, R)) == second
 
 
-def test_a_replica_holding_the_prompt_keeps_it_above_the_mean_work() -> None:
+def test_a_new_prompt_leaves_its_first_choice_at_the_bound_itself() -> None:
+    """No replica computed it yet: moving it costs nothing, so its first choice has no slack
+    (a replica holding it has 3 prompts)."""
+    key = _key(7)
+    pool = _pool()
+    first, second = pool.preference(URLS, key)[:2]
+    _spread(pool, seed=4)
+    _load(pool, first, 4, seed=5, prompt=500)  # 6 of 12 there: 2200 + 4 x 600 = 4600
+    # 4600 >= 1.25 x (11200 + 100) / 4 = 3531.25 (with 1.5 prompts of slack it stayed)
+    assert pool.pick(URLS, key=Route(key, P, R)) == second
+
+
+def test_a_replica_holding_the_prompt_keeps_it_up_to_three_prompts_above_the_bound() -> None:
     key = _key(4)
     pool = _pool()
     home = pool.preference(URLS, key)[1]
     pool.record_cached(home, Route(key, P, R), P)  # placed there by another client
-    _load(pool, home, 2, seed=5)  # 2200, all the work in flight
-    assert pool._endpoints.work(home) >= 1.25 * (2200 + R) / 4  # above the plain bound
-    assert pool.pick(URLS, key=Route(key, P, R)) == home  # < the bound + 1.5 prompts
-    _load(pool, home, 1, seed=6)  # 3300 >= 1.25 x 3400 / 4 + 1500: computed elsewhere
+    _spread(pool, seed=6)
+    _load(pool, home, 4, seed=7, prompt=900)  # 6 of 12 there: 2200 + 4 x 1000 = 6200
+    # 6200 < 1.25 x (12800 + 100) / 4 + 3 x 1000 = 7031.25 (1.5 prompts: 5531.25)
+    assert pool._endpoints.work(home) >= 1.25 * (12800 + R) / 4 + 1.5 * P
+    assert pool.pick(URLS, key=Route(key, P, R)) == home
+    _load(pool, home, 2, seed=8, prompt=900)  # 8200 >= 1.25 x 14900 / 4 + 3000: elsewhere
     assert pool.pick(URLS, key=Route(key, P, R)) != home
+
+
+def test_a_replica_within_its_share_of_the_requests_keeps_the_prompt_whatever_its_work() -> None:
+    """A stream with 2 requests in flight, both on the prompt's first choice, the others idle:
+    hashing puts that many on one replica by chance (share: ceil(3 / 4) = 1, plus 2)."""
+    key = _key(8)
+    pool = _pool()
+    first = pool.preference(URLS, key)[0]
+    _load(pool, first, 2, seed=9, prompt=4000)  # 8200 >= 1.25 x 8300 / 4 + 1.5 x 1000
+    assert pool.pick(URLS, key=Route(key, P, R)) == first
+    _load(pool, first, 1, seed=10, prompt=4000)  # 3 of 3 (share 1 + 2): the bound decides
+    assert pool.pick(URLS, key=Route(key, P, R)) != first
+
+
+def test_with_more_than_two_requests_per_replica_in_flight_the_bound_alone_decides() -> None:
+    """9 in flight (10 with this one: more than 2 per replica) read load, not chance: a
+    replica holding 3 of them (its share 3, plus 2, would have kept it) over the bound spills."""
+    key = _key(9)
+    pool = _pool()
+    first = pool.preference(URLS, key)[0]
+    _spread(pool, seed=11)
+    _load(pool, first, 1, seed=12, prompt=4000)  # 2200 + 4100 >= 1.25 x (12900 + 100) / 4
+    assert pool.pick(URLS, key=Route(key, P, R)) != first
 
 
 @pytest.mark.parametrize("factor", [1.0, 1.25, 2.0])
 def test_no_request_is_placed_above_the_bound(factor: float) -> None:
     """Requests arrive and leave at random; a third share a few hot prompts. Each goes where
-    its prompt is in flight, or to a replica under ``factor`` x the mean work (this request
-    counted) plus 1.5 prompts where its prompt is (expected) cached."""
+    its prompt is in flight, or (with at most 2 requests per replica in flight) to a replica
+    expected to hold its prompt with fewer than its share of them plus 2, or to a replica
+    under ``factor`` x the mean work (this request counted), plus 3 prompts where its prompt
+    is known cached."""
     pool = _pool(factor, limit=1 << 30)
     eps = pool._endpoints
     rng = random.Random(1)
     live: list[tuple[str, Route, int]] = []
     hot = [_key(10 + i) for i in range(3)]
+    bounded = 0
     for _ in range(3000):
         if live and rng.random() < 0.45:
             url, route, work = live.pop(rng.randrange(len(live)))
@@ -121,15 +172,19 @@ def test_no_request_is_placed_above_the_bound(factor: float) -> None:
         known = set(pool._cached.get(key, ())) | holders
         cached = known or {pool.preference(URLS, key)[0]}
         total = sum(eps.work(u) for u in URLS)
+        inflight = sum(eps.load(u) for u in URLS) + 1
+        share = math.ceil(inflight / len(URLS)) + 2 if inflight <= 2 * len(URLS) else 0
         url = pool.pick(URLS, key=route)
         assert url is not None
         if holders:
             assert url in holders
-        else:
+        elif not (url in cached and eps.load(url) < share):
+            bounded += 1
             cost = route.response if url in cached else route.prompt + route.response
-            slack = 1.5 * route.prompt if url in cached else 0
+            slack = 3 * route.prompt if url in known else 0
             assert eps.work(url) < factor * (total + cost) / len(URLS) + slack
         live.append((url, route, pool.begin(url, route)))
+    assert bounded > 300  # the bound decided, not the share
 
 
 def test_a_prompt_in_flight_is_joined_and_remembered_there() -> None:
@@ -160,6 +215,16 @@ def test_in_completion_order_a_prompt_is_computed_about_once_on_balanced_replica
     assert prefix.max_over_mean <= 1.25
     assert prefix.makespan_s < spread.makespan_s
     assert spread.computed_over_unique > 1.8  # what the prefix saves
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_completion_order_one_stream_computes_every_prompt_once(seed: int) -> None:
+    """The same traffic: a group's samples stay where its prompt is (a new group moves
+    instead, before any replica computed it), with the load as balanced as before."""
+    samples = completion_order(groups(32, 8, 1024, 256, seed), seed + 100)
+    out = simulate(SIM_URLS, [samples], inflight=16)
+    assert sum(out.computed) == out.unique
+    assert out.max_over_mean <= 1.25
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

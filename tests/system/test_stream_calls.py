@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from support.config import stream_config
@@ -248,3 +249,29 @@ async def test_a_calls_outcome_reaches_its_caller_without_the_emit_channels_hop(
     assert "emit" not in sent and sent.count("intake") == 2 and sent.count("kl") == 1
     assert stats.completed == 2 and stats.failed == 1 and stats.in_flight == 0
     assert stats.channels.emit.depth == 0 and stats.channels.emit.high_water == 1
+
+
+async def test_a_call_costs_the_event_loop_five_rounds_when_nothing_waits() -> None:
+    # Counted by a task that takes every round the loop gives it (no clock): a call's hops
+    # (its channel, intake, a fetch worker) and its request's, where a slot and the
+    # endpoint's place are free and taken without a turn given away (9 rounds before).
+    rounds = 0
+
+    async def count_rounds() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            await anyio.lowlevel.checkpoint()
+
+    samples = _samples(6, seed=5)
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        await stream.teacher_rows(samples[0])  # the calls' run started
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(count_rounds)
+            await anyio.lowlevel.checkpoint()
+            before = rounds
+            for sample in samples[1:]:
+                await stream.teacher_rows(sample)
+            per_call = (rounds - before) / 5
+            tg.cancel_scope.cancel()
+    assert per_call <= 5

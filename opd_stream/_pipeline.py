@@ -232,9 +232,7 @@ class _Pipeline:
         slots = config.max_inflight
         if order == "input":
             slots = min(slots, config.max_reorder)
-        # fast_acquire: a free slot is taken without a turn given to the loop (intake yields
-        # at its channel's send anyway); a cancelled intake still stops at the acquire
-        self.slots = anyio.Semaphore(slots, fast_acquire=True)
+        self.slots = anyio.Semaphore(slots)
         # admitted, result not yet handed over: the one count (the stream's is their sum)
         self.in_flight = 0
         self.calls: dict[int, Call] = {}  # admitted calls by index, until handed over

@@ -122,7 +122,7 @@ class AttemptSender:
         self._threads = threads
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
-        self._limiters: dict[str, anyio.Semaphore] = {}
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.now = loop_clock()  # anyio.current_time, looked up once (made on the loop)
 
     def _pick(
@@ -131,15 +131,10 @@ class AttemptSender:
         """The replica for the next attempt (see :class:`EndpointPool`)."""
         return self._pool.pick(urls, exclude, key)
 
-    def _limiter(self, url: str) -> anyio.Semaphore:
-        """The endpoint's limit on requests in flight (``max_inflight_per_endpoint``). A free
-        place is taken without a turn given to the event loop (``fast_acquire``: the request
-        that follows yields soon enough); waiters are served first come, first served, and a
-        cancelled caller stops at the acquire."""
+    def _limiter(self, url: str) -> anyio.CapacityLimiter:
         lim = self._limiters.get(url)
         if lim is None:
-            limit = self._cfg.max_inflight_per_endpoint
-            lim = self._limiters[url] = anyio.Semaphore(limit, fast_acquire=True)
+            lim = self._limiters[url] = anyio.CapacityLimiter(self._cfg.max_inflight_per_endpoint)
         return lim
 
     async def send(

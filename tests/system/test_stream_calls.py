@@ -251,10 +251,10 @@ async def test_a_calls_outcome_reaches_its_caller_without_the_emit_channels_hop(
     assert stats.channels.emit.depth == 0 and stats.channels.emit.high_water == 1
 
 
-async def test_a_call_costs_the_event_loop_five_rounds_when_nothing_waits() -> None:
+async def test_a_call_costs_the_event_loop_seven_rounds_when_nothing_waits() -> None:
     # Counted by a task that takes every round the loop gives it (no clock): a call's hops
-    # (its channel, intake, a fetch worker) and its request's, where a slot and the
-    # endpoint's place are free and taken without a turn given away (9 rounds before).
+    # (its channel, intake, a fetch worker) and its request's, its outcome handed over by
+    # the worker: 7 (trio's scheduling moves it by a few tenths); 9 through the emitter.
     rounds = 0
 
     async def count_rounds() -> None:
@@ -263,7 +263,7 @@ async def test_a_call_costs_the_event_loop_five_rounds_when_nothing_waits() -> N
             rounds += 1
             await anyio.lowlevel.checkpoint()
 
-    samples = _samples(6, seed=5)
+    samples = _samples(21, seed=5)
     async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
         await stream.teacher_rows(samples[0])  # the calls' run started
         async with anyio.create_task_group() as tg:
@@ -272,6 +272,6 @@ async def test_a_call_costs_the_event_loop_five_rounds_when_nothing_waits() -> N
             before = rounds
             for sample in samples[1:]:
                 await stream.teacher_rows(sample)
-            per_call = (rounds - before) / 5
+            per_call = (rounds - before) / 20
             tg.cancel_scope.cancel()
-    assert per_call <= 5
+    assert per_call < 8

@@ -342,7 +342,7 @@ class _Pipeline:
         except (InvalidSampleError, RoutingError) as exc:
             if call is not None:
                 call.error = exc
-            await self._send("emit", emit, sample_failure(sample, index, exc, 0, self.secret))
+            await self._emit(emit, sample_failure(sample, index, exc, 0, self.secret))
         else:
             crew.before_send()
             await self._send("intake", work, _Job(prepared, admitted_at, call))
@@ -353,6 +353,19 @@ class _Pipeline:
         """Send, then count the item as sitting in ``channel`` (for depth/high-water stats)."""
         await stream.send(item)
         self.stats.put(channel)
+
+    async def _emit(self, emit: MemoryObjectSendStream[_Item], item: _Item) -> None:
+        """An outcome for the emitter. A call's outcome (``order="completed"``, the only
+        order of a calls' run) is handed to its caller here, at once: what the emitter
+        would do with it (account, deliver, release the slot) without the hop through the
+        ``emit`` channel and the emitter's task (an event-loop round per sample). Anything
+        else goes through the channel."""
+        if self.order == "completed" and item.index in self.calls:
+            self.stats.put("emit")  # counted as passing through it, as before
+            self.stats.take("emit")
+            self._deliver(item)
+            return
+        await self._send("emit", emit, item)
 
     # stage 2: fetch workers --------------------------------------------------------
     def _empty_result(self, job: _Job) -> _Item:
@@ -392,7 +405,7 @@ class _Pipeline:
         self.stats.take("intake")
         prepared, call = job.prepared, job.call
         if prepared.response_length == 0:
-            await self._send("emit", emit, self._empty_result(job))
+            await self._emit(emit, self._empty_result(job))
             return
         teacher_only = call is not None and call.teacher_only
         fetched: Fetched | None = None
@@ -408,10 +421,10 @@ class _Pipeline:
             failure = sample_failure(
                 prepared.sample, prepared.index, exc.error, exc.attempts, self.secret
             )
-            await self._send("emit", emit, failure)
+            await self._emit(emit, failure)
             return
         except Exception as exc:  # a bug: fail this sample, keep the others going
-            await self._send("emit", emit, internal_failure(prepared, exc, 0, self.secret))
+            await self._emit(emit, internal_failure(prepared, exc, 0, self.secret))
             return
         if fetched is None:
             cancelled = SampleFailure(
@@ -421,7 +434,7 @@ class _Pipeline:
                 message="cancelled by its caller",
                 attempts=0,
             )
-            await self._send("emit", emit, cancelled)
+            await self._emit(emit, cancelled)
             return
         if teacher_only:  # nothing for the KL stage: the teacher's rows are the outcome
             rows = TeacherRows(
@@ -430,7 +443,7 @@ class _Pipeline:
                 attempts=fetched.attempts,
                 latency_s=time.monotonic() - job.admitted_at,
             )
-            await self._send("emit", emit, rows)
+            await self._emit(emit, rows)
             return
         await self._send("kl", kl, fetched)
 
@@ -499,7 +512,7 @@ class _Pipeline:
                 fetched, exc = res
                 p = fetched.prepared
                 item = sample_failure(p.sample, p.index, exc, fetched.attempts, self.secret)
-            await self._send("emit", emit, item)
+            await self._emit(emit, item)
         # The worker thread may still hold the list it returned for a moment (trio's thread
         # cache keeps its result until its delivery returns): leave it empty.
         results.clear()
@@ -522,13 +535,22 @@ class _Pipeline:
             )
 
     async def _hand_over(self, item: _Item, out: MemoryObjectSendStream[Result]) -> None:
+        if item.index in self.calls:
+            self._deliver(item)
+            return
         self._account(item)
-        call = self.calls.pop(item.index, None)
-        if call is not None:
-            call.deliver(item)  # the caller waits for it, not the output channel
-        else:
-            assert not isinstance(item, TeacherRows)  # (only a call asks for them)
-            await self._send("output", out, item)
+        assert not isinstance(item, TeacherRows)  # (only a call asks for them)
+        await self._send("output", out, item)
+        self._released()
+
+    def _deliver(self, item: _Item) -> None:
+        """A call's outcome to its caller (who waits for it, not the output channel)."""
+        self._account(item)
+        self.calls.pop(item.index).deliver(item)
+        self._released()
+
+    def _released(self) -> None:
+        """An outcome handed over: its slot is free."""
         self.slots.release()
         if self.in_flight == 0:  # nothing in flight: give freed heap memory back
             maybe_release_freed_memory()

@@ -11,6 +11,7 @@ bookkeeping (sans-IO) in ``_balance``; capability state in ``_capabilities``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import time
@@ -45,7 +46,7 @@ from ..wire._vllm import ENGINE_PATHS
 from ._retry import retry_after_s
 from ._threads import build_in_thread, decode_in_thread, timed_build, timed_decode
 
-__all__ = ("AttemptSender", "Counter", "Failed")
+__all__ = ("AttemptSender", "Counter", "Failed", "loop_clock")
 
 log = get_logger()
 
@@ -56,6 +57,25 @@ _PROBE_MAX_BYTES = 64 * 1024
 
 _NO_WATCHDOG = contextlib.nullcontext()
 """An attempt's watchdog under ``attempt_timeout_s=0`` (reusable: it holds nothing)."""
+
+
+def loop_clock() -> Callable[[], float]:
+    """The running event loop's clock, the one ``anyio.current_time()`` reads, looked up
+    once (anyio finds the backend anew at each call, through sniffio: ~8 calls each).
+
+    On asyncio, the loop's ``time``; elsewhere (trio, and its ``MockClock`` in tests), or
+    with no loop running, ``anyio.current_time`` itself. A trio run hosted on an asyncio
+    loop (guest mode) keeps anyio's: its clock is not the loop's (trio's has an offset).
+    """
+    try:
+        now = asyncio.get_running_loop().time
+    except RuntimeError:
+        return anyio.current_time
+    try:
+        same = abs(anyio.current_time() - now()) < 1.0
+    except Exception:  # (no backend anyio can find: keep its own lookup)
+        same = False
+    return now if same else anyio.current_time
 
 
 class Counter:
@@ -103,6 +123,7 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self.now = loop_clock()  # anyio.current_time, looked up once (made on the loop)
 
     def _pick(
         self, urls: tuple[str, ...], exclude: tuple[str, ...] = (), key: Route | None = None
@@ -224,7 +245,7 @@ class AttemptSender:
         Raises:
             Failed: the attempt failed.
         """
-        start = anyio.current_time()
+        start = self.now()
         limit = self._cfg.attempt_timeout_s
         watchdog = anyio.move_on_after(limit) if limit > 0 else _NO_WATCHDOG
         rows: ScoreRows | None = None
@@ -263,7 +284,7 @@ class AttemptSender:
         except OPDStreamError as exc:
             self._record_failure(side, urls, url, exc)
             raise Failed(exc, url, req) from None
-        self._pool.record_success(url, urls, anyio.current_time() - start)
+        self._pool.record_success(url, urls, self.now() - start)
         return rows
 
     def _record_failure(
@@ -276,12 +297,12 @@ class AttemptSender:
             self._note_failure(side, url, urls)
         if isinstance(exc, ConnectionFailed):
             if exc.refused:  # not reached (a reset or a timeout says nothing either way)
-                self._pool.record_refused(url, anyio.current_time())
+                self._pool.record_refused(url, self.now())
         elif isinstance(exc, ServerError):  # it answered
             self._pool.record_reached(url)
 
     def _note_failure(self, side: Side, url: str, urls: tuple[str, ...]) -> None:
-        if self._pool.record_failure(url, urls, anyio.current_time()):  # ejected it
+        if self._pool.record_failure(url, urls, self.now()):  # ejected it
             log.warning(
                 "endpoint_ejected",
                 side=side,
@@ -297,7 +318,7 @@ class AttemptSender:
         :data:`_PROBE_TIMEOUT_S` and the request's deadline. A 200 re-admits the replica;
         anything else ejects it for another cool-down.
         """
-        url = self._pool.claim_probe(urls, anyio.current_time())
+        url = self._pool.claim_probe(urls, self.now())
         if url is None:
             return
         healthy: bool | None = None
@@ -321,7 +342,7 @@ class AttemptSender:
             if healthy is None:
                 self._pool.release_probe(url)  # cancelled from outside: no verdict
             else:
-                self._pool.probe_result(url, healthy, anyio.current_time())
+                self._pool.probe_result(url, healthy, self.now())
                 log.info("endpoint_probed", side=side, url=url, healthy=healthy)
 
     def _learn(

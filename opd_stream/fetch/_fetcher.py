@@ -140,7 +140,7 @@ class SampleFetcher:
         not counted against ``max_attempts``. Nothing outlives the deadline: the probes,
         the hedges and the backoff sleeps all run inside its cancel scope.
         """
-        deadline = anyio.current_time() + self._cfg.request_deadline_s
+        deadline = self._sender.now() + self._cfg.request_deadline_s
         tries = Counter()
         last: OPDStreamError | None = None
         failed_url: tuple[str, ...] = ()  # a retry goes elsewhere when a replica is left
@@ -180,7 +180,7 @@ class SampleFetcher:
                         self._check_reachable(side, urls, let_through=False)
                     wait = exc.retry_after if isinstance(exc, ServerHTTPError) else None
                     delay = (
-                        self._policy.delay(tries.attempts, anyio.current_time(), deadline, wait)
+                        self._policy.delay(tries.attempts, self._sender.now(), deadline, wait)
                         if exc.retryable
                         else None
                     )
@@ -201,7 +201,7 @@ class SampleFetcher:
         """Fail at once when every replica of ``urls`` has refused connections for
         ``unreachable_after_s`` (see ``EndpointPool.unreachable``), unless ``let_through``
         and this request is the one let through to see whether they are back."""
-        now = anyio.current_time()
+        now = self._sender.now()
         refusing = self._pool.unreachable(urls, now)
         if refusing is None:
             return

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from support.config import stream_config
@@ -219,3 +220,58 @@ async def test_score_and_run_share_the_stream_and_its_stats() -> None:
     assert all(isinstance(r, ScoredSample) for r in ran)
     assert isinstance(scored, ScoredSample)
     assert stats.admitted == stats.completed == 5
+
+
+async def test_a_calls_outcome_reaches_its_caller_without_the_emit_channels_hop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each hop through a channel costs the event loop a round per sample (issues 33, 35):
+    # a call's outcome (rows, a result, a failure) is handed to its caller by the stage
+    # that has it, and still counted as passing the emit channel.
+    from opd_stream._pipeline import _Pipeline
+
+    sent: list[str] = []
+    send = _Pipeline._send
+
+    async def spy(self: Any, channel: Any, stream: Any, item: Any) -> None:
+        sent.append(channel)
+        await send(self, channel, stream, item)
+
+    monkeypatch.setattr(_Pipeline, "_send", spy)
+    samples = _samples(3, seed=4)
+    async with OPDStream(_cfg(top_k=2), transport=mock_transport(_servers())) as stream:
+        rows = await stream.teacher_rows(samples[0])
+        scored = await stream.score(samples[1])
+        invalid = await stream.score(Sample([1, 2], 5))
+        stats = stream.stats()
+    assert rows.token_logprobs.shape == (6,) and isinstance(scored, ScoredSample)
+    assert isinstance(invalid, SampleFailure) and invalid.reason == "invalid_sample"
+    assert "emit" not in sent and sent.count("intake") == 2 and sent.count("kl") == 1
+    assert stats.completed == 2 and stats.failed == 1 and stats.in_flight == 0
+    assert stats.channels.emit.depth == 0 and stats.channels.emit.high_water == 1
+
+
+async def test_a_call_costs_the_event_loop_seven_rounds_when_nothing_waits() -> None:
+    # Counted by a task that takes every round the loop gives it (no clock): a call's hops
+    # (its channel, intake, a fetch worker) and its request's, its outcome handed over by
+    # the worker: 7 (trio's scheduling moves it by a few tenths); 9 through the emitter.
+    rounds = 0
+
+    async def count_rounds() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            await anyio.lowlevel.checkpoint()
+
+    samples = _samples(21, seed=5)
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        await stream.teacher_rows(samples[0])  # the calls' run started
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(count_rounds)
+            await anyio.lowlevel.checkpoint()
+            before = rounds
+            for sample in samples[1:]:
+                await stream.teacher_rows(sample)
+            per_call = (rounds - before) / 20
+            tg.cancel_scope.cancel()
+    assert per_call < 8

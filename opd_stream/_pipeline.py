@@ -355,12 +355,12 @@ class _Pipeline:
         self.stats.put(channel)
 
     async def _emit(self, emit: MemoryObjectSendStream[_Item], item: _Item) -> None:
-        """An outcome for the emitter. A call's outcome (``order="completed"``, the only
-        order of a calls' run) is handed to its caller here, at once: what the emitter
-        would do with it (account, deliver, release the slot) without the hop through the
-        ``emit`` channel and the emitter's task (an event-loop round per sample). Anything
-        else goes through the channel."""
-        if self.order == "completed" and item.index in self.calls:
+        """An outcome for the emitter. A call's outcome (a calls' run is in completed
+        order) is handed to its caller here, at once, by :meth:`_deliver`, as
+        :meth:`_hand_over` would: without the hop through the ``emit`` channel and the
+        emitter's task (an event-loop round per sample). Anything else goes through the
+        channel."""
+        if item.index in self.calls:
             self.stats.put("emit")  # counted as passing through it, as before
             self.stats.take("emit")
             self._deliver(item)

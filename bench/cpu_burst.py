@@ -10,6 +10,8 @@ each is kept: noise on a shared machine only ever adds):
 * the baseline (``bench.baseline``: Miles' way, per-position ids on a patched server);
 * ``opd_stream``, a stream opened per burst, with its CPU by step (``stats().cpu_s``) and
   the remainder no step names;
+* the same bursts through the aiohttp transport (the default before 1.x's asyncio
+  transport: the transport's share, before and after, in one run);
 * the same bursts through one stream kept open (a rollout loop's other choice);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check;
@@ -36,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from opd_stream import OPDStream, Sample
+from opd_stream import AiohttpTransport, OPDStream, Sample
 from opd_stream.scanner._loader import prepare
 from opd_stream.wire._codec import decode_score_response
 
@@ -51,11 +53,13 @@ _MODES = (("Python rows", False), ("array rows", True))
 
 
 async def _opd_burst(
-    cfg: Any, samples: list[Sample], pids: list[int]
+    cfg: Any, samples: list[Sample], pids: list[int], *, aiohttp: bool = False
 ) -> tuple[float, dict[str, float]]:
-    """One burst through a stream of its own: client CPU, and ``stats().cpu_s``."""
+    """One burst through a stream of its own: client CPU, and ``stats().cpu_s``
+    (``aiohttp``: through :class:`AiohttpTransport`, not the default transport)."""
+    transport = AiohttpTransport() if aiohttp else None
     with ClientMeter(pids) as meter:
-        async with OPDStream(cfg) as stream, stream.run(samples) as results:
+        async with OPDStream(cfg, transport=transport) as stream, stream.run(samples) as results:
             async for _ in results:
                 pass
     return meter.cpu_s, stream.stats().cpu_s.as_dict()  # (read once the stream is left)
@@ -97,8 +101,10 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             ours = make_samples(args.n, args.prompt, args.response, args.k, topk_arrays=arrays)
             await _opd_burst(cfg, ours, pids)  # warm: imports, the mocks' replay caches
             await _baseline(rows, teacher, student, args.k)
-            base = opd = float("inf")
+            await _opd_burst(cfg, ours, pids, aiohttp=True)
+            base = opd = aio = float("inf")
             steps: dict[str, float] = {}
+            aio_steps: dict[str, float] = {}
             for _ in range(args.reps):  # interleaved: the machine's drift hits both
                 _settle()
                 with ClientMeter(pids) as meter:
@@ -108,6 +114,10 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 cpu, cpu_s = await _opd_burst(cfg, ours, pids)
                 if cpu < opd:
                     opd, steps = cpu, cpu_s
+                _settle()
+                cpu, cpu_s = await _opd_burst(cfg, ours, pids, aiohttp=True)
+                if cpu < aio:
+                    aio, aio_steps = cpu, cpu_s
             kept = await _kept_bursts(cfg, ours, pids, args.reps)
             bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
             untyped = _best_cpu(
@@ -125,6 +135,9 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "baseline_ms_per_sample": _ms(base, n),
                 "opd_ms_per_sample": _ms(opd, n),
                 "opd_kept_stream_ms_per_sample": _ms(kept, n),
+                "opd_aiohttp_ms_per_sample": _ms(aio, n),
+                "baseline_over_opd_aiohttp": base / aio,
+                "aiohttp_loop_ms_per_sample": _ms(aio_steps.get("loop", 0.0), n),
                 "msgspec_untyped_ms_per_sample": _ms(untyped, n),
                 "scanner_ms_per_sample": _ms(scanner, n),
                 "baseline_over_opd": base / opd,
@@ -203,16 +216,17 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     )
     print(
         "| student top-k | baseline (Miles) | opd_stream | ratio | kept stream "
-        "| msgspec untyped | x | scanner | x | unnamed |"
+        "| msgspec untyped | x | scanner | x | unnamed | through aiohttp | ratio | its loop |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, m in burst.items():
         print(
             f"| {label} | {m['baseline_ms_per_sample']:.1f} | {m['opd_ms_per_sample']:.2f} "
             f"| {m['baseline_over_opd']:.1f}x | {m['opd_kept_stream_ms_per_sample']:.2f} "
             f"| {m['msgspec_untyped_ms_per_sample']:.2f} | {m['opd_over_msgspec_untyped']:.2f}x "
             f"| {m['scanner_ms_per_sample']:.2f} | {m['opd_over_scanner']:.2f}x "
-            f"| {m['unnamed_share']:.1%} |"
+            f"| {m['unnamed_share']:.1%} | {m['opd_aiohttp_ms_per_sample']:.2f} "
+            f"| {m['baseline_over_opd_aiohttp']:.1f}x | {m['aiohttp_loop_ms_per_sample']:.2f} |"
         )
     steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
     print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")

@@ -54,6 +54,7 @@ if _typing.TYPE_CHECKING:  # the names, for type checkers and readers; loaded la
     from .fleet._probe import ProbeReport, ReplicaProbe
     from .fleet._records import EndpointStats, FleetState
     from .transport._budget import BudgetLease
+    from .transport._native import AsyncioTransport
     from .transport._transports import (
         AiohttpTransport,
         MockTransport,
@@ -90,6 +91,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".fleet._records": ("EndpointStats", "FleetState"),
     "._stream": ("OPDStream", "Results"),
     ".transport._budget": ("BudgetLease",),
+    ".transport._native": ("AsyncioTransport",),
     ".transport._transports": (
         "AiohttpTransport",
         "MockTransport",
@@ -131,6 +133,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "__version__",
     "AiohttpTransport",
+    "AsyncioTransport",
     "BudgetLease",
     "Candidates",
     "CapabilityError",

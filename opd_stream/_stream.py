@@ -40,7 +40,7 @@ from .fleet._routing import TeacherRouting, replica_groups
 from .scanner._loader import cpu_seconds as kernels_cpu
 from .scanner._loader import start as start_kernels
 from .transport._legacy import as_transport
-from .transport._transports import AiohttpTransport, Transport
+from .transport._transports import Transport
 from .wire._answers import ScoreRows
 from .xtok._tokenizers import CrossTokenizers
 
@@ -67,7 +67,9 @@ def _on_asyncio() -> bool:
 
 def _default_transport_modules() -> tuple[str, ...]:
     """The modules :func:`default_transport` imports, for the running backend."""
-    return ("aiohttp",) if _on_asyncio() else (f"{__package__}.transport._httpx",)
+    if _on_asyncio():
+        return (f"{__package__}.transport._native",)
+    return (f"{__package__}.transport._httpx",)
 
 
 def _kl_device_now(config: StreamConfig) -> str | None:
@@ -90,14 +92,17 @@ def _kl_device_now(config: StreamConfig) -> str | None:
 
 def default_transport(config: StreamConfig) -> Transport:
     """The transport a stream uses when none is given, for the running backend: pooled
-    aiohttp under asyncio, pooled httpx (the ``httpx`` extra) under trio.
+    HTTP/1.1 on asyncio's buffered protocols (:class:`~opd_stream.AsyncioTransport`)
+    under asyncio, pooled httpx (the ``httpx`` extra) under trio.
 
     Raises:
         ConfigError: under trio without httpx installed.
     """
     api_key = config.api_key.get_secret_value() if config.api_key else None
     if _on_asyncio():
-        return AiohttpTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
+        from .transport._native import AsyncioTransport
+
+        return AsyncioTransport(api_key=api_key, connect_timeout_s=config.connect_timeout_s)
     try:
         from .transport._httpx import HttpxTransport
     except ImportError:
@@ -199,7 +204,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
     Args:
         config: the validated configuration (see :class:`StreamConfig`).
         transport: the HTTP transport; by default (see :func:`default_transport`) a pooled
-            :class:`AiohttpTransport` under asyncio and a pooled ``HttpxTransport`` under
+            :class:`AsyncioTransport` under asyncio and a pooled ``HttpxTransport`` under
             trio (the ``httpx`` extra). Pass a ``MockTransport`` to run without sockets.
             One with only the ``post`` / ``get`` of the releases before
             :class:`~opd_stream.Request` is wrapped (a ``DeprecationWarning``, here).

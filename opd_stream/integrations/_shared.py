@@ -31,7 +31,7 @@ class SharedStream:
 
     Args:
         config: the stream configuration.
-        transport: passed to :class:`OPDStream` (default: pooled aiohttp).
+        transport: passed to :class:`OPDStream` (default: the pooled asyncio transport).
         owner: the adapter's name, for error messages.
     """
 

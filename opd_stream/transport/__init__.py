@@ -5,6 +5,15 @@ Its modules, and what each holds: ``docs/internals.md``, "Module map".
 """
 
 from ._budget import BudgetLease
+from ._native import AsyncioTransport
 from ._transports import AiohttpTransport, MockTransport, Request, Response, Transport
 
-__all__ = ("AiohttpTransport", "BudgetLease", "MockTransport", "Request", "Response", "Transport")
+__all__ = (
+    "AiohttpTransport",
+    "AsyncioTransport",
+    "BudgetLease",
+    "MockTransport",
+    "Request",
+    "Response",
+    "Transport",
+)

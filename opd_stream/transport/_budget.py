@@ -55,6 +55,11 @@ class BudgetLease:
         """Charge ``size`` more bytes, waiting until the budget grants them."""
         await self._budget._acquire(self, size)
 
+    def try_grow(self, size: int) -> bool:
+        """Charge ``size`` more bytes if the budget grants them without waiting (as
+        :meth:`grow` would at once); False, charging nothing, if :meth:`grow` would wait."""
+        return self._budget._try_acquire(self, size)
+
     async def settle(self, total: int) -> None:
         """Make the lease hold at least ``total`` bytes (charges what a transport did not)."""
         if total > self.held:
@@ -128,13 +133,18 @@ class ByteBudget:
         self.used += size
         self.peak = max(self.peak, self.used)
 
-    async def _acquire(self, lease: BudgetLease, size: int) -> None:
+    def _try_acquire(self, lease: BudgetLease, size: int) -> bool:
         if size <= 0:
-            return
+            return True
         if lease._released:
             raise RuntimeError("BudgetLease used after release")
         if lease is self._privileged or (not self._waiters and self._fits(size)):
             self._grant(lease, size)
+            return True
+        return False
+
+    async def _acquire(self, lease: BudgetLease, size: int) -> None:
+        if self._try_acquire(lease, size):
             return
         waiter = _Waiter(lease, size, counted=lease.held > 0)
         self._waiters.append(waiter)

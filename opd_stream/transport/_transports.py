@@ -2,9 +2,10 @@
 
 A :class:`Transport` has one operation, ``send``: it takes a :class:`Request` and returns a
 :class:`Response` whose body was read under the cap (``post`` and ``get`` build the request).
-:class:`AiohttpTransport` is the production transport (asyncio only); :class:`MockTransport`
-calls a handler in-process on any anyio backend. Errors: :class:`ConnectionFailed`,
-:class:`ResponseTooLarge`, :class:`MalformedResponseError` (a compressed body); HTTP status
+:class:`AiohttpTransport` (asyncio only) was the default before ``_native``'s;
+:class:`MockTransport` calls a handler in-process on any anyio backend. Errors:
+:class:`ConnectionFailed`, :class:`ResponseTooLarge`, :class:`MalformedResponseError` (a
+compressed body); HTTP status
 codes are *not* errors here. Every transport charges what it reads to the request's
 ``lease`` when there is one. In full: ``docs/design-notes.md``,
 "opd_stream/transport/_transports.py".

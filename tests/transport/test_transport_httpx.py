@@ -9,16 +9,15 @@ exactly the bytes each test wants.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
-import anyio.abc
 import pytest
 from support.config import stream_config
+from support.raw_http import Reply, answer_bytes, raw_server
 
 from opd_stream import (
     AiohttpTransport,
+    AsyncioTransport,
     ConnectionFailed,
     MalformedResponseError,
     ResponseTooLarge,
@@ -27,68 +26,14 @@ from opd_stream._stream import default_transport
 from opd_stream.transport._budget import ByteBudget
 from opd_stream.transport._httpx import HttpxTransport
 
-Reply = Callable[[bytes, bytes], tuple[bytes, bool]]  # (head, body) -> (bytes to send, close)
-
-
-class _Server:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.connections = 0
-        self.heads: list[bytes] = []
-
-
-@asynccontextmanager
-async def raw_server(reply: Reply) -> AsyncIterator[_Server]:
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    server = _Server(f"http://127.0.0.1:{port}")
-
-    async def serve(stream: anyio.abc.SocketStream) -> None:
-        server.connections += 1
-        buf = b""
-        async with stream:
-            try:
-                while True:
-                    while b"\r\n\r\n" not in buf:
-                        buf += await stream.receive()
-                    head, buf = buf.split(b"\r\n\r\n", 1)
-                    length = 0
-                    for line in head.split(b"\r\n")[1:]:
-                        name, _, value = line.partition(b":")
-                        if name.strip().lower() == b"content-length":
-                            length = int(value)
-                    while len(buf) < length:
-                        buf += await stream.receive()
-                    body, buf = buf[:length], buf[length:]
-                    server.heads.append(head)
-                    data, close = reply(head, body)
-                    await stream.send(data)
-                    if close:
-                        return
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return
-
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, serve)
-        yield server
-        tg.cancel_scope.cancel()
-
-
-def _answer(
-    body: bytes, *, status: str = "200 OK", headers: str = "", length: bool = True
-) -> bytes:
-    head = f"HTTP/1.1 {status}\r\n{headers}"
-    if length:
-        head += f"Content-Length: {len(body)}\r\n"
-    return head.encode() + b"\r\n" + body
-
 
 def _ok(body: bytes = b'{"ok": true}') -> Reply:
-    return lambda head, req: (_answer(body), False)
+    return lambda head, req: (answer_bytes(body), False)
 
 
-# aiohttp runs on asyncio only (the reason the httpx transport exists): no trio x aiohttp case
-_COMBOS = [("asyncio", "httpx"), ("asyncio", "aiohttp"), ("trio", "httpx")]
+# aiohttp and the asyncio transport run on asyncio only (the reason the httpx transport
+# exists): no trio x aiohttp or trio x asyncio case
+_COMBOS = [("asyncio", "httpx"), ("asyncio", "aiohttp"), ("asyncio", "native"), ("trio", "httpx")]
 both_transports = pytest.mark.parametrize(
     ("anyio_backend", "transport_name"), _COMBOS, ids=[f"{b}-{t}" for b, t in _COMBOS]
 )
@@ -96,7 +41,9 @@ both_transports = pytest.mark.parametrize(
 
 @pytest.fixture
 def make(transport_name: str) -> Callable[..., Any]:
-    return HttpxTransport if transport_name == "httpx" else AiohttpTransport
+    return {"httpx": HttpxTransport, "aiohttp": AiohttpTransport, "native": AsyncioTransport}[
+        transport_name
+    ]
 
 
 @both_transports
@@ -119,9 +66,9 @@ async def test_a_body_over_the_cap_is_refused(make: Any, chunked: bool) -> None:
     body = b"x" * 5000
     if chunked:
         data = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-        raw = _answer(data, headers="Transfer-Encoding: chunked\r\n", length=False)
+        raw = answer_bytes(data, headers="Transfer-Encoding: chunked\r\n", length=False)
     else:
-        raw = _answer(body)
+        raw = answer_bytes(body)
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
         with pytest.raises(ResponseTooLarge):
             await transport.post(server.url, b"{}", max_bytes=4096)
@@ -137,9 +84,9 @@ async def test_a_long_body_comes_back_byte_for_byte(make: Any, chunked: bool) ->
     if chunked:
         pieces = [body[i : i + 70_001] for i in range(0, len(body), 70_001)]
         data = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-        raw = _answer(data, headers="Transfer-Encoding: chunked\r\n", length=False)
+        raw = answer_bytes(data, headers="Transfer-Encoding: chunked\r\n", length=False)
     else:
-        raw = _answer(body)
+        raw = answer_bytes(body)
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
         resp = await transport.post(server.url, b"{}", max_bytes=len(body))
         assert bytes(resp.body) == body
@@ -147,7 +94,7 @@ async def test_a_long_body_comes_back_byte_for_byte(make: Any, chunked: bool) ->
 
 @both_transports
 async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
-    raw = _answer(b"\x1f\x8b" + b"\0" * 20, headers="Content-Encoding: gzip\r\n")
+    raw = answer_bytes(b"\x1f\x8b" + b"\0" * 20, headers="Content-Encoding: gzip\r\n")
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
         with pytest.raises(MalformedResponseError, match="Content-Encoding: gzip"):
             await transport.post(server.url, b"{}", max_bytes=1 << 20)
@@ -155,7 +102,9 @@ async def test_a_compressed_body_is_refused_unread(make: Any) -> None:
 
 @both_transports
 async def test_a_redirect_is_not_followed(make: Any) -> None:
-    raw = _answer(b"", status="302 Found", headers="Location: http://127.0.0.1:1/elsewhere\r\n")
+    raw = answer_bytes(
+        b"", status="302 Found", headers="Location: http://127.0.0.1:1/elsewhere\r\n"
+    )
     async with raw_server(lambda h, b: (raw, False)) as server, make() as transport:
         resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)
     assert resp.status == 302
@@ -164,7 +113,7 @@ async def test_a_redirect_is_not_followed(make: Any) -> None:
 
 @both_transports
 async def test_a_cut_body_and_a_refused_connection_are_connection_failures(make: Any) -> None:
-    cut = _answer(b"x" * 10)[:-5]  # announces 10 bytes, sends 5, closes
+    cut = answer_bytes(b"x" * 10)[:-5]  # announces 10 bytes, sends 5, closes
     async with raw_server(lambda h, b: (cut, True)) as server, make() as transport:
         with pytest.raises(ConnectionFailed):
             await transport.post(server.url, b"{}", max_bytes=1 << 20)
@@ -183,11 +132,11 @@ async def test_the_transport_charges_what_it_reads_to_the_lease_it_is_given(make
             assert lease.held == len(resp.body) == 3000
 
 
-async def test_a_stream_picks_aiohttp_under_asyncio_and_httpx_under_trio(
+async def test_a_stream_picks_the_asyncio_transport_under_asyncio_and_httpx_under_trio(
     anyio_backend_name: str,
 ) -> None:
     cfg = stream_config("http://127.0.0.1:1")
-    want = AiohttpTransport if anyio_backend_name == "asyncio" else HttpxTransport
+    want = AsyncioTransport if anyio_backend_name == "asyncio" else HttpxTransport
     assert type(default_transport(cfg)) is want
 
 

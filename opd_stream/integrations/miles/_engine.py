@@ -157,7 +157,7 @@ class MilesEngine:
 
     Args:
         config: the stream configuration.
-        transport: passed to :class:`OPDStream` (default: pooled aiohttp).
+        transport: passed to :class:`OPDStream` (default: the pooled asyncio transport).
 
     Raises:
         ConfigError: a teacher with its own tokenizer whose folder holds no chat template

@@ -148,7 +148,7 @@ class TeacherClient:
             teacher server runs ``--max-logprobs -1``). Its loss settings (``top_k``,
             ``strategy``, ``divergence``, ``jsd_beta``, ``weight_mode``, ``tail``) are
             ignored: each call's ``top_logprobs`` is the top-k, and TRL computes the loss.
-        transport: passed to :class:`~opd_stream.OPDStream` (default: pooled aiohttp).
+        transport: passed to :class:`~opd_stream.OPDStream` (default: the pooled asyncio transport).
         environ: the variables read when ``config`` is None (``None``: ``os.environ``).
 
     Raises:

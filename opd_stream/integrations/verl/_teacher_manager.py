@@ -185,7 +185,7 @@ class TeacherManager:
             teacher is asked, and verl computes the loss.
         top_k: verl's ``K`` (``distillation_loss.topk`` with a top-k loss); 0 means verl's
             K = 1, the logprob of each next token.
-        transport: passed to :class:`~opd_stream.OPDStream` (default: pooled aiohttp).
+        transport: passed to :class:`~opd_stream.OPDStream` (default: the pooled asyncio transport).
         teacher_key: verl's ``distillation.teacher_key``, named in routing errors.
 
     Raises:

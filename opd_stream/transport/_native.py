@@ -42,7 +42,7 @@ from ._transports import PooledTransport, Request, Response, kept_headers
 __all__ = ("AsyncioTransport",)
 
 _KEEPALIVE_S = 30.0
-_STAGING = 64 * 1024
+_STAGING = 16 * 1024
 _URL_CACHE = 256
 
 _IDLE, _HEAD, _BODY, _CHUNKED, _UNTIL_CLOSE, _WAIT = range(6)

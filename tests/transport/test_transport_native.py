@@ -8,11 +8,14 @@ from __future__ import annotations
 import functools
 import shutil
 import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import anyio.abc
 import pytest
+from anyio.streams.tls import TLSStream
 from support.raw_http import answer_bytes, raw_server
 
 from opd_stream import AsyncioTransport, ConnectionFailed, ResponseTooLarge
@@ -183,15 +186,22 @@ async def test_the_pool_size_bounds_the_connections_in_use() -> None:
     assert server.connections == 1 and len(server.heads) == 4
 
 
-async def test_an_untrusted_certificate_is_a_failure_but_not_a_refusal(tmp_path: Path) -> None:
+async def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("no openssl command to make a self-signed certificate")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     await anyio.run_process(
         [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-         "-days", "1", "-keyout", str(key), "-out", str(cert)],
+         "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
+         "-keyout", str(key), "-out", str(cert)],
     )  # fmt: skip
+    return key, cert
+
+
+@asynccontextmanager
+async def _tls_server(key: Path, cert: Path, body: bytes) -> AsyncIterator[int]:
+    """A TLS server on a free port that answers each request with ``body``."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
@@ -200,18 +210,34 @@ async def test_an_untrusted_certificate_is_a_failure_but_not_a_refusal(tmp_path:
     async def serve(stream: anyio.abc.SocketStream) -> None:
         async with stream:
             try:
-                tls = await anyio.streams.tls.TLSStream.wrap(
-                    stream, server_side=True, ssl_context=ctx
-                )
-                await tls.receive()
+                tls = await TLSStream.wrap(stream, server_side=True, ssl_context=ctx)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += await tls.receive()
+                await tls.send(answer_bytes(body))
+                await tls.receive()  # until the client goes
             except Exception:
                 return
 
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, serve)
-        async with AsyncioTransport() as transport:
-            with pytest.raises(ConnectionFailed) as info:
-                await transport.post(f"https://127.0.0.1:{port}/generate", b"{}", max_bytes=1024)
+        yield port
         tg.cancel_scope.cancel()
+
+
+async def test_an_untrusted_certificate_is_a_failure_but_not_a_refusal(tmp_path: Path) -> None:
+    key, cert = await _self_signed(tmp_path)
+    async with _tls_server(key, cert, b"{}") as port, AsyncioTransport() as transport:
+        with pytest.raises(ConnectionFailed) as info:
+            await transport.post(f"https://127.0.0.1:{port}/generate", b"{}", max_bytes=1024)
     assert not info.value.refused
     assert "CERTIFICATE" in str(info.value).upper()
+
+
+async def test_an_answer_over_tls_is_read_whole(tmp_path: Path) -> None:
+    key, cert = await _self_signed(tmp_path)
+    body = bytes(range(256)) * 4000  # ~1 MB: many TLS records into the one body buffer
+    async with _tls_server(key, cert, body) as port, AsyncioTransport() as transport:
+        transport._tls = ssl.create_default_context(cafile=str(cert))  # trust this one
+        resp = await transport.post(f"https://127.0.0.1:{port}/generate", b"{}", max_bytes=1 << 21)
+    assert bytes(resp.body) == body

@@ -30,7 +30,17 @@ Runs (the same replicas and samples; caches flushed between runs):
 * ``smg manual + routing key``: through smg ``--policy manual`` (new keys to the worker
   with the fewest keys, ``--assignment-mode min_group``), which pins each
   ``X-SMG-Routing-Key`` (our prefix key) to a worker (discovery off);
-* ``opd_stream prefix, balance_load_factor 1.0``: the tightest bound.
+* ``opd_stream prefix, balance_load_factor 1.0``: the tightest bound;
+* N clients only, with ``s9_gateway_per_client`` (on by default, off under ``--quick``):
+  ``smg manual + routing key`` (one gateway: a shared view), and each client process
+  through a gateway of its own (``s9_clients`` smg processes in front of the same
+  replicas, no mesh: no state shared between them; the stream as for one gateway, our
+  headers sent): ``smg cache_aware`` (:data:`SMG_EACH`), ``smg manual + routing key``
+  (:data:`SMG_MANUAL_EACH`), ``smg prefix_hash`` (:data:`SMG_PREFIX_HASH_EACH`: our key's
+  hash on a ring, walked past a worker over 1.25x the mean of what that gateway has in
+  flight) and ``smg consistent_hashing`` (:data:`SMG_CONSISTENT_EACH`: our key's hash on
+  the ring, no load bound): another implementation's placement with no shared view, on the
+  same work (the floor the ``prefix`` balance is held to).
 
 Measured per run: the tokens the replicas computed over the unique tokens (prompt once per
 group plus every response), the max / mean of what each replica computed, wall time and
@@ -61,7 +71,14 @@ from opd_stream.testing.mock_sglang import MockOptions
 from .harness import mocks, run_opd
 from .workload import TEACHER_SEED
 
-__all__ = ("BLOCKS", "CLIENTS", "COMPLETION", "LOCALITY_RUNS", "s9_locality")
+__all__ = (
+    "BLOCKS",
+    "CLIENTS",
+    "COMPLETION",
+    "GATEWAY_PER_CLIENT_RUNS",
+    "LOCALITY_RUNS",
+    "s9_locality",
+)
 
 COMPLETION = "own prompt, completion order"
 BLOCKS = "blocks, completion order"
@@ -79,6 +96,20 @@ PREFIX, LEAST, SMG, SMG_BARE, SMG_MANUAL, TIGHT = LOCALITY_RUNS = (
     "smg manual + routing key",
     "opd_stream prefix, balance_load_factor 1.0",
 )
+
+SMG_EACH, SMG_MANUAL_EACH, SMG_PREFIX_HASH_EACH, SMG_CONSISTENT_EACH = GATEWAY_PER_CLIENT_RUNS = (
+    "smg cache_aware, a gateway per client",
+    "smg manual + routing key, a gateway per client",
+    "smg prefix_hash, a gateway per client",
+    "smg consistent_hashing, a gateway per client",
+)
+
+_GATEWAY_ARGS: dict[str, tuple[str, list[str]]] = {  # smg's --policy and flags of each
+    SMG_EACH: ("cache_aware", []),
+    SMG_MANUAL_EACH: ("manual", ["--assignment-mode", "min_group"]),
+    SMG_PREFIX_HASH_EACH: ("prefix_hash", []),
+    SMG_CONSISTENT_EACH: ("consistent_hashing", []),
+}
 
 _RUNS = {  # the runs of each variant
     "own prompt": LOCALITY_RUNS,
@@ -212,12 +243,13 @@ def _spawn(path: Path) -> subprocess.Popen[str]:
 
 
 async def _clients_run(
-    kw: dict[str, Any], parts: list[list[Sample]], workers: list[str], unique: int
+    kws: list[dict[str, Any]], parts: list[list[Sample]], workers: list[str], unique: int
 ) -> dict[str, Any]:
-    """``parts`` scored by one stream each, in processes of their own, started together."""
+    """``parts`` scored by one stream each (``kws[i]`` the config of ``parts[i]``'s), in
+    processes of their own, started together."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for i, part in enumerate(parts):
+        for i, (kw, part) in enumerate(zip(kws, parts, strict=True)):
             path = Path(tmp) / f"client{i}.pkl"
             path.write_bytes(pickle.dumps((kw, part)))
             procs.append(_spawn(path))
@@ -280,6 +312,8 @@ def _client_main(path: str) -> None:
 
 async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
     """Prefix locality (see the module docstring)."""
+    from contextlib import ExitStack
+
     from opd_stream.testing.router import SMGGateway
 
     opts = MockOptions(
@@ -305,6 +339,7 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
             "topk": sz.s9_topk,
             "clients": sz.s9_clients,
             "client_inflight": sz.s9_client_inflight,
+            "gateway_per_client": sz.s9_gateway_per_client,
         },
         "variants": {},
     }
@@ -357,22 +392,41 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     TIGHT: {"teachers": {"default": workers}, "balance_load_factor": 1.0},
                     FLOOR: {"teachers": {"default": workers[:1]}},
                 }
+                if variant == CLIENTS and sz.s9_gateway_per_client:
+                    names = (*names, SMG_MANUAL, *GATEWAY_PER_CLIENT_RUNS)
                 runs: dict[str, Any] = {}
                 warm = _groups(2, 2, 16, 8, min(teacher_prompt, 32), seed=99, topk=topk)
                 for name in names:  # unmeasured: imports, compilation, pools
+                    if name in _GATEWAY_ARGS:  # each client process warms up its own
+                        continue
                     kw = {**common, **configs[name]}
                     await run_opd(StreamConfig.from_env({}, **kw), warm, keep=False)
                 for name in names:
                     progress(f"s9 {variant}: {name}")
-                    kw = {**common, **configs[name]}
                     if variant == CLIENTS:
                         deal = np.random.default_rng(5).integers(0, sz.s9_clients, len(samples))
                         parts = [
                             [s for s, c in zip(samples, deal, strict=True) if c == i]
                             for i in range(sz.s9_clients)
                         ]
-                        runs[name] = await _clients_run(kw, parts, workers, unique)
+                        with ExitStack() as stack:
+                            if name in _GATEWAY_ARGS:  # a gateway of its own for each client
+                                policy, extra = _GATEWAY_ARGS[name]
+                                kws = [
+                                    {
+                                        **common,
+                                        "teachers": stack.enter_context(
+                                            SMGGateway(workers, policy=policy, extra_args=extra)
+                                        ),
+                                        "gateway_discovery": "off",
+                                    }
+                                    for _ in parts
+                                ]
+                            else:
+                                kws = [{**common, **configs[name]}] * len(parts)
+                            runs[name] = await _clients_run(kws, parts, workers, unique)
                     else:
+                        kw = {**common, **configs[name]}
                         cfg = StreamConfig.from_env({}, **kw)
                         runs[name] = await _one_run(cfg, samples, workers, unique)
                 floor = runs.pop(FLOOR, None)

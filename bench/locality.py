@@ -38,9 +38,13 @@ Runs (the same replicas and samples; caches flushed between runs):
   headers sent): ``smg cache_aware`` (:data:`SMG_EACH`), ``smg manual + routing key``
   (:data:`SMG_MANUAL_EACH`), ``smg prefix_hash`` (:data:`SMG_PREFIX_HASH_EACH`: our key's
   hash on a ring, walked past a worker over 1.25x the mean of what that gateway has in
-  flight) and ``smg consistent_hashing`` (:data:`SMG_CONSISTENT_EACH`: our key's hash on
-  the ring, no load bound): another implementation's placement with no shared view, on the
-  same work (the floor the ``prefix`` balance is held to).
+  flight and 10 requests over it), the same walking past any worker over 1.25x the mean
+  (:data:`SMG_PREFIX_HASH_BOUNDED_EACH`) and ``smg consistent_hashing``
+  (:data:`SMG_CONSISTENT_EACH`: our key's hash on the ring, no load bound): another
+  implementation's placement with no shared view, on the same work (the floor the
+  ``prefix`` balance is held to); and ``cache_aware`` and ``manual`` with the gateways in
+  smg's mesh on 127.0.0.1 (:data:`SMG_MESH`, :data:`SMG_MANUAL_MESH`: the gossiped view
+  smg offers several gateways).
 
 Measured per run: the tokens the replicas computed over the unique tokens (prompt once per
 group plus every response), the max / mean of what each replica computed, wall time and
@@ -53,11 +57,14 @@ mocks' CPU set the pace and throughput says little about placement).
 from __future__ import annotations
 
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -97,19 +104,90 @@ PREFIX, LEAST, SMG, SMG_BARE, SMG_MANUAL, TIGHT = LOCALITY_RUNS = (
     "opd_stream prefix, balance_load_factor 1.0",
 )
 
-SMG_EACH, SMG_MANUAL_EACH, SMG_PREFIX_HASH_EACH, SMG_CONSISTENT_EACH = GATEWAY_PER_CLIENT_RUNS = (
+(
+    SMG_EACH,
+    SMG_MANUAL_EACH,
+    SMG_PREFIX_HASH_EACH,
+    SMG_PREFIX_HASH_BOUNDED_EACH,
+    SMG_CONSISTENT_EACH,
+    SMG_MESH,
+    SMG_MANUAL_MESH,
+) = GATEWAY_PER_CLIENT_RUNS = (
     "smg cache_aware, a gateway per client",
     "smg manual + routing key, a gateway per client",
     "smg prefix_hash, a gateway per client",
+    "smg prefix_hash, load-bounded, a gateway per client",
     "smg consistent_hashing, a gateway per client",
+    "smg cache_aware, a gateway per client, mesh",
+    "smg manual + routing key, a gateway per client, mesh",
 )
 
-_GATEWAY_ARGS: dict[str, tuple[str, list[str]]] = {  # smg's --policy and flags of each
-    SMG_EACH: ("cache_aware", []),
-    SMG_MANUAL_EACH: ("manual", ["--assignment-mode", "min_group"]),
-    SMG_PREFIX_HASH_EACH: ("prefix_hash", []),
-    SMG_CONSISTENT_EACH: ("consistent_hashing", []),
+# smg's --policy, its other flags, and whether the gateways form a mesh (--enable-mesh)
+_GATEWAY_ARGS: dict[str, tuple[str, list[str], bool]] = {
+    SMG_EACH: ("cache_aware", [], False),
+    SMG_MANUAL_EACH: ("manual", ["--assignment-mode", "min_group"], False),
+    SMG_PREFIX_HASH_EACH: ("prefix_hash", [], False),
+    # a worker over 1.25x the mean in flight is walked past whatever the difference (the
+    # default needs it 10 requests over the mean: never, with 4 in flight a gateway)
+    SMG_PREFIX_HASH_BOUNDED_EACH: (
+        "prefix_hash",
+        ["--prefix-hash-balance-abs-threshold", "0"],
+        False,
+    ),
+    SMG_CONSISTENT_EACH: ("consistent_hashing", [], False),
+    SMG_MESH: ("cache_aware", [], True),
+    SMG_MANUAL_MESH: ("manual", ["--assignment-mode", "min_group"], True),
 }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _gateways(stack: ExitStack, workers: list[str], n: int, name: str) -> list[str]:
+    """``n`` smg gateways of run ``name`` in front of ``workers``, open until ``stack``
+    closes: independent, or (a mesh run) each joining the ones started before it, returned
+    once each pair has synced (``/metrics`` counts sync rounds per peer)."""
+    from opd_stream.testing.router import SMGGateway
+
+    policy, extra, mesh = _GATEWAY_ARGS[name]
+    urls: list[str] = []
+    peers: list[str] = []
+    metrics: list[str] = []
+    for i in range(n):
+        args = list(extra)
+        if mesh:
+            port, prom = _free_port(), _free_port()
+            args += ["--enable-mesh", "--mesh-host", "127.0.0.1", "--mesh-port", str(port)]
+            args += ["--mesh-server-name", f"client{i}"]
+            args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+            if peers:
+                args += ["--mesh-peer-urls", *peers]
+            peers.append(f"127.0.0.1:{port}")
+            metrics.append(f"http://127.0.0.1:{prom}/metrics")
+        urls.append(stack.enter_context(SMGGateway(workers, policy=policy, extra_args=args)))
+    pairs = {(i, j) for i in range(len(metrics)) for j in range(i + 1, len(metrics))}
+    deadline = time.monotonic() + 60
+    while pairs:  # a sync stream runs one way per pair: either end counts its rounds
+        for i, url in enumerate(metrics):
+            text = _text(url)
+            for j in range(len(metrics)):
+                if f'sync_round_duration_seconds_count{{peer="client{j}"}}' in text:
+                    pairs.discard((min(i, j), max(i, j)))
+        if pairs and time.monotonic() > deadline:
+            raise RuntimeError(f"smg's mesh did not sync {sorted(pairs)} within 60 s")
+        time.sleep(0.2)
+    return urls
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body: bytes = resp.read()
+    return body.decode()
+
 
 _RUNS = {  # the runs of each variant
     "own prompt": LOCALITY_RUNS,
@@ -312,8 +390,6 @@ def _client_main(path: str) -> None:
 
 async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
     """Prefix locality (see the module docstring)."""
-    from contextlib import ExitStack
-
     from opd_stream.testing.router import SMGGateway
 
     opts = MockOptions(
@@ -411,16 +487,10 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                         ]
                         with ExitStack() as stack:
                             if name in _GATEWAY_ARGS:  # a gateway of its own for each client
-                                policy, extra = _GATEWAY_ARGS[name]
+                                urls = _gateways(stack, workers, len(parts), name)
                                 kws = [
-                                    {
-                                        **common,
-                                        "teachers": stack.enter_context(
-                                            SMGGateway(workers, policy=policy, extra_args=extra)
-                                        ),
-                                        "gateway_discovery": "off",
-                                    }
-                                    for _ in parts
+                                    {**common, "teachers": url, "gateway_discovery": "off"}
+                                    for url in urls
                                 ]
                             else:
                                 kws = [{**common, **configs[name]}] * len(parts)

@@ -30,7 +30,21 @@ Runs (the same replicas and samples; caches flushed between runs):
 * ``smg manual + routing key``: through smg ``--policy manual`` (new keys to the worker
   with the fewest keys, ``--assignment-mode min_group``), which pins each
   ``X-SMG-Routing-Key`` (our prefix key) to a worker (discovery off);
-* ``opd_stream prefix, balance_load_factor 1.0``: the tightest bound.
+* ``opd_stream prefix, balance_load_factor 1.0``: the tightest bound;
+* N clients only, with ``s9_gateway_per_client`` (on by default, off under ``--quick``):
+  ``smg manual + routing key`` (one gateway: a shared view), and each client process
+  through a gateway of its own (``s9_clients`` smg processes in front of the same
+  replicas, no mesh: no state shared between them; the stream as for one gateway, our
+  headers sent): ``smg cache_aware`` (:data:`SMG_EACH`), ``smg manual + routing key``
+  (:data:`SMG_MANUAL_EACH`), ``smg prefix_hash`` (:data:`SMG_PREFIX_HASH_EACH`: our key's
+  hash on a ring, walked past a worker over 1.25x the mean of what that gateway has in
+  flight and 10 requests over it), the same walking past any worker over 1.25x the mean
+  (:data:`SMG_PREFIX_HASH_BOUNDED_EACH`) and ``smg consistent_hashing``
+  (:data:`SMG_CONSISTENT_EACH`: our key's hash on the ring, no load bound): another
+  implementation's placement with no shared view, on the same work (the floor the
+  ``prefix`` balance is held to); and ``cache_aware`` and ``manual`` with the gateways in
+  smg's mesh on 127.0.0.1 (:data:`SMG_MESH`, :data:`SMG_MANUAL_MESH`: the gossiped view
+  smg offers several gateways).
 
 Measured per run: the tokens the replicas computed over the unique tokens (prompt once per
 group plus every response), the max / mean of what each replica computed, wall time and
@@ -43,11 +57,14 @@ mocks' CPU set the pace and throughput says little about placement).
 from __future__ import annotations
 
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +78,14 @@ from opd_stream.testing.mock_sglang import MockOptions
 from .harness import mocks, run_opd
 from .workload import TEACHER_SEED
 
-__all__ = ("BLOCKS", "CLIENTS", "COMPLETION", "LOCALITY_RUNS", "s9_locality")
+__all__ = (
+    "BLOCKS",
+    "CLIENTS",
+    "COMPLETION",
+    "GATEWAY_PER_CLIENT_RUNS",
+    "LOCALITY_RUNS",
+    "s9_locality",
+)
 
 COMPLETION = "own prompt, completion order"
 BLOCKS = "blocks, completion order"
@@ -79,6 +103,91 @@ PREFIX, LEAST, SMG, SMG_BARE, SMG_MANUAL, TIGHT = LOCALITY_RUNS = (
     "smg manual + routing key",
     "opd_stream prefix, balance_load_factor 1.0",
 )
+
+(
+    SMG_EACH,
+    SMG_MANUAL_EACH,
+    SMG_PREFIX_HASH_EACH,
+    SMG_PREFIX_HASH_BOUNDED_EACH,
+    SMG_CONSISTENT_EACH,
+    SMG_MESH,
+    SMG_MANUAL_MESH,
+) = GATEWAY_PER_CLIENT_RUNS = (
+    "smg cache_aware, a gateway per client",
+    "smg manual + routing key, a gateway per client",
+    "smg prefix_hash, a gateway per client",
+    "smg prefix_hash, load-bounded, a gateway per client",
+    "smg consistent_hashing, a gateway per client",
+    "smg cache_aware, a gateway per client, mesh",
+    "smg manual + routing key, a gateway per client, mesh",
+)
+
+# smg's --policy, its other flags, and whether the gateways form a mesh (--enable-mesh)
+_GATEWAY_ARGS: dict[str, tuple[str, list[str], bool]] = {
+    SMG_EACH: ("cache_aware", [], False),
+    SMG_MANUAL_EACH: ("manual", ["--assignment-mode", "min_group"], False),
+    SMG_PREFIX_HASH_EACH: ("prefix_hash", [], False),
+    # a worker over 1.25x the mean in flight is walked past whatever the difference (the
+    # default needs it 10 requests over the mean: never, with 4 in flight a gateway)
+    SMG_PREFIX_HASH_BOUNDED_EACH: (
+        "prefix_hash",
+        ["--prefix-hash-balance-abs-threshold", "0"],
+        False,
+    ),
+    SMG_CONSISTENT_EACH: ("consistent_hashing", [], False),
+    SMG_MESH: ("cache_aware", [], True),
+    SMG_MANUAL_MESH: ("manual", ["--assignment-mode", "min_group"], True),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _gateways(stack: ExitStack, workers: list[str], n: int, name: str) -> list[str]:
+    """``n`` smg gateways of run ``name`` in front of ``workers``, open until ``stack``
+    closes: independent, or (a mesh run) each joining the ones started before it, returned
+    once each pair has synced (``/metrics`` counts sync rounds per peer)."""
+    from opd_stream.testing.router import SMGGateway
+
+    policy, extra, mesh = _GATEWAY_ARGS[name]
+    urls: list[str] = []
+    peers: list[str] = []
+    metrics: list[str] = []
+    for i in range(n):
+        args = list(extra)
+        if mesh:
+            port, prom = _free_port(), _free_port()
+            args += ["--enable-mesh", "--mesh-host", "127.0.0.1", "--mesh-port", str(port)]
+            args += ["--mesh-server-name", f"client{i}"]
+            args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+            if peers:
+                args += ["--mesh-peer-urls", *peers]
+            peers.append(f"127.0.0.1:{port}")
+            metrics.append(f"http://127.0.0.1:{prom}/metrics")
+        urls.append(stack.enter_context(SMGGateway(workers, policy=policy, extra_args=args)))
+    pairs = {(i, j) for i in range(len(metrics)) for j in range(i + 1, len(metrics))}
+    deadline = time.monotonic() + 60
+    while pairs:  # a sync stream runs one way per pair: either end counts its rounds
+        for i, url in enumerate(metrics):
+            text = _text(url)
+            for j in range(len(metrics)):
+                if f'sync_round_duration_seconds_count{{peer="client{j}"}}' in text:
+                    pairs.discard((min(i, j), max(i, j)))
+        if pairs and time.monotonic() > deadline:
+            raise RuntimeError(f"smg's mesh did not sync {sorted(pairs)} within 60 s")
+        time.sleep(0.2)
+    return urls
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body: bytes = resp.read()
+    return body.decode()
+
 
 _RUNS = {  # the runs of each variant
     "own prompt": LOCALITY_RUNS,
@@ -212,12 +321,13 @@ def _spawn(path: Path) -> subprocess.Popen[str]:
 
 
 async def _clients_run(
-    kw: dict[str, Any], parts: list[list[Sample]], workers: list[str], unique: int
+    kws: list[dict[str, Any]], parts: list[list[Sample]], workers: list[str], unique: int
 ) -> dict[str, Any]:
-    """``parts`` scored by one stream each, in processes of their own, started together."""
+    """``parts`` scored by one stream each (``kws[i]`` the config of ``parts[i]``'s), in
+    processes of their own, started together."""
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for i, part in enumerate(parts):
+        for i, (kw, part) in enumerate(zip(kws, parts, strict=True)):
             path = Path(tmp) / f"client{i}.pkl"
             path.write_bytes(pickle.dumps((kw, part)))
             procs.append(_spawn(path))
@@ -305,6 +415,7 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
             "topk": sz.s9_topk,
             "clients": sz.s9_clients,
             "client_inflight": sz.s9_client_inflight,
+            "gateway_per_client": sz.s9_gateway_per_client,
         },
         "variants": {},
     }
@@ -357,22 +468,35 @@ async def s9_locality(sz: Any, progress: Progress) -> dict[str, Any]:
                     TIGHT: {"teachers": {"default": workers}, "balance_load_factor": 1.0},
                     FLOOR: {"teachers": {"default": workers[:1]}},
                 }
+                if variant == CLIENTS and sz.s9_gateway_per_client:
+                    names = (*names, SMG_MANUAL, *GATEWAY_PER_CLIENT_RUNS)
                 runs: dict[str, Any] = {}
                 warm = _groups(2, 2, 16, 8, min(teacher_prompt, 32), seed=99, topk=topk)
                 for name in names:  # unmeasured: imports, compilation, pools
+                    if name in _GATEWAY_ARGS:  # each client process warms up its own
+                        continue
                     kw = {**common, **configs[name]}
                     await run_opd(StreamConfig.from_env({}, **kw), warm, keep=False)
                 for name in names:
                     progress(f"s9 {variant}: {name}")
-                    kw = {**common, **configs[name]}
                     if variant == CLIENTS:
                         deal = np.random.default_rng(5).integers(0, sz.s9_clients, len(samples))
                         parts = [
                             [s for s, c in zip(samples, deal, strict=True) if c == i]
                             for i in range(sz.s9_clients)
                         ]
-                        runs[name] = await _clients_run(kw, parts, workers, unique)
+                        with ExitStack() as stack:
+                            if name in _GATEWAY_ARGS:  # a gateway of its own for each client
+                                urls = _gateways(stack, workers, len(parts), name)
+                                kws = [
+                                    {**common, "teachers": url, "gateway_discovery": "off"}
+                                    for url in urls
+                                ]
+                            else:
+                                kws = [{**common, **configs[name]}] * len(parts)
+                            runs[name] = await _clients_run(kws, parts, workers, unique)
                     else:
+                        kw = {**common, **configs[name]}
                         cfg = StreamConfig.from_env({}, **kw)
                         runs[name] = await _one_run(cfg, samples, workers, unique)
                 floor = runs.pop(FLOOR, None)

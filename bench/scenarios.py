@@ -103,6 +103,7 @@ class Sizes(msgspec.Struct, kw_only=True):
     s9_topk: int = 4
     s9_clients: int = 4
     s9_client_inflight: int = 4
+    s9_gateway_per_client: bool = True  # N clients: also each through an smg of its own
     s9_variants: str = ""  # "|"-separated variant names to run (empty: all)
     quick: bool = False
 
@@ -145,6 +146,7 @@ def sizes_for(quick: bool) -> Sizes:
         s9_cache_tokens=1 << 18,
         s9_window=16,
         s9_block=32,
+        s9_gateway_per_client=False,
         quick=True,
     )
 

@@ -17,8 +17,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -99,13 +99,29 @@ def mesh_lag(wait_s: float, prompts: int) -> dict[str, float]:
     return {"wait_s": wait_s, "prompts": prompts, "same_worker": same}
 
 
-if __name__ == "__main__":
-    what, *args = sys.argv[1:] or ["hash-spread"]
-    if what == "hash-spread":
-        policy = args[0] if args else "prefix_hash"
-        rings, draws = (int(x) for x in (args[1:] or ["20", "100"]))
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.smg_probes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="what")
+    spread = sub.add_parser("hash-spread", help="smg's key hash over 4 workers")
+    spread.add_argument("policy", nargs="?", default="prefix_hash")
+    spread.add_argument("rings", nargs="?", type=int, default=20)
+    spread.add_argument("draws", nargs="?", type=int, default=100)
+    lag = sub.add_parser("mesh-lag", help="how soon smg's mesh shares a placement")
+    lag.add_argument("wait_s", nargs="?", type=float, default=5.0)
+    lag.add_argument("prompts", nargs="?", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.what == "mesh-lag":
+        print(mesh_lag(args.wait_s, args.prompts))
+    else:  # hash-spread, the default
+        policy = getattr(args, "policy", "prefix_hash")
+        rings, draws = getattr(args, "rings", 20), getattr(args, "draws", 100)
         print(policy, hash_spread(policy, rings, draws))
-    elif what == "mesh-lag":
-        print(mesh_lag(float(args[0]) if args else 5.0, int(args[1]) if args[1:] else 8))
-    else:
-        raise SystemExit(__doc__)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -91,10 +91,16 @@ class SGLangRouter:
             self.policy,
             "--log-level",
             "warn",
-            "--prometheus-port",
-            str(_free_port()),
+            *self._metrics_args(),
             *self.extra_args,
         ]
+
+    def _metrics_args(self) -> list[str]:
+        """Its metrics listener on loopback, on a free port (unless the extra arguments
+        place it): by default the gateway would listen on every interface."""
+        if "--prometheus-port" in self.extra_args:
+            return []
+        return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
 
     def __enter__(self) -> str:
         if importlib.util.find_spec(self.package) is None:

@@ -69,24 +69,16 @@ async def test_a_connection_is_not_used_again_after_a_cancelled_request() -> Non
 
 
 @pytest.mark.parametrize(
-    "extra_head",
-    ["Connection: close\r\n", "Content-Length: 8\r\nTransfer-Encoding: chunked\r\n"],
-    ids=["connection-close", "both-framings"],
+    "raw",
+    [
+        answer_bytes(b'{"ok":1}', headers="Connection: close\r\n"),
+        b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'8\r\n{"ok":1}\r\n0\r\n\r\n',
+        answer_bytes(b'{"ok":1}') + b"garbage",
+    ],
+    ids=["connection-close", "both-framings", "bytes-past-the-length"],
 )
-async def test_an_answer_that_ends_its_connection_is_not_followed_on_it(extra_head: str) -> None:
-    if "chunked" in extra_head:
-        raw = b"HTTP/1.1 200 OK\r\n" + extra_head.encode() + b'\r\n8\r\n{"ok":1}\r\n0\r\n\r\n'
-    else:
-        raw = answer_bytes(b'{"ok":1}', headers=extra_head)
-    async with raw_server(lambda h, b: (raw, False)) as server, AsyncioTransport() as transport:
-        for _ in range(2):
-            resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)
-            assert bytes(resp.body) == b'{"ok":1}'
-    assert server.connections == 2
-
-
-async def test_bytes_past_the_declared_length_end_the_connection() -> None:
-    raw = answer_bytes(b'{"ok":1}') + b"garbage"
+async def test_an_answer_that_ends_its_connection_is_not_followed_on_it(raw: bytes) -> None:
     async with raw_server(lambda h, b: (raw, False)) as server, AsyncioTransport() as transport:
         for _ in range(2):
             resp = await transport.post(server.url, b"{}", max_bytes=1 << 20)

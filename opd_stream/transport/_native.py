@@ -117,7 +117,7 @@ class _Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._mode == _BODY and self._view is not None:
             return self._view[self._filled :]
-        if self._staged == len(self._staging):  # (only between a pause and its effect)
+        if self._staged == len(self._staging):  # a long head (up to MAX_HEAD_BYTES)
             self._staging.extend(bytes(_STAGING))
         return memoryview(self._staging)[self._staged :]
 
@@ -131,9 +131,7 @@ class _Connection(asyncio.BufferedProtocol):
                 return
             self._staged += nbytes
             self._advance()
-        except (FramingError, ServerDisconnected) as exc:
-            self._fail(exc)
-        except Exception as exc:  # a check of the caller's (cap, encoding): refused unread
+        except Exception as exc:  # the framing, or a check of the caller's (cap, encoding)
             self._fail(exc)
 
     def eof_received(self) -> bool:

@@ -43,6 +43,7 @@ __all__ = ("AsyncioTransport",)
 
 _KEEPALIVE_S = 30.0
 _STAGING = 16 * 1024
+_STAGING_LONG = 256 * 1024  # for a body with no length, read through the staging buffer
 _URL_CACHE = 256
 
 _IDLE, _HEAD, _BODY, _CHUNKED, _UNTIL_CLOSE, _WAIT = range(6)
@@ -187,6 +188,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.head = head
         assert self._check is not None
         self._check(head)
+        grow = _STAGING_LONG - len(self._staging)
+        if (head.chunked or head.until_close) and grow > 0:  # read through the staging buffer
+            self._staging.extend(bytes(grow))
         if head.chunked:
             self._chunks = ChunkedDecoder()
             self._mode = _CHUNKED

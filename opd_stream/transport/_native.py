@@ -87,6 +87,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.reused = False
         self.last_used = 0.0
         self._staging = bytearray(_STAGING)
+        self._staging_size = _STAGING
         self._staged = 0
         self._mode = _IDLE
         self._waiter: asyncio.Future[None] | None = None
@@ -118,8 +119,11 @@ class _Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._mode == _BODY and self._view is not None:
             return self._view[self._filled :]
+        grow = self._staging_size - len(self._staging)
         if self._staged == len(self._staging):  # a long head (up to MAX_HEAD_BYTES)
-            self._staging.extend(bytes(_STAGING))
+            grow = max(grow, _STAGING)
+        if grow > 0:
+            self._staging.extend(bytes(grow))
         return memoryview(self._staging)[self._staged :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -188,9 +192,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.head = head
         assert self._check is not None
         self._check(head)
-        grow = _STAGING_LONG - len(self._staging)
-        if (head.chunked or head.until_close) and grow > 0:  # read through the staging buffer
-            self._staging.extend(bytes(grow))
+        if head.chunked or head.until_close:  # read through the staging buffer: a larger one
+            self._staging_size = _STAGING_LONG  # (made in get_buffer: it is in use here)
         if head.chunked:
             self._chunks = ChunkedDecoder()
             self._mode = _CHUNKED

@@ -383,6 +383,20 @@ async def test_budget_breaks_a_standstill_with_one_privileged_reader() -> None:
     assert budget.peak <= budget.limit + answer
 
 
+async def test_budget_try_grow_grants_what_grow_would_at_once_and_else_charges_nothing() -> None:
+    budget = ByteBudget(100)
+    a, b, c = budget.lease(), budget.lease(), budget.lease()
+    assert a.try_grow(60) and budget.used == 60
+    assert not b.try_grow(50) and b.held == 0 and budget.used == 60  # 110 > 100
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(c.grow, 50)  # waits: 110 > 100
+        await anyio.wait_all_tasks_blocked()
+        assert not b.try_grow(10) and b.held == 0  # it would fit, but c waits first
+        a.release()  # c is granted
+    assert budget.used == 50 and budget.waiting == 0
+    assert b.try_grow(10) and budget.used == 60
+
+
 async def test_budget_forgets_a_cancelled_waiter() -> None:
     budget = ByteBudget(10)
     holder = budget.lease()

@@ -65,7 +65,7 @@ class _Target:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url[:80]!r}")
+            raise ValueError("not an http:// or https:// URL with a host")  # (never echoed)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.tls else 80)

@@ -135,6 +135,14 @@ async def test_a_malformed_answer_is_a_connection_failure_naming_what_was_wrong(
             await transport.post(server.url, b"{}", max_bytes=1 << 20)
 
 
+@pytest.mark.parametrize("url", ["ftp://user:s3cret@127.0.0.1/x", "http://user:s3cret@/x"])
+async def test_a_url_it_cannot_send_to_is_a_failure_that_does_not_echo_it(url: str) -> None:
+    async with AsyncioTransport() as transport:
+        with pytest.raises(ConnectionFailed, match="not an http") as info:
+            await transport.post(url, b"{}", max_bytes=1024)
+    assert "s3cret" not in str(info.value)
+
+
 async def test_a_header_value_with_a_line_break_is_refused_unsent() -> None:
     async with raw_server(lambda h, b: (OK, False)) as server, AsyncioTransport() as transport:
         with pytest.raises(ValueError, match="cannot carry"):

@@ -53,7 +53,8 @@ def request_head(
 
     Raises:
         ValueError: a header name or value with a line break, a NUL or (in a name) a space
-            or colon: sending it would let the value write further headers.
+            or colon (sending it would let the value write further headers), or a character
+            that is not latin-1.
     """
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
     for name, value in fields:
@@ -62,7 +63,10 @@ def request_head(
     if body_length is not None:
         lines.append(f"Content-Length: {body_length}")
     lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1")
+    try:
+        return "\r\n".join(lines).encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError("a header value that HTTP cannot carry (not latin-1)") from None
 
 
 class ResponseHead:

@@ -57,7 +57,6 @@ mocks' CPU set the pace and throughput says little about placement).
 from __future__ import annotations
 
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,6 +73,7 @@ import numpy as np
 
 from opd_stream import Sample, StreamConfig
 from opd_stream.testing.mock_sglang import MockOptions
+from opd_stream.testing.router import _free_port
 
 from .harness import mocks, run_opd
 from .workload import TEACHER_SEED
@@ -138,13 +138,6 @@ _GATEWAY_ARGS: dict[str, tuple[str, list[str], bool]] = {
     SMG_MESH: ("cache_aware", [], True),
     SMG_MANUAL_MESH: ("manual", ["--assignment-mode", "min_group"], True),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _gateways(stack: ExitStack, workers: list[str], n: int, name: str) -> list[str]:

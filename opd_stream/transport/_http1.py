@@ -20,6 +20,7 @@ __all__ = (
     "ResponseHead",
     "parse_response_head",
     "request_head",
+    "shown",
 )
 
 #: The most bytes an answer's head may take (status line and header fields together).
@@ -32,7 +33,8 @@ class FramingError(Exception):
     """The server's bytes are not an HTTP/1.1 answer this client accepts."""
 
 
-def _shown(data: bytes | str) -> str:
+def shown(data: bytes | str) -> str:
+    """A few bytes a server sent, for an error message: short and printable."""
     text = data[:40] if isinstance(data, str) else data[:40].decode("latin-1")
     return "".join(c if c.isprintable() else "?" for c in text) + ("..." if len(data) > 40 else "")
 
@@ -118,9 +120,9 @@ def parse_response_head(head: bytes, *, method: str = "POST") -> ResponseHead:
     version, _, rest = status_line.partition(b" ")
     code = rest[:3]
     if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
-        raise FramingError(f"not an HTTP/1.1 status line: {_shown(status_line)!r}")
+        raise FramingError(f"not an HTTP/1.1 status line: {shown(status_line)!r}")
     if rest[3:4] not in (b"", b" "):
-        raise FramingError(f"not an HTTP/1.1 status line: {_shown(status_line)!r}")
+        raise FramingError(f"not an HTTP/1.1 status line: {shown(status_line)!r}")
     status = int(code)
     if status < 100 or status == 101:
         raise FramingError(f"status {status} is not an answer this client reads")
@@ -130,7 +132,7 @@ def parse_response_head(head: bytes, *, method: str = "POST") -> ResponseHead:
             raise FramingError("a folded header line (obsolete line folding)")
         raw_name, sep, raw_value = line.partition(b":")
         if not sep or not raw_name or raw_name != raw_name.strip() or b" " in raw_name:
-            raise FramingError(f"a malformed header line: {_shown(line)!r}")
+            raise FramingError(f"a malformed header line: {shown(line)!r}")
         name = raw_name.decode("latin-1").lower()
         value = raw_value.strip(b" \t").decode("latin-1")
         fields[name] = f"{fields[name]}, {value}" if name in fields else value
@@ -141,7 +143,7 @@ def parse_response_head(head: bytes, *, method: str = "POST") -> ResponseHead:
     if coding is not None:
         codings = [c.strip().lower() for c in coding.split(",")]
         if codings != ["chunked"]:
-            raise FramingError(f"a transfer coding other than chunked: {_shown(coding)!r}")
+            raise FramingError(f"a transfer coding other than chunked: {shown(coding)!r}")
         chunked = True
         if "content-length" in fields:  # both framings: never reuse such a connection
             keep_alive = False
@@ -149,7 +151,7 @@ def parse_response_head(head: bytes, *, method: str = "POST") -> ResponseHead:
         values = {v.strip() for v in fields["content-length"].split(",")}
         text = values.pop() if len(values) == 1 else ""
         if not text.isdigit() or not text.isascii():
-            raise FramingError(f"a Content-Length that is not one number: {_shown(text)!r}")
+            raise FramingError(f"a Content-Length that is not one number: {shown(text)!r}")
         length = int(text)
     if status in _NO_BODY_STATUSES or 100 <= status < 200 or method == "HEAD":
         length, chunked = 0, False
@@ -219,7 +221,7 @@ class ChunkedDecoder:
                     or len(size_text) > 16
                     or any(c not in b"0123456789abcdefABCDEF" for c in size_text)
                 ):
-                    raise FramingError(f"a malformed chunk size line: {_shown(line)!r}")
+                    raise FramingError(f"a malformed chunk size line: {shown(line)!r}")
                 self._left = int(size_text, 16)
                 self._state = "data" if self._left else "trailer"
             elif not line:  # the blank line that ends the trailer fields

@@ -18,7 +18,7 @@ import ssl as _ssl_types
 import time
 import types
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Self
 from urllib.parse import urlsplit
 
 import anyio
@@ -80,8 +80,7 @@ class _Connection(asyncio.BufferedProtocol):
     buffer while a head (or a chunked body's framing) is read, and straight into the body's
     own buffer once its length is known."""
 
-    def __init__(self, key: tuple[str, str, int]) -> None:
-        self.key = key
+    def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
@@ -103,7 +102,6 @@ class _Connection(asyncio.BufferedProtocol):
         self._lease: BudgetLease | None = None
         self._check: Callable[[ResponseHead], None] | None = None
         self.head: ResponseHead | None = None
-        self._body: np.ndarray[Any, Any] | None = None
         self._view: memoryview | None = None
         self._filled = 0
         self._parts: list[bytes] = []
@@ -128,24 +126,18 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._answered = self._answered or self._mode != _IDLE
-        try:
-            if self._mode == _BODY:
-                self._filled += nbytes
-                if self._filled == len(self._view or b""):
-                    self._finish()
-                return
-            self._staged += nbytes
-            self._advance()
-        except Exception as exc:  # the framing, or a check of the caller's (cap, encoding)
-            self._fail(exc)
+        if self._mode == _BODY:
+            self._filled += nbytes
+            if self._filled == len(self._view or b""):
+                self._finish()
+            return
+        self._staged += nbytes
+        self._advance_or_fail()
 
     def eof_received(self) -> bool:
         if self._mode == _UNTIL_CLOSE:
             self._eof = True
-            try:
-                self._advance()
-            except (FramingError, _TooLarge) as exc:
-                self._fail(exc)
+            self._advance_or_fail()
             if self._mode == _UNTIL_CLOSE:
                 self._finish()
         elif self._mode != _IDLE:
@@ -163,6 +155,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._fail(ServerDisconnected(why, answered=self._answered))
 
     # --- the state machine ------------------------------------------------------------------
+
+    def _advance_or_fail(self) -> None:
+        """:meth:`_advance`; what it meets (the framing, a check of the caller's: the cap,
+        the encoding) fails the exchange."""
+        try:
+            self._advance()
+        except Exception as exc:
+            self._fail(exc)
 
     def _advance(self) -> None:
         """Use what the staging buffer holds, in the current mode."""
@@ -204,16 +204,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._expect(head.length or 0)
 
     def _expect(self, length: int) -> None:
-        """The body has ``length`` bytes: charge them, then read them into their buffer."""
-        if length > self._max_bytes:
-            raise _TooLarge()
+        """The body has ``length`` bytes (within the cap: the caller's check saw it): charge
+        them, then read them into their buffer."""
         if not self._granted(length, _BODY):
             return
         self._start_body(length)
 
     def _start_body(self, length: int) -> None:
-        body = np.empty(length, dtype=np.uint8)
-        self._body, self._view = body, body.data
+        self._view = np.empty(length, dtype=np.uint8).data
         have = min(self._staged, length)
         self._view[:have] = memoryview(self._staging)[:have]
         self._filled = have
@@ -270,10 +268,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
         if self._mode in (_CHUNKED, _UNTIL_CLOSE):
-            try:
-                self._advance()
-            except (FramingError, _TooLarge) as exc:
-                self._fail(exc)
+            self._advance_or_fail()
             if self._eof and self._mode == _UNTIL_CLOSE:
                 self._finish()
 
@@ -341,7 +336,7 @@ class _Connection(asyncio.BufferedProtocol):
         """A new exchange's state: nothing read yet, a head awaited."""
         self._method, self._max_bytes, self._lease, self._check = method, max_bytes, lease, check
         self._failure, self._answered, self._trailing, self._eof = None, False, False, False
-        self.head, self._body, self._view, self._filled = None, None, None, 0
+        self.head, self._view, self._filled = None, None, 0
         self._parts, self._size, self._chunks = [], 0, None
         self._mode = _HEAD
 
@@ -358,8 +353,6 @@ class _Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         loop = asyncio.get_running_loop()
         self._begin(method, max_bytes, lease, check)
-        if self._staged:  # bytes that came while idle
-            raise ServerDisconnected("the server sent bytes nobody asked for", answered=True)
         if body is None or len(body) < _STAGING:
             self.transport.write(head + body if body else head)
         else:  # two writes, not a copy of a long body
@@ -385,7 +378,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert self.head is not None
         result = self._result()
         answer = self.head
-        self._body = self._view = None
+        self._view = None
         self._parts = []
         if self._trailing or not answer.keep_alive:
             self.close()
@@ -548,7 +541,7 @@ class AsyncioTransport(PooledTransport):
         try:
             with anyio.fail_after(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(target.key),
+                    _Connection,
                     target.host,
                     target.port,
                     ssl=tls,

@@ -30,6 +30,7 @@ from .._errors import ConfigError, ConnectionFailed, MalformedResponseError, Res
 from .._redact import redact
 from ..wire._answers import Body
 from ._budget import BudgetLease
+from ._http1 import shown
 
 __all__ = (
     "AiohttpTransport",
@@ -256,7 +257,7 @@ class PooledTransport(HTTPMethods):
         if encoding not in ("", "identity"):
             raise MalformedResponseError(
                 f"the server sent a compressed body (Content-Encoding: "
-                f"{_show_token(encoding)}) although none was asked for; refused unread",
+                f"{shown(encoding)}) although none was asked for; refused unread",
                 url=url,
             )
         if declared is not None and declared > max_bytes:
@@ -438,9 +439,3 @@ class AiohttpTransport(PooledTransport):
             # ClientConnectorError, socket timeouts: all below HTTP semantics.
             # aiohttp may quote a bad header line the server sent: redacted before the cut.
             raise self._failed(exc, url) from None
-
-
-def _show_token(text: str) -> str:
-    """A header value for an error message: short and printable."""
-    shown = "".join(c if c.isprintable() else "?" for c in text[:40])
-    return shown + ("..." if len(text) > 40 else "")

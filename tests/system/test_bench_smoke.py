@@ -128,3 +128,20 @@ def test_every_bench_command_starts(module: str) -> None:
     proc = run_module(f"bench.{module}", "--help", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout
+
+
+def test_the_placement_model_counts_what_a_shared_view_saves(tmp_path: Path) -> None:
+    """``bench.placement_bound`` on a small size: a key hash and a shared placement compute
+    each prompt once (computed / unique 1.0), a client balancing on its own view with no
+    slack computes prompts again, and the real pool's rule is in the table."""
+    out = tmp_path / "bound.json"
+    proc = run_module(
+        "bench.placement_bound", "--groups", "8", "--draws", "6", "--json", str(out), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["rule"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["key hash"]["computed_mean"] == 1.0
+    assert rows["shared placement, slack 0"]["computed_mean"] == 1.0
+    assert rows["own view, slack 0"]["computed_mean"] > 1.0
+    assert 1.0 <= rows["opd_stream prefix"]["computed_mean"] <= 2.0
+    assert all(0.0 <= r["both_share"] <= 1.0 and r["load_mean"] >= 1.0 for r in rows.values())

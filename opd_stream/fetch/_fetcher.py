@@ -322,6 +322,7 @@ class SampleFetcher:
         ids: npt.NDArray[np.int64] | None,
         teacher: bool = False,
         salt: str | None = None,
+        ids_checked: bool = False,
     ) -> ScoreRequest:
         # A teacher request sends the sample's teacher prompt + response when it has one
         # (the response, its length and so every row's meaning stay the student's).
@@ -339,6 +340,7 @@ class SampleFetcher:
                 salt_each_item=self._cfg.cache_salt == "per-request",
                 engine=engine,
                 max_ids=self._fleet.engines.max_ids,
+                ids_checked=ids_checked,
             )
         id_form = self._caps.id_form(url)
         block_size = self._cfg.id_block_size
@@ -361,6 +363,7 @@ class SampleFetcher:
             block_size=block_size,
             cache_salt=salt,
             salt_each_item=per_request,
+            ids_checked=ids_checked,
         )
 
     def _key(self, tokens: npt.NDArray[np.int64], response_length: int) -> Route | None:
@@ -531,11 +534,14 @@ class SampleFetcher:
         def student_topk(url: str) -> ScoreRequest:
             return self._score_request(prepared, url, top_k=k, ids=None, salt=salt)
 
+        own_ids: npt.NDArray[np.int64] | None = None  # made from the sample's checked top-k
+
         def teacher_request(
             top: int, ids: npt.NDArray[np.int64] | None
         ) -> Callable[[str], ScoreRequest]:
+            checked = ids is not None and ids is own_ids
             return lambda url: self._score_request(
-                prepared, url, top_k=top, ids=ids, teacher=True, salt=salt
+                prepared, url, top_k=top, ids=ids, teacher=True, salt=salt, ids_checked=checked
             )
 
         teacher_top = k if plan.teacher_topk else 0
@@ -576,6 +582,8 @@ class SampleFetcher:
                 if plan.teacher_scores_student_ids and s_ids is not None
                 else None
             )
+            if s_ids is prepared.student_top_ids:  # checked by prepare_sample: not again
+                own_ids = teacher_ids
             if got.teacher is None:
                 got.teacher = await self._teacher(
                     teacher, teacher_request, teacher_ids, teacher_top, counter, t_key

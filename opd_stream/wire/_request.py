@@ -76,6 +76,10 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
             ``--max-logprobs``); a request with more columns (the sampled token's + ``k``)
             is sent as several bodies, one per chunk of columns (:func:`column_chunks`).
             0 = no cap.
+        ids_checked: ``ids`` hold only ids in ``[0, 2**31)``, distinct within each row,
+            checked already by whoever made them (the stream: a sample's own top-k ids,
+            checked when the sample was prepared, with its padding filled): :func:`layout`
+            checks their shape and type, not every id again. ``False``: every id is checked.
     """
 
     tokens: npt.NDArray[np.int64]
@@ -90,6 +94,7 @@ class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):
     salt_each_item: bool = False
     engine: Engine = "sglang"
     max_ids: int = 0
+    ids_checked: bool = False
 
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,7 +138,7 @@ def _check_request(req: ScoreRequest) -> tuple[npt.NDArray[np.int64], int]:
             raise InvalidSampleError("ids", f"shape {list(ids.shape)}, expected [{r}, k >= 1]")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InvalidSampleError("ids", f"dtype {ids.dtype} is not an integer type")
-        if (fault := _id_fault(ids)) is not None:
+        if not req.ids_checked and (fault := _id_fault(ids)) is not None:
             raise InvalidSampleError("ids", fault)
     return tokens.astype(np.int64, copy=False), length - r
 

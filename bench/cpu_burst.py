@@ -15,6 +15,8 @@ each is kept: noise on a shared machine only ever adds):
 * the same bursts through one stream kept open (a rollout loop's other choice);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check;
+* the same work with no pipeline around it (``bench.bare_client``: one sample after
+  another, each step the fastest known way), its signal checked equal to ``opd_stream``'s;
 * short runs, each in a fresh process: a cold one (numba's cache empty: the kernels are
   compiled by a process of their own), and an 8-sample one with the cache filled; each
   says which parser decoded how many bytes, and what the background work cost.
@@ -37,11 +39,13 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from opd_stream import AiohttpTransport, OPDStream, Sample
 from opd_stream.scanner._loader import prepare
 from opd_stream.wire._codec import decode_score_response
 
+from .bare_client import bare_reverse_kl
 from .baseline import baseline_score
 from .harness import ClientMeter, mocks, pid_list
 from .scenarios import REPLAY, _best_cpu, _config, _each, _fetch_bodies, _settle
@@ -63,6 +67,20 @@ async def _opd_burst(
             async for _ in results:
                 pass
     return meter.cpu_s, stream.stats().cpu_s.as_dict()  # (read once the stream is left)
+
+
+async def _bare_matches(cfg: Any, samples: list[Sample], teacher: str, k: int) -> float:
+    """The largest difference between the bare client's reverse KL and ``opd_stream``'s."""
+    async with OPDStream(cfg) as stream, stream.run(samples) as results:
+        ours = {r.index: r.reverse_kl.numpy() async for r in results}  # type: ignore[union-attr]
+    bare = bare_reverse_kl(samples, teacher, k)
+    return max(float(np.abs(ours[i] - b).max()) for i, b in enumerate(bare))
+
+
+def _bare_burst(samples: list[Sample], teacher: str, k: int, pids: list[int]) -> float:
+    with ClientMeter(pids) as meter:
+        bare_reverse_kl(samples, teacher, k)
+    return meter.cpu_s
 
 
 async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> float:
@@ -102,7 +120,8 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             await _opd_burst(cfg, ours, pids)  # warm: imports, the mocks' replay caches
             await _baseline(rows, teacher, student, args.k)
             await _opd_burst(cfg, ours, pids, aiohttp=True)
-            base = opd = aio = float("inf")
+            bare_diff = await _bare_matches(cfg, ours, teacher, args.k)
+            base = opd = aio = bare = float("inf")
             steps: dict[str, float] = {}
             aio_steps: dict[str, float] = {}
             for _ in range(args.reps):  # interleaved: the machine's drift hits both
@@ -118,6 +137,8 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 cpu, cpu_s = await _opd_burst(cfg, ours, pids, aiohttp=True)
                 if cpu < aio:
                     aio, aio_steps = cpu, cpu_s
+                _settle()
+                bare = min(bare, _bare_burst(ours, teacher, args.k, pids))
             kept = await _kept_bursts(cfg, ours, pids, args.reps)
             bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
             untyped = _best_cpu(
@@ -143,6 +164,10 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "baseline_over_opd": base / opd,
                 "opd_over_msgspec_untyped": opd / untyped,
                 "opd_over_scanner": opd / scanner,
+                "bare_ms_per_sample": _ms(bare, n),
+                "bare_over_scanner": bare / scanner,
+                "opd_over_bare": opd / bare,
+                "bare_max_abs_diff": bare_diff,
                 "unnamed_share": (opd - sum(steps.values())) / opd,
                 "by_step_ms_per_sample": by_step,
             }
@@ -227,6 +252,17 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['scanner_ms_per_sample']:.2f} | {m['opd_over_scanner']:.2f}x "
             f"| {m['unnamed_share']:.1%} | {m['opd_aiohttp_ms_per_sample']:.2f} "
             f"| {m['baseline_over_opd_aiohttp']:.1f}x | {m['aiohttp_loop_ms_per_sample']:.2f} |"
+        )
+    print(
+        "\nThe same work with no pipeline (`bench.bare_client`: one sample after another, "
+        "nothing overlapped; its reverse KL equals opd_stream's within the max |diff|):\n"
+    )
+    print("| student top-k | bare client | x scanner | opd_stream / bare | max abs diff |")
+    print("|---|---|---|---|---|")
+    for label, m in burst.items():
+        print(
+            f"| {label} | {m['bare_ms_per_sample']:.2f} | {m['bare_over_scanner']:.2f}x "
+            f"| {m['opd_over_bare']:.2f}x | {m['bare_max_abs_diff']:.1e} |"
         )
     steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
     print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")

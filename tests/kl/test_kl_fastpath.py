@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.kl_reference import reference_position
 
+import opd_stream._scoring as scoring
 import opd_stream.kl._math as kl
 import opd_stream.kl._select as klselect
 from opd_stream import Sample
@@ -453,6 +454,45 @@ def test_stage_results_own_their_memory(device: str, strategy: Strategy) -> None
                 assert storage.data_ptr() not in seen
                 seen.add(storage.data_ptr())
                 assert not any(np.shares_memory(t.numpy(), a) for a in inputs), name
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_batch_of_one_hands_over_what_its_kl_computed_without_copying_it(
+    strategy: Strategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arrays computed for one sample alone become its result's tensors as they are;
+    a batch of several copies each sample's rows out (what the test above checks holds
+    either way)."""
+    copies: list[tuple[int, ...]] = []
+    copy = scoring._own
+
+    def counted(a: np.ndarray) -> torch.Tensor:
+        copies.append(a.shape)
+        return copy(a)
+
+    monkeypatch.setattr(scoring, "_own", counted)
+    rng = np.random.default_rng(3)
+    samples = [random_rows(rng, r, 4, 4) for r in (6, 9)]
+    score([fetched(0, samples[0], strategy)], strategy)
+    assert copies == []
+    score([fetched(i, s, strategy) for i, s in enumerate(samples)], strategy)
+    assert len(copies) >= 2 * 6
+
+
+def test_an_array_is_handed_over_only_when_it_is_the_whole_of_memory_no_input_shares() -> None:
+    batch_input = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    owner = scoring._Owner([batch_input])
+    fresh = torch.ones(3, 4)
+    assert owner(fresh.numpy()).data_ptr() == fresh.data_ptr()  # its own: as it is
+    again = owner(fresh.numpy())  # handed over already: a copy
+    assert again.data_ptr() != fresh.data_ptr()
+    assert owner(batch_input.numpy()).data_ptr() != batch_input.data_ptr()  # an input's
+    wide = torch.ones(6, 4)
+    half = owner(wide.numpy()[:3])  # a part of a larger tensor: a copy, not a view of it
+    assert half.untyped_storage().nbytes() == 3 * 4 * 4
+    assert half.data_ptr() != wide.data_ptr()
+    plain = np.ones((3, 4), dtype=np.float32)  # not a tensor's memory: a copy
+    assert owner(plain).data_ptr() != plain.ctypes.data
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -116,19 +116,13 @@ class CrossTokenizers:
         """
         if not teacher_tokenizers or student_tokenizer is None:
             return None
-        loaded: dict[str, Vocab] = {}
-
-        def load(setting: str, path: str) -> Vocab:
-            if path not in loaded:
-                loaded[path] = load_vocab_process(setting, path)
-            return loaded[path]
-
+        settings = {student_tokenizer: "student_tokenizer"}  # path -> its first setting
+        for name, path in teacher_tokenizers.items():
+            settings.setdefault(path, f"teacher_tokenizers[{name}]")
+        loaded = _load_all(settings)
         try:
-            student = load("student_tokenizer", student_tokenizer)
-            teachers = {
-                name: load(f"teacher_tokenizers[{name}]", path)
-                for name, path in teacher_tokenizers.items()
-            }
+            student = loaded[student_tokenizer]
+            teachers = {name: loaded[path] for name, path in teacher_tokenizers.items()}
             return cls(student, teachers, return_alignment=return_alignment, top_k=top_k)
         except BaseException:
             for vocab in loaded.values():
@@ -198,6 +192,32 @@ class CrossTokenizers:
             prompt_length=prompt.shape[0],
             alignment=alignment,
         )
+
+
+def _load_all(settings: Mapping[str, str]) -> dict[str, Vocab]:
+    """Each path's :class:`Vocab` (``settings``: path -> the setting that names it), its
+    process started and loaded beside the others' (each load blocks 1-4 s), in threads
+    that end before this returns. If any fails, the others are stopped and the first
+    failure, in ``settings``' order, is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(
+        max_workers=len(settings), thread_name_prefix="opd_stream.xtok"
+    ) as pool:
+        futures = {path: pool.submit(load_vocab_process, s, path) for path, s in settings.items()}
+    loaded: dict[str, Vocab] = {}
+    failures: list[BaseException] = []
+    for path, future in futures.items():
+        error = future.exception()
+        if error is None:
+            loaded[path] = future.result()
+        else:
+            failures.append(error)
+    if failures:
+        for vocab in loaded.values():
+            vocab.close()
+        raise failures[0]
+    return loaded
 
 
 def topk_candidates(

@@ -217,3 +217,56 @@ async def test_samples_after_a_teachers_process_died_fail_saying_so(
         assert failure.reason == "encoder_failed", failure
         assert "teacher_tokenizers[default]: the tokenizer process exited" in failure.message
         assert "please report" not in failure.message  # not a bug of ours
+
+
+def test_the_tokenizer_processes_start_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each distinct file is loaded once, all of them at the same time (a barrier that every
+    load must reach before any returns: one after another, the first would wait alone)."""
+    import threading
+
+    import opd_stream.xtok._tokenizers as tokenizers
+
+    student, teacher = write_small(tmp_path / "s", "a"), write_small(tmp_path / "t", "b")
+    together = threading.Barrier(2, timeout=30)
+    calls: list[str] = []
+    real = tokenizers.load_vocab_process
+
+    def load(setting: str, path: str) -> Vocab:
+        calls.append(setting)
+        together.wait()
+        return real(setting, path)
+
+    monkeypatch.setattr(tokenizers, "load_vocab_process", load)
+    xtok = tokenizers.CrossTokenizers.load(student, {"t1": teacher, "t2": teacher})
+    assert xtok is not None
+    try:
+        assert sorted(calls) == ["student_tokenizer", "teacher_tokenizers[t1]"]
+        assert xtok.teachers["t1"] is xtok.teachers["t2"]
+    finally:
+        xtok.close()
+
+
+def test_when_one_tokenizer_fails_to_load_the_others_are_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import opd_stream.xtok._tokenizers as tokenizers
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    started: list[Vocab] = []
+    real = tokenizers.load_vocab_process
+
+    def load(setting: str, path: str) -> Vocab:
+        vocab = real(setting, path)
+        started.append(vocab)
+        return vocab
+
+    monkeypatch.setattr(tokenizers, "load_vocab_process", load)
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers\[t\]: .*not a readable"):
+        tokenizers.CrossTokenizers.load(write_small(tmp_path / "s", "a"), {"t": str(bad)})
+    (student,) = started
+    assert student.process is not None
+    assert student.process._proc.wait(30) is not None  # stopped, not left running

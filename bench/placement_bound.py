@@ -115,6 +115,27 @@ def draw_traffic(sz: Sizes, seed: int) -> Traffic:
     return Traffic(group=group, client=client, keys=keys, order=order)
 
 
+class _Replicas:
+    """What each replica computed: a sample's response, and its prompt the first time."""
+
+    def __init__(self, sz: Sizes) -> None:
+        self._sz = sz
+        self.computed = np.zeros(sz.replicas)
+        self._cached: list[set[int]] = [set() for _ in range(sz.replicas)]
+
+    def serve(self, r: int, group: int) -> bool:
+        """Replica ``r`` scores a sample of ``group``: whether its prompt was cached there."""
+        hit = group in self._cached[r]
+        self.computed[r] += self._sz.response + (0 if hit else self._sz.prompt)
+        self._cached[r].add(group)
+        return hit
+
+    def outcome(self) -> tuple[float, float]:
+        """``(computed / unique, max / mean load)``."""
+        c = self.computed
+        return float(c.sum()) / self._sz.unique, float(c.max() / c.mean())
+
+
 @dataclass
 class _Client:
     work: npt.NDArray[np.float64]  # its own view of each replica's work
@@ -148,8 +169,7 @@ def _opd_stream(sz: Sizes, traffic: Traffic) -> tuple[float, float]:
     urls = _urls(sz)
     pools = [EndpointPool(Endpoints(), balance="prefix") for _ in range(sz.clients)]
     keys = traffic.keys
-    computed = np.zeros(sz.replicas)
-    cached: list[set[int]] = [set() for _ in range(sz.replicas)]
+    fleet = _Replicas(sz)
     flying: list[list[tuple[str, Route, int, int]]] = [[] for _ in range(sz.clients)]
     for g, c in zip(traffic.group.tolist(), traffic.client.tolist(), strict=True):
         pool = pools[c]
@@ -161,12 +181,9 @@ def _opd_stream(sz: Sizes, traffic: Traffic) -> tuple[float, float]:
         url = pool.pick(urls, key=route)
         assert url is not None
         work = pool.begin(url, route)
-        r = urls.index(url)
-        hit = sz.prompt if g in cached[r] else 0
-        computed[r] += sz.prompt + sz.response - hit
-        cached[r].add(g)
+        hit = sz.prompt if fleet.serve(urls.index(url), g) else 0
         flying[c].append((url, route, work, hit))
-    return float(computed.sum()) / sz.unique, float(computed.max() / computed.mean())
+    return fleet.outcome()
 
 
 def place(sz: Sizes, traffic: Traffic, how: str, slack_groups: float = 0.0) -> tuple[float, float]:
@@ -174,8 +191,8 @@ def place(sz: Sizes, traffic: Traffic, how: str, slack_groups: float = 0.0) -> t
     ``opd-stream``, ``shared``): ``(computed / unique, max / mean load)``."""
     if how == "opd-stream":
         return _opd_stream(sz, traffic)
-    computed = np.zeros(sz.replicas)
-    cached: list[set[int]] = [set() for _ in range(sz.replicas)]
+    fleet = _Replicas(sz)
+    computed = fleet.computed  # (the global-load rule and a shared placement read it)
     clients = [_Client(np.zeros(sz.replicas)) for _ in range(sz.clients)]
     shared: dict[int, int] = {}
     rule = _bounded(slack_groups, sz)
@@ -205,11 +222,8 @@ def place(sz: Sizes, traffic: Traffic, how: str, slack_groups: float = 0.0) -> t
         charged = float(resp if r in me.known.get(g, ()) else p + resp)
         me.known.setdefault(g, set()).add(r)
         me.work[r] += charged
-        hit = g in cached[r]
-        computed[r] += resp if hit else p + resp
-        cached[r].add(g)
-        answers.append((i + sz.lag, c, g, r, charged, hit))
-    return float(computed.sum()) / sz.unique, float(computed.max() / computed.mean())
+        answers.append((i + sz.lag, c, g, r, charged, fleet.serve(r, g)))
+    return fleet.outcome()
 
 
 RULES: tuple[tuple[str, str, float], ...] = (

@@ -131,24 +131,27 @@ class _Owner:
     an array already handed over) becomes the result's tensor as it is; any other is copied.
     Saves a sample's 6-8 copies of what its batch of one computed."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
-        self._taken = [t.numpy() for t in inputs]
+    def __init__(self, batch: TopKBatch) -> None:
+        # the batch's host arrays (on a device, its inputs are copies: nothing to share)
+        self._taken = [
+            t.numpy() for t in batch if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        ]
 
     def __call__(self, a: npt.NDArray[Any]) -> torch.Tensor:
         source: object = a
         while isinstance(source, np.ndarray):
             source = source.base
+        if not (isinstance(source, torch.Tensor) and a.flags.c_contiguous and a.flags.writeable):
+            return _own(a)
+        storage = source.untyped_storage()
         if (
-            isinstance(source, torch.Tensor)
-            and a.flags.c_contiguous
-            and a.flags.writeable
-            and source.untyped_storage().nbytes() == a.nbytes
-            and source.untyped_storage().data_ptr() == a.ctypes.data
-            and not any(np.may_share_memory(a, b) for b in self._taken)
+            storage.nbytes() != a.nbytes
+            or storage.data_ptr() != a.ctypes.data
+            or any(np.may_share_memory(a, b) for b in self._taken)
         ):
-            self._taken.append(a)
-            return torch.from_numpy(a)
-        return _own(a)
+            return _own(a)
+        self._taken.append(a)
+        return torch.from_numpy(a)
 
 
 def _own(a: npt.NDArray[Any]) -> torch.Tensor:
@@ -348,7 +351,6 @@ def _score_batch(
     todo = list(items)
     while todo:
         joined = _joined_batch(todo, strategy, device)
-        batch_inputs = [t for t in joined if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
         try:
             res = topk_divergence(
                 joined,
@@ -372,7 +374,7 @@ def _score_batch(
         s_tail, t_tail = (
             None if x is None else (x[0] if on_host else x[0].cpu()).numpy() for x in res[6:]
         )
-        own = _Owner(batch_inputs) if len(todo) == 1 else _own
+        own = _Owner(joined) if len(todo) == 1 else _own
         row = 0
         for f in todo:
             end = row + f.prepared.response_length

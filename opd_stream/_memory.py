@@ -1,11 +1,13 @@
-"""Giving freed heap memory back to the operating system (glibc only).
+"""Giving freed heap memory back to the operating system (glibc only), and when.
 
 glibc's malloc keeps large freed blocks in its heap arenas, so freeing answer-sized
-allocations does not shrink the process. The stream calls :func:`release_freed_memory`
-(``malloc_trim``: it returns free pages only and changes no allocator setting) when a run
-ends and, at most every ``_IDLE_INTERVAL_S``, when it has nothing in flight. Elsewhere
-(musl, macOS, Windows) it does nothing. The measurement: ``docs/design-notes.md``,
-"opd_stream/_memory.py".
+allocations does not shrink the process. :func:`release_freed_memory` (``malloc_trim``: it
+returns free pages only and changes no allocator setting) gives them back; elsewhere (musl,
+macOS, Windows) it does nothing. Pages given back cost a fault each when the next samples
+touch them again (0.6-1 ms of CPU per sample of 512 + 2048 tokens at k = 16), so a stream
+does it once it has had nothing in flight for ``release_memory_after_s``, and as it closes
+(:class:`IdleRelease`), never between the samples of a busy stream. The measurements:
+``docs/design-notes.md``, "opd_stream/_memory.py".
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import NoReturn
 
-__all__ = ("maybe_release_freed_memory", "release_freed_memory")
+import anyio
 
-_IDLE_INTERVAL_S = 10.0
-_last = 0.0
+__all__ = ("IdleRelease", "release_freed_memory")
 
 
 def _load() -> Callable[[int], int] | None:
@@ -36,13 +38,66 @@ _TRIM = _load()
 
 def release_freed_memory() -> None:
     """Return the heap's free pages to the OS now (glibc ``malloc_trim(0)``)."""
-    global _last
-    _last = time.monotonic()
     if _TRIM is not None:
         _TRIM(0)
 
 
-def maybe_release_freed_memory() -> None:
-    """:func:`release_freed_memory`, unless it ran in the last ``_IDLE_INTERVAL_S``."""
-    if time.monotonic() - _last >= _IDLE_INTERVAL_S:
-        release_freed_memory()
+def _timed_release() -> float:
+    start = time.thread_time()
+    release_freed_memory()
+    return time.thread_time() - start
+
+
+class IdleRelease:
+    """A stream's freed heap memory, given back once it idles: :meth:`run` (a task of the
+    stream's) calls :func:`release_freed_memory`, in a worker thread, when ``after_s``
+    seconds have passed since :meth:`went_idle` with no sample admitted or finished
+    meanwhile and nothing in flight (``in_flight()``); :meth:`close` does it once more as the
+    stream closes, if anything ran since. Each call's CPU seconds go to ``spent``.
+
+    Created inside the stream's event loop (it holds an ``anyio.Event``). ``sleep``: how
+    the interval is waited for (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        after_s: float,
+        in_flight: Callable[[], int],
+        spent: Callable[[float], None],
+        *,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    ) -> None:
+        self._after_s = after_s
+        self._in_flight = in_flight
+        self._spent = spent
+        self._sleep = sleep
+        self.waiting_for_idle = False  # run() waits for the next went_idle
+        self._idle = anyio.Event()
+        self._marks = 0  # went_idle calls so far
+        self._released_at = 0  # _marks when memory was last given back
+
+    def went_idle(self) -> None:
+        """A run had nothing left in flight, or ended."""
+        self._marks += 1
+        self._idle.set()
+
+    async def run(self) -> NoReturn:
+        while True:
+            self.waiting_for_idle = True
+            await self._idle.wait()
+            self.waiting_for_idle = False
+            self._idle = anyio.Event()
+            marks = self._marks
+            await self._sleep(self._after_s)
+            if self._marks == marks and self._in_flight() == 0:
+                await self._release()
+
+    async def close(self) -> None:
+        """The stream closes: give back what it freed since the last release (shielded)."""
+        if self._marks != self._released_at:
+            with anyio.CancelScope(shield=True):
+                await self._release()
+
+    async def _release(self) -> None:
+        self._released_at = self._marks
+        self._spent(await anyio.to_thread.run_sync(_timed_release))

@@ -26,7 +26,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
 from ._logging import get_logger
-from ._memory import maybe_release_freed_memory, release_freed_memory
 from ._redact import redact
 from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepare_sample
 from ._stats import CHANNELS, ChannelName, StatsRecorder
@@ -81,7 +80,9 @@ def internal_failure(
 class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     """What every run of a stream shares, owned by the :class:`~opd_stream.OPDStream`: its
     configuration, its fetcher (replica pool, limits, capability state, byte budget), its
-    teacher routing, its stats, the KL device and the KL stage's thread limiter."""
+    teacher routing, its stats, the KL device and the KL stage's thread limiter, and
+    ``went_idle``: called when a run has nothing left in flight, or ends (the stream then
+    gives freed heap memory back once nothing has been in flight for a while)."""
 
     config: StreamConfig
     fetcher: SampleFetcher
@@ -89,6 +90,7 @@ class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     stats: StatsRecorder
     kl_device: torch.device
     kl_limiter: anyio.CapacityLimiter
+    went_idle: Callable[[], None]
 
 
 class TeacherRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,6 +228,7 @@ class _Pipeline:
         self.stats = parts.stats
         self.kl_device = parts.kl_device
         self.kl_limiter = parts.kl_limiter
+        self.went_idle = parts.went_idle
         self.order = order
         # In input order, results wait in the reorder buffer while holding their slot,
         # so bounding the slots bounds the buffer too.
@@ -552,8 +555,8 @@ class _Pipeline:
     def _released(self) -> None:
         """An outcome handed over: its slot is free."""
         self.slots.release()
-        if self.in_flight == 0:  # nothing in flight: give freed heap memory back
-            maybe_release_freed_memory()
+        if self.in_flight == 0:
+            self.went_idle()
 
     async def emitter(
         self, emit: MemoryObjectReceiveStream[_Item], out: MemoryObjectSendStream[Result]
@@ -622,7 +625,7 @@ async def run_pipeline(
         # a cancelled run leaves samples that will never come out: they leave the count
         # of samples in flight with the run
         stats.runs.discard(pipe)
-        release_freed_memory()  # see _memory: glibc keeps large freed blocks otherwise
+        parts.went_idle()
         state.done.set()
         log.info(
             "run_finished",

@@ -162,9 +162,10 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     beyond the steps above that ran on it: HTTP, i.e. the client's socket reads and writes
     and the copy of each answer into one buffer, the pipeline's tasks and channels, the
     loop's own scheduling; and whatever else the host runs on that loop meanwhile),
-    ``setup`` (the stream's entry in worker threads: torch, the KL code and the HTTP
-    client imported, the first time in a process), ``kernels`` (the compiled scanner made
-    ready, for the stream that started it: its load from numba's cache in a background
+    ``setup`` (the stream's upkeep in worker threads: at its entry torch, the KL code and
+    the HTTP client imported, the first time in a process; freed heap memory given back
+    once it idles and as it closes, ``release_memory_after_s``), ``kernels`` (the compiled
+    scanner made ready, for the stream that started it: its load from numba's cache in a background
     thread, and the CPU of the process that compiled it when the cache lacked it). What
     the process spent beyond their sum is the worker threads' own hand-offs (and anything
     else the host runs in its threads)."""
@@ -295,6 +296,10 @@ class StatsRecorder:
         setattr(self.cpu, step, getattr(self.cpu, step) + seconds)
         if threading.get_ident() == self.loop_clock.ident:
             self._on_loop += seconds
+
+    def spent_releasing(self, seconds: float) -> None:
+        """CPU seconds a worker thread took to give freed heap memory back (``setup``)."""
+        self.cpu.setup += seconds
 
     def record_decode(self, parser: Parser, size: int) -> None:
         """An answer of ``size`` bytes decoded by ``parser``."""

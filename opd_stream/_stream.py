@@ -28,6 +28,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._errors import ConfigError, OPDStreamError
 from ._loading import import_off_loop, is_imported
 from ._logging import get_logger
+from ._memory import IdleRelease
 from ._pipeline import Call, Result, RunState, StreamParts, TeacherRows, run_pipeline
 from ._sample import Sample, SampleFailure, ScoredSample, prepare_sample
 from ._stats import StatsRecorder, StreamStats
@@ -298,6 +299,12 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 top_k=cfg.top_k > 0,
             )
             xtok = await anyio.to_thread.run_sync(load)
+        # freed heap memory, given back once the stream idles and as it closes (_memory)
+        release = IdleRelease(
+            self.config.release_memory_after_s,
+            lambda: self._stats.in_flight,
+            self._stats.spent_releasing,
+        )
         try:
             transport = self._transport
             if transport is None:
@@ -323,10 +330,12 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                     stats=self._stats,
                     kl_device=self._device,
                     kl_limiter=anyio.CapacityLimiter(1),
+                    went_idle=release.went_idle,
                 )
                 self._in_use = transport
                 self._tg = tg
                 tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
+                tg.start_soon(release.run, name="opd_stream.release_memory")
                 # the compiled kernels, once per process, in the background; never waited for
                 # (msgspec decodes until they are ready), and never holding the process (_jit)
                 if start_kernels():  # this stream counts their CPU (cpu_s.kernels)
@@ -342,6 +351,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                     for results in list(self._runs):
                         results.close_receiver()  # handles the caller never closed
         finally:
+            await release.close()
             if xtok is not None:  # the tokenizers' processes, stopped off the loop
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(xtok.close)

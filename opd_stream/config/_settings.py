@@ -347,6 +347,18 @@ class StreamConfig(
     max_reorder: Annotated[
         int, _doc("bound of the input-order reorder buffer, in samples (>= 1)", ge=1)
     ] = 1024
+    release_memory_after_s: Annotated[
+        float,
+        _doc(
+            "the heap memory freed by scoring (answers, decoded rows) is given back to the "
+            "operating system once the stream has had nothing in flight for this long, in "
+            "seconds, and when it closes (glibc's malloc_trim; elsewhere nothing); until then "
+            "the next samples reuse it instead of faulting fresh pages in (0 = as soon as "
+            "nothing is in flight)",
+            ge=0.0,
+            advanced=True,
+        ),
+    ] = 5.0
     balance: Annotated[
         Balance,
         _doc(

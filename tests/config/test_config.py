@@ -62,6 +62,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.decode_threads == 0
     assert cfg.offload_bytes == 1 << 20
     assert cfg.max_reorder == 1024
+    assert cfg.release_memory_after_s == 5.0
 
 
 def test_teachers_is_required() -> None:
@@ -218,6 +219,9 @@ INVALID: list[tuple[str, Any]] = [
     ("decode_threads", -1),
     ("offload_bytes", -1),
     ("max_reorder", 0),
+    ("release_memory_after_s", -1.0),
+    ("release_memory_after_s", math.inf),
+    ("release_memory_after_s", math.nan),
     ("balance", "random"),
     ("balance_load_factor", 0.9),
     ("eject_after_failures", -1),
@@ -317,6 +321,7 @@ INVALID_ENV: list[tuple[str, str]] = [
     ("decode_threads", "-1"),
     ("offload_bytes", "-1"),
     ("max_reorder", "0"),
+    ("release_memory_after_s", "later"),
     ("balance", "p2c"),
     ("balance_load_factor", "one"),
     ("eject_after_failures", "some"),
@@ -497,6 +502,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         "OPD_STREAM_DECODE_THREADS": "2",
         "OPD_STREAM_OFFLOAD_BYTES": "100",
         "OPD_STREAM_MAX_REORDER": "9",
+        "OPD_STREAM_RELEASE_MEMORY_AFTER_S": "0.5",
         "OPD_STREAM_BALANCE": "round-robin",
         "OPD_STREAM_BALANCE_LOAD_FACTOR": "1.5",
         "OPD_STREAM_EJECT_AFTER_FAILURES": "2",
@@ -551,6 +557,7 @@ def test_every_field_is_read_from_its_env_variable() -> None:
         decode_threads=2,
         offload_bytes=100,
         max_reorder=9,
+        release_memory_after_s=0.5,
         balance="round-robin",
         balance_load_factor=1.5,
         eject_after_failures=2,

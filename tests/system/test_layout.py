@@ -234,7 +234,7 @@ def test_a_rooms_code_is_not_at_the_top_level(gone: str, home: str) -> None:
 #: Top-level modules with one importer that stay apart from it, and why.
 ONE_IMPORTER_APART = {
     "opd_stream._scoring": "loads torch as it is imported: the pipeline imports it lazily",
-    "opd_stream._memory": "a platform call (glibc through ctypes), not the pipeline's logic",
+    "opd_stream._memory": "a platform call (glibc through ctypes), and when a stream makes it",
 }
 
 

@@ -62,7 +62,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.decode_threads == 0
     assert cfg.offload_bytes == 1 << 20
     assert cfg.max_reorder == 1024
-    assert cfg.release_memory_after_s == 5.0
+    assert cfg.release_memory_after_s == 60.0
 
 
 def test_teachers_is_required() -> None:

@@ -80,9 +80,11 @@ def internal_failure(
 class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     """What every run of a stream shares, owned by the :class:`~opd_stream.OPDStream`: its
     configuration, its fetcher (replica pool, limits, capability state, byte budget), its
-    teacher routing, its stats, the KL device and the KL stage's thread limiter, and
-    ``went_idle``: called when a run has nothing left in flight, or ends (the stream then
-    gives freed heap memory back once nothing has been in flight for a while)."""
+    teacher routing, its stats, the KL device and the KL stage's thread limiter;
+    ``went_busy``, called as a sample is admitted (the stream's loop-lag ticker runs while
+    samples are in flight), and ``went_idle``, when a run has nothing left in flight, or
+    ends (the stream gives freed heap memory back once nothing has been in flight for a
+    while)."""
 
     config: StreamConfig
     fetcher: SampleFetcher
@@ -90,6 +92,7 @@ class StreamParts(msgspec.Struct, frozen=True, kw_only=True):
     stats: StatsRecorder
     kl_device: torch.device
     kl_limiter: anyio.CapacityLimiter
+    went_busy: Callable[[], None]
     went_idle: Callable[[], None]
 
 
@@ -228,6 +231,7 @@ class _Pipeline:
         self.stats = parts.stats
         self.kl_device = parts.kl_device
         self.kl_limiter = parts.kl_limiter
+        self.went_busy = parts.went_busy
         self.went_idle = parts.went_idle
         self.order = order
         # In input order, results wait in the reorder buffer while holding their slot,
@@ -334,6 +338,7 @@ class _Pipeline:
         await self.slots.acquire()
         self.stats.admitted += 1
         self.in_flight += 1
+        self.went_busy()
         if call is not None:
             self.calls[index] = call
         admitted_at = time.monotonic()

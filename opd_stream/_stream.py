@@ -245,6 +245,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
         # the per-call samples' run (started by the first call) and the calls waiting
         self._calls: MemoryObjectSendStream[Call] | None = None
         self._waiting: set[Call] = set()
+        self._busy: anyio.Event  # (made as the stream is entered: it needs the event loop)
 
     def __repr__(self) -> str:
         return f"OPDStream(teachers={sorted(self.config.teachers)}, top_k={self.config.top_k})"
@@ -330,10 +331,12 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                     stats=self._stats,
                     kl_device=self._device,
                     kl_limiter=anyio.CapacityLimiter(1),
+                    went_busy=self._went_busy,
                     went_idle=release.went_idle,
                 )
                 self._in_use = transport
                 self._tg = tg
+                self._busy = anyio.Event()  # set as a sample is admitted (_lag_ticker)
                 tg.start_soon(self._lag_ticker, name="opd_stream.loop_lag")
                 tg.start_soon(release.run, name="opd_stream.release_memory")
                 # the compiled kernels, once per process, in the background; never waited for
@@ -356,8 +359,16 @@ class OPDStream(anyio.AsyncContextManagerMixin):
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(xtok.close)
 
+    def _went_busy(self) -> None:
+        self._busy.set()
+
     async def _lag_ticker(self) -> None:
+        """The event loop's lag, sampled every ``_LAG_INTERVAL_S`` while samples are in
+        flight (an idle stream does not wake its host's loop)."""
         while True:
+            if self._stats.in_flight == 0:
+                await self._busy.wait()
+                self._busy = anyio.Event()
             start = anyio.current_time()
             await anyio.sleep(_LAG_INTERVAL_S)
             self._stats.record_lag(max(0.0, anyio.current_time() - start - _LAG_INTERVAL_S))

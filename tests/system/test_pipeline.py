@@ -395,6 +395,16 @@ async def test_stats_report_bytes_latency_and_loop_lag() -> None:
     assert T1 in st.endpoints and st.endpoints[T1].requests == 10
 
 
+async def test_an_idle_stream_does_not_wake_its_hosts_loop() -> None:
+    # the loop-lag ticker runs while samples are in flight only
+    async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
+        await anyio.sleep(0.1)
+        assert stream.stats().loop_lag_p99_s is None  # no tick while nothing was in flight
+        await _collect(stream, _samples(4))
+        await anyio.sleep(0.03)
+        assert stream.stats().loop_lag_p99_s is not None
+
+
 async def test_stats_report_the_kl_stage_device_batches_and_time() -> None:
     async with OPDStream(_cfg(), transport=mock_transport(_servers())) as stream:
         before = stream.stats().kl

@@ -12,7 +12,9 @@ each is kept: noise on a shared machine only ever adds):
   the remainder no step names;
 * the same bursts through the aiohttp transport (the default before 1.x's asyncio
   transport: the transport's share, before and after, in one run);
-* the same bursts through one stream kept open (a rollout loop's other choice);
+* the same bursts through one stream kept open (a rollout loop's other choice), as now and
+  as before session 16 (freed heap memory given back as each run ended:
+  ``release_memory_after_s=0``), each with its CPU by step;
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check;
 * the same work with no pipeline around it (``bench.bare_client``: one sample after
@@ -83,18 +85,27 @@ def _bare_burst(samples: list[Sample], teacher: str, k: int, pids: list[int]) ->
     return meter.cpu_s
 
 
-async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> float:
-    """The least client CPU of one burst through a stream kept open across ``reps``."""
-    best = float("inf")
+async def _kept_bursts(
+    cfg: Any, samples: list[Sample], pids: list[int], reps: int
+) -> tuple[float, dict[str, float]]:
+    """The least client CPU of one burst through a stream kept open across ``reps``, and
+    that burst's ``stats().cpu_s``. Each burst's meter runs on for 50 ms after its last
+    result (idle: the stream's own work after a run, e.g. a release of freed memory with
+    ``release_memory_after_s=0``, is counted with the run)."""
+    best, steps = float("inf"), {}
     async with OPDStream(cfg) as stream:
         for _ in range(reps + 1):  # the first warms the stream's connections
             _settle()
             with ClientMeter(pids) as meter:
+                before = stream.stats().cpu_s.as_dict()  # (after the meter's own gc.collect)
                 async with stream.run(samples) as results:
                     async for _ in results:
                         pass
-            best = min(best, meter.cpu_s)
-    return best
+                await asyncio.sleep(0.05)
+                after = stream.stats().cpu_s.as_dict()  # (before the meter's own reads)
+            if meter.cpu_s < best:
+                best, steps = meter.cpu_s, {k: after[k] - before[k] for k in after}
+    return best, steps
 
 
 async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -> None:
@@ -139,7 +150,10 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                     aio, aio_steps = cpu, cpu_s
                 _settle()
                 bare = min(bare, _bare_burst(ours, teacher, args.k, pids))
-            kept = await _kept_bursts(cfg, ours, pids, args.reps)
+            kept, kept_steps = await _kept_bursts(cfg, ours, pids, args.reps)
+            # before session 16: freed memory given back as each run ended
+            trim_cfg = cfg.evolve(release_memory_after_s=0)
+            trimmed, trimmed_steps = await _kept_bursts(trim_cfg, ours, pids, args.reps)
             bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
             untyped = _best_cpu(
                 _each(bodies, lambda b, _: msgspec.json.decode(b)), gc_off=True, reps=7
@@ -152,10 +166,19 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             n = args.n
             by_step = {step: _ms(v, n) for step, v in steps.items()}
             by_step["unnamed"] = _ms(opd - sum(steps.values()), n)
+            kept_by_step = {step: _ms(v, n) for step, v in kept_steps.items()}
+            kept_by_step["unnamed"] = _ms(kept - sum(kept_steps.values()), n)
+            trimmed_by_step = {step: _ms(v, n) for step, v in trimmed_steps.items()}
+            trimmed_by_step["unnamed"] = _ms(trimmed - sum(trimmed_steps.values()), n)
             out[label] = {
                 "baseline_ms_per_sample": _ms(base, n),
                 "opd_ms_per_sample": _ms(opd, n),
                 "opd_kept_stream_ms_per_sample": _ms(kept, n),
+                "opd_kept_stream_trimmed_ms_per_sample": _ms(trimmed, n),
+                "baseline_over_opd_kept_stream": base / kept,
+                "opd_kept_stream_over_scanner": kept / scanner,
+                "kept_stream_by_step_ms_per_sample": kept_by_step,
+                "kept_stream_trimmed_by_step_ms_per_sample": trimmed_by_step,
                 "opd_aiohttp_ms_per_sample": _ms(aio, n),
                 "baseline_over_opd_aiohttp": base / aio,
                 "aiohttp_loop_ms_per_sample": _ms(aio_steps.get("loop", 0.0), n),
@@ -264,13 +287,36 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {label} | {m['bare_ms_per_sample']:.2f} | {m['bare_over_scanner']:.2f}x "
             f"| {m['opd_over_bare']:.2f}x | {m['bare_max_abs_diff']:.1e} |"
         )
+    print(
+        "\nOne stream kept open across the bursts: as now (freed memory kept while the "
+        "stream is busy, `release_memory_after_s`), and as before session 16 (given back "
+        "as each run ended: `release_memory_after_s=0`):\n"
+    )
+    print(
+        "| student top-k | kept stream | ratio to Miles | x scanner "
+        "| kept, trimmed as each run ends (before) | before / now |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, m in burst.items():
+        now, before = m["opd_kept_stream_ms_per_sample"], m["opd_kept_stream_trimmed_ms_per_sample"]
+        print(
+            f"| {label} | {m['opd_kept_stream_ms_per_sample']:.2f} "
+            f"| {m['baseline_over_opd_kept_stream']:.1f}x "
+            f"| {m['opd_kept_stream_over_scanner']:.2f}x "
+            f"| {before:.2f} | {before / now:.2f}x |"
+        )
     steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
     print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")
-    print("| student top-k | " + " | ".join(steps) + " |")
-    print("|---|" + "---|" * len(steps))
+    print("| student top-k | stream | " + " | ".join(steps) + " |")
+    print("|---|---|" + "---|" * len(steps))
     for label, m in burst.items():
-        vals = " | ".join(f"{v:.2f}" for v in m["by_step_ms_per_sample"].values())
-        print(f"| {label} | {vals} |")
+        for which, key in (
+            ("one per burst", "by_step_ms_per_sample"),
+            ("kept", "kept_stream_by_step_ms_per_sample"),
+            ("kept, trimmed (before)", "kept_stream_trimmed_by_step_ms_per_sample"),
+        ):
+            vals = " | ".join(f"{v:.2f}" for v in m[key].values())
+            print(f"| {label} | {which} | {vals} |")
     if short:
         print(f"\n### Short runs, {args.short} samples, each in a fresh process (CPU s)\n")
         print(

@@ -145,3 +145,30 @@ def test_the_placement_model_counts_what_a_shared_view_saves(tmp_path: Path) -> 
     assert rows["own view, slack 0"]["computed_mean"] > 1.0
     assert 1.0 <= rows["opd_stream prefix"]["computed_mean"] <= 2.0
     assert all(0.0 <= r["both_share"] <= 1.0 and r["load_mean"] >= 1.0 for r in rows.values())
+
+
+def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
+    tmp_path: Path,
+) -> None:
+    """``bench.cpu_burst`` on a minuscule size: every column is measured (a stream per
+    burst, one kept open as now and as before, the bare client, the parse floors) with its
+    CPU by step, and the bare client's signal equals opd_stream's (no timing asserted)."""
+    out = tmp_path / "burst.json"
+    proc = run_module(
+        "bench.cpu_burst",
+        *("--n", "3", "--prompt", "16", "--response", "32", "--k", "4", "--reps", "1"),
+        *("--short", "0", "--json", str(out)),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    burst = json.loads(out.read_text())["burst"]
+    assert set(burst) == {"Python rows", "array rows"}
+    for row in burst.values():
+        assert row["bare_max_abs_diff"] == 0.0
+        for key in ("opd", "opd_kept_stream", "opd_kept_stream_trimmed", "bare", "scanner"):
+            assert row[f"{key}_ms_per_sample"] > 0, key
+        for key in ("", "kept_stream_", "kept_stream_trimmed_"):
+            steps = row[f"{key}by_step_ms_per_sample"]
+            assert steps["decode_loop"] + steps["decode_threads"] > 0, key
+            assert steps["kl"] > 0, key
+    assert "kept, trimmed as each run ends (before)" in proc.stdout

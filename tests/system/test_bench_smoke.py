@@ -167,6 +167,8 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
         assert row["bare_max_abs_diff"] == 0.0
         for key in ("opd", "opd_kept_stream", "opd_kept_stream_trimmed", "bare", "scanner"):
             assert row[f"{key}_ms_per_sample"] > 0, key
+        assert row["kept_stream_page_faults_per_sample"] >= 0
+        assert row["kept_stream_trimmed_page_faults_per_sample"] >= 0
         for key in ("", "kept_stream_", "kept_stream_trimmed_"):
             steps = row[f"{key}by_step_ms_per_sample"]
             assert steps["decode_loop"] + steps["decode_threads"] > 0, key

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
@@ -48,12 +49,20 @@ def _timed_release() -> float:
     return time.thread_time() - start
 
 
+_OPEN: weakref.WeakSet[IdleRelease] = weakref.WeakSet()
+"""The open streams' keepers, in every thread of the process: ``malloc_trim`` gives back
+the whole process's free pages, so no stream does it while another has samples in flight
+(their next allocations would fault)."""
+
+
 class IdleRelease:
     """A stream's freed heap memory, given back once it idles: :meth:`run` (a task of the
     stream's) calls :func:`release_freed_memory`, in a worker thread, when ``after_s``
     seconds have passed since :meth:`went_idle` with no sample admitted or finished
     meanwhile and nothing in flight (``in_flight()``); :meth:`close` does it once more as the
-    stream closes, if anything ran since. Each call's CPU seconds go to ``spent``.
+    stream closes, if anything ran since. Neither does it while another open stream of the
+    process has samples in flight (that one does it once it idles in turn). Each call's
+    CPU seconds go to ``spent``.
 
     Created inside the stream's event loop (it holds an ``anyio.Event``). ``sleep``: how
     the interval is waited for (tests pass their own).
@@ -75,6 +84,7 @@ class IdleRelease:
         self._idle = anyio.Event()
         self._marks = 0  # went_idle calls so far
         self._released_at = 0  # _marks when memory was last given back
+        _OPEN.add(self)
 
     def went_idle(self) -> None:
         """A run had nothing left in flight, or ended."""
@@ -89,14 +99,19 @@ class IdleRelease:
             self._idle = anyio.Event()
             marks = self._marks
             await self._sleep(self._after_s)
-            if self._marks == marks and self._in_flight() == 0:
+            if self._marks == marks and self._in_flight() == 0 and not self._others_busy():
                 await self._release()
 
     async def close(self) -> None:
-        """The stream closes: give back what it freed since the last release (shielded)."""
-        if self._marks != self._released_at:
+        """The stream closes: give back what it freed since the last release (shielded),
+        unless another open stream has samples in flight."""
+        _OPEN.discard(self)
+        if self._marks != self._released_at and not self._others_busy():
             with anyio.CancelScope(shield=True):
                 await self._release()
+
+    def _others_busy(self) -> bool:
+        return any(k is not self and k._in_flight() > 0 for k in list(_OPEN))
 
     async def _release(self) -> None:
         self._released_at = self._marks

@@ -352,7 +352,8 @@ class StreamConfig(
         _doc(
             "the heap memory freed by scoring (answers, decoded rows) is given back to the "
             "operating system once the stream has had nothing in flight for this long, in "
-            "seconds, and when it closes (glibc's malloc_trim; elsewhere nothing); until then "
+            "seconds, and when it closes, unless another stream of the process has samples in "
+            "flight (glibc's malloc_trim, process-wide; elsewhere nothing); until then "
             "the next samples reuse it: pages given back cost ~1 ms of CPU per sample of "
             "512 + 2048 tokens at top-k 16 in faults when they are touched again (0 = as soon "
             "as nothing is in flight)",

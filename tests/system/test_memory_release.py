@@ -183,3 +183,40 @@ async def test_calls_that_idle_between_them_keep_the_memory_while_they_come(
             assert isinstance(await s.score(sample), ScoredSample)
         assert releases == []
     assert releases == [1]
+
+
+async def test_no_stream_gives_memory_back_while_another_has_samples_in_flight(
+    releases: list[int],
+) -> None:
+    # malloc_trim is process-wide: the busy stream's next allocations would fault
+    busy = [1]
+    other, other_gate = _keeper(busy, [])
+    keeper, gate = _keeper([0], [])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(keeper.run)
+        tg.start_soon(other.run)
+        keeper.went_idle()
+        await _until(lambda: gate.sleeping == 1)
+        gate.open()
+        await _until(lambda: keeper.waiting_for_idle)
+        assert releases == []  # idle for the interval, but the other stream is busy
+        await keeper.close()
+        assert releases == []  # nor as it closes
+        busy[0] = 0
+        other.went_idle()  # the busy one idles in turn: it gives the memory back
+        await _until(lambda: other_gate.sleeping == 1)
+        other_gate.open()
+        await _until(lambda: bool(releases))
+        tg.cancel_scope.cancel()
+    await other.close()
+    assert releases == [1]
+
+
+async def test_a_closed_stream_no_longer_holds_the_others_back(releases: list[int]) -> None:
+    busy = [1]
+    other, _ = _keeper(busy, [])
+    await other.close()  # closed with samples in flight (a cancelled run's, say)
+    keeper, _ = _keeper([0], [])
+    keeper.went_idle()
+    await keeper.close()
+    assert releases == [1]

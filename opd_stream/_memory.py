@@ -111,7 +111,15 @@ class IdleRelease:
                 await self._release()
 
     def _others_busy(self) -> bool:
-        return any(k is not self and k._in_flight() > 0 for k in list(_OPEN))
+        return any(k is not self and k._busy() for k in list(_OPEN))
+
+    def _busy(self) -> bool:
+        # read from another stream's thread too: a count that changes while it is read
+        # (a run's set resized under the iteration) counts as busy
+        try:
+            return self._in_flight() > 0
+        except RuntimeError:
+            return True
 
     async def _release(self) -> None:
         self._released_at = self._marks

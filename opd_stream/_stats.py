@@ -165,8 +165,9 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     ``setup`` (the stream's upkeep in worker threads: at its entry torch, the KL code and
     the HTTP client imported, the first time in a process; freed heap memory given back
     once it idles and as it closes, ``release_memory_after_s``), ``kernels`` (the compiled
-    scanner made ready, for the stream that started it: its load from numba's cache in a background
-    thread, and the CPU of the process that compiled it when the cache lacked it). What
+    scanner made ready, for the stream that started it: its load from numba's cache in a
+    background thread, and the CPU of the process that compiled it when the cache lacked
+    it). What
     the process spent beyond their sum is the worker threads' own hand-offs (and anything
     else the host runs in its threads)."""
     decoded: ParserCounts = msgspec.field(default_factory=ParserCounts)

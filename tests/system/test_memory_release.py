@@ -220,3 +220,19 @@ async def test_a_closed_stream_no_longer_holds_the_others_back(releases: list[in
     keeper.went_idle()
     await keeper.close()
     assert releases == [1]
+
+
+async def test_a_stream_whose_count_cannot_be_read_now_counts_as_busy(
+    releases: list[int],
+) -> None:
+    # another thread's stream, its runs' set resized while it was read
+    def changing() -> int:
+        raise RuntimeError("Set changed size during iteration")
+
+    other, _ = _keeper([0], [])
+    other._in_flight = changing
+    keeper, _ = _keeper([0], [])
+    keeper.went_idle()
+    await keeper.close()
+    assert releases == []
+    await other.close()

@@ -167,9 +167,8 @@ class StreamStats(msgspec.Struct, frozen=True, kw_only=True):
     once it idles and as it closes, ``release_memory_after_s``), ``kernels`` (the compiled
     scanner made ready, for the stream that started it: its load from numba's cache in a
     background thread, and the CPU of the process that compiled it when the cache lacked
-    it). What
-    the process spent beyond their sum is the worker threads' own hand-offs (and anything
-    else the host runs in its threads)."""
+    it). What the process spent beyond their sum is the worker threads' own hand-offs (and
+    anything else the host runs in its threads)."""
     decoded: ParserCounts = msgspec.field(default_factory=ParserCounts)
     """Scoring answers decoded by each parser: ``scanner`` (the compiled scanner, once it
     is ready), ``msgspec`` (until then, where numba cannot run, and every answer the

@@ -50,6 +50,17 @@ async def _until(cond: Callable[[], bool]) -> None:
             await anyio.sleep(0.001)
 
 
+async def _went_idle(keeper: IdleRelease, gate: _Gate, sleeps: int) -> None:
+    """``keeper`` told its stream went idle; returns once its ``sleeps``-th interval began."""
+    keeper.went_idle()
+    await _until(lambda: gate.sleeping == sleeps)
+
+
+async def _interval_ends_in_a_release(gate: _Gate, releases: list[int]) -> None:
+    gate.open()
+    await _until(lambda: bool(releases))
+
+
 def _keeper(in_flight: list[int], spent: list[float]) -> tuple[IdleRelease, _Gate]:
     gate = _Gate()
     keeper = IdleRelease(5.0, lambda: in_flight[0], spent.append, sleep=gate)
@@ -63,8 +74,7 @@ async def test_memory_goes_back_once_nothing_has_been_in_flight_for_the_interval
     keeper, gate = _keeper([0], spent)
     async with anyio.create_task_group() as tg:
         tg.start_soon(keeper.run)
-        keeper.went_idle()
-        await _until(lambda: gate.sleeping == 1)
+        await _went_idle(keeper, gate, 1)
         assert releases == []  # not before the interval has passed
         gate.open()
         await _until(lambda: bool(spent))  # its CPU, for stats().cpu_s.setup
@@ -80,18 +90,15 @@ async def test_a_sample_in_flight_at_the_intervals_end_keeps_the_memory(
     keeper, gate = _keeper(in_flight, [])
     async with anyio.create_task_group() as tg:
         tg.start_soon(keeper.run)
-        keeper.went_idle()
-        await _until(lambda: gate.sleeping == 1)
+        await _went_idle(keeper, gate, 1)
         in_flight[0] = 1  # a sample admitted meanwhile, still in flight
         gate.open()
         await _until(lambda: gate.sleeping == 1 and keeper.waiting_for_idle)
         assert releases == []
         in_flight[0] = 0
-        keeper.went_idle()  # it finished: the interval starts again from here
-        await _until(lambda: gate.sleeping == 2)
+        await _went_idle(keeper, gate, 2)  # it finished: the interval starts again
         assert releases == []
-        gate.open()
-        await _until(lambda: bool(releases))
+        await _interval_ends_in_a_release(gate, releases)
         tg.cancel_scope.cancel()
     assert releases == [1]
 
@@ -102,14 +109,12 @@ async def test_a_run_that_went_idle_again_during_the_interval_starts_it_again(
     keeper, gate = _keeper([0], [])
     async with anyio.create_task_group() as tg:
         tg.start_soon(keeper.run)
-        keeper.went_idle()
-        await _until(lambda: gate.sleeping == 1)
+        await _went_idle(keeper, gate, 1)
         keeper.went_idle()  # a sample came and went within the interval
         gate.open()
         await _until(lambda: gate.sleeping == 2)  # a whole interval again
         assert releases == []
-        gate.open()
-        await _until(lambda: bool(releases))
+        await _interval_ends_in_a_release(gate, releases)
         tg.cancel_scope.cancel()
     assert releases == [1]
 
@@ -195,18 +200,15 @@ async def test_no_stream_gives_memory_back_while_another_has_samples_in_flight(
     async with anyio.create_task_group() as tg:
         tg.start_soon(keeper.run)
         tg.start_soon(other.run)
-        keeper.went_idle()
-        await _until(lambda: gate.sleeping == 1)
+        await _went_idle(keeper, gate, 1)
         gate.open()
         await _until(lambda: keeper.waiting_for_idle)
         assert releases == []  # idle for the interval, but the other stream is busy
         await keeper.close()
         assert releases == []  # nor as it closes
         busy[0] = 0
-        other.went_idle()  # the busy one idles in turn: it gives the memory back
-        await _until(lambda: other_gate.sleeping == 1)
-        other_gate.open()
-        await _until(lambda: bool(releases))
+        await _went_idle(other, other_gate, 1)  # the busy one idles in turn: it gives back
+        await _interval_ends_in_a_release(other_gate, releases)
         tg.cancel_scope.cancel()
     await other.close()
     assert releases == [1]

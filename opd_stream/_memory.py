@@ -111,7 +111,11 @@ class IdleRelease:
                 await self._release()
 
     def _others_busy(self) -> bool:
-        return any(k is not self and k._busy() for k in list(_OPEN))
+        try:
+            keepers = list(_OPEN)
+        except RuntimeError:  # another thread's stream opened or closed while it was read
+            return True
+        return any(k is not self and k._busy() for k in keepers)
 
     def _busy(self) -> bool:
         # read from another stream's thread too: a count that changes while it is read

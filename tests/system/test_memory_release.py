@@ -4,7 +4,7 @@ back cost a fault each when the next samples touch them again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import anyio
@@ -238,3 +238,21 @@ async def test_a_stream_whose_count_cannot_be_read_now_counts_as_busy(
     await keeper.close()
     assert releases == []
     await other.close()
+
+
+async def test_the_open_streams_changing_while_they_are_read_count_as_busy(
+    releases: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # another thread's stream opened or closed during the read
+    class Changing:
+        def __iter__(self) -> Iterator[IdleRelease]:
+            raise RuntimeError("Set changed size during iteration")
+
+        def discard(self, keeper: IdleRelease) -> None:
+            pass
+
+    keeper, _ = _keeper([0], [])
+    monkeypatch.setattr(_memory, "_OPEN", Changing())
+    keeper.went_idle()
+    await keeper.close()
+    assert releases == []

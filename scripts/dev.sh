@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets up .venv (torch==2.13.0 CPU first), then
 #   scripts/dev.sh demo [flags]   runs the main job (mock SGLang teacher + student, real scoring);
 #                                 installs only torch and the package
-#   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite; installs
+#   scripts/dev.sh test [pytest args]   runs ruff, mypy --strict and the test suite (with no
+#                                 args, one pytest-xdist worker per core); installs
 #                                 everything (test and bench extras, the gateways, SGLang's
 #                                 api_types.py, the tokenizer files)
 #   scripts/dev.sh bench [flags]  runs the benchmarks in bench/ (the same set-up as test)
@@ -36,7 +37,7 @@ setup_demo() {
 # Everything the tests and the benchmarks need, on top of the demo's set-up.
 setup() {
   setup_demo
-  if ! "$PY" -c "import pytest, trio, hypothesis, matplotlib, httpx, tokenizers" 2>/dev/null \
+  if ! "$PY" -c "import pytest, xdist, trio, hypothesis, matplotlib, httpx, tokenizers" 2>/dev/null \
      || [ pyproject.toml -nt "$VENV/.opd_stream_installed" ]; then
     "$PY" -m pip install -q --disable-pip-version-check -e ".[test,bench]"
     touch "$VENV/.opd_stream_installed"
@@ -197,6 +198,9 @@ case "$cmd" in
     "$VENV/bin/ruff" check opd_stream tests bench scripts
     "$VENV/bin/ruff" format --check -q opd_stream tests bench scripts
     "$VENV/bin/mypy" --strict opd_stream tests/support/fault_matrix.py  # the matrix left the package, not the check
+    # no arguments: the whole suite, one pytest-xdist worker per core; with arguments,
+    # pytest exactly as asked (add -n auto for workers)
+    if [ $# -eq 0 ]; then set -- -n auto; fi
     exec "$PY" -m pytest -q "$@"
     ;;
   *) echo "usage: scripts/dev.sh {setup|demo|test|bench|fresh|lowest} [args]" >&2; exit 2 ;;

@@ -175,12 +175,9 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 reps=7,
             )
             n = args.n
-            by_step = {step: _ms(v, n) for step, v in steps.items()}
-            by_step["unnamed"] = _ms(opd - sum(steps.values()), n)
-            kept_by_step = {step: _ms(v, n) for step, v in kept_steps.items()}
-            kept_by_step["unnamed"] = _ms(kept - sum(kept_steps.values()), n)
-            trimmed_by_step = {step: _ms(v, n) for step, v in trimmed_steps.items()}
-            trimmed_by_step["unnamed"] = _ms(trimmed - sum(trimmed_steps.values()), n)
+            by_step = _by_step(steps, opd, n)
+            kept_by_step = _by_step(kept_steps, kept, n)
+            trimmed_by_step = _by_step(trimmed_steps, trimmed, n)
             out[label] = {
                 "baseline_ms_per_sample": _ms(base, n),
                 "opd_ms_per_sample": _ms(opd, n),
@@ -204,6 +201,14 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             }
             del rows, ours, bodies
     return _over_the_floors(out)
+
+
+def _by_step(steps: dict[str, float], cpu: float, n: int) -> dict[str, float]:
+    """``stats().cpu_s`` of a burst in ms per sample, with ``unnamed``: what of the burst's
+    client CPU (``cpu``) no step names."""
+    out = {step: _ms(v, n) for step, v in steps.items()}
+    out["unnamed"] = _ms(cpu - sum(steps.values()), n)
+    return out
 
 
 def _over_the_floors(out: dict[str, Any]) -> dict[str, Any]:

@@ -133,11 +133,14 @@ def _run(
     func: Callable[[argparse.Namespace], Awaitable[int]],
     args: argparse.Namespace,
 ) -> int:
-    """A command's coroutine on a new event loop; its exit code, 130 after Ctrl-C."""
+    """A command's coroutine on a new event loop; its exit code, 130 after Ctrl-C (which
+    wakes the loop wherever it lands: :mod:`._wakeup`)."""
     import anyio
 
+    from ._wakeup import run_woken_by_signals
+
     try:
-        return anyio.run(func, args)
+        return anyio.run(run_woken_by_signals, func, args)
     except KeyboardInterrupt:
         print(f"opd-stream {command}: interrupted", file=sys.stderr)
         return 130

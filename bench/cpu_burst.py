@@ -14,7 +14,10 @@ each is kept: noise on a shared machine only ever adds):
   transport: the transport's share, before and after, in one run);
 * the same bursts through one stream kept open (a rollout loop's other choice), as now and
   as before session 16 (freed heap memory given back as each run ended:
-  ``release_memory_after_s=0``), each with its CPU by step;
+  ``release_memory_after_s=0``), each with its CPU by step; and once more with every
+  answer parsed on the event loop (``offload_bytes`` above every answer, no decode thread),
+  with the wall time of a burst and the loop's lag for both (the trade ``offload_bytes``
+  makes);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check (both modes parse the same answers:
   each floor is the least of its two measurements);
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -51,13 +55,14 @@ from opd_stream.wire._codec import decode_score_response
 
 from .bare_client import bare_reverse_kl
 from .baseline import baseline_score
-from .harness import ClientMeter, mocks, pid_list
+from .harness import ClientMeter, LagTicker, mocks, pid_list
 from .scenarios import REPLAY, _best_cpu, _config, _each, _fetch_bodies, _settle
 from .workload import STUDENT_SEED, TEACHER_SEED, make_samples
 
 __all__ = ("main",)
 
 _MODES = (("Python rows", False), ("array rows", True))
+_ABOVE_EVERY_ANSWER = 1 << 40  # offload_bytes: no answer is parsed in a decode thread
 
 
 async def _opd_burst(
@@ -87,33 +92,55 @@ def _bare_burst(samples: list[Sample], teacher: str, k: int, pids: list[int]) ->
     return meter.cpu_s
 
 
-async def _kept_bursts(
-    cfg: Any, samples: list[Sample], pids: list[int], reps: int
-) -> tuple[float, dict[str, float], float]:
-    """The least client CPU of one burst through a stream kept open across ``reps``, that
-    burst's ``stats().cpu_s``, and the least page faults of this process in a burst. Each
-    burst's meter runs on for 50 ms after its last result (idle: the stream's own work
-    after a run, e.g. a release of freed memory with ``release_memory_after_s=0``, is
-    counted with the run)."""
-    best, steps, faults = float("inf"), {}, float("inf")
+@dataclass
+class _Kept:
+    """What :func:`_kept_bursts` measured: the least client CPU of a burst (s), that
+    burst's ``stats().cpu_s``, the least page faults of this process in a burst, the least
+    wall time of a burst (s), and the event loop's lag in one more burst (ms)."""
+
+    cpu: float
+    steps: dict[str, float]
+    faults: float
+    wall: float
+    lag: dict[str, float | None]
+
+
+async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> _Kept:
+    """Bursts through one stream kept open across ``reps`` (the first warms the stream's
+    connections and is not counted). Each burst's meter runs on for 50 ms after its last
+    result (idle: the stream's own work after a run, e.g. a release of freed memory with
+    ``release_memory_after_s=0``, is counted with the run). One burst more, not metered,
+    measures the loop's lag (``LagTicker``: its 1 ms wake-ups would cost CPU of their own)."""
+    best, steps, faults, wall = float("inf"), {}, float("inf"), float("inf")
     async with OPDStream(cfg) as stream:
-        for rep in range(reps + 1):  # the first warms the stream's connections
+
+        async def burst() -> float:
+            start = time.perf_counter()
+            async with stream.run(samples) as results:
+                async for _ in results:
+                    pass
+            return time.perf_counter() - start
+
+        for rep in range(reps + 1):
             _settle()
             with ClientMeter(pids) as meter:
                 before = stream.stats().cpu_s.as_dict()  # (after the meter's own gc.collect)
                 faults_at = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                async with stream.run(samples) as results:
-                    async for _ in results:
-                        pass
+                took = await burst()
                 await asyncio.sleep(0.05)
                 after = stream.stats().cpu_s.as_dict()  # (before the meter's own reads)
                 if rep:
                     faults = min(
                         faults, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_at
                     )
-            if meter.cpu_s < best:
-                best, steps = meter.cpu_s, {k: after[k] - before[k] for k in after}
-    return best, steps, faults
+            if rep:
+                wall = min(wall, took)
+                if meter.cpu_s < best:
+                    best, steps = meter.cpu_s, {k: after[k] - before[k] for k in after}
+        _settle()
+        async with LagTicker() as ticker:
+            await burst()
+    return _Kept(best, steps, faults, wall, ticker.summary())
 
 
 async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -> None:
@@ -158,11 +185,14 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                     aio, aio_steps = cpu, cpu_s
                 _settle()
                 bare = min(bare, _bare_burst(ours, teacher, args.k, pids))
-            kept, kept_steps, kept_faults = await _kept_bursts(cfg, ours, pids, args.reps)
+            kept = await _kept_bursts(cfg, ours, pids, args.reps)
             # before session 16: freed memory given back as each run ended
             trim_cfg = cfg.evolve(release_memory_after_s=0)
-            trimmed, trimmed_steps, trimmed_faults = await _kept_bursts(
-                trim_cfg, ours, pids, args.reps
+            trimmed = await _kept_bursts(trim_cfg, ours, pids, args.reps)
+            # every answer parsed on the event loop (no decode thread): the other side of
+            # offload_bytes' trade, CPU against the loop's lag
+            on_loop = await _kept_bursts(
+                cfg.evolve(offload_bytes=_ABOVE_EVERY_ANSWER), ours, pids, args.reps
             )
             # (the same answers in both modes: the requests are built from the same samples)
             bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
@@ -176,18 +206,27 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             )
             n = args.n
             by_step = _by_step(steps, opd, n)
-            kept_by_step = _by_step(kept_steps, kept, n)
-            trimmed_by_step = _by_step(trimmed_steps, trimmed, n)
             out[label] = {
                 "baseline_ms_per_sample": _ms(base, n),
                 "opd_ms_per_sample": _ms(opd, n),
-                "opd_kept_stream_ms_per_sample": _ms(kept, n),
-                "opd_kept_stream_trimmed_ms_per_sample": _ms(trimmed, n),
-                "kept_stream_page_faults_per_sample": kept_faults / n,
-                "kept_stream_trimmed_page_faults_per_sample": trimmed_faults / n,
-                "baseline_over_opd_kept_stream": base / kept,
-                "kept_stream_by_step_ms_per_sample": kept_by_step,
-                "kept_stream_trimmed_by_step_ms_per_sample": trimmed_by_step,
+                "opd_kept_stream_ms_per_sample": _ms(kept.cpu, n),
+                "opd_kept_stream_trimmed_ms_per_sample": _ms(trimmed.cpu, n),
+                "opd_kept_stream_on_loop_ms_per_sample": _ms(on_loop.cpu, n),
+                "kept_stream_page_faults_per_sample": kept.faults / n,
+                "kept_stream_trimmed_page_faults_per_sample": trimmed.faults / n,
+                "baseline_over_opd_kept_stream": base / kept.cpu,
+                "baseline_over_opd_kept_stream_on_loop": base / on_loop.cpu,
+                "kept_stream_by_step_ms_per_sample": _by_step(kept.steps, kept.cpu, n),
+                "kept_stream_trimmed_by_step_ms_per_sample": _by_step(
+                    trimmed.steps, trimmed.cpu, n
+                ),
+                "kept_stream_on_loop_by_step_ms_per_sample": _by_step(
+                    on_loop.steps, on_loop.cpu, n
+                ),
+                "kept_stream_wall_ms_per_burst": kept.wall * 1e3,
+                "kept_stream_on_loop_wall_ms_per_burst": on_loop.wall * 1e3,
+                "kept_stream_lag_ms": kept.lag,
+                "kept_stream_on_loop_lag_ms": on_loop.lag,
                 "opd_aiohttp_ms_per_sample": _ms(aio, n),
                 "baseline_over_opd_aiohttp": base / aio,
                 "aiohttp_loop_ms_per_sample": _ms(aio_steps.get("loop", 0.0), n),
@@ -233,6 +272,8 @@ def _over_the_floors(out: dict[str, Any]) -> dict[str, Any]:
             bare_over_scanner=bare / scanner,
             opd_over_bare=opd / bare,
             opd_kept_stream_over_bare=kept / bare,
+            opd_kept_stream_on_loop_over_scanner=m["opd_kept_stream_on_loop_ms_per_sample"]
+            / scanner,
         )
     return out
 
@@ -349,6 +390,29 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['kept_stream_page_faults_per_sample']:.0f} / "
             f"{m['kept_stream_trimmed_page_faults_per_sample']:.0f} |"
         )
+    print(
+        "\nThe kept stream with its answers parsed in decode threads (the default: answers of "
+        "`offload_bytes` = 1 MiB and more) and all on the event loop (`offload_bytes` above "
+        "every answer): client CPU against the burst's wall time and the loop's lag (1 ms "
+        "ticker, one burst more):\n"
+    )
+    print(
+        "| student top-k | answers parsed | kept stream | x scanner | ratio to Miles "
+        "| wall per burst (ms) | loop lag p99 / max (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, m in burst.items():
+        for which, key, ratio in (
+            ("in threads", "kept_stream", "baseline_over_opd_kept_stream"),
+            ("on the loop", "kept_stream_on_loop", "baseline_over_opd_kept_stream_on_loop"),
+        ):
+            lag = m[f"{key}_lag_ms"]
+            cpu = m[f"opd_{key}_ms_per_sample"]
+            print(
+                f"| {label} | {which} | {cpu:.2f} | {cpu / m['scanner_ms_per_sample']:.2f}x "
+                f"| {m[ratio]:.1f}x | {m[f'{key}_wall_ms_per_burst']:.1f} "
+                f"| {_opt(lag['lag_p99_ms'])} / {_opt(lag['lag_max_ms'])} |"
+            )
     steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
     print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")
     print("| student top-k | stream | " + " | ".join(steps) + " |")
@@ -358,6 +422,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             ("one per burst", "by_step_ms_per_sample"),
             ("kept", "kept_stream_by_step_ms_per_sample"),
             ("kept, trimmed (before)", "kept_stream_trimmed_by_step_ms_per_sample"),
+            ("kept, answers parsed on the loop", "kept_stream_on_loop_by_step_ms_per_sample"),
         ):
             vals = " | ".join(f"{v:.2f}" for v in m[key].values())
             print(f"| {label} | {which} | {vals} |")

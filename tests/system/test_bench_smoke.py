@@ -151,8 +151,9 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
     tmp_path: Path,
 ) -> None:
     """``bench.cpu_burst`` on a minuscule size: every column is measured (a stream per
-    burst, one kept open as now and as before, the bare client, the parse floors) with its
-    CPU by step, and the bare client's signal equals opd_stream's (no timing asserted)."""
+    burst, one kept open as now, as before and with every answer parsed on the loop, the
+    bare client, the parse floors) with its CPU by step, and the bare client's signal
+    equals opd_stream's (no timing asserted)."""
     out = tmp_path / "burst.json"
     proc = run_module(
         "bench.cpu_burst",
@@ -169,8 +170,15 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
             assert row[f"{key}_ms_per_sample"] > 0, key
         assert row["kept_stream_page_faults_per_sample"] >= 0
         assert row["kept_stream_trimmed_page_faults_per_sample"] >= 0
-        for key in ("", "kept_stream_", "kept_stream_trimmed_"):
+        for key in ("", "kept_stream_", "kept_stream_trimmed_", "kept_stream_on_loop_"):
             steps = row[f"{key}by_step_ms_per_sample"]
             assert steps["decode_loop"] + steps["decode_threads"] > 0, key
             assert steps["kl"] > 0, key
+        # offload_bytes above every answer: none is parsed in a decode thread
+        assert row["kept_stream_on_loop_by_step_ms_per_sample"]["decode_threads"] == 0
+        assert row["opd_kept_stream_on_loop_ms_per_sample"] > 0
+        for key in ("kept_stream", "kept_stream_on_loop"):
+            assert row[f"{key}_wall_ms_per_burst"] > 0, key
+            assert row[f"{key}_lag_ms"]["lag_p99_ms"] is not None, key
     assert "kept, trimmed as each run ends (before)" in proc.stdout
+    assert "| on the loop |" in proc.stdout

@@ -62,7 +62,8 @@ class IdleRelease:
     meanwhile and nothing in flight (``in_flight()``); :meth:`close` does it once more as the
     stream closes, if anything ran since. Neither does it while another open stream of the
     process has samples in flight (that one does it once it idles in turn). Each call's
-    CPU seconds go to ``spent``.
+    CPU seconds go to ``spent``. ``drop`` runs on the loop just before each release: what
+    the stream kept for reuse, freed first (the transport's body buffers).
 
     Created inside the stream's event loop (it holds an ``anyio.Event``). ``sleep``: how
     the interval is waited for (tests pass their own).
@@ -74,11 +75,13 @@ class IdleRelease:
         in_flight: Callable[[], int],
         spent: Callable[[float], None],
         *,
+        drop: Callable[[], None] = lambda: None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self._after_s = after_s
         self._in_flight = in_flight
         self._spent = spent
+        self._drop = drop
         self._sleep = sleep
         self.waiting_for_idle = False  # run() waits for the next went_idle
         self._idle = anyio.Event()
@@ -127,4 +130,5 @@ class IdleRelease:
 
     async def _release(self) -> None:
         self._released_at = self._marks
+        self._drop()
         self._spent(await anyio.to_thread.run_sync(_timed_release))

@@ -305,6 +305,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             self.config.release_memory_after_s,
             lambda: self._stats.in_flight,
             self._stats.spent_releasing,
+            drop=self._drop_body_buffers,
         )
         try:
             transport = self._transport
@@ -358,6 +359,13 @@ class OPDStream(anyio.AsyncContextManagerMixin):
             if xtok is not None:  # the tokenizers' processes, stopped off the loop
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(xtok.close)
+
+    def _drop_body_buffers(self) -> None:
+        """The transport's buffers of big answers, kept for reuse: dropped as the stream
+        idles (before it gives freed memory back)."""
+        drop = getattr(self._in_use, "_drop_body_buffers", None)  # (AsyncioTransport's)
+        if drop is not None:
+            drop()
 
     def _went_busy(self) -> None:
         self._busy.set()

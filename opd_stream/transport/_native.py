@@ -18,16 +18,17 @@ import ssl as _ssl_types
 import time
 import types
 from collections.abc import Callable
+from functools import partial
 from typing import Self
 from urllib.parse import urlsplit
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import numpy as np
 
 from .._errors import ConfigError, ConnectionFailed, ResponseTooLarge
 from ..wire._answers import Body
+from ._bodies import BodyPool
 from ._budget import BudgetLease
 from ._http1 import (
     MAX_HEAD_BYTES,
@@ -78,9 +79,10 @@ class _Target:
 class _Connection(asyncio.BufferedProtocol):
     """One HTTP/1.1 connection, one request at a time: the socket reads into a staging
     buffer while a head (or a chunked body's framing) is read, and straight into the body's
-    own buffer once its length is known."""
+    own buffer once its length is known (a big one from the transport's ``bodies``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bodies: BodyPool) -> None:
+        self._bodies = bodies
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
@@ -211,7 +213,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._start_body(length)
 
     def _start_body(self, length: int) -> None:
-        self._view = np.empty(length, dtype=np.uint8).data
+        self._view = self._bodies.take(length)
         have = min(self._staged, length)
         self._view[:have] = memoryview(self._staging)[:have]
         self._filled = have
@@ -414,6 +416,7 @@ class AsyncioTransport(PooledTransport):
         self._slots: anyio.Semaphore | None = None
         self._tls: _ssl_types.SSLContext | None = None
         self._entered = False
+        self._bodies = BodyPool()  # big answers' buffers, used again (_bodies)
 
     async def __aenter__(self) -> Self:
         try:
@@ -440,6 +443,7 @@ class AsyncioTransport(PooledTransport):
         self._idle.clear()
         for conn in self._in_use:
             conn.abort()
+        self._bodies.clear()
         with anyio.CancelScope(shield=True):
             await anyio.lowlevel.checkpoint()  # let the transports' close callbacks run
 
@@ -447,6 +451,11 @@ class AsyncioTransport(PooledTransport):
     def idle(self) -> bool:
         """True when no connection is checked out (for tests and stats)."""
         return not self._in_use
+
+    def _drop_body_buffers(self) -> None:
+        """Drop the big answers' buffers kept for reuse (the stream does so as it idles,
+        before it gives freed memory back)."""
+        self._bodies.clear()
 
     def _target(self, url: str) -> _Target:
         target = self._targets.get(url)
@@ -541,7 +550,7 @@ class AsyncioTransport(PooledTransport):
         try:
             with anyio.fail_after(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    _Connection,
+                    partial(_Connection, self._bodies),
                     target.host,
                     target.port,
                     ssl=tls,

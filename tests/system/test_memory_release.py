@@ -8,13 +8,15 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import anyio
+import msgspec
 import numpy as np
 import pytest
 from support.config import stream_config
 
-from opd_stream import OPDStream, Sample, ScoredSample, _memory
+from opd_stream import AsyncioTransport, OPDStream, Sample, ScoredSample, _memory
 from opd_stream._memory import IdleRelease
 from opd_stream.testing.inprocess import InProcessSGLang, mock_transport
+from opd_stream.testing.mock_sglang import serve_mock
 
 T = "http://teacher:1"
 _cfg = partial(stream_config, T)
@@ -143,6 +145,30 @@ async def test_close_gives_memory_back_even_when_its_caller_is_cancelled(
     assert releases == [1]
 
 
+async def test_what_the_stream_kept_for_reuse_is_dropped_just_before_each_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(_memory, "release_freed_memory", lambda: order.append("release"))
+    gate = _Gate()
+    spent: list[float] = []
+    drop = partial(order.append, "drop")
+    keeper = IdleRelease(5.0, lambda: 0, spent.append, drop=drop, sleep=gate)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(keeper.run)
+        await _went_idle(keeper, gate, 1)
+        assert order == []  # not before the interval has passed
+        gate.open()
+        await _until(lambda: len(order) == 2)
+        tg.cancel_scope.cancel()
+    assert order == ["drop", "release"]
+    keeper.went_idle()
+    await keeper.close()
+    assert order == ["drop", "release"] * 2
+    await keeper.close()  # nothing ran since: neither
+    assert order == ["drop", "release"] * 2
+
+
 def _samples(n: int, r: int = 32) -> list[Sample]:
     rng = np.random.default_rng(3)
     return [Sample(rng.integers(0, 5000, 16 + r).tolist(), r) for _ in range(n)]
@@ -256,3 +282,33 @@ async def test_the_open_streams_changing_while_they_are_read_count_as_busy(
     keeper.went_idle()
     await keeper.close()
     assert releases == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the asyncio transport, a real server
+async def test_a_stream_drops_its_big_answers_buffers_as_it_idles(releases: list[int]) -> None:
+    # R = 1024, the student's top-256 asked of the teacher: answers of ~6 MB, read into
+    # buffers the transport keeps
+    r, k = 1024, 256
+    ids = (np.arange(k)[None, :] * 7 + np.arange(r)[:, None]) % 5000  # distinct in a row
+    lps = np.sort(-np.random.default_rng(5).random((r, k)), axis=1)[:, ::-1].astype(np.float32)
+    samples = [
+        msgspec.structs.replace(s, student_top_logprobs=(ids, lps)) for s in _samples(2, r=r)
+    ]
+    async with serve_mock("teacher", 1) as server:
+        transport = AsyncioTransport()
+        cfg = stream_config(server.url, top_k=k, release_memory_after_s=3600)
+        async with OPDStream(cfg, transport=transport) as s:
+            for _ in range(2):
+                async with s.run(samples) as results:
+                    assert all([isinstance(r, ScoredSample) async for r in results])
+            bodies = transport._bodies
+            assert bodies.reused >= 1 and bodies.held_bytes > 0  # kept between the runs
+            assert releases == []
+        assert bodies.held_bytes == 0 and releases == [1]  # dropped as it closed
+        cfg = cfg.evolve(release_memory_after_s=0.01)
+        transport = AsyncioTransport()
+        async with OPDStream(cfg, transport=transport) as s:
+            async with s.run(samples) as results:
+                assert all([isinstance(r, ScoredSample) async for r in results])
+            await _until(lambda: len(releases) == 2)  # idle: dropped, while it stays open
+            assert transport._bodies.held_bytes == 0

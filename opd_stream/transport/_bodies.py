@@ -2,11 +2,12 @@
 
 A body of ``MIN_POOLED`` bytes or more is read into a buffer of its own. glibc maps one
 above its largest mmap threshold (32 MiB) freshly each time and unmaps it as it is freed,
-so every page of every such answer faulted in again, zeroed (2 MiB pages: numpy asks for
-them at this size): 63% of the page faults, and 12% of the client's CPU, in a kept stream
-scoring 16384-token answers at top-k 64 (``docs/design-notes.md``, "opd_stream/transport/
-_bodies.py"). :class:`BodyPool` keeps such buffers and hands one out again for a body that
-fits, once nothing refers to it any more.
+so every page of every such answer faulted in again, zeroed as the socket read into it
+(2 MiB pages: numpy asks for them at this size). :class:`BodyPool` keeps such buffers and
+hands one out again for a body that fits, once nothing refers to it any more: for a kept
+stream scoring 16384-token answers at top-k 64 (``bench.long_answers``), the kernel's time
+per sample 29 -> 25 ms, the client's CPU 2-4% less (``docs/design-notes.md``,
+"opd_stream/transport/_bodies.py").
 
 "Nothing refers to it" is read from the buffer's reference count, so ownership needs no
 protocol: a body handed to a decode thread, or to a decode its caller abandoned, or viewed

@@ -182,3 +182,23 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
             assert row[f"{key}_lag_ms"]["lag_p99_ms"] is not None, key
     assert "kept, trimmed as each run ends (before)" in proc.stdout
     assert "| on the loop |" in proc.stdout
+
+
+def test_the_long_answers_bench_runs_both_ways(tmp_path: Path) -> None:
+    """``bench.long_answers`` on answers just over the body pool's threshold (R = 2048 at
+    top-k 64: ~6 MB): both ways measured, each with its CPU by step (no figure asserted:
+    the machine decides)."""
+    out = tmp_path / "long.json"
+    proc = run_module(
+        "bench.long_answers",
+        *("--n", "2", "--prompt", "16", "--response", "2048", "--k", "64"),
+        *("--reps", "1", "--bursts", "1", "--json", str(out)),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())["long_answers"]
+    assert set(got) == {"buffers used again (now)", "fresh buffers (before)"}
+    for row in got.values():
+        assert row["ms_per_sample"] > 0 and row["page_faults_per_sample"] >= 0
+        assert row["by_step_ms_per_sample"]["decode_threads"] > 0
+    assert "| fresh buffers (before) |" in proc.stdout

@@ -1,19 +1,13 @@
 """Buffers for big answer bodies, used again once nothing refers to them.
 
-A body of ``MIN_POOLED`` bytes or more is read into a buffer of its own. glibc maps one
-above its largest mmap threshold (32 MiB) freshly each time and unmaps it as it is freed,
-so every page of every such answer faulted in again, zeroed as the socket read into it
-(2 MiB pages: numpy asks for them at this size). :class:`BodyPool` keeps such buffers and
-hands one out again for a body that fits, once nothing refers to it any more: for a kept
-stream scoring 16384-token answers at top-k 64 (``bench.long_answers``), the kernel's time
-per sample 29 -> 25 ms, the client's CPU 2-4% less (``docs/design-notes.md``,
-"opd_stream/transport/_bodies.py").
-
-"Nothing refers to it" is read from the buffer's reference count, so ownership needs no
-protocol: a body handed to a decode thread, or to a decode its caller abandoned, or viewed
-by an array that outlived the decode, holds its buffer (through the memoryview's export)
-until the last of them is gone; until then the buffer is busy and the next body gets
-another one. Sans-IO; called from the event loop's thread only.
+glibc maps an allocation above 32 MiB afresh and unmaps it on free, so each long answer's
+pages were faulted in and zeroed again as the socket read into them. :class:`BodyPool`
+keeps the buffers of bodies of ``MIN_POOLED`` bytes or more and hands one out again for a
+body that fits. Who owns a buffer is read from its reference count: a body handed to a
+decode thread, to a decode its caller abandoned, or viewed by an array holds its buffer
+(through the memoryview's export) until the last of them lets go; until then the next body
+gets another one. Sans-IO; called from the event loop's thread only. The measurements and
+the rules: ``docs/design-notes.md``, "opd_stream/transport/_bodies.py".
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from ._stats import CHANNELS, ChannelName, StatsRecorder
 from .config._settings import StreamConfig
 from .fetch._fetcher import SampleFetcher, ScoreAttemptError
 from .fleet._routing import TeacherRouting
+from .kl._plan import STRATEGY_NEEDS
 from .wire._answers import ScoreRows
 from .wire._student_topk import rows_convert_in_thread
 
@@ -244,6 +245,8 @@ class _Pipeline:
         self.in_flight = 0
         self.calls: dict[int, Call] = {}  # admitted calls by index, until handed over
         self.secret = None if config.api_key is None else config.api_key.get_secret_value()
+        # only-teacher never reads a sample's student top-k: not converted, not checked
+        self.reads_student_topk = STRATEGY_NEEDS[config.strategy].student_topk
         cap = config.channel_capacity
         for name in CHANNELS:
             self.stats.channel(name, cap)
@@ -257,7 +260,9 @@ class _Pipeline:
             self.stats.spent("prepare", time.thread_time() - start)
 
     def _prepare_timed(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
-        prepared = prepare_sample(sample, index, teacher="", top_k=self.cfg.top_k)
+        prepared = prepare_sample(
+            sample, index, teacher="", top_k=self.cfg.top_k, student_topk=self.reads_student_topk
+        )
         if (
             not teacher_only
             and self.cfg.student_url is None
@@ -345,7 +350,8 @@ class _Pipeline:
         teacher_only = call is not None and call.teacher_only
         try:
             prepare = partial(self._prepare, sample, index, teacher_only)
-            in_thread = rows_convert_in_thread(sample, self.cfg.top_k)  # big Python rows
+            # big Python rows, converted if the strategy reads them
+            in_thread = self.reads_student_topk and rows_convert_in_thread(sample, self.cfg.top_k)
             prepared = await anyio.to_thread.run_sync(prepare) if in_thread else prepare()
         except (InvalidSampleError, RoutingError) as exc:
             if call is not None:

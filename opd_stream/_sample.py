@@ -72,7 +72,9 @@ class Sample(msgspec.Struct, kw_only=False):
             ``-1`` (:data:`PAD_ID`). Only the entries present are candidates
             (``docs/semantics.md``, "Missing values and empty rows"): an empty row selects
             nothing under only-student, the teacher's top-k alone under union. When top-k
-            mode needs it and it is None, it is fetched from the student server.
+            mode needs it and it is None, it is fetched from the student server. Ignored
+            (neither converted nor checked) in sampled-token mode and under only-teacher,
+            which never read it.
         sample_id: anything the caller wants back on the result.
         teacher_prompt_ids: the teacher's own prompt (token ids, non-empty; a sequence of
             ints, a 1-D integer numpy array or torch tensor), for a teacher that sees a
@@ -395,7 +397,9 @@ def cross_sample(xtok: CrossTokenizers, prepared: PreparedSample) -> CrossSample
     return CrossSample(teacher_prepared=teacher_prepared, alignment=side.alignment)
 
 
-def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> PreparedSample:
+def prepare_sample(
+    sample: Any, index: int, *, teacher: str, top_k: int, student_topk: bool = True
+) -> PreparedSample:
     """Validate ``sample`` and convert it for the pipeline.
 
     Args:
@@ -403,6 +407,8 @@ def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> Prep
         index: its position in the input.
         teacher: the routed teacher name (routing happens before, see ``TeacherRouting``).
         top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
+        student_topk: whether the strategy reads the student's top-k (``only-teacher``
+            does not: then it is ignored too, neither converted nor checked).
 
     Raises:
         InvalidSampleError: naming the offending field.
@@ -434,7 +440,7 @@ def prepare_sample(sample: Any, index: int, *, teacher: str, top_k: int) -> Prep
         rollout = _as_rollout_logprobs(sample.rollout_logprobs, r)
     top_ids = top_lps = None
     given = sample.student_top_logprobs
-    if top_k > 0 and given is not None:
+    if top_k > 0 and student_topk and given is not None:
         if isinstance(given, tuple) and len(given) == 2 and all(map(_is_array, given)):
             ids, lps = given
             if _is_tensor(ids):

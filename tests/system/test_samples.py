@@ -232,3 +232,28 @@ async def test_a_zero_length_response_with_empty_student_topk_is_scored_empty() 
     assert isinstance(res, ScoredSample), res
     assert res.teacher_logprobs.shape == (0,)
     assert res.candidates is not None and res.candidates.ids.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "strategy", ["only-student", "only-teacher", "intersection", "union", "xor"]
+)
+async def test_a_strategy_that_never_reads_the_students_top_k_ignores_it(strategy: str) -> None:
+    """only-teacher scores the teacher's top-k ids with the student server: a sample's own
+    top-k is not read, so neither converted nor checked (as in sampled-token mode); every
+    other strategy reads it, and a bad one fails its sample."""
+    servers = {T: InProcessSGLang("teacher", 1), S: InProcessSGLang("student", 1)}
+    cfg = stream_config(T, student_url=S, top_k=2, strategy=strategy)
+    bad = Sample(TOKENS, R, student_top_logprobs=[[[0.5, -7]]] * R)  # > 0, a negative id
+    without = Sample(TOKENS, R)
+    async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
+        async with stream.run([bad, without]) as results:
+            got, plain = sorted([r async for r in results], key=lambda r: r.index)
+    assert isinstance(plain, ScoredSample), plain
+    if strategy == "only-teacher":
+        assert isinstance(got, ScoredSample), got
+        assert torch.equal(got.reverse_kl, plain.reverse_kl)  # as if it were not there
+        assert got.candidates is not None and plain.candidates is not None
+        assert torch.equal(got.candidates.ids, plain.candidates.ids)
+    else:
+        assert isinstance(got, SampleFailure) and got.reason == "invalid_sample", got
+        assert got.message.startswith("student_top_logprobs: ")

@@ -251,6 +251,7 @@ async def test_a_strategy_that_never_reads_the_students_top_k_ignores_it(strateg
     assert isinstance(plain, ScoredSample), plain
     if strategy == "only-teacher":
         assert isinstance(got, ScoredSample), got
+        assert got.reverse_kl is not None and plain.reverse_kl is not None
         assert torch.equal(got.reverse_kl, plain.reverse_kl)  # as if it were not there
         assert got.candidates is not None and plain.candidates is not None
         assert torch.equal(got.candidates.ids, plain.candidates.ids)

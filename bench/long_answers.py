@@ -45,7 +45,7 @@ async def _table(args: argparse.Namespace) -> dict[str, Any]:
     sys_s: dict[str, float] = {}
     with mocks(("teacher", TEACHER_SEED, REPLAY), ("student", STUDENT_SEED, REPLAY)) as procs:
         cfg = _config(procs[0].url, procs[1].url, top_k=args.k, strategy="only-teacher")
-        samples = make_samples(args.n, args.prompt, args.response, args.k)
+        samples = make_samples(args.n, args.prompt, args.response, 0)  # (as scenario 3)
         pids = pid_list(procs)
         await _kept_bursts(cfg, samples, pids, 1)  # warm: imports, the mocks' caches
         for rep in range(args.reps):  # interleaved, each first in turn: drift hits both

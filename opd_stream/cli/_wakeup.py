@@ -63,7 +63,9 @@ def signal_wakeup() -> Iterator[None]:
             yield
         finally:
             loop.remove_reader(read.fileno())
-            signal.set_wakeup_fd(-1)
+            current = signal.set_wakeup_fd(-1)
+            if current not in (-1, write.fileno()):  # set by someone since: theirs stays
+                signal.set_wakeup_fd(current)
 
 
 def _drain(sock: socket.socket) -> None:

@@ -38,7 +38,7 @@ spent on a small body)."""
 
 def _idle_refs() -> int:
     """The reference count of a buffer nothing but the pool refers to, as
-    :meth:`BodyPool._free` reads it (measured, not assumed: it is the interpreter's)."""
+    :meth:`BodyPool._counts` reads it (measured, not assumed: it is the interpreter's)."""
     pool = BodyPool()
     pool._buffers.append(np.empty(1, dtype=np.uint8))
     return pool._counts()[0]
@@ -51,9 +51,9 @@ class BodyPool:
     nothing else refers to (the smallest that fits, and at most ``_SLACK`` times the
     body), or over a new one, kept if the pool has room for it within ``_KEEP`` buffers
     and ``_KEEP_BYTES``, or free buffers to drop for it; a smaller body gets a buffer of
-    its own, as before. :meth:`clear` drops the free
-    buffers (the stream does so as it idles and as it closes). ``reused``: bodies read
-    into a buffer again (for tests and the benchmarks).
+    its own, as before. :meth:`clear` drops every buffer (the stream does so as it idles
+    and as it closes). ``reused``: bodies read into a buffer again (for tests and the
+    benchmarks).
     """
 
     def __init__(self) -> None:
@@ -113,5 +113,4 @@ class BodyPool:
         return [sys.getrefcount(buf) for buf in self._buffers]
 
 
-_IDLE_REFS = 0
 _IDLE_REFS = _idle_refs()

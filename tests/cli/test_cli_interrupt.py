@@ -96,3 +96,23 @@ def test_a_wakeup_fd_set_before_is_left_to_its_owner(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True"]
+
+
+def test_a_wakeup_fd_set_during_the_command_is_left_to_whoever_set_it(tmp_path: Path) -> None:
+    proc = _script(
+        tmp_path,
+        """
+        a, b = socket.socketpair()
+        b.setblocking(False)
+        own = b.fileno()
+
+        async def command(_):
+            signal.set_wakeup_fd(own)  # e.g. a signal handler the command added
+            return 0
+
+        assert _run("x", command, None) == 0
+        print(signal.set_wakeup_fd(-1) == own)
+        """,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]

@@ -396,7 +396,10 @@ class AsyncioTransport(PooledTransport):
     the default under asyncio).
 
     Keeps :class:`~opd_stream.AiohttpTransport`'s rules (see the module docstring) at a
-    fraction of its CPU per answer: the socket reads straight into the body's buffer.
+    fraction of its CPU per answer: the socket reads straight into the body's buffer. An
+    answer of 4 MiB or more is read into a buffer the transport keeps (at most 8 and 512
+    MiB) and reads a later answer into once nothing refers to the first any more; they
+    are dropped as it closes, and as a stream using it idles.
 
     Args:
         api_key: sent as ``Authorization: Bearer <api_key>``.

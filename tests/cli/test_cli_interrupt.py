@@ -23,6 +23,10 @@ _PRELUDE = """
 import signal, socket, sys, threading, time
 import anyio
 from opd_stream.cli._main import _run
+
+a, b = socket.socketpair()  # a wakeup fd of the script's own, for the cases that set one
+b.setblocking(False)
+own = b.fileno()
 """
 
 
@@ -81,9 +85,6 @@ def test_a_wakeup_fd_set_before_is_left_to_its_owner(tmp_path: Path) -> None:
     proc = _script(
         tmp_path,
         """
-        a, b = socket.socketpair()
-        b.setblocking(False)
-        own = b.fileno()
         signal.set_wakeup_fd(own)
 
         async def command(_):
@@ -102,10 +103,6 @@ def test_a_wakeup_fd_set_during_the_command_is_left_to_whoever_set_it(tmp_path: 
     proc = _script(
         tmp_path,
         """
-        a, b = socket.socketpair()
-        b.setblocking(False)
-        own = b.fileno()
-
         async def command(_):
             signal.set_wakeup_fd(own)  # e.g. a signal handler the command added
             return 0

@@ -65,9 +65,9 @@ class BodyPool:
         if length < MIN_POOLED:
             return np.empty(length, dtype=np.uint8).data
         fits = [
-            (buf.size, i)
-            for i, (buf, refs) in enumerate(zip(self._buffers, self._counts(), strict=True))
-            if refs <= _IDLE_REFS and length <= buf.size <= length * _SLACK
+            (size, i)
+            for i in self._free()
+            if length <= (size := self._buffers[i].size) <= length * _SLACK
         ]
         if fits:
             self.reused += 1
@@ -84,11 +84,7 @@ class BodyPool:
         smallest first) until it fits within ``_KEEP`` and ``_KEEP_BYTES``."""
         if size > _KEEP_BYTES:
             return False
-        free = sorted(
-            (buf.size, i)
-            for i, (buf, refs) in enumerate(zip(self._buffers, self._counts(), strict=True))
-            if refs <= _IDLE_REFS
-        )
+        free = sorted((self._buffers[i].size, i) for i in self._free())
         held, count, drop = self.held_bytes, len(self._buffers), set()
         for freed, i in free:
             if count < _KEEP and held + size <= _KEEP_BYTES:
@@ -108,6 +104,10 @@ class BodyPool:
     def held_bytes(self) -> int:
         """The bytes of the buffers the pool holds, busy or free."""
         return sum(buf.size for buf in self._buffers)
+
+    def _free(self) -> list[int]:
+        """The indices of the buffers nothing but the pool refers to."""
+        return [i for i, refs in enumerate(self._counts()) if refs <= _IDLE_REFS]
 
     def _counts(self) -> list[int]:
         return [sys.getrefcount(buf) for buf in self._buffers]

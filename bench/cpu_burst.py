@@ -8,6 +8,9 @@ threads, ``ClientMeter``). In one run, interleaved over ``--reps`` repeats (the 
 each is kept: noise on a shared machine only ever adds):
 
 * the baseline (``bench.baseline``: Miles' way, per-position ids on a patched server);
+* Miles' own scorer (``bench.miles_scorer``: ``reward_func`` and ``post_process_rewards``
+  from radixark/miles, where its source is at hand), its signal checked against
+  ``opd_stream``'s: what the baseline stands in for, measured beside it;
 * ``opd_stream``, a stream opened per burst, with its CPU by step (``stats().cpu_s``) and
   the remainder no step names;
 * the same bursts through the aiohttp transport (the default before 1.x's asyncio
@@ -56,6 +59,7 @@ from opd_stream.wire._codec import decode_score_response
 from .bare_client import bare_reverse_kl
 from .baseline import baseline_score
 from .harness import ClientMeter, LagTicker, mocks, pid_list
+from .miles_scorer import MilesScorer, load_miles_scorer
 from .scenarios import REPLAY, _best_cpu, _config, _each, _fetch_bodies, _settle
 from .workload import STUDENT_SEED, TEACHER_SEED, make_samples
 
@@ -150,6 +154,19 @@ async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -
     )  # fmt: skip
 
 
+async def _miles_check(
+    scorer: MilesScorer | None, samples: list[object], cfg: Any, ours: list[Sample]
+) -> float | None:
+    """The largest difference between Miles' own scorer's reverse KL and ``opd_stream``'s
+    (None without Miles' source)."""
+    if scorer is None:
+        return None
+    theirs = await scorer.score(samples)
+    async with OPDStream(cfg) as stream, stream.run(ours) as results:
+        mine = {r.index: r.reverse_kl.numpy() async for r in results}  # type: ignore[union-attr]
+    return max(float(np.abs(mine[i] - t).max()) for i, t in enumerate(theirs))
+
+
 def _ms(seconds: float, n: int) -> float:
     return seconds / n * 1e3
 
@@ -160,14 +177,17 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
         teacher, student = procs[0].url, procs[1].url
         pids = pid_list(procs)
         cfg = _config(teacher, student, top_k=args.k, strategy="only-student")
+        scorer = load_miles_scorer(teacher, args.k)
         for label, arrays in _MODES:
             rows = make_samples(args.n, args.prompt, args.response, args.k)
             ours = make_samples(args.n, args.prompt, args.response, args.k, topk_arrays=arrays)
+            theirs = [] if scorer is None else scorer.samples(rows)
             await _opd_burst(cfg, ours, pids)  # warm: imports, the mocks' replay caches
             await _baseline(rows, teacher, student, args.k)
             await _opd_burst(cfg, ours, pids, aiohttp=True)
             bare_diff = await _bare_matches(cfg, ours, teacher, args.k)
-            base = opd = aio = bare = float("inf")
+            miles_diff = await _miles_check(scorer, theirs, cfg, ours)  # (warms it too)
+            base = opd = aio = bare = miles = float("inf")
             steps: dict[str, float] = {}
             aio_steps: dict[str, float] = {}
             for _ in range(args.reps):  # interleaved: the machine's drift hits both
@@ -175,6 +195,11 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 with ClientMeter(pids) as meter:
                     await _baseline(rows, teacher, student, args.k)
                 base = min(base, meter.cpu_s)
+                if scorer is not None:
+                    _settle()
+                    with ClientMeter(pids) as meter:
+                        await scorer.score(theirs)
+                    miles = min(miles, meter.cpu_s)
                 _settle()
                 cpu, cpu_s = await _opd_burst(cfg, ours, pids)
                 if cpu < opd:
@@ -233,12 +258,18 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "msgspec_untyped_ms_per_sample_this_mode": _ms(untyped, n),
                 "scanner_ms_per_sample_this_mode": _ms(scanner, n),
                 "baseline_over_opd": base / opd,
+                "miles_own_ms_per_sample": None if scorer is None else _ms(miles, n),
+                "miles_own_max_abs_diff": miles_diff,
+                "miles_own_over_opd_kept_stream": None if scorer is None else miles / kept.cpu,
+                "miles_own_over_opd_kept_stream_on_loop": (
+                    None if scorer is None else miles / on_loop.cpu
+                ),
                 "bare_ms_per_sample": _ms(bare, n),
                 "bare_max_abs_diff": bare_diff,
                 "unnamed_share": (opd - sum(steps.values())) / opd,
                 "by_step_ms_per_sample": by_step,
             }
-            del rows, ours, bodies
+            del rows, ours, bodies, theirs
     return _over_the_floors(out)
 
 
@@ -357,6 +388,26 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['baseline_over_opd_aiohttp']:.1f}x | {m['aiohttp_loop_ms_per_sample']:.2f} |"
         )
     print(
+        "\nMiles' own scorer (radixark/miles' `reward_func` and `post_process_rewards`, "
+        "where its source is at hand) beside the baseline that stands in for it, and the "
+        "kept stream's ratio to each (max |diff|: Miles' reverse KL against opd_stream's):\n"
+    )
+    print(
+        "| student top-k | baseline | Miles' own | kept stream | ratio to the baseline "
+        "| ratio to Miles' own | parsed on the loop: ratio to Miles' own | max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label, m in burst.items():
+        print(
+            f"| {label} | {m['baseline_ms_per_sample']:.1f} "
+            f"| {_opt(m['miles_own_ms_per_sample'], '.1f')} "
+            f"| {m['opd_kept_stream_ms_per_sample']:.2f} "
+            f"| {m['baseline_over_opd_kept_stream']:.1f}x "
+            f"| {_opt(m['miles_own_over_opd_kept_stream'], '.1f')}x "
+            f"| {_opt(m['miles_own_over_opd_kept_stream_on_loop'], '.1f')}x "
+            f"| {_opt(m['miles_own_max_abs_diff'], '.1e')} |"
+        )
+    print(
         "\nThe same work with no pipeline (`bench.bare_client`: one sample after another, "
         "nothing overlapped; its reverse KL equals opd_stream's within the max |diff|):\n"
     )
@@ -443,8 +494,8 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             )
 
 
-def _opt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
+def _opt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

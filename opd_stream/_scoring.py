@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import torch
+from numpy.lib.array_utils import byte_bounds
 
 from ._errors import MissingLogprobError
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample, TokenAlignment
@@ -127,14 +128,19 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
 
 class _Owner:
     """:func:`_own` for a batch of one sample: an array the KL computed for it alone (the
-    whole of a tensor's memory, C-contiguous, sharing none with the batch's inputs or with
-    an array already handed over) becomes the result's tensor as it is; any other is copied.
-    Saves a sample's 6-8 copies of what its batch of one computed."""
+    whole of a tensor's memory, C-contiguous, overlapping neither the batch's inputs nor an
+    array already handed over) becomes the result's tensor as it is; any other is copied.
+    Saves a sample's 6-8 copies of what its batch of one computed.
+
+    Overlap is judged by address ranges (what ``np.may_share_memory`` compares), kept as
+    ``(start, end)`` pairs: one call per array, not one per pair of arrays."""
 
     def __init__(self, batch: TopKBatch) -> None:
         # the batch's host arrays (on a device, its inputs are copies: nothing to share)
-        self._taken = [
-            t.numpy() for t in batch if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        self._spans = [
+            byte_bounds(t.numpy())
+            for t in batch
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()
         ]
 
     def __call__(self, a: npt.NDArray[Any]) -> torch.Tensor:
@@ -143,14 +149,16 @@ class _Owner:
             source = source.base
         if not (isinstance(source, torch.Tensor) and a.flags.c_contiguous and a.flags.writeable):
             return _own(a)
+        start = a.ctypes.data
+        end = start + a.nbytes
         storage = source.untyped_storage()
-        if (
-            storage.nbytes() != a.nbytes
-            or storage.data_ptr() != a.ctypes.data
-            or any(np.may_share_memory(a, b) for b in self._taken)
-        ):
+        if storage.nbytes() != a.nbytes or storage.data_ptr() != start:
             return _own(a)
-        self._taken.append(a)
+        for lo, hi in self._spans:
+            if lo < end and start < hi:
+                return _own(a)
+        if end > start:  # (an empty array overlaps nothing)
+            self._spans.append((start, end))
         return torch.from_numpy(a)
 
 

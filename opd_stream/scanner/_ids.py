@@ -45,6 +45,30 @@ def _ascii8(v):  # type: ignore[no-untyped-def]
 
 
 @njit_leaf
+def _long_id(v, out, pos):  # type: ignore[no-untyped-def]
+    """``10^8 <= v < 2^62`` written at ``out[pos:]`` (two digits per table step); the
+    position after it. No token id is this big: kept out of the writer's loop, whose
+    code stays small."""
+    nd = 1
+    while nd < 19 and v >= _POWERS[nd]:
+        nd += 1
+    end = pos + nd
+    while v >= 100:
+        q = v // 100
+        p = 2 * (v - 100 * q)
+        out[end - 2] = _PAIRS[p]
+        out[end - 1] = _PAIRS[p + 1]
+        end -= 2
+        v = q
+    if v >= 10:
+        out[end - 2] = _PAIRS[2 * v]
+        out[end - 1] = _PAIRS[2 * v + 1]
+    else:
+        out[end - 1] = ZERO + v
+    return pos + nd
+
+
+@njit_leaf
 def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
     """``[[],...,[],[a,b],[c,d]]`` (``empty_rows`` empty rows, then the rows of ``ids``,
     int64 ``[R, k]``, each in ``[0, 2^62)``) into ``out``; the bytes written, or -1 for an
@@ -62,34 +86,24 @@ def _write_positions(ids, empty_rows, out):  # type: ignore[no-untyped-def]
         pos += 1
         for j in range(ids.shape[1]):
             v = ids[r, j]
-            if v < 0 or v >= _LIMIT:
-                return -1
-            if v < _EIGHT_DIGITS:  # every real token id: one word, shifted to its digits
-                nd = 1
-                for p in range(1, 8):
-                    nd += v >= _POWERS[p]
+            if v < _EIGHT_DIGITS and v >= 0:  # every real token id: one word, shifted
+                # to its digits; the digit count by compares against constants (no loop)
+                nd = (
+                    1
+                    + (v >= 10)
+                    + (v >= 100)
+                    + (v >= 1000)
+                    + (v >= 10000)
+                    + (v >= 100000)
+                    + (v >= 1000000)
+                    + (v >= 10000000)
+                )
                 store_le64(out, pos, _ascii8(v) >> np.uint64(8 * (8 - nd)))
                 pos += nd
-                out[pos] = COMMA
-                pos += 1
-                continue
-            nd = 1
-            while nd < 19 and v >= _POWERS[nd]:
-                nd += 1
-            end = pos + nd
-            while v >= 100:
-                q = v // 100
-                p = 2 * (v - 100 * q)
-                out[end - 2] = _PAIRS[p]
-                out[end - 1] = _PAIRS[p + 1]
-                end -= 2
-                v = q
-            if v >= 10:
-                out[end - 2] = _PAIRS[2 * v]
-                out[end - 1] = _PAIRS[2 * v + 1]
+            elif v < 0 or v >= _LIMIT:
+                return -1
             else:
-                out[end - 1] = ZERO + v
-            pos += nd
+                pos = _long_id(v, out, pos)
             out[pos] = COMMA
             pos += 1
         if ids.shape[1]:

@@ -493,6 +493,12 @@ def test_an_array_is_handed_over_only_when_it_is_the_whole_of_memory_no_input_sh
     assert half.data_ptr() != wide.data_ptr()
     plain = np.ones((3, 4), dtype=np.float32)  # not a tensor's memory: a copy
     assert owner(plain).data_ptr() != plain.ctypes.data
+    big = torch.zeros(4, 4)
+    inside = scoring._Owner([big[1:2]])  # an input in the middle of a tensor's memory
+    assert inside(big.numpy()).data_ptr() != big.data_ptr()  # overlaps it: a copy
+    after = torch.zeros(2, 4)
+    beside = scoring._Owner([torch.zeros(2, 4)])
+    assert beside(after.numpy()).data_ptr() == after.data_ptr()  # no overlap: as it is
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -12,53 +12,15 @@ into a temporary package and imported. Elsewhere the same arithmetic as document
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
-import tempfile
 from argparse import Namespace
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from opd_stream.testing._miles_source import MILES_TRAINER_FILES, load_miles_module, miles_repo
+
 __all__ = ("SOURCE", "trainer_signal")
-
-_FILES = ("miles/backends/training_utils/loss_hub/opd.py", "miles/utils/types.py")
-_DEFAULT_REPO = "/work/.mirror/radixark+miles/repo"
-
-
-def _from_repo(repo: str) -> Callable[..., None] | None:
-    """Miles' ``apply_opd_kl_to_advantages`` imported from ``repo`` (None if it cannot be)."""
-    tmp = Path(tempfile.mkdtemp(prefix="miles_src_"))
-    for name in _FILES:
-        shown = subprocess.run(
-            ["git", "-C", repo, "show", f"HEAD:{name}"], capture_output=True, check=False
-        )
-        if shown.returncode != 0:
-            return None
-        path = tmp / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(shown.stdout)
-    for folder in {p.parent for p in map(Path, _FILES)}:
-        for parent in (folder, *folder.parents):
-            if str(parent) != ".":
-                (tmp / parent / "__init__.py").touch()
-    saved = {k: v for k, v in sys.modules.items() if k == "miles" or k.startswith("miles.")}
-    sys.path.insert(0, str(tmp))
-    try:
-        module = importlib.import_module("miles.backends.training_utils.loss_hub.opd")
-        fn: Callable[..., None] = module.apply_opd_kl_to_advantages
-        return fn
-    except Exception:
-        return None
-    finally:
-        sys.path.remove(str(tmp))
-        for k in [k for k in sys.modules if k == "miles" or k.startswith("miles.")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
 
 
 def _documented(
@@ -82,11 +44,10 @@ def _documented(
 
 
 def _load() -> tuple[Callable[..., None], str]:
-    repo = os.environ.get("MILES_REPO") or _DEFAULT_REPO
-    if os.path.isdir(repo):
-        fn = _from_repo(repo)
-        if fn is not None:
-            return fn, f"Miles' opd.py from {repo}"
+    module = load_miles_module(MILES_TRAINER_FILES, "miles.backends.training_utils.loss_hub.opd")
+    if module is not None:
+        fn: Callable[..., None] = module.apply_opd_kl_to_advantages
+        return fn, f"Miles' opd.py from {miles_repo()}"
     return _documented, "the formula documented in Miles' opd.py"
 
 

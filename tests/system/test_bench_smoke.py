@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from support.cli import run_module
 
+from bench.miles_scorer import load_miles_scorer
+
 TINY = (
     '{"s1_n": 2, "s1_prompt": 8, "s1_response": 24, "s1_floor_samples": 2,'
     ' "s4_prompt": 8, "s4_lengths": [16]}'
@@ -152,8 +154,10 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
 ) -> None:
     """``bench.cpu_burst`` on a minuscule size: every column is measured (a stream per
     burst, one kept open as now, as before and with every answer parsed on the loop, the
-    bare client, the parse floors) with its CPU by step, and the bare client's signal
-    equals opd_stream's (no timing asserted)."""
+    bare client, the parse floors, Miles' own scorer where its source is at hand) with its
+    CPU by step, and the bare client's signal equals opd_stream's, Miles' within float32
+    rounding (no timing asserted)."""
+    miles_at_hand = load_miles_scorer("http://127.0.0.1:9", 4) is not None
     out = tmp_path / "burst.json"
     proc = run_module(
         "bench.cpu_burst",
@@ -180,6 +184,11 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
         for key in ("kept_stream", "kept_stream_on_loop"):
             assert row[f"{key}_wall_ms_per_burst"] > 0, key
             assert row[f"{key}_lag_ms"]["lag_p99_ms"] is not None, key
+        if miles_at_hand:
+            assert row["miles_own_max_abs_diff"] < 1e-5
+            assert row["miles_own_ms_per_sample"] > 0
+        else:  # no source of Miles' here: its columns are empty, the rest is measured
+            assert row["miles_own_ms_per_sample"] is row["miles_own_max_abs_diff"] is None
     assert "kept, trimmed as each run ends (before)" in proc.stdout
     assert "| on the loop |" in proc.stdout
 

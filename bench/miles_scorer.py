@@ -71,6 +71,12 @@ class MilesScorer:
         out = [s.opd_reverse_kl.numpy() for s in samples]  # type: ignore[attr-defined]
         for s in samples:  # (a burst's answers are not kept into the next one)
             s.reward = None  # type: ignore[attr-defined]
+        del rewards
+        # The loop's callbacks the finished requests left (the done tasks, the closed
+        # connections) hold the parsed answers until they run: run them here, so that the
+        # answers are freed within Miles' own measurement, not within whatever runs next
+        # (measured: the next stream's loop paid ~2 ms a sample more).
+        await asyncio.sleep(0)
         return out
 
 

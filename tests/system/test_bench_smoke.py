@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.cli import run_module
 
-from bench.miles_scorer import load_miles_scorer
+from opd_stream.testing._miles_source import MILES_SCORER_FILES, load_miles_module
 
 TINY = (
     '{"s1_n": 2, "s1_prompt": 8, "s1_response": 24, "s1_floor_samples": 2,'
@@ -157,7 +157,8 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
     bare client, the parse floors, Miles' own scorer where its source is at hand) with its
     CPU by step, and the bare client's signal equals opd_stream's, Miles' within float32
     rounding (no timing asserted)."""
-    miles_at_hand = load_miles_scorer("http://127.0.0.1:9", 4) is not None
+    scorer = load_miles_module(MILES_SCORER_FILES, "miles.rollout.on_policy_distillation")
+    miles_at_hand = scorer is not None
     out = tmp_path / "burst.json"
     proc = run_module(
         "bench.cpu_burst",

@@ -4,10 +4,10 @@ for the tests and the benches (never installed, never part of a run).
 ``MILES_REPO`` names the repository (a git directory, bare or not); without it, this
 machine's mirror. :func:`load_miles_module` takes the files a module needs from the
 repository's ``HEAD`` (``git show``), writes them into a temporary package and imports the
-module from there; the ``miles`` modules it put in ``sys.modules`` are taken out again
-afterwards (and any that were there before are put back), so nothing else sees them, and
-the temporary files are removed. The module object keeps working: its functions hold their
-own globals.
+module from there. Any ``miles`` modules already imported (an installed Miles) are set
+aside while it does; the ones it put in ``sys.modules`` are taken out again afterwards and
+those set aside put back, so nothing else sees them, and the temporary files are removed.
+The module object keeps working: its functions hold their own globals.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _import_from(
         for parent in (folder, *folder.parents):
             if str(parent) != ".":
                 (tmp / parent / "__init__.py").touch()
-    saved = {k: v for k, v in sys.modules.items() if k == "miles" or k.startswith("miles.")}
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if _is_miles(k)}
     sys.path.insert(0, str(tmp))
     try:
         return importlib.import_module(module)
@@ -76,6 +76,10 @@ def _import_from(
     finally:
         sys.path.remove(str(tmp))
         importlib.invalidate_caches()
-        for k in [k for k in sys.modules if k == "miles" or k.startswith("miles.")]:
+        for k in [k for k in sys.modules if _is_miles(k)]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+def _is_miles(name: str) -> bool:
+    return name == "miles" or name.startswith("miles.")

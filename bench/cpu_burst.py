@@ -51,6 +51,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from opd_stream import AiohttpTransport, OPDStream, Sample
 from opd_stream.scanner._loader import prepare
@@ -59,7 +60,7 @@ from opd_stream.wire._codec import decode_score_response
 from .bare_client import bare_reverse_kl
 from .baseline import baseline_score
 from .harness import ClientMeter, LagTicker, mocks, pid_list
-from .miles_scorer import MilesScorer, load_miles_scorer
+from .miles_scorer import load_miles_scorer
 from .scenarios import REPLAY, _best_cpu, _config, _each, _fetch_bodies, _settle
 from .workload import STUDENT_SEED, TEACHER_SEED, make_samples
 
@@ -82,12 +83,16 @@ async def _opd_burst(
     return meter.cpu_s, stream.stats().cpu_s.as_dict()  # (read once the stream is left)
 
 
-async def _bare_matches(cfg: Any, samples: list[Sample], teacher: str, k: int) -> float:
-    """The largest difference between the bare client's reverse KL and ``opd_stream``'s."""
+async def _opd_reverse_kl(cfg: Any, samples: list[Sample]) -> list[npt.NDArray[np.float32]]:
+    """``opd_stream``'s reverse KL of each sample, in input order (what the other clients'
+    signals are checked against)."""
     async with OPDStream(cfg) as stream, stream.run(samples) as results:
         ours = {r.index: r.reverse_kl.numpy() async for r in results}  # type: ignore[union-attr]
-    bare = bare_reverse_kl(samples, teacher, k)
-    return max(float(np.abs(ours[i] - b).max()) for i, b in enumerate(bare))
+    return [ours[i] for i in range(len(samples))]
+
+
+def _max_diff(ours: list[npt.NDArray[np.float32]], theirs: list[npt.NDArray[np.float32]]) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(ours, theirs, strict=True))
 
 
 def _bare_burst(samples: list[Sample], teacher: str, k: int, pids: list[int]) -> float:
@@ -154,19 +159,6 @@ async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -
     )  # fmt: skip
 
 
-async def _miles_check(
-    scorer: MilesScorer | None, samples: list[object], cfg: Any, ours: list[Sample]
-) -> float | None:
-    """The largest difference between Miles' own scorer's reverse KL and ``opd_stream``'s
-    (None without Miles' source)."""
-    if scorer is None:
-        return None
-    theirs = await scorer.score(samples)
-    async with OPDStream(cfg) as stream, stream.run(ours) as results:
-        mine = {r.index: r.reverse_kl.numpy() async for r in results}  # type: ignore[union-attr]
-    return max(float(np.abs(mine[i] - t).max()) for i, t in enumerate(theirs))
-
-
 def _ms(seconds: float, n: int) -> float:
     return seconds / n * 1e3
 
@@ -185,8 +177,11 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             await _opd_burst(cfg, ours, pids)  # warm: imports, the mocks' replay caches
             await _baseline(rows, teacher, student, args.k)
             await _opd_burst(cfg, ours, pids, aiohttp=True)
-            bare_diff = await _bare_matches(cfg, ours, teacher, args.k)
-            miles_diff = await _miles_check(scorer, theirs, cfg, ours)  # (warms it too)
+            signal = await _opd_reverse_kl(cfg, ours)
+            bare_diff = _max_diff(signal, bare_reverse_kl(ours, teacher, args.k))
+            miles_diff = None  # (without Miles' source)
+            if scorer is not None:  # (warms it too)
+                miles_diff = _max_diff(signal, await scorer.score(theirs))
             base = opd = aio = bare = miles = float("inf")
             steps: dict[str, float] = {}
             aio_steps: dict[str, float] = {}

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from ._checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
 from ._ids import _write_positions, positions_json
+from ._lists import read_ids, read_logprobs
 from ._rows import read_rows
 from ._scan import (
     B64,
@@ -49,6 +50,8 @@ __all__ = (
     "KERNELS",
     "UNUSUAL",
     "id_fault",
+    "ids_read",
+    "logprobs_read",
     "pick_rows",
     "positions_json",
     "rows_read",
@@ -62,7 +65,16 @@ __all__ = (
 #: The kernels called from Python, each compiled (and cached) for the argument types of
 #: :func:`warm`: when numba's cache holds them all, a process loads rather than compiles
 #: (:mod:`opd_stream.scanner._loader`).
-KERNELS = (scan, read_rows, _write_positions, request_id_fault, pick_id_rows, topk_faults)
+KERNELS = (
+    scan,
+    read_rows,
+    read_ids,
+    read_logprobs,
+    _write_positions,
+    request_id_fault,
+    pick_id_rows,
+    topk_faults,
+)
 
 
 def rows_read(
@@ -70,13 +82,31 @@ def rows_read(
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None:
     """The msgpack of a rollout's ``r`` Python top-k rows into ``(lps float64 [r * k],
     ids int64 [r * k])``, each row's first ``k`` entries (a ``nil`` logprob is ``-inf``),
-    or ``None`` for anything :func:`opd_stream.scanner._rows.read_rows` does not take."""
+    or ``None`` for anything :func:`opd_stream.scanner._rows.read_rows` does not take (a
+    negative id among them included)."""
     b = np.frombuffer(body, dtype=np.uint8)
     lps = np.empty(r * k, dtype=np.float64)
     ids = np.empty(r * k, dtype=np.int64)
     if not read_rows(b, r, k, lps, lps.view(np.uint64), ids):
         return None
     return lps, ids
+
+
+def ids_read(body: bytes, n: int, max_id: int) -> npt.NDArray[np.int64] | None:
+    """The msgpack of a list of ``n`` token ids as int64 ``[n]``, or ``None`` for anything
+    :func:`opd_stream.scanner._lists.read_ids` does not take (an id outside ``[0,
+    max_id]`` included)."""
+    out = np.empty(n, dtype=np.int64)
+    return out if read_ids(np.frombuffer(body, dtype=np.uint8), out, max_id) else None
+
+
+def logprobs_read(body: bytes, n: int, tolerance: float) -> npt.NDArray[np.float64] | None:
+    """The msgpack of a list of ``n`` logprobs as float64 ``[n]``, or ``None`` for anything
+    :func:`opd_stream.scanner._lists.read_logprobs` does not take (a value that is not a
+    finite float at most ``tolerance`` included)."""
+    out = np.empty(n, dtype=np.float64)
+    b = np.frombuffer(body, dtype=np.uint8)
+    return out if read_logprobs(b, out, out.view(np.uint64), tolerance) else None
 
 
 def topk_check(
@@ -184,6 +214,11 @@ _WARM_BODY = (
 #: needs no msgspec).
 _WARM_ROWS = bytes.fromhex("929293cbbfe000000000000001c093c0fea161919200cf0000010000000000")
 
+#: msgspec.msgpack of ``[1, 200, 300, 2**31]`` (every form :func:`ids_read` takes) and
+#: of ``[-0.5]``.
+_WARM_IDS = bytes.fromhex("9401ccc8cd012cce80000000")
+_WARM_LOGPROBS = bytes.fromhex("91cbbfe0000000000000")
+
 
 def warm() -> None:
     """Compile (or load from numba's cache) every kernel, with the argument types they
@@ -191,6 +226,8 @@ def warm() -> None:
     run_scan(_WARM_BODY, False, _WARM_SCHEMA)
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True, _WARM_SCHEMA)
     rows_read(_WARM_ROWS, 2, 1)
+    ids_read(_WARM_IDS, 4, 1 << 31)
+    logprobs_read(_WARM_LOGPROBS, 1, 1e-4)
     positions_json(np.zeros((1, 1), dtype=np.int64), 1)
     ids = np.zeros((1, 1), dtype=np.int64)
     id_fault(ids, 1)

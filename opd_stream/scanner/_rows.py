@@ -6,8 +6,9 @@ and infinities included) from a byte walk. Called through :mod:`opd_stream.scann
 it calls no function of another file and takes only :mod:`opd_stream.scanner._shared`'s
 names, carrying its ``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``). Anything but the
 exact shape (entries of 2-3 elements; a float64, ``nil`` or ±2^53 integer logprob; an int64
-id; ``nil`` or string text; at least ``k`` entries a row, the first ``k`` kept) is answered
-``False``, for the entry-by-entry conversion to take or reject with its precise error.
+id, not negative among the ``k`` kept; ``nil`` or string text; at least ``k`` entries a row,
+the first ``k`` kept) is answered ``False``, for the entry-by-entry conversion to take or
+reject with its precise error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ("SHARED_DIGEST", "read_rows")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "dc320d44834b263b"
+SHARED_DIGEST = "a672e7da897dd481"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53
@@ -115,7 +116,8 @@ def _skip_text(b, i, n):  # type: ignore[no-untyped-def]
 def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
     """Read ``b`` (the msgpack of ``r`` rows) into ``lps`` / ``lp_bits`` (one float64
     buffer and its uint64 view, ``r * k``) and ``ids`` (int64, ``r * k``): whether it
-    took them (``False``: unusual, the entry-by-entry conversion decides). The common
+    took them (``False``: unusual, or a negative id among a row's first ``k``: the
+    entry-by-entry conversion decides). The common
     forms (a float64 logprob, a small id, a ``nil`` text) are tested first, inline;
     :func:`_int` and :func:`_skip_text` take the rest."""
     n = b.shape[0]
@@ -175,7 +177,7 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                 i += 5
             else:
                 i, d, ok = _int(b, i, n)
-                if not ok:
+                if not ok or (keep and d < 0):  # a negative id: the entry path names it
                     return False
             if keep:
                 ids[out] = d

@@ -3,7 +3,7 @@ intrinsics, and the bytes of JSON by name.
 
 numba's disk cache keys a compiled function on its own source file only, so every kernel
 file that imports from this one (:mod:`opd_stream.scanner._scan`, ``_ids``, ``_rows``,
-``_checks``) carries ``SHARED_DIGEST``, :func:`digest` of this file's bytes;
+``_lists``, ``_checks``) carries ``SHARED_DIGEST``, :func:`digest` of this file's bytes;
 ``tests/scanner/test_scanner_cache.py`` fails until each holds the current one (it prints the new
 value), so an edit here recompiles them, and checks that no kernel file takes anything else
 from another kernel file. Why: ``docs/design-notes.md``, "opd_stream/scanner/_shared.py".

@@ -95,6 +95,12 @@ class Kernels(Protocol):
         self, body: bytes, r: int, k: int
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None: ...
 
+    def ids_read(self, body: bytes, n: int, max_id: int) -> npt.NDArray[np.int64] | None: ...
+
+    def logprobs_read(
+        self, body: bytes, n: int, tolerance: float
+    ) -> npt.NDArray[np.float64] | None: ...
+
     def topk_check(
         self,
         ids: npt.NDArray[np.int64],

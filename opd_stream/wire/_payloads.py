@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._request import Engine, Layout, ScoreRequest, json_digits, layout, multi_body
-from ._rows_json import rows_json
+from ._rows_json import ids_json, rows_json
 from ._vllm import build_vllm_bodies
 
 __all__ = (
@@ -71,7 +71,7 @@ def build_laid(req: ScoreRequest, lay: Layout) -> bytes:
         body["return_logprob"] = True
         body["logprob_start_len"] = [seg.start for seg in lay.segments]
     else:
-        body["input_ids"] = lay.tokens.tolist()
+        body["input_ids"] = msgspec.Raw(ids_json(lay.tokens))
         body["sampling_params"] = {"temperature": 0, "max_new_tokens": 0}
         body["return_logprob"] = True
         body["logprob_start_len"] = lay.segments[0].start

@@ -1,5 +1,6 @@
-"""Rows of ids as compact JSON (``[[],...,[],[a,b],[c,d],...]``), cheaply: the per-position
-id rows of SGLang's ``token_ids_logprob_positions`` and vLLM's ``prompt_logprob_token_ids``."""
+"""Ids as compact JSON, cheaply: rows of them (``[[],...,[],[a,b],[c,d],...]``), the
+per-position id rows of SGLang's ``token_ids_logprob_positions`` and vLLM's
+``prompt_logprob_token_ids``; and one list (``[a,b,...]``), a request's ``input_ids``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy.typing as npt
 
 from ..scanner._loader import compiled
 
-__all__ = ("rows_json",)
+__all__ = ("ids_json", "rows_json")
 
 _ENCODER = msgspec.json.Encoder()
 _ROWS_PER_CHUNK = 1024
@@ -34,3 +35,16 @@ def rows_json(ids: npt.NDArray[np.int64], empty_rows: int) -> bytes | memoryview
         chunk = _ENCODER.encode(ids[lo : lo + _ROWS_PER_CHUNK].tolist())
         parts.append(chunk[1:-1])
     return b"[" + b",".join(parts) + b"]"
+
+
+def ids_json(tokens: npt.NDArray[np.int64]) -> bytes | memoryview:
+    """``tokens`` (int64 ``[L]``, non-negative) as compact JSON ``[t0,t1,...]``: the same
+    bytes as ``msgspec.json.encode(tokens.tolist())``, written by the compiled kernel once
+    it is ready (one row of :func:`rows_json`'s writer, its outer brackets cut; ~3x
+    cheaper than making and encoding a list of Python ints)."""
+    kernel = compiled()
+    written = None if kernel is None else kernel.positions_json(tokens.reshape(1, -1), 0)
+    if written is not None:
+        view: memoryview = written[1:-1]
+        return view
+    return _ENCODER.encode(tokens.tolist())

@@ -74,8 +74,7 @@ def parse_student_topk(
         )
     fast = _scanned_topk(rows, response_length, k)
     if fast is not None:
-        ids, lps = fast
-        return ids, _checked(ids, lps, field, _ROW_FAULTS)
+        return fast
     try:
         parsed = msgspec.convert(rows, list[list[Entry | None]])
     except msgspec.ValidationError as exc:
@@ -108,14 +107,15 @@ _ROWS_MSGPACK = msgspec.msgpack.Encoder()
 
 def _scanned_topk(
     rows: Sequence[Sequence[Any]], r: int, k: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
     """Rows of plain entries, each at least ``k`` long, through the compiled reader
-    (:mod:`opd_stream.scanner._rows`): ``msgspec.msgpack`` writes the rows (no Python object
-    per entry, floats as their 8 IEEE bytes), the reader takes them back into arrays with
-    the GIL released, ~3x cheaper than converting entry by entry. ``None`` (the
-    entry-by-entry path decides, and names any fault) when the kernels are not compiled or
-    anything is unusual: a short row, a ``None`` entry, a bool, a negative id, an object
-    msgspec cannot write. A NaN logprob is an error here as there.
+    (:mod:`opd_stream.scanner._rows`) and the compiled checks: ``msgspec.msgpack`` writes
+    the rows (no Python object per entry, floats as their 8 IEEE bytes), the reader takes
+    them back into arrays with the GIL released, ~3x cheaper than converting entry by
+    entry; the checks then give the float32 logprobs. ``None`` (the entry-by-entry path
+    decides, and names any fault) when the kernels are not compiled or anything is
+    unusual: a short row, a ``None`` entry, a bool, a negative id, an object msgspec
+    cannot write. A NaN logprob is an error here as there, judged before the others.
     """
     kernel = compiled()
     if kernel is None:
@@ -128,14 +128,15 @@ def _scanned_topk(
     if got is None:
         return None
     lps, ids = got
-    if r and int(ids.min()) < 0:
-        return None
-    lps, ids = lps.reshape(r, k), ids.reshape(r, k)
-    nan = np.isnan(lps)
-    if nan.any():
-        row = int(np.argmax(nan.any(axis=1)))
-        raise InvalidSampleError("student_top_logprobs", f"row {row} holds a NaN logprob")
-    return ids, lps
+    ids = ids.reshape(r, k)
+    out, found = kernel.topk_check(ids, lps.reshape(r, k), PAD_ID, MAX_TOKEN_ID, LOGPROB_TOLERANCE)
+    field = "student_top_logprobs"
+    if "lp_nan" in found:
+        raise InvalidSampleError(field, f"row {found['lp_nan']} holds a NaN logprob")
+    for name, what in _ROW_FAULTS:
+        if name in found:
+            raise InvalidSampleError(field, f"row {found[name]} holds {what}")
+    return ids, out
 
 
 def _present(row: list[Entry | None]) -> list[Entry]:

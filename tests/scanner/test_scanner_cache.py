@@ -70,7 +70,7 @@ KERNEL_FILES = _kernel_files()
 
 def test_the_kernel_files_are_found() -> None:
     names = {p.stem for p in KERNEL_FILES}
-    assert {"_scan", "_ids", "_rows", "_checks"} <= names
+    assert {"_scan", "_ids", "_rows", "_lists", "_checks"} <= names
     assert SHARED not in names  # it compiles nothing itself
 
 

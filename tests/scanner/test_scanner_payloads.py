@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 import opd_stream.scanner._loader as jit
 from opd_stream.wire._payloads import build_score_payload
 from opd_stream.wire._request import ScoreRequest
+from opd_stream.wire._rows_json import ids_json
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -66,6 +67,18 @@ def test_a_negative_or_huge_id_is_left_to_msgspec() -> None:
     assert kernel.positions_json(np.array([[2**62]]), 0) is None
     top = 2**62 - 1
     assert bytes(kernel.positions_json(np.array([[top, 0]]), 0)) == b"[[%d,0]]" % top
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=hnp.arrays(
+        st.sampled_from([np.int64, np.int32, np.uint64]),
+        hnp.array_shapes(min_dims=1, max_dims=1, min_side=0, max_side=40),
+    )
+)
+def test_a_requests_input_ids_are_written_as_msgspec_writes_them(tokens: np.ndarray) -> None:
+    # (negative ids, ids from 2^62 and uint64 beyond int64 are left to msgspec)
+    assert bytes(ids_json(tokens)) == msgspec.json.encode(tokens.tolist())
 
 
 @pytest.mark.parametrize(("r", "k"), [(1, 1), (7, 3), (300, 16)])

@@ -15,12 +15,11 @@ each is kept: noise on a shared machine only ever adds):
   the remainder no step names;
 * the same bursts through the aiohttp transport (the default before 1.x's asyncio
   transport: the transport's share, before and after, in one run);
-* the same bursts through one stream kept open (a rollout loop's other choice), as now and
-  as before session 16 (freed heap memory given back as each run ended:
-  ``release_memory_after_s=0``), each with its CPU by step; and once more with every
-  answer parsed on the event loop (``offload_bytes`` above every answer, no decode thread),
-  with the wall time of a burst and the loop's lag for both (the trade ``offload_bytes``
-  makes);
+* the same bursts through a stream kept open (a rollout loop's other choice), three
+  streams taking turns: the default, as before session 19 (``offload_bytes`` = 1 MiB:
+  answers from 1 MiB parsed in decode threads) and with every answer and body on the event
+  loop (``offload_bytes`` above every answer), each with its CPU by step, the wall time of
+  a burst and the loop's lag (the trade ``offload_bytes`` makes);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check (both modes parse the same answers:
   each floor is the least of its two measurements);
@@ -39,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -68,6 +68,7 @@ __all__ = ("main",)
 
 _MODES = (("Python rows", False), ("array rows", True))
 _ABOVE_EVERY_ANSWER = 1 << 40  # offload_bytes: no answer is parsed in a decode thread
+_THREADS_BEFORE = 1 << 20  # offload_bytes before session 19: answers from 1 MiB in threads
 
 
 async def _opd_burst(
@@ -114,16 +115,25 @@ class _Kept:
     lag: dict[str, float | None]
 
 
-async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: int) -> _Kept:
-    """Bursts through one stream kept open across ``reps`` (the first warms the stream's
-    connections and is not counted). Each burst's meter runs on for 50 ms after its last
-    result (idle: the stream's own work after a run, e.g. a release of freed memory with
-    ``release_memory_after_s=0``, is counted with the run). One burst more, not metered,
-    measures the loop's lag (``LagTicker``: its 1 ms wake-ups would cost CPU of their own)."""
-    best, steps, faults, wall = float("inf"), {}, float("inf"), float("inf")
-    async with OPDStream(cfg) as stream:
+async def _kept_bursts(
+    cfgs: list[Any], samples: list[Sample], pids: list[int], reps: int
+) -> list[_Kept]:
+    """Bursts through one stream per config, each kept open across ``reps`` and the configs
+    taking turns burst by burst (a drift of the machine touches them alike; the first
+    round warms the streams' connections and is not counted). Each burst's meter runs on
+    for 50 ms after its last result (idle: the stream's own work after a run, e.g. a
+    release of freed memory with ``release_memory_after_s=0``, is counted with the run).
+    One burst more each, not metered, measures the loop's lag (``LagTicker``: its 1 ms
+    wake-ups would cost CPU of their own)."""
+    best = [float("inf")] * len(cfgs)
+    steps: list[dict[str, float]] = [{} for _ in cfgs]
+    faults = [float("inf")] * len(cfgs)
+    wall = [float("inf")] * len(cfgs)
+    lags: list[dict[str, float | None]] = []
+    async with contextlib.AsyncExitStack() as streams:
+        opened = [await streams.enter_async_context(OPDStream(cfg)) for cfg in cfgs]
 
-        async def burst() -> float:
+        async def burst(stream: OPDStream) -> float:
             start = time.perf_counter()
             async with stream.run(samples) as results:
                 async for _ in results:
@@ -131,25 +141,29 @@ async def _kept_bursts(cfg: Any, samples: list[Sample], pids: list[int], reps: i
             return time.perf_counter() - start
 
         for rep in range(reps + 1):
-            _settle()
-            with ClientMeter(pids) as meter:
-                before = stream.stats().cpu_s.as_dict()  # (after the meter's own gc.collect)
-                faults_at = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                took = await burst()
-                await asyncio.sleep(0.05)
-                after = stream.stats().cpu_s.as_dict()  # (before the meter's own reads)
+            for n, stream in enumerate(opened):
+                _settle()
+                with ClientMeter(pids) as meter:
+                    before = stream.stats().cpu_s.as_dict()  # (after the meter's gc.collect)
+                    faults_at = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    took = await burst(stream)
+                    await asyncio.sleep(0.05)
+                    after = stream.stats().cpu_s.as_dict()  # (before the meter's own reads)
+                    if rep:
+                        faults[n] = min(
+                            faults[n],
+                            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_at,
+                        )
                 if rep:
-                    faults = min(
-                        faults, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_at
-                    )
-            if rep:
-                wall = min(wall, took)
-                if meter.cpu_s < best:
-                    best, steps = meter.cpu_s, {k: after[k] - before[k] for k in after}
-        _settle()
-        async with LagTicker() as ticker:
-            await burst()
-    return _Kept(best, steps, faults, wall, ticker.summary())
+                    wall[n] = min(wall[n], took)
+                    if meter.cpu_s < best[n]:
+                        best[n], steps[n] = meter.cpu_s, {k: after[k] - before[k] for k in after}
+        for stream in opened:
+            _settle()
+            async with LagTicker() as ticker:
+                await burst(stream)
+            lags.append(ticker.summary())
+    return [_Kept(*got) for got in zip(best, steps, faults, wall, lags, strict=True)]
 
 
 async def _baseline(samples: list[Sample], teacher: str, student: str, k: int) -> None:
@@ -205,14 +219,18 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                     aio, aio_steps = cpu, cpu_s
                 _settle()
                 bare = min(bare, _bare_burst(ours, teacher, args.k, pids))
-            kept = await _kept_bursts(cfg, ours, pids, args.reps)
-            # before session 16: freed memory given back as each run ended
-            trim_cfg = cfg.evolve(release_memory_after_s=0)
-            trimmed = await _kept_bursts(trim_cfg, ours, pids, args.reps)
-            # every answer parsed on the event loop (no decode thread): the other side of
-            # offload_bytes' trade, CPU against the loop's lag
-            on_loop = await _kept_bursts(
-                cfg.evolve(offload_bytes=_ABOVE_EVERY_ANSWER), ours, pids, args.reps
+            # the default; answers of 1 MiB and more parsed in decode threads (the default
+            # before session 19: the other side of offload_bytes' trade, CPU against the
+            # loop's lag); every answer and body on the event loop
+            kept, threads, on_loop = await _kept_bursts(
+                [
+                    cfg,
+                    cfg.evolve(offload_bytes=_THREADS_BEFORE),
+                    cfg.evolve(offload_bytes=_ABOVE_EVERY_ANSWER),
+                ],
+                ours,
+                pids,
+                args.reps,
             )
             # (the same answers in both modes: the requests are built from the same samples)
             bodies = await _fetch_bodies(rows, teacher, None, args.k, "only-student")
@@ -230,23 +248,27 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "baseline_ms_per_sample": _ms(base, n),
                 "opd_ms_per_sample": _ms(opd, n),
                 "opd_kept_stream_ms_per_sample": _ms(kept.cpu, n),
-                "opd_kept_stream_trimmed_ms_per_sample": _ms(trimmed.cpu, n),
+                "opd_kept_stream_threads_ms_per_sample": _ms(threads.cpu, n),
                 "opd_kept_stream_on_loop_ms_per_sample": _ms(on_loop.cpu, n),
                 "kept_stream_page_faults_per_sample": kept.faults / n,
-                "kept_stream_trimmed_page_faults_per_sample": trimmed.faults / n,
+                "kept_stream_threads_page_faults_per_sample": threads.faults / n,
+                "kept_stream_on_loop_page_faults_per_sample": on_loop.faults / n,
                 "baseline_over_opd_kept_stream": base / kept.cpu,
                 "baseline_over_opd_kept_stream_on_loop": base / on_loop.cpu,
+                "baseline_over_opd_kept_stream_threads": base / threads.cpu,
                 "kept_stream_by_step_ms_per_sample": _by_step(kept.steps, kept.cpu, n),
-                "kept_stream_trimmed_by_step_ms_per_sample": _by_step(
-                    trimmed.steps, trimmed.cpu, n
+                "kept_stream_threads_by_step_ms_per_sample": _by_step(
+                    threads.steps, threads.cpu, n
                 ),
                 "kept_stream_on_loop_by_step_ms_per_sample": _by_step(
                     on_loop.steps, on_loop.cpu, n
                 ),
                 "kept_stream_wall_ms_per_burst": kept.wall * 1e3,
                 "kept_stream_on_loop_wall_ms_per_burst": on_loop.wall * 1e3,
+                "kept_stream_threads_wall_ms_per_burst": threads.wall * 1e3,
                 "kept_stream_lag_ms": kept.lag,
                 "kept_stream_on_loop_lag_ms": on_loop.lag,
+                "kept_stream_threads_lag_ms": threads.lag,
                 "opd_aiohttp_ms_per_sample": _ms(aio, n),
                 "baseline_over_opd_aiohttp": base / aio,
                 "aiohttp_loop_ms_per_sample": _ms(aio_steps.get("loop", 0.0), n),
@@ -258,6 +280,9 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "miles_own_over_opd_kept_stream": None if scorer is None else miles / kept.cpu,
                 "miles_own_over_opd_kept_stream_on_loop": (
                     None if scorer is None else miles / on_loop.cpu
+                ),
+                "miles_own_over_opd_kept_stream_threads": (
+                    None if scorer is None else miles / threads.cpu
                 ),
                 "bare_ms_per_sample": _ms(bare, n),
                 "bare_max_abs_diff": bare_diff,
@@ -299,6 +324,8 @@ def _over_the_floors(out: dict[str, Any]) -> dict[str, Any]:
             opd_over_bare=opd / bare,
             opd_kept_stream_over_bare=kept / bare,
             opd_kept_stream_on_loop_over_scanner=m["opd_kept_stream_on_loop_ms_per_sample"]
+            / scanner,
+            opd_kept_stream_threads_over_scanner=m["opd_kept_stream_threads_ms_per_sample"]
             / scanner,
         )
     return out
@@ -389,7 +416,8 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     )
     print(
         "| student top-k | baseline | Miles' own | kept stream | ratio to the baseline "
-        "| ratio to Miles' own | parsed on the loop: ratio to Miles' own | max abs diff |"
+        "| ratio to Miles' own | before (answers from 1 MiB in threads): ratio to Miles' own "
+        "| max abs diff |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for label, m in burst.items():
@@ -399,7 +427,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['opd_kept_stream_ms_per_sample']:.2f} "
             f"| {m['baseline_over_opd_kept_stream']:.1f}x "
             f"| {_opt(m['miles_own_over_opd_kept_stream'], '.1f')}x "
-            f"| {_opt(m['miles_own_over_opd_kept_stream_on_loop'], '.1f')}x "
+            f"| {_opt(m['miles_own_over_opd_kept_stream_threads'], '.1f')}x "
             f"| {_opt(m['miles_own_max_abs_diff'], '.1e')} |"
         )
     print(
@@ -414,50 +442,34 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['opd_over_bare']:.2f}x | {m['bare_max_abs_diff']:.1e} |"
         )
     print(
-        "\nOne stream kept open across the bursts: as now (freed memory kept while the "
-        "stream is busy, `release_memory_after_s`), and as before session 16 (given back "
-        "as each run ended: `release_memory_after_s=0`):\n"
-    )
-    print(
-        "| student top-k | kept stream | ratio to Miles | x msgspec untyped | x scanner "
-        "| x bare client | kept, trimmed as each run ends (before) | before / now "
-        "| page faults per sample, now / before |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, m in burst.items():
-        now, before = m["opd_kept_stream_ms_per_sample"], m["opd_kept_stream_trimmed_ms_per_sample"]
-        print(
-            f"| {label} | {m['opd_kept_stream_ms_per_sample']:.2f} "
-            f"| {m['baseline_over_opd_kept_stream']:.1f}x "
-            f"| {m['opd_kept_stream_over_msgspec_untyped']:.2f}x "
-            f"| {m['opd_kept_stream_over_scanner']:.2f}x "
-            f"| {m['opd_kept_stream_over_bare']:.2f}x "
-            f"| {before:.2f} | {before / now:.2f}x "
-            f"| {m['kept_stream_page_faults_per_sample']:.0f} / "
-            f"{m['kept_stream_trimmed_page_faults_per_sample']:.0f} |"
-        )
-    print(
-        "\nThe kept stream with its answers parsed in decode threads (the default: answers of "
-        "`offload_bytes` = 1 MiB and more) and all on the event loop (`offload_bytes` above "
-        "every answer): client CPU against the burst's wall time and the loop's lag (1 ms "
+        "\nOne stream kept open across the bursts, three at once taking turns: the default "
+        "(answers below `offload_bytes` = 4 MiB read on the event loop by the scanner, 256 KiB "
+        "at a time), as before session 19 (`offload_bytes` = 1 MiB: answers from 1 MiB parsed "
+        "in decode threads), and with every answer and body on the loop (`offload_bytes` "
+        "above every answer): client CPU, the burst's wall time and the loop's lag (1 ms "
         "ticker, one burst more):\n"
     )
     print(
-        "| student top-k | answers parsed | kept stream | x scanner | ratio to Miles "
-        "| wall per burst (ms) | loop lag p99 / max (ms) |"
+        "| student top-k | answers parsed | kept stream | ratio to the baseline | x msgspec "
+        "untyped | x scanner | x bare client | wall per burst (ms) | loop lag p99 / max (ms) "
+        "| page faults per sample |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, m in burst.items():
-        for which, key, ratio in (
-            ("in threads", "kept_stream", "baseline_over_opd_kept_stream"),
-            ("on the loop", "kept_stream_on_loop", "baseline_over_opd_kept_stream_on_loop"),
+        for which, key in (
+            ("default", "kept_stream"),
+            ("1 MiB and more in threads (before)", "kept_stream_threads"),
+            ("all on the loop", "kept_stream_on_loop"),
         ):
-            lag = m[f"{key}_lag_ms"]
+            cpu, lag = m[f"opd_{key}_ms_per_sample"], m[f"{key}_lag_ms"]
             print(
-                f"| {label} | {which} | {m[f'opd_{key}_ms_per_sample']:.2f} "
-                f"| {m[f'opd_{key}_over_scanner']:.2f}x "
-                f"| {m[ratio]:.1f}x | {m[f'{key}_wall_ms_per_burst']:.1f} "
-                f"| {_opt(lag['lag_p99_ms'])} / {_opt(lag['lag_max_ms'])} |"
+                f"| {label} | {which} | {cpu:.2f} | {m['baseline_ms_per_sample'] / cpu:.1f}x "
+                f"| {cpu / m['msgspec_untyped_ms_per_sample']:.2f}x "
+                f"| {cpu / m['scanner_ms_per_sample']:.2f}x "
+                f"| {cpu / m['bare_ms_per_sample']:.2f}x "
+                f"| {m[f'{key}_wall_ms_per_burst']:.1f} "
+                f"| {_opt(lag['lag_p99_ms'])} / {_opt(lag['lag_max_ms'])} "
+                f"| {m[f'{key}_page_faults_per_sample']:.0f} |"
             )
     steps = list(next(iter(burst.values()))["by_step_ms_per_sample"])
     print("\n### opd_stream by step (`stats().cpu_s`), ms per sample\n")
@@ -467,8 +479,11 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
         for which, key in (
             ("one per burst", "by_step_ms_per_sample"),
             ("kept", "kept_stream_by_step_ms_per_sample"),
-            ("kept, trimmed (before)", "kept_stream_trimmed_by_step_ms_per_sample"),
-            ("kept, answers parsed on the loop", "kept_stream_on_loop_by_step_ms_per_sample"),
+            (
+                "kept, 1 MiB and more in threads (before)",
+                "kept_stream_threads_by_step_ms_per_sample",
+            ),
+            ("kept, all on the loop", "kept_stream_on_loop_by_step_ms_per_sample"),
         ):
             vals = " | ".join(f"{v:.2f}" for v in m[key].values())
             print(f"| {label} | {which} | {vals} |")

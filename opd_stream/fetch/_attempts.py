@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 
 from .._errors import (
     CapabilityError,
@@ -38,13 +39,20 @@ from ..fleet._routing import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Request, Transport
 from ..wire._answers import Body, ScoreRows
-from ..wire._codec import Answer, answer_size, decode
+from ..wire._codec import Answer, Parser, answer_size, decode_in_slices
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
 from ..wire._request import Layout, ScoreRequest, layout, multi_body
 from ..wire._vllm import ENGINE_PATHS
 from ._retry import retry_after_s
-from ._threads import build_in_thread, decode_in_thread, timed_build, timed_decode
+from ._threads import (
+    SLICE_BYTES,
+    build_in_thread,
+    decode_in_thread,
+    sliced_on_loop,
+    timed_build,
+    timed_decode,
+)
 
 __all__ = ("AttemptSender", "Counter", "Failed", "loop_clock")
 
@@ -123,6 +131,9 @@ class AttemptSender:
         self._body_budget = ByteBudget(config.max_inflight_response_bytes)
         self._secret = config.api_key.get_secret_value() if config.api_key else None
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        # one answer parsed on the loop at a time: a turn of the loop gives parsing one
+        # slice at most, however many answers have arrived together
+        self._parsing = anyio.Lock(fast_acquire=True)
         self.now = loop_clock()  # anyio.current_time, looked up once (made on the loop)
 
     def _pick(
@@ -511,14 +522,12 @@ class AttemptSender:
 
     async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
-        released while it parses), a small one on the loop. Where: ``_threads``."""
+        released while it parses), a smaller one on the loop, the scanner's a slice at a
+        time. Where: ``_threads``."""
         size = answer_size(body)
-        if self._threads is None or not decode_in_thread(size, self._cfg.offload_bytes):
-            start = time.thread_time()
-            try:
-                rows, parser = decode(body, req, lay=lay)
-            finally:
-                self._stats.spent("decode_loop", time.thread_time() - start)
+        sliced = sliced_on_loop(body, req)
+        if self._threads is None or not decode_in_thread(size, self._cfg.offload_bytes, sliced):
+            rows, parser = await self._decode_on_loop(body, req, lay)
             self._stats.record_decode(parser, size)
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one
@@ -535,6 +544,35 @@ class AttemptSender:
         rows, parser = got
         self._stats.record_decode(parser, size)
         return rows
+
+    async def _decode_on_loop(
+        self, body: Answer, req: ScoreRequest, lay: Layout | None
+    ) -> tuple[ScoreRows, Parser]:
+        """Decode on the loop, one answer at a time: the scanner's read :data:`SLICE_BYTES`
+        at a time, the loop's turn between two slices (``decode_in_slices``); else whole.
+        Only the steps' own CPU is counted (not that of the tasks that ran in between)."""
+        async with self._parsing:
+            return await self._slices(body, req, lay)
+
+    async def _slices(
+        self, body: Answer, req: ScoreRequest, lay: Layout | None
+    ) -> tuple[ScoreRows, Parser]:
+        steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
+        spent = 0.0
+        try:
+            while True:
+                start = time.thread_time()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    got: tuple[ScoreRows, Parser] = done.value
+                    return got
+                finally:
+                    spent += time.thread_time() - start
+                await anyio.lowlevel.checkpoint()
+        finally:
+            steps.close()
+            self._stats.spent("decode_loop", spent)
 
 
 def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:

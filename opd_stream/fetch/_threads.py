@@ -1,36 +1,60 @@
 """The fetch stage's thread policy: which step of an attempt (a request body's build, an
 answer's decode) goes to one of ``decode_threads`` worker threads, and the CPU each step
-spent in the thread that ran it.
+spent in the thread that ran it. Plain sync functions, asked by the async shell
+(:mod:`opd_stream.fetch._attempts`).
 
-Plain sync functions; the async shell (:mod:`opd_stream.fetch._attempts`) asks
-:func:`build_in_thread` / :func:`decode_in_thread` whether a step goes to a worker thread
-and runs :func:`timed_build` / :func:`~opd_stream.wire._codec.decode` /
-:func:`timed_decode` there or on the loop. A request body (by
-:func:`~opd_stream.wire._payloads.payload_size_hint`) or an answer of at least
-``offload_bytes`` goes to a worker thread, a smaller one stays on the loop.
+``offload_bytes`` splits them. The compiled scanner reads an answer on the loop a slice at
+a time (:data:`SLICE_BYTES`, :func:`~opd_stream.wire._codec.decode_in_slices`), then its
+columns whole (~0.25 ms per MiB): below ``offload_bytes`` it stays on the loop. What the
+loop does whole, a body's build and a parse by msgspec (the scanner not ready, a vLLM
+answer, blocks), goes to a thread from ``offload_bytes // WHOLE`` on. Why:
+``docs/design-notes.md``, "opd_stream/fetch/_threads.py".
 """
 
 from __future__ import annotations
 
 import time
 
-from ..wire._answers import ScoreRows
+from ..scanner._loader import available
+from ..wire._answers import Body, ScoreRows
 from ..wire._codec import Answer, Parser, decode
 from ..wire._payloads import build_laid, payload_size_hint
 from ..wire._request import Layout, ScoreRequest, layout
 
-__all__ = ("build_in_thread", "decode_in_thread", "timed_build", "timed_decode")
+__all__ = (
+    "SLICE_BYTES",
+    "WHOLE",
+    "build_in_thread",
+    "decode_in_thread",
+    "sliced_on_loop",
+    "timed_build",
+    "timed_decode",
+)
+
+#: The bytes of an answer the scanner reads on the loop between two of its turns (a slice
+#: costs ~0.2-0.4 ms).
+SLICE_BYTES = 256 * 1024
+#: Work the loop does whole goes to a worker thread from ``offload_bytes // WHOLE`` on.
+WHOLE = 4
 
 
 def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
-    """Whether ``req``'s body is built in a worker thread (estimated at ``threshold`` bytes
-    or more)."""
-    return payload_size_hint(req) >= threshold
+    """Whether ``req``'s body is built in a worker thread (estimated at a quarter of
+    ``threshold`` bytes or more: a build holds the loop whole)."""
+    return payload_size_hint(req) >= threshold // WHOLE
 
 
-def decode_in_thread(size: int, threshold: int) -> bool:
-    """Whether an answer of ``size`` bytes is decoded in a worker thread."""
-    return size >= threshold
+def sliced_on_loop(answer: Answer, req: ScoreRequest) -> bool:
+    """Whether the loop would read ``answer`` with the scanner a slice at a time (else
+    whole, with msgspec)."""
+    return available() and req.engine == "sglang" and isinstance(answer, Body)
+
+
+def decode_in_thread(size: int, threshold: int, sliced: bool) -> bool:
+    """Whether an answer of ``size`` bytes is decoded in a worker thread: from
+    ``threshold`` on where the loop would read it a slice at a time (``sliced``), else from
+    a quarter of it."""
+    return size >= (threshold if sliced else threshold // WHOLE)
 
 
 def timed_build(req: ScoreRequest) -> tuple[bytes, Layout, float]:

@@ -22,7 +22,9 @@ from ._rows import read_rows
 from ._scan import (
     B64,
     ENTRIES,
+    MAX_DEPTH,
     OK,
+    PAUSED,
     R_END,
     R_ENT0,
     R_ENT1,
@@ -32,6 +34,8 @@ from ._scan import (
     R_ROW1,
     R_START,
     ROWS,
+    S_I,
+    S_SIZE,
     UNUSUAL,
     scan,
 )
@@ -48,6 +52,8 @@ __all__ = (
     "R_ROW1",
     "R_START",
     "KERNELS",
+    "SlicedScan",
+    "sliced_scan",
     "UNUSUAL",
     "id_fault",
     "ids_read",
@@ -152,6 +158,10 @@ def run_scan(body: Body, batch: bool, schema: ScanSchema) -> Scan:
     """:func:`scan` over ``body`` (:func:`scan_buffers`), its buffers cut to what it
     wrote."""
     got, lps, ids, widths, nulls, raw, records = scan_buffers(body, batch, schema)
+    return _cut(got, lps, ids, widths, nulls, raw, records)
+
+
+def _cut(got: Any, lps: Any, ids: Any, widths: Any, nulls: Any, raw: Any, records: Any) -> Scan:
     status, n_rec, n_items, n_ent, n_rows = got
     return Scan(
         int(status),
@@ -170,22 +180,80 @@ def scan_buffers(body: Body, batch: bool, schema: ScanSchema) -> tuple[Any, ...]
     ``((status, n_records, n_items, n_entries, n_rows), lps, ids, widths, nulls, raw,
     records)``, the buffers whole. Allocated with ``np.empty``: pages a scan does not touch
     cost nothing."""
-    n = len(body)
-    b = np.frombuffer(body, dtype=np.uint8)
-    if b.flags.writeable:  # one compiled variant: read-only bytes
-        b = b.view()
-        b.flags.writeable = False
-    entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
-    rows = n // 3 + 1  # the shortest row, "[],", 3
-    lps = np.empty(entries, dtype=np.float64)
-    ids = np.empty(entries, dtype=np.int64)
-    widths = np.empty(rows, dtype=np.int32)
-    nulls = np.empty(rows, dtype=np.uint8)
-    raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
-    records = np.empty((n // 8 + 8, 8), dtype=np.int64)
-    fields = (schema.key_bytes, schema.key_starts, schema.kind_codes, schema.envelope_bytes)
-    got = scan(b, batch, *fields, lps, ids, widths, nulls, raw, records)
-    return got, lps, ids, widths, nulls, raw, records
+    run = _Buffers(body, batch, schema)
+    got = run.scan_to(len(body) + 1)
+    return got, run.lps, run.ids, run.widths, run.nulls, run.raw, run.records
+
+
+class _Buffers:
+    """One scan's input, output buffers and saved state."""
+
+    __slots__ = ("args", "b", "batch", "ids", "lps", "nulls", "raw", "records", "state", "widths")
+
+    def __init__(self, body: Body, batch: bool, schema: ScanSchema) -> None:
+        n = len(body)
+        b = np.frombuffer(body, dtype=np.uint8)
+        if b.flags.writeable:  # one compiled variant: read-only bytes
+            b = b.view()
+            b.flags.writeable = False
+        entries = n // 6 + 1  # the shortest entry, "[0,0]," is 6 bytes
+        rows = n // 3 + 1  # the shortest row, "[],", 3
+        self.b, self.batch = b, batch
+        self.lps = np.empty(entries, dtype=np.float64)
+        self.ids = np.empty(entries, dtype=np.int64)
+        self.widths = np.empty(rows, dtype=np.int32)
+        self.nulls = np.empty(rows, dtype=np.uint8)
+        self.raw = np.empty(n * 3 // 4 + 4, dtype=np.uint8)
+        self.records = np.empty((n // 8 + 8, 8), dtype=np.int64)
+        self.state = np.zeros(S_SIZE, dtype=np.int64)
+        self.args = (
+            schema.key_bytes,
+            schema.key_starts,
+            schema.kind_codes,
+            schema.envelope_bytes,
+            self.lps,
+            self.ids,
+            self.widths,
+            self.nulls,
+            self.raw,
+            self.records,
+            np.empty(MAX_DEPTH + 1, dtype=np.uint8),
+            np.empty(schema.kind_codes.shape[0], dtype=np.int64),
+            self.state,
+        )
+
+    def scan_to(self, stop: int) -> Any:
+        return scan(self.b, self.batch, *self.args, stop)
+
+
+def sliced_scan(body: Body, batch: bool, schema: ScanSchema) -> SlicedScan:
+    """A :class:`SlicedScan` of ``body``: :func:`run_scan` a slice at a time."""
+    return SlicedScan(body, batch, schema)
+
+
+class SlicedScan:
+    """:func:`run_scan` in slices, for a caller that wants its thread back between them
+    (the event loop): each :meth:`step` scans about ``nbytes`` more of the body (from one
+    value of the body, or one row of a rows list, to the first that starts ``nbytes``
+    later; a value of another kind is scanned whole), the GIL released meanwhile."""
+
+    __slots__ = ("_done", "_run")
+
+    def __init__(self, body: Body, batch: bool, schema: ScanSchema) -> None:
+        self._run = _Buffers(body, batch, schema)
+        self._done: Scan | None = None
+
+    def step(self, nbytes: int) -> Scan | None:
+        """Scan on for ``nbytes`` (at least 1): the :class:`Scan` once the scan has ended
+        (as :func:`run_scan` gives it), else ``None``."""
+        if self._done is None:
+            run = self._run
+            got = run.scan_to(int(run.state[S_I]) + max(nbytes, 1))
+            if got[0] != PAUSED:
+                self._done = _cut(
+                    got, run.lps, run.ids, run.widths, run.nulls, run.raw, run.records
+                )
+        return self._done
 
 
 #: A tiny answer that makes numba compile every path of the scan once, with a schema of

@@ -47,7 +47,6 @@ from ._shared import (
     ZERO,
     load_byte,
     load_le64,
-    njit_cached,
     njit_leaf,
     njit_once,
 )
@@ -59,6 +58,8 @@ __all__ = (
     "CAPACITY",
     "MAX_DEPTH",
     "OK",
+    "PAUSED",
+    "P_DONE",
     "R_END",
     "R_ENT0",
     "R_ENT1",
@@ -68,6 +69,9 @@ __all__ = (
     "R_ROW1",
     "R_START",
     "SHARED_DIGEST",
+    "S_I",
+    "S_PHASE",
+    "S_SIZE",
     "UNUSUAL",
     "scan",
 )
@@ -81,6 +85,18 @@ OK = 0
 UNUSUAL = 1
 #: The output buffers were too small (cannot happen with ``_calls``' sizes).
 CAPACITY = 2
+#: The scan stopped at ``stop`` (between two values of the body, or between two rows of a
+#: rows list) with its state saved: called again, it goes on from there.
+PAUSED = 3
+
+#: The saved state of a scan (``state``, int64 ``[S_SIZE]``; all zeros before the first
+#: call): where it is (``S_PHASE``: not started, in the body, between two rows of a rows
+#: list, done), the scan's own variables, and the rows list it is in.
+S_PHASE, S_I, S_DEPTH, S_ITEM, S_NREC, S_NE, S_NR, S_NB = range(8)
+S_STR0, S_STR1, S_ESCAPED, S_META_KEY, S_IN_META = range(8, 13)
+S_KEY, S_START, S_NE0, S_NR0 = range(13, 17)
+S_SIZE = 17
+P_NEW, P_BODY, P_ROWS, P_DONE = range(4)
 
 #: The kinds of value (``kinds``), as the wire numbers them (:data:`opd_stream.wire.
 #: _decode_score.ENTRIES` ...; ``tests/scanner/test_scanner_constants.py`` ties the two).
@@ -431,12 +447,21 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
 
 
 @njit_leaf
-def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-untyped-def]
-    """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status)."""
-    cap = widths.shape[0]
+def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop):  # type: ignore[no-untyped-def]
+    """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status); see
+    :func:`_rows_from` for ``stop``."""
     i = _ws(b, i + 1, n)
     if i < n and load_byte(b, i) == CLOSE_BRACKET:
         return i + 1, ne, nr, OK
+    return _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
+
+
+@njit_leaf
+def _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop):  # type: ignore[no-untyped-def]
+    """The rows of a rows list from its row at ``b[i]`` on: (next, entries, rows, status).
+    After a row, with the next one at or after ``stop``: status :data:`PAUSED`, ``next``
+    that row's first byte (call again from there)."""
+    cap = widths.shape[0]
     while True:
         if nr >= cap:
             return i, ne, nr, CAPACITY
@@ -457,6 +482,8 @@ def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr):  # type: ignore[no-unt
         i = _ws(b, i, n)
         if i < n and load_byte(b, i) == COMMA:
             i = _ws(b, i + 1, n)
+            if i >= stop:
+                return i, ne, nr, PAUSED
             continue
         if i < n and load_byte(b, i) == CLOSE_BRACKET:
             return i + 1, ne, nr, OK
@@ -583,39 +610,150 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
     return True
 
 
-@njit_cached
+@njit_leaf
+def _save(state, phase, i, depth, item, nrec, ne, nr, nb, str0, str1, flags, rows):  # type: ignore[no-untyped-def]
+    """The scan's state into ``state`` (see :data:`S_SIZE`): ``flags`` its three booleans
+    (escaped, meta key, in meta) as bits 0-2, ``rows`` the rows list it is in (key, start,
+    first entry, first row), or -1s."""
+    state[S_PHASE] = phase
+    state[S_I] = i
+    state[S_DEPTH] = depth
+    state[S_ITEM] = item
+    state[S_NREC] = nrec
+    state[S_NE] = ne
+    state[S_NR] = nr
+    state[S_NB] = nb
+    state[S_STR0] = str0
+    state[S_STR1] = str1
+    state[S_ESCAPED] = flags & 1
+    state[S_META_KEY] = (flags >> 1) & 1
+    state[S_IN_META] = (flags >> 2) & 1
+    state[S_KEY] = rows[0]
+    state[S_START] = rows[1]
+    state[S_NE0] = rows[2]
+    state[S_NR0] = rows[3]
+
+
+@njit_leaf
 def scan(  # type: ignore[no-untyped-def]
-    b, batch, keys, kstarts, kinds, meta, lps, ids, widths, nulls, raw, records
+    b,
+    batch,
+    keys,
+    kstarts,
+    kinds,
+    meta,
+    lps,
+    ids,
+    widths,
+    nulls,
+    raw,
+    records,
+    stack,
+    seen,
+    state,
+    stop,
 ):
     """Scan a whole answer (see the module docstring): ``keys`` the names of the values to
     parse, one after the other (key ``k`` is ``keys[kstarts[k]:kstarts[k + 1]]``), ``kinds``
     what each is, ``meta`` the name of the object that holds them.
 
     Returns ``(status, n_records, n_items, n_entries, n_rows)``. Each record is one cut
-    value: key index, item, byte span, rows range (rows lists) and entries range (for a
-    b64 string: its bytes in ``raw``), in body order (so per key in item order).
+    value: key index, item, byte span in the body, rows range (rows lists) and entries range
+    (for a b64 string: its bytes in ``raw``), in body order (so per key in item order).
+
+    In slices: ``stack`` (uint8 ``[MAX_DEPTH + 1]``), ``seen`` (int64, one per key) and
+    ``state`` (int64 ``[S_SIZE]``, zeros before the first call) hold the scan between
+    calls. Where the next value of the body, or the next row of a rows list, starts at or
+    after ``stop``, the scan saves itself and returns :data:`PAUSED`; called again with the
+    same arguments and a later ``stop``, it goes on (any ``stop`` beyond the body: to the
+    end). Another status ends the scan.
     """
     n = b.shape[0]
     p10 = _P10
     key_depth = 3 if batch else 2
-    stack = np.zeros(MAX_DEPTH + 1, dtype=np.uint8)  # 1 object, 2 array
-    seen = np.zeros(kinds.shape[0], dtype=np.int64)
-    depth = 0
-    item = -1 if batch else 0
     # counters typed int64 from the start: a literal 0 would have numba compile each
     # callee twice (once for the literal, once for int64), doubling the cold compile
     zero = np.int64(0)
-    nrec = zero
-    ne = zero
-    nr = zero
-    nb = zero
-    s_start = int(zero) - 1
-    s_end = s_start
-    s_escaped = False
-    meta_key = False  # the last key at depth key_depth - 1 was "meta_info"
-    in_meta = False
-    i = 0
+    none = np.int64(-1)
+    if state[S_PHASE] == P_NEW:
+        for d in range(stack.shape[0]):
+            stack[d] = 0  # 1 object, 2 array
+        for d in range(seen.shape[0]):
+            seen[d] = 0
+        item0 = none if batch else zero
+        _save(
+            state,
+            P_BODY,
+            zero,
+            zero,
+            item0,
+            zero,
+            zero,
+            zero,
+            zero,
+            none,
+            none,
+            zero,
+            (none, none, none, none),
+        )
+    i = state[S_I]
+    depth = state[S_DEPTH]
+    item = state[S_ITEM]
+    nrec = state[S_NREC]
+    ne = state[S_NE]
+    nr = state[S_NR]
+    nb = state[S_NB]
+    if state[S_PHASE] == P_DONE:
+        return OK, nrec, item + 1, ne, nr
+    s_start = state[S_STR0]
+    s_end = state[S_STR1]
+    s_escaped = state[S_ESCAPED] != 0
+    meta_key = state[S_META_KEY] != 0  # the last key at depth key_depth - 1 was "meta_info"
+    in_meta = state[S_IN_META] != 0
+    if state[S_PHASE] == P_ROWS:  # between two rows of a rows list
+        k, start, ne0, nr0 = state[S_KEY], state[S_START], state[S_NE0], state[S_NR0]
+        i, ne, nr, st = _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
+        if st == PAUSED:
+            flags = np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
+            _save(
+                state,
+                P_ROWS,
+                i,
+                depth,
+                item,
+                nrec,
+                ne,
+                nr,
+                nb,
+                s_start,
+                s_end,
+                flags,
+                (k, start, ne0, nr0),
+            )
+            return PAUSED, nrec, item + 1, ne, nr
+        if st != OK:
+            return st, nrec, item + 1, ne, nr
+        _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
+        nrec += 1
     while i < n:
+        if i >= stop:
+            flags = np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
+            _save(
+                state,
+                P_BODY,
+                i,
+                depth,
+                item,
+                nrec,
+                ne,
+                nr,
+                nb,
+                s_start,
+                s_end,
+                flags,
+                (none, none, none, none),
+            )
+            return PAUSED, nrec, item + 1, ne, nr
         c = load_byte(b, i)
         if c == QUOTE:  # a string: skip it, remember where it was
             s_start = i + 1
@@ -670,7 +808,27 @@ def scan(  # type: ignore[no-untyped-def]
             if kinds[k] == ENTRIES:
                 i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
             else:
-                i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr)
+                i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
+                if st == PAUSED:
+                    flags = (
+                        np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
+                    )
+                    _save(
+                        state,
+                        P_ROWS,
+                        i,
+                        depth,
+                        item,
+                        nrec,
+                        ne,
+                        nr,
+                        nb,
+                        s_start,
+                        s_end,
+                        flags,
+                        (np.int64(k), start, ne0, nr0),
+                    )
+                    return PAUSED, nrec, item + 1, ne, nr
             if st != OK:
                 return st, nrec, item + 1, ne, nr
             _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
@@ -701,4 +859,7 @@ def scan(  # type: ignore[no-untyped-def]
         if c == COMMA and depth == key_depth - 1:
             meta_key = False
         i += 1
+    _save(
+        state, P_DONE, i, depth, item, nrec, ne, nr, nb, none, none, zero, (none, none, none, none)
+    )
     return OK, nrec, item + 1, ne, nr

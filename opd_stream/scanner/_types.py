@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ("Body", "Kernels", "Scan", "ScanSchema", "scan_schema")
+__all__ = ("Body", "Kernels", "Scan", "ScanSchema", "ScanSlices", "scan_schema")
 
 #: An answer's body as the scan reads it: the union :data:`opd_stream.wire._answers.Body`
 #: names (the scanner imports nothing of the wire, which imports it).
@@ -69,6 +69,12 @@ def scan_schema(fields: Sequence[tuple[str, int]], envelope: str) -> ScanSchema:
     return ScanSchema(keys, tuple(kind for _, kind in fields), envelope, *arrays)
 
 
+class ScanSlices(Protocol):
+    """A scan done a slice at a time (:class:`opd_stream.scanner._calls.SlicedScan`)."""
+
+    def step(self, nbytes: int) -> Scan | None: ...
+
+
 class Kernels(Protocol):
     """The compiled kernels as :func:`~opd_stream.scanner._loader.compiled` gives them:
     :mod:`opd_stream.scanner._calls`, checked against this by mypy where
@@ -90,6 +96,8 @@ class Kernels(Protocol):
     R_ENT1: int
 
     def run_scan(self, body: Body, batch: bool, schema: ScanSchema) -> Scan: ...
+
+    def sliced_scan(self, body: Body, batch: bool, schema: ScanSchema) -> ScanSlices: ...
 
     def rows_read(
         self, body: bytes, r: int, k: int

@@ -12,15 +12,18 @@ error. Their costs: ``docs/design-notes.md``, "opd_stream/wire/_codec.py".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Generator, Sequence
 from typing import Final, Literal, get_args
 
 from ..scanner._loader import available
 from ._answers import Body, ScoreRows
+from ._columns import Reader
 from ._decode_columns import decode_segments_columns
 from ._decode_score import decode_segments
 from ._payloads import build_block_payloads
 from ._request import Layout, ScoreRequest, layout
+from ._scan_reader import read_answers_jit, read_scanned, scan_slices
 from ._vllm_decode import decode_vllm
 
 __all__ = (
@@ -31,6 +34,7 @@ __all__ = (
     "build_block_payloads",
     "decode",
     "decode_block_answers",
+    "decode_in_slices",
     "decode_score_response",
     "parser_for",
 )
@@ -116,6 +120,28 @@ def _decode_one(
     return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
 
 
+def decode_in_slices(
+    answer: Answer, req: ScoreRequest, nbytes: int, *, lay: Layout | None = None
+) -> Generator[None, None, tuple[ScoreRows, Parser]]:
+    """:func:`decode`, its scan a slice of about ``nbytes`` at a time: a generator that
+    yields between two slices (the GIL released in each) and returns what :func:`decode`
+    returns (or raises what it raises), for a caller that wants its thread back between
+    them (the event loop: :mod:`opd_stream.fetch._attempts`). What the scanner does not
+    take, and a decode without it (not ready yet, a vLLM answer, blocks), runs whole."""
+    if req.engine != "sglang" or not isinstance(answer, Body):
+        return decode(answer, req, lay=lay)
+    if lay is None:
+        lay = layout(req)
+    slices = scan_slices(answer, lay.batch)
+    if slices is None:
+        return decode(answer, req, lay=lay)
+    while (scanned := slices.step(nbytes)) is None:
+        yield
+    per_position = req.ids is not None and req.id_form == "per-position"
+    reader = functools.partial(read_scanned, scanned=scanned)
+    return _decode_laid(answer, lay, lay.batch, req.top_k, "scanner", per_position, reader)
+
+
 def _decode_laid(
     body: Body,
     lay: Layout,
@@ -123,11 +149,12 @@ def _decode_laid(
     top_k: int,
     parser: Parser,
     per_position: bool,
+    reader: Reader = read_answers_jit,
 ) -> tuple[ScoreRows, Parser]:
     """``parser``'s reader first (unless msgspec), msgspec for what it hands back."""
     if parser == "scanner":
         rows = decode_segments_columns(
-            body, batch=batch, segments=lay.segments, tokens=lay.tokens, top_k=top_k
+            body, batch=batch, segments=lay.segments, tokens=lay.tokens, top_k=top_k, reader=reader
         )
         if rows is not None:
             return rows, parser

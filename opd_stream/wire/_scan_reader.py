@@ -18,12 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ..scanner._loader import compiled
-from ..scanner._types import Kernels, Scan, scan_schema
+from ..scanner._types import Kernels, Scan, ScanSlices, scan_schema
 from ._answers import Body
 from ._columns import EntryColumns, RowColumns
 from ._decode_score import B64, ENVELOPE, SCANNED, decode_metas
 
-__all__ = ("JitAnswers", "read_answers_jit")
+__all__ = ("JitAnswers", "read_answers_jit", "read_scanned", "scan_slices")
 
 #: What the scan parses: the msgspec decoder's schema (:data:`opd_stream.wire._decode_score.
 #: SCANNED`), handed to the kernel with every answer.
@@ -36,7 +36,28 @@ def read_answers_jit(body: Body, batch: bool) -> JitAnswers | None:
     kernel = compiled()
     if kernel is None or not body:
         return None
-    got = kernel.run_scan(body, batch, _SCHEMA)
+    return _answers(body, batch, kernel.run_scan(body, batch, _SCHEMA), kernel)
+
+
+def scan_slices(body: Body, batch: bool) -> ScanSlices | None:
+    """The scan of :func:`read_answers_jit` for a caller that runs it a slice at a time,
+    then reads the answer with :func:`read_scanned`; ``None`` when the scanner is not ready
+    (or the body is empty)."""
+    kernel = compiled()
+    if kernel is None or not body:
+        return None
+    return kernel.sliced_scan(body, batch, _SCHEMA)
+
+
+def read_scanned(body: Body, batch: bool, scanned: Scan) -> JitAnswers | None:
+    """:func:`read_answers_jit` of a body already scanned (:func:`scan_slices`)."""
+    kernel = compiled()
+    if kernel is None:  # (it never goes away once ready)
+        return None
+    return _answers(body, batch, scanned, kernel)
+
+
+def _answers(body: Body, batch: bool, got: Scan, kernel: Kernels) -> JitAnswers | None:
     if got.status != kernel.OK:
         return None
     rec = got.records

@@ -60,7 +60,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.backoff_max_s == 2.0
     assert cfg.connect_timeout_s == 10.0
     assert cfg.decode_threads == 0
-    assert cfg.offload_bytes == 1 << 20
+    assert cfg.offload_bytes == 4 << 20
     assert cfg.max_reorder == 1024
     assert cfg.release_memory_after_s == 60.0
 
@@ -720,7 +720,7 @@ def test_table_defaults_match_the_struct_defaults() -> None:
     assert shown["teachers"] == "required"
     assert shown["student_url"] == "none"
     assert shown["max_response_bytes"] == "1 GiB"
-    assert shown["offload_bytes"] == "1 MiB"
+    assert shown["offload_bytes"] == "4 MiB"
     assert shown["top_k"] == "0"
     assert shown["strategy"] == "only-student"
     assert shown["request_deadline_s"] == "60"

@@ -25,7 +25,7 @@ from opd_stream import OPDStreamError
 from opd_stream.scanner._loader import available, prepare
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.wire._answers import ScoreRows
-from opd_stream.wire._codec import PARSERS, decode_score_response, parser_for
+from opd_stream.wire._codec import PARSERS, decode_in_slices, decode_score_response, parser_for
 from opd_stream.wire._decode_columns import decode_segments_columns
 from opd_stream.wire._decode_generate import decode_generate_response
 from opd_stream.wire._payloads import build_score_payload
@@ -113,7 +113,27 @@ def _differential(body: bytes, req: ScoreRequest) -> ScoreRows | None:
     else:
         assert isinstance(public, ScoreRows)
         _assert_same(slow, public)
+    for nbytes in (1, 37, 1 << 20):  # the scan a slice at a time: the same outcome
+        sliced = _sliced(body, req, nbytes)
+        if isinstance(slow, OPDStreamError):
+            assert type(sliced) is type(slow) and str(sliced) == str(slow)
+        else:
+            assert isinstance(sliced, ScoreRows)
+            _assert_same(slow, sliced)
     return fast
+
+
+def _sliced(body: bytes | bytearray, req: ScoreRequest, nbytes: int) -> ScoreRows | OPDStreamError:
+    """``decode_in_slices`` run to its end (its outcome: the rows, or the error)."""
+    steps = decode_in_slices(body, req, nbytes)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        rows: ScoreRows = done.value[0]
+        return rows
+    except OPDStreamError as exc:
+        return exc
 
 
 def test_the_scanner_compiles_and_is_the_parser_of_choice() -> None:
@@ -128,6 +148,10 @@ def test_mock_answers_decode_to_identical_arrays(name: str, req: ScoreRequest) -
     assert fast is not None, "the scanner handed a valid answer back"
     _assert_same(decode_score_response(body, req), fast)
     _assert_same(decode_score_response(bytearray(body), req, parser="scanner"), fast)
+    for nbytes in (1, 4096):
+        sliced = _sliced(body, req, nbytes)
+        assert isinstance(sliced, ScoreRows)
+        _assert_same(sliced, fast)
 
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))

@@ -469,14 +469,16 @@ async def test_an_unexpected_error_fails_only_its_sample_with_internal_error(
     from opd_stream.wire import _codec
 
     servers = _servers()
-    real = _codec._decode_one
+    real = _codec._decode_laid
 
-    def decode(body: bytes, req: Any, parser: Any, lay: Any = None) -> Any:
-        if req.tokens[0] == 7:  # a decoder bug that strikes one sample
+    def decode(body: bytes, lay: Any, *args: Any) -> Any:
+        if lay.tokens[0] == 7:  # a decoder bug that strikes one sample
             raise KeyError("boom")
-        return real(body, req, parser, lay)
+        return real(body, lay, *args)
 
-    monkeypatch.setattr(_codec, "_decode_one", decode)
+    # (every decode of an SGLang answer goes through it, whole or in slices, on the loop
+    # or in a thread)
+    monkeypatch.setattr(_codec, "_decode_laid", decode)
     samples = _samples(4)
     samples[2] = Sample([7, *samples[2].tokens[1:]], samples[2].response_length)
     async with OPDStream(_cfg(), transport=mock_transport(servers)) as stream:

@@ -39,7 +39,7 @@ from ..fleet._routing import endpoint_url
 from ..transport._budget import BudgetLease, ByteBudget
 from ..transport._transports import Request, Transport
 from ..wire._answers import Body, ScoreRows
-from ..wire._codec import Answer, Parser, answer_size, decode_in_slices
+from ..wire._codec import Answer, Parser, answer_size, decode, decode_in_slices
 from ..wire._error_body import parse_error_message
 from ..wire._payloads import build_block_payloads
 from ..wire._request import Layout, ScoreRequest, layout, multi_body
@@ -49,6 +49,7 @@ from ._threads import (
     SLICE_BYTES,
     build_in_thread,
     decode_in_thread,
+    read_in_slices,
     sliced_on_loop,
     timed_build,
     timed_decode,
@@ -523,11 +524,18 @@ class AttemptSender:
     async def _decode_body(self, body: Answer, req: ScoreRequest, lay: Layout | None) -> ScoreRows:
         """The answer decoded (``_codec``): a large one in one of the decode threads (the GIL
         released while it parses), a smaller one on the loop, the scanner's a slice at a
-        time. Where: ``_threads``."""
+        time from ``SLICED_FROM`` on. Where: ``_threads``."""
         size = answer_size(body)
         sliced = sliced_on_loop(body, req)
         if self._threads is None or not decode_in_thread(size, self._cfg.offload_bytes, sliced):
-            rows, parser = await self._decode_on_loop(body, req, lay)
+            if read_in_slices(size, sliced):
+                rows, parser = await self._decode_on_loop(body, req, lay)
+            else:
+                start = time.thread_time()
+                try:
+                    rows, parser = decode(body, req, lay=lay)
+                finally:
+                    self._stats.spent("decode_loop", time.thread_time() - start)
             self._stats.record_decode(parser, size)
             return rows
         # A cancelled caller returns at once; the thread finishes the parse it is in (one

@@ -3,11 +3,11 @@ answer's decode) goes to one of ``decode_threads`` worker threads, and the CPU e
 spent in the thread that ran it. Plain sync functions, asked by the async shell
 (:mod:`opd_stream.fetch._attempts`).
 
-``offload_bytes`` splits them. The compiled scanner reads an answer on the loop a slice at
-a time (:data:`SLICE_BYTES`, :func:`~opd_stream.wire._codec.decode_in_slices`), then its
-columns whole (~0.25 ms per MiB): below ``offload_bytes`` it stays on the loop. What the
-loop does whole, a body's build and a parse by msgspec (the scanner not ready, a vLLM
-answer, blocks), goes to a thread from ``offload_bytes // WHOLE`` on. Why:
+``offload_bytes`` splits them. The compiled scanner reads an answer of :data:`SLICED_FROM`
+or more on the loop a slice at a time (:data:`SLICE_BYTES`, ``_codec.decode_in_slices``),
+then its columns whole: below ``offload_bytes`` it stays on the loop. What the loop does
+whole, a body's build and a parse by msgspec (the scanner not ready, a vLLM answer,
+blocks), goes to a thread from ``offload_bytes // WHOLE`` on. Why:
 ``docs/design-notes.md``, "opd_stream/fetch/_threads.py".
 """
 
@@ -22,10 +22,12 @@ from ..wire._payloads import build_laid, payload_size_hint
 from ..wire._request import Layout, ScoreRequest, layout
 
 __all__ = (
+    "SLICED_FROM",
     "SLICE_BYTES",
     "WHOLE",
     "build_in_thread",
     "decode_in_thread",
+    "read_in_slices",
     "sliced_on_loop",
     "timed_build",
     "timed_decode",
@@ -34,6 +36,9 @@ __all__ = (
 #: The bytes of an answer the scanner reads on the loop between two of its turns (a slice
 #: costs ~0.2-0.4 ms).
 SLICE_BYTES = 256 * 1024
+#: An answer the loop parses is read in slices from this size on; a smaller one whole, as
+#: it arrives (at most ~1.5-3 ms; its bytes still in the cache, no wait for another's).
+SLICED_FROM = 1 << 20
 #: Work the loop does whole goes to a worker thread from ``offload_bytes // WHOLE`` on.
 WHOLE = 4
 
@@ -45,9 +50,15 @@ def build_in_thread(req: ScoreRequest, threshold: int) -> bool:
 
 
 def sliced_on_loop(answer: Answer, req: ScoreRequest) -> bool:
-    """Whether the loop would read ``answer`` with the scanner a slice at a time (else
-    whole, with msgspec)."""
+    """Whether the loop would read ``answer`` with the scanner, which can pause between
+    slices of it, were it big enough (else whole: msgspec)."""
     return available() and req.engine == "sglang" and isinstance(answer, Body)
+
+
+def read_in_slices(size: int, sliced: bool) -> bool:
+    """Whether the loop reads an answer of ``size`` bytes a slice at a time (``sliced``:
+    its scanner can): from :data:`SLICED_FROM` on."""
+    return sliced and size >= SLICED_FROM
 
 
 def decode_in_thread(size: int, threshold: int, sliced: bool) -> bool:

@@ -338,8 +338,9 @@ class StreamConfig(
         int,
         _doc(
             "answers at least this big are parsed in a decode thread; smaller ones on the "
-            "event loop, by the compiled scanner 256 KiB at a time (the loop's turn between "
-            "two slices of ~0.2-0.4 ms, then ~0.25 ms per MiB for its columns); what the loop "
+            "event loop by the compiled scanner, whole below 1 MiB (~1.5-3 ms per MiB), from "
+            "1 MiB on 256 KiB at a time and one answer at a time (the loop's turn between two "
+            "slices of ~0.2-0.4 ms, then ~0.25 ms per MiB for its columns); what the loop "
             "does whole, a request body's build and a parse by msgspec (~4-10 ms per MiB, "
             "before the scanner is ready), goes to a decode thread from a quarter of it; "
             "formerly decode_thread_bytes",

@@ -163,7 +163,7 @@ def _announce_compile(command: str) -> None:
     def notice() -> None:
         print(
             f"opd-stream {command}: compiling the answer scanner for the first time, in the "
-            "background (~8 s of CPU, once); msgspec parses the answers until it is ready",
+            "background (~10 s of CPU, once); msgspec parses the answers until it is ready",
             file=sys.stderr,
             flush=True,
         )

@@ -19,7 +19,7 @@ __all__ = ("SHARED_DIGEST", "positions_json")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "a672e7da897dd481"
+SHARED_DIGEST = "d720d3c015e5adcd"
 
 #: "00" "01" ... "99": two digits per table step, half the divisions.
 _PAIRS = np.frombuffer(b"".join(b"%02d" % n for n in range(100)), dtype=np.uint8).copy()

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._shared import load_be64, load_byte, njit_leaf
+from ._shared import load_be16, load_be32, load_be64, load_byte, njit_leaf
 
 __all__ = ("SHARED_DIGEST", "read_ids", "read_logprobs")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "a672e7da897dd481"
+SHARED_DIGEST = "d720d3c015e5adcd"
 
 # MessagePack's type bytes (its specification's names)
 POSITIVE_FIXINT_MAX = 0x7F
@@ -42,14 +42,9 @@ def _length(b, n):  # type: ignore[no-untyped-def]
     if FIXARRAY <= c <= FIXARRAY_MAX:
         return 1, np.int64(c - FIXARRAY)
     if c == ARRAY16 and n >= 3:
-        return 3, (np.int64(load_byte(b, 1)) << 8) | np.int64(load_byte(b, 2))
+        return 3, np.int64(load_be16(b, 1))
     if c == ARRAY32 and n >= 5:
-        return 5, (
-            (np.int64(load_byte(b, 1)) << 24)
-            | (np.int64(load_byte(b, 2)) << 16)
-            | (np.int64(load_byte(b, 3)) << 8)
-            | np.int64(load_byte(b, 4))
-        )
+        return 5, np.int64(load_be32(b, 1))
     return 0, -1
 
 
@@ -74,15 +69,10 @@ def read_ids(b, out, max_id):  # type: ignore[no-untyped-def]
             v = np.int64(load_byte(b, i + 1))
             i += 2
         elif c == UINT16 and i + 3 <= n:
-            v = (np.int64(load_byte(b, i + 1)) << 8) | np.int64(load_byte(b, i + 2))
+            v = np.int64(load_be16(b, i + 1))
             i += 3
         elif c == UINT32 and i + 5 <= n:
-            v = (
-                (np.int64(load_byte(b, i + 1)) << 24)
-                | (np.int64(load_byte(b, i + 2)) << 16)
-                | (np.int64(load_byte(b, i + 3)) << 8)
-                | np.int64(load_byte(b, i + 4))
-            )
+            v = np.int64(load_be32(b, i + 1))
             i += 5
         else:
             return False

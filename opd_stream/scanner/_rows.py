@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._shared import load_be64, load_byte, njit_leaf
+from ._shared import load_be16, load_be32, load_be64, load_byte, njit_leaf
 
 __all__ = ("SHARED_DIGEST", "read_rows")
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "a672e7da897dd481"
+SHARED_DIGEST = "d720d3c015e5adcd"
 
 _U8 = np.uint64(8)
 _EXACT = 2**53
@@ -165,15 +165,10 @@ def read_rows(b, r, k, lps, lp_bits, ids):  # type: ignore[no-untyped-def]
                 d = np.int64(c)
                 i += 1
             elif c == UINT16 and i + 3 <= n:
-                d = (np.int64(load_byte(b, i + 1)) << 8) | np.int64(load_byte(b, i + 2))
+                d = np.int64(load_be16(b, i + 1))
                 i += 3
             elif c == UINT32 and i + 5 <= n:
-                d = (
-                    (np.int64(load_byte(b, i + 1)) << 24)
-                    | (np.int64(load_byte(b, i + 2)) << 16)
-                    | (np.int64(load_byte(b, i + 3)) << 8)
-                    | np.int64(load_byte(b, i + 4))
-                )
+                d = np.int64(load_be32(b, i + 1))
                 i += 5
             else:
                 i, d, ok = _int(b, i, n)

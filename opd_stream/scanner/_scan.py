@@ -78,7 +78,7 @@ __all__ = (
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "a672e7da897dd481"
+SHARED_DIGEST = "d720d3c015e5adcd"
 
 OK = 0
 #: Not for this parser: the answer goes to the next one (never an error by itself).
@@ -448,19 +448,9 @@ def _entries(b, i, n, p10, lps, ids, ne):  # type: ignore[no-untyped-def]
 
 @njit_leaf
 def _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop):  # type: ignore[no-untyped-def]
-    """A list of rows at ``b[i]`` (which is ``[``): (next, entries, rows, status); see
-    :func:`_rows_from` for ``stop``."""
-    i = _ws(b, i + 1, n)
-    if i < n and load_byte(b, i) == CLOSE_BRACKET:
-        return i + 1, ne, nr, OK
-    return _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
-
-
-@njit_leaf
-def _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop):  # type: ignore[no-untyped-def]
-    """The rows of a rows list from its row at ``b[i]`` on: (next, entries, rows, status).
-    After a row, with the next one at or after ``stop``: status :data:`PAUSED`, ``next``
-    that row's first byte (call again from there)."""
+    """The rows of a rows list from its row at ``b[i]`` on (the list is not empty): (next,
+    entries, rows, status). After a row, with the next one at or after ``stop``: status
+    :data:`PAUSED`, ``next`` that row's first byte (call again from there)."""
     cap = widths.shape[0]
     while True:
         if nr >= cap:
@@ -611,27 +601,25 @@ def _same(b, s, e, word):  # type: ignore[no-untyped-def]
 
 
 @njit_leaf
-def _save(state, phase, i, depth, item, nrec, ne, nr, nb, str0, str1, flags, rows):  # type: ignore[no-untyped-def]
-    """The scan's state into ``state`` (see :data:`S_SIZE`): ``flags`` its three booleans
-    (escaped, meta key, in meta) as bits 0-2, ``rows`` the rows list it is in (key, start,
-    first entry, first row), or -1s."""
+def _save(state, phase, at, flags, rows):  # type: ignore[no-untyped-def]
+    """The scan's state into ``state`` (see :data:`S_SIZE`): ``at`` its variables (i,
+    depth, item, nrec, ne, nr, nb, str0, str1), ``flags`` its booleans (escaped, meta key,
+    in meta) as bits 0-2, ``rows`` the rows list it is in (key, start, first entry, first
+    row) or -1s. Every argument an int64 or a tuple of them, never a literal: numba would
+    compile it once per literal value."""
     state[S_PHASE] = phase
-    state[S_I] = i
-    state[S_DEPTH] = depth
-    state[S_ITEM] = item
-    state[S_NREC] = nrec
-    state[S_NE] = ne
-    state[S_NR] = nr
-    state[S_NB] = nb
-    state[S_STR0] = str0
-    state[S_STR1] = str1
-    state[S_ESCAPED] = flags & 1
-    state[S_META_KEY] = (flags >> 1) & 1
-    state[S_IN_META] = (flags >> 2) & 1
-    state[S_KEY] = rows[0]
-    state[S_START] = rows[1]
-    state[S_NE0] = rows[2]
-    state[S_NR0] = rows[3]
+    for j in range(9):
+        state[S_I + j] = at[j]
+    for j in range(3):
+        state[S_ESCAPED + j] = (flags >> j) & 1
+    for j in range(4):
+        state[S_KEY + j] = rows[j]
+
+
+@njit_leaf
+def _flags(escaped, meta_key, in_meta):  # type: ignore[no-untyped-def]
+    """The scan's three booleans as :func:`_save` takes them."""
+    return np.int64(escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
 
 
 @njit_leaf
@@ -683,16 +671,8 @@ def scan(  # type: ignore[no-untyped-def]
         item0 = none if batch else zero
         _save(
             state,
-            P_BODY,
-            zero,
-            zero,
-            item0,
-            zero,
-            zero,
-            zero,
-            zero,
-            none,
-            none,
+            np.int64(P_BODY),
+            (zero, zero, item0, zero, zero, zero, zero, none, none),
             zero,
             (none, none, none, none),
         )
@@ -710,47 +690,36 @@ def scan(  # type: ignore[no-untyped-def]
     s_escaped = state[S_ESCAPED] != 0
     meta_key = state[S_META_KEY] != 0  # the last key at depth key_depth - 1 was "meta_info"
     in_meta = state[S_IN_META] != 0
-    if state[S_PHASE] == P_ROWS:  # between two rows of a rows list
-        k, start, ne0, nr0 = state[S_KEY], state[S_START], state[S_NE0], state[S_NR0]
-        i, ne, nr, st = _rows_from(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
-        if st == PAUSED:
-            flags = np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
-            _save(
-                state,
-                P_ROWS,
-                i,
-                depth,
-                item,
-                nrec,
-                ne,
-                nr,
-                nb,
-                s_start,
-                s_end,
-                flags,
-                (k, start, ne0, nr0),
-            )
-            return PAUSED, nrec, item + 1, ne, nr
-        if st != OK:
-            return st, nrec, item + 1, ne, nr
-        _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
-        nrec += 1
-    while i < n:
+    # in a rows list (the scan paused in it, or it has just been opened): its key, start,
+    # first entry and first row
+    in_rows = state[S_PHASE] == P_ROWS
+    k, start, ne0, nr0 = state[S_KEY], state[S_START], state[S_NE0], state[S_NR0]
+    while True:
+        if in_rows:  # the rows from the one at b[i] on (one call site: a compile's size)
+            i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
+            if st == PAUSED:
+                _save(
+                    state,
+                    np.int64(P_ROWS),
+                    (i, depth, item, nrec, ne, nr, nb, s_start, s_end),
+                    _flags(s_escaped, meta_key, in_meta),
+                    (k, start, ne0, nr0),
+                )
+                return PAUSED, nrec, item + 1, ne, nr
+            if st != OK:
+                return st, nrec, item + 1, ne, nr
+            _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
+            nrec += 1
+            in_rows = False
+            continue
+        if i >= n:
+            break
         if i >= stop:
-            flags = np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
             _save(
                 state,
-                P_BODY,
-                i,
-                depth,
-                item,
-                nrec,
-                ne,
-                nr,
-                nb,
-                s_start,
-                s_end,
-                flags,
+                np.int64(P_BODY),
+                (i, depth, item, nrec, ne, nr, nb, s_start, s_end),
+                _flags(s_escaped, meta_key, in_meta),
                 (none, none, none, none),
             )
             return PAUSED, nrec, item + 1, ne, nr
@@ -807,32 +776,18 @@ def scan(  # type: ignore[no-untyped-def]
             start, ne0, nr0 = i, ne, nr
             if kinds[k] == ENTRIES:
                 i, ne, st = _entries(b, i, n, p10, lps, ids, ne)
+                if st != OK:
+                    return st, nrec, item + 1, ne, nr
+                _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
+                nrec += 1
+                continue
+            i = _ws(b, i + 1, n)  # a rows list: empty, or its rows from the next turn on
+            if i < n and load_byte(b, i) == CLOSE_BRACKET:
+                i += 1
+                _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
+                nrec += 1
             else:
-                i, ne, nr, st = _rows(b, i, n, p10, lps, ids, ne, widths, nulls, nr, stop)
-                if st == PAUSED:
-                    flags = (
-                        np.int64(s_escaped) | (np.int64(meta_key) << 1) | (np.int64(in_meta) << 2)
-                    )
-                    _save(
-                        state,
-                        P_ROWS,
-                        i,
-                        depth,
-                        item,
-                        nrec,
-                        ne,
-                        nr,
-                        nb,
-                        s_start,
-                        s_end,
-                        flags,
-                        (np.int64(k), start, ne0, nr0),
-                    )
-                    return PAUSED, nrec, item + 1, ne, nr
-            if st != OK:
-                return st, nrec, item + 1, ne, nr
-            _record(records, nrec, k, item, start, i, nr0, nr, ne0, ne)
-            nrec += 1
+                in_rows = True
             continue
         if c == OPEN_BRACE or c == OPEN_BRACKET:  # noqa: SIM109 (compares, no tuple)
             if depth >= MAX_DEPTH:
@@ -859,7 +814,6 @@ def scan(  # type: ignore[no-untyped-def]
         if c == COMMA and depth == key_depth - 1:
             meta_key = False
         i += 1
-    _save(
-        state, P_DONE, i, depth, item, nrec, ne, nr, nb, none, none, zero, (none, none, none, none)
-    )
+    rest = (i, depth, item, nrec, ne, nr, nb, none, none)
+    _save(state, np.int64(P_DONE), rest, zero, (none, none, none, none))
     return OK, nrec, item + 1, ne, nr

@@ -48,6 +48,8 @@ __all__ = (
     "UPPER_Z",
     "ZERO",
     "digest",
+    "load_be16",
+    "load_be32",
     "load_be64",
     "load_byte",
     "load_le64",
@@ -154,6 +156,23 @@ def _load_be64_typer(typingctx: Any, arr: Any, idx: Any) -> Any:
     return _types.uint64(arr, idx), codegen
 
 
+def _load_be_typer(bits: int) -> Any:
+    """The typer of a big-endian load of ``bits`` (16 or 32) bits, widened to uint64."""
+
+    def typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = builder.gep(ary.data, [args[1]])
+            word = _types.uint16 if bits == 16 else _types.uint32
+            p = builder.bitcast(ptr, context.get_value_type(word).as_pointer())
+            value = builder.bswap(builder.load(p, align=1))
+            return builder.zext(value, context.get_value_type(_types.uint64))
+
+        return _types.uint64(arr, idx), codegen
+
+    return typer
+
+
 def _store_le64_typer(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ary = context.make_array(sig.args[0])(context, builder, args[0])
@@ -174,6 +193,10 @@ load_byte: Any = _intrinsic(_load_byte_typer)
 load_le64: Any = _intrinsic(_load_le64_typer)
 #: The eight bytes ``b[i : i + 8]`` as one big-endian uint64 (msgpack's byte order).
 load_be64: Any = _intrinsic(_load_be64_typer)
+#: The two bytes ``b[i : i + 2]`` as a big-endian uint16, as uint64 (msgpack's uint16).
+load_be16: Any = _intrinsic(_load_be_typer(16))
+#: The four bytes ``b[i : i + 4]`` as a big-endian uint32, as uint64 (msgpack's uint32).
+load_be32: Any = _intrinsic(_load_be_typer(32))
 #: ``out[i : i + 8] = value``'s eight little-endian bytes, one unaligned store (callers
 #: keep ``i + 8 <= len(out)``).
 store_le64: Any = _intrinsic(_store_le64_typer)

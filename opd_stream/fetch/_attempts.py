@@ -557,8 +557,8 @@ class AttemptSender:
         self, body: Answer, req: ScoreRequest, lay: Layout | None
     ) -> tuple[ScoreRows, Parser]:
         """Decode on the loop, one answer at a time: the scanner's read :data:`SLICE_BYTES`
-        at a time, the loop's turn between two slices (``decode_in_slices``); else whole.
-        Only the steps' own CPU is counted (not that of the tasks that ran in between)."""
+        at a time, the loop's turn between two slices (``decode_in_slices``). Only the
+        steps' own CPU is counted (not that of the tasks that ran in between)."""
         async with self._parsing:
             return await self._slices(body, req, lay)
 

@@ -305,6 +305,17 @@ def _as_token_array(tokens: Any, field: str = "tokens") -> npt.NDArray[np.int64]
 _LISTS_MSGPACK = msgspec.msgpack.Encoder()
 
 
+def _list_msgpack(values: Any) -> bytes | None:
+    """A plain list (or tuple) as ``msgspec.msgpack`` writes it, or ``None`` (another type,
+    or an element msgspec cannot write)."""
+    if type(values) not in (list, tuple):
+        return None
+    try:
+        return _LISTS_MSGPACK.encode(values)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def _compiled_ids(tokens: Sequence[Any]) -> npt.NDArray[np.int64] | None:
     """A plain list (or tuple) of token ids through the compiled reader
     (:mod:`opd_stream.scanner._lists`): ``msgspec.msgpack`` writes the ints (no type check
@@ -313,11 +324,7 @@ def _compiled_ids(tokens: Sequence[Any]) -> npt.NDArray[np.int64] | None:
     ``None`` when the kernels are not compiled yet or anything is unusual (a bool, a float,
     a numpy integer, an id out of range): numpy's path then decides and names the fault."""
     kernel = compiled()
-    if kernel is None or type(tokens) not in (list, tuple):
-        return None
-    try:
-        body = _LISTS_MSGPACK.encode(tokens)
-    except (TypeError, ValueError, OverflowError):
+    if kernel is None or (body := _list_msgpack(tokens)) is None:
         return None
     return kernel.ids_read(body, len(tokens), MAX_TOKEN_ID)
 
@@ -326,11 +333,7 @@ def _compiled_logprobs(values: Any, r: int) -> npt.NDArray[np.float32] | None:
     """:func:`_compiled_ids` for ``r`` rollout logprobs: each a finite Python float at most
     ``LOGPROB_TOLERANCE``, else ``None`` (numpy's path decides)."""
     kernel = compiled()
-    if kernel is None or type(values) not in (list, tuple) or len(values) != r:
-        return None
-    try:
-        body = _LISTS_MSGPACK.encode(values)
-    except (TypeError, ValueError, OverflowError):
+    if kernel is None or len(values) != r or (body := _list_msgpack(values)) is None:
         return None
     got = kernel.logprobs_read(body, r, LOGPROB_TOLERANCE)
     if got is None:

@@ -559,28 +559,23 @@ class AttemptSender:
         """Decode on the loop, one answer at a time: the scanner's read :data:`SLICE_BYTES`
         at a time, the loop's turn between two slices (``decode_in_slices``). Only the
         steps' own CPU is counted (not that of the tasks that ran in between)."""
-        async with self._parsing:
-            return await self._slices(body, req, lay)
-
-    async def _slices(
-        self, body: Answer, req: ScoreRequest, lay: Layout | None
-    ) -> tuple[ScoreRows, Parser]:
-        steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
         spent = 0.0
-        try:
-            while True:
-                start = time.thread_time()
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    got: tuple[ScoreRows, Parser] = done.value
-                    return got
-                finally:
-                    spent += time.thread_time() - start
-                await anyio.lowlevel.checkpoint()
-        finally:
-            steps.close()
-            self._stats.spent("decode_loop", spent)
+        async with self._parsing:
+            steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
+            try:
+                while True:
+                    start = time.thread_time()
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        got: tuple[ScoreRows, Parser] = done.value
+                        return got
+                    finally:
+                        spent += time.thread_time() - start
+                    await anyio.lowlevel.checkpoint()
+            finally:
+                steps.close()
+                self._stats.spent("decode_loop", spent)
 
 
 def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:

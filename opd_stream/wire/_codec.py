@@ -116,8 +116,13 @@ def _decode_one(
         lay = layout(req)
     if req.engine != "sglang":
         return decode_vllm(body, req, lay), "msgspec"
-    per_position = req.ids is not None and req.id_form == "per-position"
+    per_position = _per_position(req)
     return _decode_laid(body, lay, lay.batch, req.top_k, parser, per_position)
+
+
+def _per_position(req: ScoreRequest) -> bool:
+    """Whether ``req`` asks for its ids per position (the msgspec decoder's last word)."""
+    return req.ids is not None and req.id_form == "per-position"
 
 
 def decode_in_slices(
@@ -137,7 +142,7 @@ def decode_in_slices(
         return decode(answer, req, lay=lay)
     while (scanned := slices.step(nbytes)) is None:
         yield
-    per_position = req.ids is not None and req.id_form == "per-position"
+    per_position = _per_position(req)
     reader = functools.partial(read_scanned, scanned=scanned)
     return _decode_laid(answer, lay, lay.batch, req.top_k, "scanner", per_position, reader)
 

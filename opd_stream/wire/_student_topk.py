@@ -25,6 +25,7 @@ from ._entries import ENTRY_ID, ENTRY_LP, Entry
 __all__ = (
     "MAX_TOKEN_ID",
     "PAD_ID",
+    "ROW_ENTRY_BYTES",
     "parse_student_topk",
     "rows_convert_in_thread",
     "student_topk_arrays",
@@ -265,16 +266,23 @@ def student_topk_arrays(
     return ids, _checked(ids, logprobs[:, :k], field, _ARRAY_FAULTS)
 
 
-_ROWS_IN_THREAD = 1 << 15
-"""Top-k entries from which a sample's Python rows are converted in a worker thread."""
+ROW_ENTRY_BYTES = 16
+"""About what one top-k entry of Python rows weighs as ``msgspec.msgpack`` writes it (an
+array header, a float64, an id, perhaps a ``nil``): the unit :func:`rows_convert_in_thread`
+measures rows in."""
 
 
-def rows_convert_in_thread(sample: Any, top_k: int) -> bool:
-    """Whether a sample's Python top-k rows are big enough to convert in a worker thread.
+def rows_convert_in_thread(sample: Any, top_k: int, threshold: int) -> bool:
+    """Whether a sample's Python top-k rows are converted in a worker thread: from
+    ``threshold`` bytes of their msgpack on (estimated, :data:`ROW_ENTRY_BYTES` an entry).
 
-    The conversion holds the GIL in C calls of a few ms each, between which the event loop
-    gets its turns; on the loop it would hold it ~20 ms per 4096 x 16 sample. Arrays and
-    small rows are cheap and stay on the loop.
+    The conversion holds the GIL from start to end (msgspec's walk of the rows, ~3 ms per
+    MiB, then the compiled read and checks). Below ``threshold`` the loop does it whole: a
+    thread would cost more CPU than it saves the loop (2048 x 16 rows: ~1.4 ms of work, and
+    about 2 ms more a sample for the hand-offs of the GIL while the thread and the loop
+    both run; ``docs/design-notes.md``, "opd_stream/fetch/_threads.py"). The pipeline passes
+    ``offload_bytes // WHOLE``: the size from which what the loop does whole goes to a
+    thread. Arrays stay on the loop.
     """
     rows = getattr(sample, "student_top_logprobs", None)
-    return isinstance(rows, list) and len(rows) * max(top_k, 1) >= _ROWS_IN_THREAD
+    return isinstance(rows, list) and len(rows) * max(top_k, 1) * ROW_ENTRY_BYTES >= threshold

@@ -216,8 +216,13 @@ async def test_stats_account_the_cpu_of_each_step_where_it_ran(threaded: bool) -
     assert cpu["prepare"] > 0 and cpu["build"] > 0 and cpu["kl"] > 0
 
 
-async def test_big_python_topk_rows_are_converted_off_the_loop_with_the_same_results() -> None:
-    # 2048 x 16 entries: converted in a worker thread (rows_convert_in_thread)
+@pytest.mark.parametrize("in_thread", [False, True], ids=["on-the-loop", "in-a-thread"])
+async def test_python_topk_rows_give_the_arrays_results_on_the_loop_or_in_a_thread(
+    in_thread: bool,
+) -> None:
+    # 2048 x 16 entries (~512 KiB of msgpack): on the loop under the default offload_bytes
+    # (a thread from 1 MiB), in a worker thread under 1 MiB (from 256 KiB)
+    from opd_stream.fetch._threads import WHOLE
     from opd_stream.testing.mock_sglang import MockModel
     from opd_stream.wire._student_topk import rows_convert_in_thread
 
@@ -235,8 +240,11 @@ async def test_big_python_topk_rows_are_converted_off_the_loop_with_the_same_res
     as_rows = Sample(tokens.tolist(), r, student_top_logprobs=rows)
     as_arrays = Sample(tokens.tolist(), r, student_top_logprobs=(ids, lps.astype(np.float32)))
     bad = Sample(tokens.tolist(), r, student_top_logprobs=bad_rows)
-    assert rows_convert_in_thread(as_rows, k) and not rows_convert_in_thread(as_arrays, k)
-    async with OPDStream(_cfg(top_k=k), transport=mock_transport(_servers())) as stream:
+    cfg = _cfg(top_k=k, **({"offload_bytes": 1 << 20} if in_thread else {}))
+    threshold = cfg.offload_bytes // WHOLE
+    assert rows_convert_in_thread(as_rows, k, threshold) is in_thread
+    assert not rows_convert_in_thread(as_arrays, k, threshold)
+    async with OPDStream(cfg, transport=mock_transport(_servers())) as stream:
         async with stream.run([as_rows, as_arrays, bad]) as results:
             out = sorted([x async for x in results], key=lambda x: x.index)
     a, b, c = out

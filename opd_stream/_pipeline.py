@@ -19,6 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
@@ -35,7 +36,12 @@ from .fetch._threads import WHOLE
 from .fleet._routing import TeacherRouting
 from .kl._plan import STRATEGY_NEEDS
 from .wire._answers import ScoreRows
-from .wire._student_topk import rows_convert_in_thread
+from .wire._student_topk import (
+    ROWS_PER_SLICE,
+    joined_rows_msgpack,
+    rows_convert_in_thread,
+    rows_msgpack_slices,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +51,8 @@ __all__ = ("Call", "Result", "RunState", "StreamParts", "TeacherRows", "run_pipe
 log = get_logger()
 
 Result = ScoredSample | SampleFailure
+
+_WRITTEN = object()  # (the end of rows_msgpack_slices)
 
 
 # What a sample that the KL stage does not score ends as: a SampleFailure whose message is
@@ -253,16 +261,43 @@ class _Pipeline:
             self.stats.channel(name, cap)
 
     # stage 1: intake ---------------------------------------------------------------
-    def _prepare(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
+    def _prepare(
+        self, sample: Any, index: int, teacher_only: bool, rows_msgpack: bytes | None = None
+    ) -> PreparedSample:
         start = time.thread_time()
         try:
-            return self._prepare_timed(sample, index, teacher_only)
+            return self._prepare_timed(sample, index, teacher_only, rows_msgpack)
         finally:
             self.stats.spent("prepare", time.thread_time() - start)
 
-    def _prepare_timed(self, sample: Any, index: int, teacher_only: bool) -> PreparedSample:
+    async def _rows_msgpack(self, sample: Any) -> bytes | None:
+        """The sample's Python top-k rows written as msgpack on the loop a slice at a time,
+        the loop taking its turn between two (``rows_msgpack_slices``); ``None`` where the
+        conversion writes them itself (few rows, another form, the kernels not ready)."""
+        rows = getattr(sample, "student_top_logprobs", None)
+        if not isinstance(rows, list) or len(rows) <= ROWS_PER_SLICE:
+            return None
+        parts: list[bytes] = []
+        slices = rows_msgpack_slices(rows, parts)
+        while True:
+            start = time.thread_time()
+            paused = next(slices, _WRITTEN) is not _WRITTEN
+            body = None if paused else joined_rows_msgpack(parts)
+            self.stats.spent("prepare", time.thread_time() - start)
+            if not paused:
+                return body
+            await anyio.lowlevel.checkpoint()
+
+    def _prepare_timed(
+        self, sample: Any, index: int, teacher_only: bool, rows_msgpack: bytes | None
+    ) -> PreparedSample:
         prepared = prepare_sample(
-            sample, index, teacher="", top_k=self.cfg.top_k, student_topk=self.reads_student_topk
+            sample,
+            index,
+            teacher="",
+            top_k=self.cfg.top_k,
+            student_topk=self.reads_student_topk,
+            rows_msgpack=rows_msgpack,
         )
         if (
             not teacher_only
@@ -351,11 +386,15 @@ class _Pipeline:
         teacher_only = call is not None and call.teacher_only
         try:
             prepare = partial(self._prepare, sample, index, teacher_only)
-            # big Python rows, converted if the strategy reads them
-            in_thread = self.reads_student_topk and rows_convert_in_thread(
+            # Python rows, converted if the strategy reads them: big ones in a thread, the
+            # others on the loop, their msgpack written a slice at a time first
+            reads_rows = self.reads_student_topk and self.cfg.top_k > 0
+            if reads_rows and rows_convert_in_thread(
                 sample, self.cfg.top_k, self.cfg.offload_bytes // WHOLE
-            )
-            prepared = await anyio.to_thread.run_sync(prepare) if in_thread else prepare()
+            ):
+                prepared = await anyio.to_thread.run_sync(prepare)
+            else:
+                prepared = prepare(await self._rows_msgpack(sample) if reads_rows else None)
         except (InvalidSampleError, RoutingError) as exc:
             if call is not None:
                 call.error = exc

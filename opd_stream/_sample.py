@@ -446,7 +446,13 @@ def cross_sample(xtok: CrossTokenizers, prepared: PreparedSample) -> CrossSample
 
 
 def prepare_sample(
-    sample: Any, index: int, *, teacher: str, top_k: int, student_topk: bool = True
+    sample: Any,
+    index: int,
+    *,
+    teacher: str,
+    top_k: int,
+    student_topk: bool = True,
+    rows_msgpack: bytes | None = None,
 ) -> PreparedSample:
     """Validate ``sample`` and convert it for the pipeline.
 
@@ -457,6 +463,10 @@ def prepare_sample(
         top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
         student_topk: whether the strategy reads the student's top-k (``only-teacher``
             does not: then it is ignored too, neither converted nor checked).
+        rows_msgpack: the sample's Python top-k rows as ``msgspec.msgpack`` writes them,
+            written already (on the loop, a slice at a time:
+            :func:`opd_stream.wire._student_topk.rows_msgpack_slices`); ``None``: written
+            here if needed.
 
     Raises:
         InvalidSampleError: naming the offending field.
@@ -497,7 +507,7 @@ def prepare_sample(
                 lps = lps.detach().cpu().float().numpy()
             top_ids, top_lps = student_topk_arrays(ids, lps, r, top_k)
         else:
-            top_ids, top_lps = parse_student_topk(given, r, top_k)
+            top_ids, top_lps = parse_student_topk(given, r, top_k, msgpack=rows_msgpack)
     return PreparedSample(
         sample=sample,
         index=index,

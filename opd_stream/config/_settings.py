@@ -341,8 +341,9 @@ class StreamConfig(
             "event loop by the compiled scanner, whole below 1 MiB (~1.5-3 ms per MiB), from "
             "1 MiB on 256 KiB at a time and one answer at a time (the loop's turn between two "
             "slices of ~0.2-0.4 ms, then ~0.25 ms per MiB for its columns); what the loop "
-            "does whole, a request body's build and a parse by msgspec (~4-10 ms per MiB, "
-            "before the scanner is ready), goes to a decode thread from a quarter of it; "
+            "does whole, a request body's build, a parse by msgspec (~4-10 ms per MiB, "
+            "before the scanner is ready) and a sample's Python top-k rows (~3-5 ms per MiB "
+            "of their msgpack, 16 bytes an entry), goes to a thread from a quarter of it; "
             "formerly decode_thread_bytes",
             ge=0,
             advanced=True,

@@ -9,7 +9,7 @@ their end with id :data:`PAD_ID` (logprob ``-inf``).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import Any
 
@@ -25,9 +25,12 @@ from ._entries import ENTRY_ID, ENTRY_LP, Entry
 __all__ = (
     "MAX_TOKEN_ID",
     "PAD_ID",
+    "ROWS_PER_SLICE",
     "ROW_ENTRY_BYTES",
+    "joined_rows_msgpack",
     "parse_student_topk",
     "rows_convert_in_thread",
+    "rows_msgpack_slices",
     "student_topk_arrays",
 )
 
@@ -41,7 +44,7 @@ _ROW_IN_PATH = re.compile(r" - at `\$\[(\d+)\]")
 
 
 def parse_student_topk(
-    rows: Sequence[Sequence[Any]], response_length: int, k: int
+    rows: Sequence[Sequence[Any]], response_length: int, k: int, *, msgpack: bytes | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Parse the rollout engine's student top-k rows into arrays.
 
@@ -54,6 +57,8 @@ def parse_student_topk(
             such rows on observation spans).
         response_length: ``R``; ``len(rows)`` must equal it.
         k: how many entries to keep per row (the first ``k`` present).
+        msgpack: ``rows`` as ``msgspec.msgpack`` writes them, written already (a slice at a
+            time on the loop: :func:`rows_msgpack_slices`); ``None``: written here.
 
     Returns:
         ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``; a row with fewer than
@@ -73,7 +78,7 @@ def parse_student_topk(
         raise InvalidSampleError(
             field, f"has {len(rows)} rows, expected response_length = {response_length}"
         )
-    fast = _scanned_topk(rows, response_length, k)
+    fast = _scanned_topk(rows, response_length, k, msgpack)
     if fast is not None:
         return fast
     try:
@@ -107,7 +112,7 @@ _ROWS_MSGPACK = msgspec.msgpack.Encoder()
 
 
 def _scanned_topk(
-    rows: Sequence[Sequence[Any]], r: int, k: int
+    rows: Sequence[Sequence[Any]], r: int, k: int, body: bytes | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
     """Rows of plain entries, each at least ``k`` long, through the compiled reader
     (:mod:`opd_stream.scanner._rows`) and the compiled checks: ``msgspec.msgpack`` writes
@@ -117,14 +122,16 @@ def _scanned_topk(
     decides, and names any fault) when the kernels are not compiled or anything is
     unusual: a short row, a ``None`` entry, a bool, a negative id, an object msgspec
     cannot write. A NaN logprob is an error here as there, judged before the others.
+    ``body``: the rows' msgpack, written already (:func:`rows_msgpack_slices`).
     """
     kernel = compiled()
     if kernel is None:
         return None
-    try:
-        body = _ROWS_MSGPACK.encode(rows)
-    except (TypeError, ValueError, OverflowError):
-        return None
+    if body is None:
+        try:
+            body = _ROWS_MSGPACK.encode(rows)
+        except (TypeError, ValueError, OverflowError):
+            return None
     got = kernel.rows_read(body, r, k)
     if got is None:
         return None
@@ -138,6 +145,49 @@ def _scanned_topk(
         if name in found:
             raise InvalidSampleError(field, f"row {found[name]} holds {what}")
     return ids, out
+
+
+ROWS_PER_SLICE = 512
+"""Rows :func:`rows_msgpack_slices` writes between two turns of the loop (512 x 16 entries:
+~0.2-0.3 ms)."""
+
+
+def rows_msgpack_slices(rows: Any, parts: list[bytes]) -> Iterator[None]:
+    """Write a list of Python top-k rows as ``msgspec.msgpack`` would write it whole,
+    :data:`ROWS_PER_SLICE` rows at a time, pausing (a ``yield``) after each slice but the
+    last, so that the event loop can take its turn. ``parts`` receives the pieces;
+    :func:`joined_rows_msgpack` makes them the rows' msgpack. Writes nothing when ``rows``
+    is not a list, or when a slice cannot be written (``parts`` is then cleared): the
+    conversion writes the rows itself, and its slow path names any fault.
+    """
+    if not isinstance(rows, list) or compiled() is None:
+        return
+    parts.append(_array_head(len(rows)))
+    for start in range(0, len(rows), ROWS_PER_SLICE):
+        if start:
+            yield
+        chunk = rows[start : start + ROWS_PER_SLICE]
+        try:
+            piece = _ROWS_MSGPACK.encode(chunk)
+        except (TypeError, ValueError, OverflowError):
+            parts.clear()
+            return
+        parts.append(piece[len(_array_head(len(chunk))) :])
+
+
+def joined_rows_msgpack(parts: list[bytes]) -> bytes | None:
+    """The rows' msgpack from the pieces :func:`rows_msgpack_slices` wrote (``None`` if it
+    wrote none)."""
+    return b"".join(parts) if parts else None
+
+
+def _array_head(n: int) -> bytes:
+    """A msgpack array header for ``n`` elements (fixarray, array 16, array 32)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def _present(row: list[Entry | None]) -> list[Entry]:
@@ -277,10 +327,11 @@ def rows_convert_in_thread(sample: Any, top_k: int, threshold: int) -> bool:
     ``threshold`` bytes of their msgpack on (estimated, :data:`ROW_ENTRY_BYTES` an entry).
 
     The conversion holds the GIL from start to end (msgspec's walk of the rows, ~3 ms per
-    MiB, then the compiled read and checks). Below ``threshold`` the loop does it whole: a
-    thread would cost more CPU than it saves the loop (2048 x 16 rows: ~1.4 ms of work, and
-    about 2 ms more a sample for the hand-offs of the GIL while the thread and the loop
-    both run; ``docs/design-notes.md``, "opd_stream/fetch/_threads.py"). The pipeline passes
+    MiB, then the compiled read and checks). Below ``threshold`` the loop does it (the
+    msgpack a slice at a time, :func:`rows_msgpack_slices`, then the read and the checks
+    whole): a thread would cost more CPU than it saves the loop (2048 x 16 rows: ~1.4 ms of
+    work, and about 2 ms more a sample for the hand-offs of the GIL while the thread and the
+    loop both run; ``docs/design-notes.md``, "opd_stream/fetch/_threads.py"). The pipeline passes
     ``offload_bytes // WHOLE``: the size from which what the loop does whole goes to a
     thread. Arrays stay on the loop.
     """

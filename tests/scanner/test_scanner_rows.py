@@ -6,14 +6,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import opd_stream.scanner._loader as jit
+import opd_stream.wire._student_topk as student_topk
 from opd_stream import InvalidSampleError
-from opd_stream.wire._student_topk import parse_student_topk, student_topk_arrays
+from opd_stream.wire._student_topk import (
+    ROWS_PER_SLICE,
+    joined_rows_msgpack,
+    parse_student_topk,
+    rows_msgpack_slices,
+    student_topk_arrays,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,16 +29,26 @@ def _compiled() -> None:
     assert jit.prepare(), "numba could not compile the kernels"
 
 
-def _outcome(rows: Any, r: int, k: int) -> Any:
+def _outcome(rows: Any, r: int, k: int, msgpack: bytes | None = None) -> Any:
     try:
-        ids, lps = parse_student_topk(rows, r, k)
+        ids, lps = parse_student_topk(rows, r, k, msgpack=msgpack)
     except InvalidSampleError as exc:
         return ("error", str(exc))
     return ("ok", ids.tobytes(), ids.shape, lps.tobytes(), lps.shape)
 
 
+def _written_in_slices(rows: Any) -> tuple[bytes | None, int]:
+    """The rows' msgpack as the loop writes it, a slice at a time, and its pauses."""
+    parts: list[bytes] = []
+    pauses = sum(1 for _ in rows_msgpack_slices(rows, parts))
+    return joined_rows_msgpack(parts), pauses
+
+
 def _both(rows: Any, r: int, k: int) -> Any:
     fast = _outcome(rows, r, k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(student_topk, "ROWS_PER_SLICE", 2)  # written a slice at a time first
+        assert _outcome(rows, r, k, _written_in_slices(rows)[0]) == fast
     with pytest.MonkeyPatch.context() as m:
         m.setattr(jit, "_kernel", None)
         slow = _outcome(rows, r, k)
@@ -99,7 +117,7 @@ def test_miles_rows_take_the_reader_and_match(values: str, monkeypatch: pytest.M
     rows[5][0][0] = -0.0
     calls = _rows_read_calls(monkeypatch)
     assert _both(rows, 300, 8)[0] == "ok"  # 10 entries a row, the first 8 kept
-    assert calls == [True]
+    assert calls == [True, True]  # (written whole, then a slice at a time)
 
 
 def test_the_reader_gives_every_logprob_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,3 +187,21 @@ def test_an_id_beyond_int32_is_named_alike_in_both_row_paths() -> None:
     rows = [[[-0.5, 1, None], [-1.0, 2, None]], [[-0.7, 2**31, None], [-2.0, 4, None]]]
     kind, text = _both(rows, 2, 2)[:2]
     assert kind == "error" and "row 1 holds a token id above 2147483647" in text
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, ROWS_PER_SLICE, ROWS_PER_SLICE + 1, 2048, 70_000])
+def test_rows_written_a_slice_at_a_time_are_msgspecs_bytes(n: int) -> None:
+    rng = np.random.default_rng(n)
+    rows = [[[float(-rng.random()), int(rng.integers(0, 2**20)), None]] * 2 for _ in range(n)]
+    body, pauses = _written_in_slices(rows)
+    assert body == msgspec.msgpack.encode(rows)  # the array header of any length, then rows
+    assert pauses == max(0, -(-n // ROWS_PER_SLICE) - 1)  # between two slices
+
+
+def test_rows_msgpack_cannot_write_are_left_to_the_conversion() -> None:
+    rows: list[Any] = [[[-0.5, 1]]] * (ROWS_PER_SLICE + 5)
+    rows[ROWS_PER_SLICE + 2] = [[-0.5, object()]]  # in the second slice
+    assert _written_in_slices(rows) == (None, 1)
+    assert _written_in_slices(tuple(rows)) == (None, 0)  # not a list: not written
+    with pytest.raises(InvalidSampleError, match=f"row {ROWS_PER_SLICE + 2}"):
+        parse_student_topk(rows, len(rows), 1, msgpack=None)  # the slow path names it

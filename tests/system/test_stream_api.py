@@ -4,9 +4,11 @@ concurrent runs, and the log events it emits."""
 from __future__ import annotations
 
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from support.config import stream_config
@@ -252,6 +254,50 @@ async def test_python_topk_rows_give_the_arrays_results_on_the_loop_or_in_a_thre
     assert a.reverse_kl is not None and b.reverse_kl is not None
     assert np.array_equal(a.reverse_kl.numpy(), b.reverse_kl.numpy())
     assert getattr(c, "reason", None) == "invalid_sample" and "row 1000" in c.message
+
+
+async def test_python_topk_rows_on_the_loop_are_written_a_slice_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 2048 rows: their msgpack is written 512 rows at a time, the loop's other tasks
+    # taking turns between two slices (once the kernels are ready: before, the conversion
+    # writes them itself, whole)
+    import opd_stream._pipeline as pipeline
+    import opd_stream.scanner._loader as jit
+
+    assert jit.prepare(), "numba could not compile the kernels"
+
+    ticks = 0
+    seen: list[int] = []
+    real = pipeline.rows_msgpack_slices
+
+    def spy(rows: Any, parts: list[bytes]) -> Any:
+        for pause in real(rows, parts):
+            seen.append(ticks)
+            yield pause
+        seen.append(ticks)
+
+    monkeypatch.setattr(pipeline, "rows_msgpack_slices", spy)
+    k, r = 4, 2048
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 30000, 16 + r).tolist()
+    rows = [[[-0.1 * (j + 1), 100 * j + n % 50] for j in range(k)] for n in range(r)]
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with OPDStream(_cfg(top_k=k), transport=mock_transport(_servers())) as stream:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            async with stream.run([Sample(tokens, r, student_top_logprobs=rows)]) as results:
+                out = [x async for x in results]
+            done.set()
+    assert isinstance(out[0], ScoredSample)
+    assert len(seen) == 4 and all(b > a for a, b in pairwise(seen))
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["on-the-loop", "in-threads"])

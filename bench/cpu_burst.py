@@ -17,7 +17,8 @@ each is kept: noise on a shared machine only ever adds):
   transport: the transport's share, before and after, in one run);
 * the same bursts through a stream kept open (a rollout loop's other choice), three
   streams taking turns: the default, as before session 19 (``offload_bytes`` = 1 MiB:
-  answers from 1 MiB parsed in decode threads) and with every answer and body on the event
+  answers from 1 MiB parsed in decode threads, and, as before session 20, Python top-k
+  rows converted in a worker thread) and with every answer, body and sample on the event
   loop (``offload_bytes`` above every answer), each with its CPU by step, the wall time of
   a burst and the loop's lag (the trade ``offload_bytes`` makes);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
@@ -69,6 +70,7 @@ __all__ = ("main",)
 _MODES = (("Python rows", False), ("array rows", True))
 _ABOVE_EVERY_ANSWER = 1 << 40  # offload_bytes: no answer is parsed in a decode thread
 _THREADS_BEFORE = 1 << 20  # offload_bytes before session 19: answers from 1 MiB in threads
+# (and this sample's Python rows too, ~512 KiB of msgpack: in a thread from 256 KiB)
 
 
 async def _opd_burst(
@@ -219,9 +221,9 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                     aio, aio_steps = cpu, cpu_s
                 _settle()
                 bare = min(bare, _bare_burst(ours, teacher, args.k, pids))
-            # the default; answers of 1 MiB and more parsed in decode threads (the default
-            # before session 19: the other side of offload_bytes' trade, CPU against the
-            # loop's lag); every answer and body on the event loop
+            # the default; answers of 1 MiB and more parsed in decode threads, Python rows
+            # converted in a thread (the default before sessions 19 and 20: the other side
+            # of offload_bytes' trade, CPU against the loop's lag); everything on the loop
             kept, threads, on_loop = await _kept_bursts(
                 [
                     cfg,
@@ -416,7 +418,8 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     )
     print(
         "| student top-k | baseline | Miles' own | kept stream | ratio to the baseline "
-        "| ratio to Miles' own | before (answers from 1 MiB in threads): ratio to Miles' own "
+        "| ratio to Miles' own | before (answers from 1 MiB and rows in threads): ratio to "
+        "Miles' own "
         "| max abs diff |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -444,8 +447,9 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     print(
         "\nOne stream kept open across the bursts, three at once taking turns: the default "
         "(answers below `offload_bytes` = 4 MiB read on the event loop by the scanner, 256 KiB "
-        "at a time), as before session 19 (`offload_bytes` = 1 MiB: answers from 1 MiB parsed "
-        "in decode threads), and with every answer and body on the loop (`offload_bytes` "
+        "at a time), as before sessions 19 and 20 (`offload_bytes` = 1 MiB: answers from 1 MiB "
+        "parsed in decode threads, Python rows converted in a thread), and with every answer, "
+        "body and sample on the loop (`offload_bytes` "
         "above every answer): client CPU, the burst's wall time and the loop's lag (1 ms "
         "ticker, one burst more):\n"
     )
@@ -458,7 +462,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     for label, m in burst.items():
         for which, key in (
             ("default", "kept_stream"),
-            ("1 MiB and more in threads (before)", "kept_stream_threads"),
+            ("1 MiB and more, rows, in threads (before)", "kept_stream_threads"),
             ("all on the loop", "kept_stream_on_loop"),
         ):
             cpu, lag = m[f"opd_{key}_ms_per_sample"], m[f"{key}_lag_ms"]
@@ -480,7 +484,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             ("one per burst", "by_step_ms_per_sample"),
             ("kept", "kept_stream_by_step_ms_per_sample"),
             (
-                "kept, 1 MiB and more in threads (before)",
+                "kept, 1 MiB and more, rows, in threads (before)",
                 "kept_stream_threads_by_step_ms_per_sample",
             ),
             ("kept, all on the loop", "kept_stream_on_loop_by_step_ms_per_sample"),

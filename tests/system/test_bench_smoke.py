@@ -190,7 +190,7 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
             assert row["miles_own_ms_per_sample"] > 0
         else:  # no source of Miles' here: its columns are empty, the rest is measured
             assert row["miles_own_ms_per_sample"] is row["miles_own_max_abs_diff"] is None
-    assert "| 1 MiB and more in threads (before) |" in proc.stdout
+    assert "| 1 MiB and more, rows, in threads (before) |" in proc.stdout
     assert "| all on the loop |" in proc.stdout
 
 

@@ -277,7 +277,7 @@ class _Pipeline:
         rows = getattr(sample, "student_top_logprobs", None)
         if not isinstance(rows, list) or len(rows) <= ROWS_PER_SLICE:
             return None
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         slices = rows_msgpack_slices(rows, parts)
         while True:
             start = time.thread_time()

@@ -152,7 +152,7 @@ ROWS_PER_SLICE = 512
 ~0.2-0.3 ms)."""
 
 
-def rows_msgpack_slices(rows: Any, parts: list[bytes]) -> Iterator[None]:
+def rows_msgpack_slices(rows: Any, parts: list[bytes | memoryview]) -> Iterator[None]:
     """Write a list of Python top-k rows as ``msgspec.msgpack`` would write it whole,
     :data:`ROWS_PER_SLICE` rows at a time, pausing (a ``yield``) after each slice but the
     last, so that the event loop can take its turn. ``parts`` receives the pieces;
@@ -172,10 +172,10 @@ def rows_msgpack_slices(rows: Any, parts: list[bytes]) -> Iterator[None]:
         except (TypeError, ValueError, OverflowError):
             parts.clear()
             return
-        parts.append(piece[len(_array_head(len(chunk))) :])
+        parts.append(memoryview(piece)[len(_array_head(len(chunk))) :])  # (no copy)
 
 
-def joined_rows_msgpack(parts: list[bytes]) -> bytes | None:
+def joined_rows_msgpack(parts: list[bytes | memoryview]) -> bytes | None:
     """The rows' msgpack from the pieces :func:`rows_msgpack_slices` wrote (``None`` if it
     wrote none)."""
     return b"".join(parts) if parts else None

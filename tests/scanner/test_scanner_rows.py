@@ -39,7 +39,7 @@ def _outcome(rows: Any, r: int, k: int, msgpack: bytes | None = None) -> Any:
 
 def _written_in_slices(rows: Any) -> tuple[bytes | None, int]:
     """The rows' msgpack as the loop writes it, a slice at a time, and its pauses."""
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     pauses = sum(1 for _ in rows_msgpack_slices(rows, parts))
     return joined_rows_msgpack(parts), pauses
 

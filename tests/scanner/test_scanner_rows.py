@@ -205,3 +205,29 @@ def test_rows_msgpack_cannot_write_are_left_to_the_conversion() -> None:
     assert _written_in_slices(tuple(rows)) == (None, 0)  # not a list: not written
     with pytest.raises(InvalidSampleError, match=f"row {ROWS_PER_SLICE + 2}"):
         parse_student_topk(rows, len(rows), 1, msgpack=None)  # the slow path names it
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "k", "threshold", "in_thread"),
+    [
+        (2048, 16, 1 << 20, False),  # 512 KiB of msgpack, estimated: under the default's 1 MiB
+        (4096, 16, 1 << 20, True),  # 1 MiB: from the threshold on
+        (4095, 16, 1 << 20, False),
+        (2048, 16, 1 << 18, True),  # offload_bytes 1 MiB: a quarter of it
+        (1, 1, 0, True),  # offload_bytes 0: everything in a thread
+        (0, 16, 1, False),
+    ],
+)
+def test_python_rows_go_to_a_thread_from_their_estimated_msgpack_size(
+    n_rows: int, k: int, threshold: int, in_thread: bool
+) -> None:
+    from opd_stream import Sample
+    from opd_stream.wire._student_topk import ROW_ENTRY_BYTES, rows_convert_in_thread
+
+    assert ROW_ENTRY_BYTES == 16
+    rows = [[[-0.5, 1]] * k] * n_rows
+    sample = Sample([1] * (n_rows + 1), max(n_rows, 1), student_top_logprobs=rows)
+    assert rows_convert_in_thread(sample, k, threshold) is in_thread
+    arrays = (np.zeros((n_rows, k), np.int64), np.zeros((n_rows, k), np.float32))
+    as_arrays = Sample([1] * (n_rows + 1), max(n_rows, 1), student_top_logprobs=arrays)
+    assert not rows_convert_in_thread(as_arrays, k, threshold)  # arrays stay on the loop

@@ -333,7 +333,20 @@ def rows_convert_in_thread(sample: Any, top_k: int, threshold: int) -> bool:
     work, and about 2 ms more a sample for the hand-offs of the GIL while the thread and the
     loop both run; ``docs/design-notes.md``, "opd_stream/fetch/_threads.py"). The pipeline passes
     ``offload_bytes // WHOLE``: the size from which what the loop does whole goes to a
-    thread. Arrays stay on the loop.
+    thread. Arrays stay on the loop. Until the kernels are ready (and without numba) the
+    conversion goes entry by entry, ~10x dearer (13 ms for 2048 x 16): from
+    :data:`_SLOW_ROWS_IN_THREAD` entries on it goes to a thread whatever ``threshold``, as
+    every conversion did before.
     """
     rows = getattr(sample, "student_top_logprobs", None)
-    return isinstance(rows, list) and len(rows) * max(top_k, 1) * ROW_ENTRY_BYTES >= threshold
+    if not isinstance(rows, list):
+        return False
+    entries = len(rows) * max(top_k, 1)
+    if compiled() is None and entries >= _SLOW_ROWS_IN_THREAD:
+        return True
+    return entries * ROW_ENTRY_BYTES >= threshold
+
+
+_SLOW_ROWS_IN_THREAD = 1 << 15
+"""Top-k entries from which Python rows go to a worker thread while the kernels are not
+ready (the entry-by-entry conversion: ~6.5 ms per 2^14 entries)."""

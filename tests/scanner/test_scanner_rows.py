@@ -231,3 +231,21 @@ def test_python_rows_go_to_a_thread_from_their_estimated_msgpack_size(
     arrays = (np.zeros((n_rows, k), np.int64), np.zeros((n_rows, k), np.float32))
     as_arrays = Sample([1] * (n_rows + 1), max(n_rows, 1), student_top_logprobs=arrays)
     assert not rows_convert_in_thread(as_arrays, k, threshold)  # arrays stay on the loop
+
+
+def test_python_rows_go_to_a_thread_from_2_15_entries_until_the_kernels_are_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the entry-by-entry conversion (~13 ms for 2048 x 16) is not done on the loop
+    from opd_stream import Sample
+    from opd_stream.wire._student_topk import rows_convert_in_thread
+
+    def sample(n_rows: int) -> Sample:
+        rows = [[[-0.5, 1]] * 16] * n_rows
+        return Sample([1] * (n_rows + 1), n_rows, student_top_logprobs=rows)
+
+    assert not rows_convert_in_thread(sample(2048), 16, 1 << 20)  # the kernels: on the loop
+    monkeypatch.setattr(jit, "_kernel", None)
+    assert rows_convert_in_thread(sample(2048), 16, 1 << 20)
+    assert not rows_convert_in_thread(sample(2047), 16, 1 << 20)
+    assert rows_convert_in_thread(sample(1), 16, 0)  # offload_bytes 0: a thread all the same

@@ -339,8 +339,9 @@ class StreamConfig(
         _doc(
             "answers at least this big are parsed in a decode thread; smaller ones on the "
             "event loop by the compiled scanner, whole below 1 MiB (~1.5-3 ms per MiB), from "
-            "1 MiB on 256 KiB at a time and one answer at a time (the loop's turn between two "
-            "slices of ~0.2-0.4 ms, then ~0.25 ms per MiB for its columns); what the loop "
+            "1 MiB on 1 MiB at a time and one answer at a time (the loop's turn between two "
+            "slices and after an answer's last, a rest under 256 KiB read with the slice "
+            "before; ~0.25 ms per MiB more for its columns); what the loop "
             "does whole, a request body's build, a parse by msgspec (~4-10 ms per MiB, "
             "before the scanner is ready) and a sample's Python top-k rows (~3-5 ms per MiB "
             "of their msgpack, 16 bytes an entry), goes to a thread from a quarter of it; "

@@ -557,8 +557,10 @@ class AttemptSender:
         self, body: Answer, req: ScoreRequest, lay: Layout | None
     ) -> tuple[ScoreRows, Parser]:
         """Decode on the loop, one answer at a time: the scanner's read :data:`SLICE_BYTES`
-        at a time, the loop's turn between two slices (``decode_in_slices``). Only the
-        steps' own CPU is counted (not that of the tasks that ran in between)."""
+        at a time, the loop's turn between two slices (``decode_in_slices``), and one more
+        after the last before the next answer's read starts (answers that arrive together:
+        one slice a turn of the loop). Only the steps' own CPU is counted (not that of the
+        tasks that ran in between)."""
         spent = 0.0
         async with self._parsing:
             steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
@@ -569,13 +571,15 @@ class AttemptSender:
                         next(steps)
                     except StopIteration as done:
                         got: tuple[ScoreRows, Parser] = done.value
-                        return got
+                        break
                     finally:
                         spent += time.thread_time() - start
                     await anyio.lowlevel.checkpoint()
             finally:
                 steps.close()
                 self._stats.spent("decode_loop", spent)
+            await anyio.lowlevel.checkpoint()
+        return got
 
 
 def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:

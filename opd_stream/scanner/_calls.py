@@ -244,11 +244,15 @@ class SlicedScan:
         self._done: Scan | None = None
 
     def step(self, nbytes: int) -> Scan | None:
-        """Scan on for ``nbytes`` (at least 1): the :class:`Scan` once the scan has ended
-        (as :func:`run_scan` gives it), else ``None``."""
+        """Scan on for ``nbytes`` (at least 1; a rest of the body shorter than a quarter of
+        it with them): the :class:`Scan` once the scan has ended (as :func:`run_scan` gives
+        it), else ``None``."""
         if self._done is None:
             run = self._run
-            got = run.scan_to(int(run.state[S_I]) + max(nbytes, 1))
+            stop = int(run.state[S_I]) + max(nbytes, 1)
+            if len(run.b) - stop < nbytes // 4:
+                stop = len(run.b) + 1  # (a last slice of a few rows costs a turn of its own)
+            got = run.scan_to(stop)
             if got[0] != PAUSED:
                 self._done = _cut(
                     got, run.lps, run.ids, run.widths, run.nulls, run.raw, run.records

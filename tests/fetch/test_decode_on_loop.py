@@ -1,11 +1,12 @@
 """Where an answer is parsed (``fetch._threads``): below ``offload_bytes`` on the event loop,
 from ``SLICED_FROM`` on the scanner's read a slice at a time with the loop's turn between two
-slices, one answer at a time; from ``offload_bytes`` on in a decode thread; what the loop
-would do whole (a body's build, a parse by msgspec) from a quarter of it."""
+slices, one answer at a time, a turn between two answers; from ``offload_bytes`` on in a
+decode thread; what the loop would do whole (a body's build, a parse by msgspec) from a
+quarter of it."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from functools import partial
 from typing import Any
 
@@ -52,10 +53,17 @@ def _samples(n: int) -> list[Sample]:
 
 class _Reads:
     """A spy on the fetch stage's sliced reads: how many ran, how many at once at most, how
-    often they paused, and how many were closed."""
+    often they paused, and how many were closed; ``spans``: each read's first and last
+    step, as ``clock()`` read them (default: none)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, pause_event_after: int = 0) -> None:
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        pause_event_after: int = 0,
+        clock: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.started = self.closed = self.pauses = self.active = self.peak = 0
+        self.spans: list[tuple[int, int]] = []
         self.paused = anyio.Event()
         self._after = pause_event_after
         real = _attempts.decode_in_slices
@@ -65,11 +73,13 @@ class _Reads:
             self.started += 1
             self.active += 1
             self.peak = max(self.peak, self.active)
+            first = clock()
             try:
                 while True:
                     try:
                         next(inner)
                     except StopIteration as done:
+                        self.spans.append((first, clock()))
                         return done.value
                     self.pauses += 1
                     if self._after and self.pauses >= self._after:
@@ -135,6 +145,38 @@ async def test_answers_are_read_on_the_loop_a_slice_at_a_time_one_at_a_time(
         assert a.reverse_kl is not None and b.reverse_kl is not None
         assert a.reverse_kl.tolist() == b.reverse_kl.tolist()
         assert a.teacher_logprobs.tolist() == b.teacher_logprobs.tolist()
+
+
+# asyncio runs the ready tasks of a turn in order, so a task that counts turns sees each;
+# trio runs them in a random order, where a count can miss the turn between two reads
+@pytest.mark.parametrize(
+    "anyio_backend", [pytest.param(("asyncio", {"debug": True}), id="asyncio")]
+)
+async def test_answers_that_arrive_together_are_read_a_turn_of_the_loop_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_attempts, "SLICE_BYTES", 1 << 30)  # each answer in one slice
+    monkeypatch.setattr(_threads, "SLICED_FROM", 0)
+    turns = 0
+    reads = _Reads(monkeypatch, clock=lambda: turns)
+    async with OPDStream(_cfg(), transport=mock_transport({T: InProcessSGLang("teacher", 1)})) as s:
+        async with anyio.create_task_group() as tg:
+
+            async def tick() -> None:  # counts the loop's turns
+                nonlocal turns
+                while True:
+                    turns += 1
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(tick)
+            async with s.run(_samples(8)) as results:
+                got = [r async for r in results]
+            tg.cancel_scope.cancel()
+    assert len(got) == 8 and all(isinstance(r, ScoredSample) for r in got)
+    assert reads.pauses == 0 and len(reads.spans) == 8
+    # the next read starts a turn (at least) after the last one ended, never in the same
+    for (_, end), (start, _) in zip(reads.spans, reads.spans[1:], strict=False):
+        assert start > end
 
 
 async def test_a_cancelled_caller_stops_a_read_between_two_slices(

@@ -80,6 +80,17 @@ def test_a_scan_in_slices_pauses_between_rows_and_ends_as_the_whole_scan(blocks:
     assert pauses == 0
 
 
+def test_a_rest_shorter_than_a_quarter_of_a_slice_is_read_with_the_slice_before_it() -> None:
+    body, batch = _answer(300)
+    whole = _kernel().run_scan(body, batch, _SCHEMA)
+    got, pauses = _in_slices(body, batch, len(body) * 85 // 100)  # a rest of 15%: with it
+    _assert_same_scan(whole, got)
+    assert pauses == 0
+    got, pauses = _in_slices(body, batch, len(body) * 75 // 100)  # a rest of 25%: its own
+    _assert_same_scan(whole, got)
+    assert pauses == 1
+
+
 def test_a_finished_scan_gives_its_scan_again() -> None:
     body, batch = _answer(20)
     sliced = _kernel().sliced_scan(body, batch, _SCHEMA)

@@ -194,6 +194,26 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
     assert "| all on the loop |" in proc.stdout
 
 
+def test_the_loop_slices_bench_runs_both_reads_and_they_agree(tmp_path: Path) -> None:
+    """``bench.loop_slices`` on a minuscule size, every answer through the sliced read
+    (``--sliced-from 0``): both policies measured, the signal the same (no figure asserted:
+    the machine decides)."""
+    out = tmp_path / "slices.json"
+    proc = run_module(
+        "bench.loop_slices",
+        *("--n", "3", "--prompt", "16", "--response", "32", "--k", "4", "--rounds", "1"),
+        *("--lag-bursts", "1", "--warm-s", "0", "--sliced-from", "0", "--json", str(out)),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["max_abs_diff"] == 0.0
+    for name in ("before", "now"):
+        assert got[name]["cpu_ms_per_sample_least"] > 0
+        assert got[name]["lag_max_ms"] >= 0
+    assert "| 256 KiB slices (before) |" in proc.stdout
+
+
 def test_the_long_answers_bench_runs_both_ways(tmp_path: Path) -> None:
     """``bench.long_answers`` on answers just over the body pool's threshold (R = 2048 at
     top-k 64: ~6 MB): both ways measured, each with its CPU by step (no figure asserted:

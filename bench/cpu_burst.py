@@ -446,7 +446,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
         )
     print(
         "\nOne stream kept open across the bursts, three at once taking turns: the default "
-        "(answers below `offload_bytes` = 4 MiB read on the event loop by the scanner, 256 KiB "
+        "(answers below `offload_bytes` = 4 MiB read on the event loop by the scanner, 1 MiB "
         "at a time), as before sessions 19 and 20 (`offload_bytes` = 1 MiB: answers from 1 MiB "
         "parsed in decode threads, Python rows converted in a thread), and with every answer, "
         "body and sample on the loop (`offload_bytes` "

@@ -27,18 +27,15 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import anyio
-import anyio.lowlevel
 import numpy as np
 
 from opd_stream import OPDStream, Sample, ScoredSample
 from opd_stream.fetch import _attempts, _threads
-from opd_stream.wire._codec import Parser, decode_in_slices
+from opd_stream.wire._codec import Parser
 
 from .harness import ClientMeter, LagTicker, mocks, pid_list
 from .scenarios import REPLAY, _config, _settle
@@ -50,37 +47,26 @@ _BEFORE_SLICE = 256 * 1024
 
 
 async def _read_before(self: Any, body: Any, req: Any, lay: Any) -> tuple[Any, Parser]:
-    """The loop's read as it was before session 21: 256 KiB slices, no turn after the last
-    (the scan's rule for a short rest, under a quarter of a slice, is today's for both)."""
-    spent = 0.0
+    """The loop's read as it was before session 21: the slices (256 KiB while the policy is
+    in place), no turn after the last (the scan's rule for a short rest, under a quarter of
+    a slice, is today's for both)."""
     async with self._parsing:
-        steps = decode_in_slices(body, req, _BEFORE_SLICE, lay=lay)
-        try:
-            while True:
-                start = time.thread_time()
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    got: tuple[Any, Parser] = done.value
-                    return got
-                finally:
-                    spent += time.thread_time() - start
-                await anyio.lowlevel.checkpoint()
-        finally:
-            steps.close()
-            self._stats.spent("decode_loop", spent)
+        got: tuple[Any, Parser] = await self._read_in_slices(body, req, lay)
+    return got
 
 
 @contextmanager
 def _policy(before: bool) -> Iterator[None]:
     """The loop's read of answers of 1-4 MiB as before session 21 (``before``) or as now."""
-    now = _attempts.AttemptSender._decode_on_loop
+    now, slices = _attempts.AttemptSender._decode_on_loop, _attempts.SLICE_BYTES
     if before:
         _attempts.AttemptSender._decode_on_loop = _read_before  # type: ignore[method-assign]
+        _attempts.SLICE_BYTES = _BEFORE_SLICE
     try:
         yield
     finally:
         _attempts.AttemptSender._decode_on_loop = now  # type: ignore[method-assign]
+        _attempts.SLICE_BYTES = slices
 
 
 async def _burst(stream: OPDStream, samples: list[Sample]) -> dict[int, np.ndarray]:

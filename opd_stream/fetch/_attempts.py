@@ -556,30 +556,36 @@ class AttemptSender:
     async def _decode_on_loop(
         self, body: Answer, req: ScoreRequest, lay: Layout | None
     ) -> tuple[ScoreRows, Parser]:
-        """Decode on the loop, one answer at a time: the scanner's read :data:`SLICE_BYTES`
-        at a time, the loop's turn between two slices (``decode_in_slices``), and one more
-        after the last before the next answer's read starts (answers that arrive together:
-        one slice a turn of the loop). Only the steps' own CPU is counted (not that of the
-        tasks that ran in between)."""
-        spent = 0.0
+        """Decode on the loop, one answer at a time (:meth:`_read_in_slices`), and one more
+        turn of the loop after the answer's last slice before the next answer's read
+        starts: answers that arrive together give parsing one slice a turn of the loop."""
         async with self._parsing:
-            steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
-            try:
-                while True:
-                    start = time.thread_time()
-                    try:
-                        next(steps)
-                    except StopIteration as done:
-                        got: tuple[ScoreRows, Parser] = done.value
-                        break
-                    finally:
-                        spent += time.thread_time() - start
-                    await anyio.lowlevel.checkpoint()
-            finally:
-                steps.close()
-                self._stats.spent("decode_loop", spent)
+            got = await self._read_in_slices(body, req, lay)
             await anyio.lowlevel.checkpoint()
         return got
+
+    async def _read_in_slices(
+        self, body: Answer, req: ScoreRequest, lay: Layout | None
+    ) -> tuple[ScoreRows, Parser]:
+        """The scanner's read :data:`SLICE_BYTES` at a time, the loop's turn between two
+        slices (``decode_in_slices``). Only the steps' own CPU is counted (not that of the
+        tasks that ran in between)."""
+        spent = 0.0
+        steps = decode_in_slices(body, req, SLICE_BYTES, lay=lay)
+        try:
+            while True:
+                start = time.thread_time()
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    got: tuple[ScoreRows, Parser] = done.value
+                    return got
+                finally:
+                    spent += time.thread_time() - start
+                await anyio.lowlevel.checkpoint()
+        finally:
+            steps.close()
+            self._stats.spent("decode_loop", spent)
 
 
 def _named(exc: CapabilityError, side: Side, url: str) -> CapabilityError:

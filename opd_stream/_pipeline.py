@@ -25,6 +25,7 @@ import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._async_library import name_async_library
 from ._errors import InvalidSampleError, OPDStreamError, RoutingError
 from ._logging import get_logger
 from ._redact import redact
@@ -659,6 +660,7 @@ async def run_pipeline(
 
     ``order``: the result order (default: the configuration's ``order``).
     """
+    name_async_library()  # (for every task of the run: each anyio call finds it faster)
     pipe = _Pipeline(parts, order or parts.config.order)
     stats = parts.stats
     stats.runs.add(pipe)

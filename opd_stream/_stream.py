@@ -25,6 +25,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._async_library import name_async_library
 from ._errors import ConfigError, OPDStreamError
 from ._loading import import_off_loop, is_imported
 from ._logging import get_logger
@@ -373,6 +374,7 @@ class OPDStream(anyio.AsyncContextManagerMixin):
     async def _lag_ticker(self) -> None:
         """The event loop's lag, sampled every ``_LAG_INTERVAL_S`` while samples are in
         flight (an idle stream does not wake its host's loop)."""
+        name_async_library()
         while True:
             if self._stats.in_flight == 0:
                 await self._busy.wait()

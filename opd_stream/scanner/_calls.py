@@ -125,6 +125,7 @@ def topk_check(
     """A student top-k's checks in one compiled pass (:func:`opd_stream.scanner._checks.
     topk_faults`): ``(logprobs as float32 [R, k], {fault: first row})``, the faults
     named as in :data:`opd_stream.scanner._checks.FAULTS`, only those found."""
+    ids, lps = np.ascontiguousarray(ids), np.ascontiguousarray(lps)  # (as they come, mostly)
     out = np.empty(ids.shape, dtype=np.float32)
     first = topk_faults(ids, lps, pad_id, max_id, tolerance, out)
     return out, {name: int(row) for name, row in zip(FAULTS, first, strict=True) if row >= 0}

@@ -183,6 +183,56 @@ def test_the_compiled_array_checks_match_the_vectorised_ones(
     assert fast == slow
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "none",
+        "duplicate",
+        "lp_nan",
+        "lp_above",
+        "id_above",
+        "negative_id",
+        "padding",
+        "pad_before_id",
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_full_rows_at_a_rollouts_size_are_checked_as_the_vectorised_checks_do(
+    fault: str, dtype: Any
+) -> None:
+    # 2048 x 16 full rows (the kernel's one-pass path when nothing is wrong), one fault
+    # put at row 1500: the same float32 logprobs, or the same error naming that row
+    rng = np.random.default_rng(7)
+    r, k = 2048, 16
+    ids = np.stack([rng.choice(150_000, size=k, replace=False) for _ in range(r)])
+    lps = -rng.exponential(3.0, size=(r, k)).astype(dtype)
+    row = 1500
+    if fault == "duplicate":
+        ids[row, 9] = ids[row, 4]
+    elif fault == "lp_nan":
+        lps[row, 3] = np.nan
+    elif fault == "lp_above":
+        lps[row, 3] = 0.5
+    elif fault == "id_above":
+        ids[row, 3] = student_topk.MAX_TOKEN_ID + 1
+    elif fault == "negative_id":
+        ids[row, 3] = student_topk.PAD_ID - 1
+    elif fault in ("padding", "pad_before_id"):
+        ids[row, 12:] = student_topk.PAD_ID
+        lps[row, 12:] = -1.0  # (ignored: -inf under padding)
+        if fault == "pad_before_id":
+            ids[row, 15] = 7
+    fast = _array_outcome(ids, lps, r, k)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jit, "_kernel", None)
+        slow = _array_outcome(ids, lps, r, k)
+    assert fast == slow
+    if fault in ("none", "padding"):
+        assert fast[0] == "ok"
+    else:
+        assert fast[0] == "error" and f"row {row} " in fast[1]
+
+
 def test_an_id_beyond_int32_is_named_alike_in_both_row_paths() -> None:
     rows = [[[-0.5, 1, None], [-1.0, 2, None]], [[-0.7, 2**31, None], [-2.0, 4, None]]]
     kind, text = _both(rows, 2, 2)[:2]

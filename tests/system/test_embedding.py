@@ -174,6 +174,62 @@ async def test_nothing_of_a_finished_sample_stays_referenced_by_the_pipeline(
 
 
 # --- 7. the front door ---------------------------------------------------------------------
+# --- the async library, named in the stream's own tasks only -------------------------------
+class _Naming:
+    """A transport that notes what sniffio's context variable holds in the task that
+    sends (the stream's own fetch task)."""
+
+    def __init__(self) -> None:
+        self._inner = mock_transport(_servers())
+        self.named: set[str | None] = set()
+
+    async def __aenter__(self) -> _Naming:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def send(self, request: Any) -> Any:
+        import sniffio
+
+        self.named.add(sniffio.current_async_library_cvar.get())
+        return await self._inner.send(request)
+
+
+async def _score_naming(transport: _Naming) -> list[Any]:
+    async with OPDStream(_cfg(), transport=transport) as stream:
+        async with stream.run([Sample([1, 2, 3, 4, 5], 2) for _ in range(3)]) as results:
+            return [r async for r in results]
+
+
+def test_under_asyncio_the_streams_tasks_name_their_library_and_the_hosts_do_not() -> None:
+    # A host on asyncio.run (Miles, verl): anyio asks sniffio at each call, which sniffs
+    # for asyncio unless its context variable names it. The stream names it in its own
+    # tasks' contexts; the host's task sees no change.
+    sniffio = pytest.importorskip("sniffio")
+    cvar = sniffio.current_async_library_cvar
+    transport = _Naming()
+
+    async def host() -> tuple[list[Any], str | None]:
+        out = await _score_naming(transport)
+        return out, cvar.get()
+
+    out, after = asyncio.run(host())
+    assert len(out) == 3 and all(isinstance(r, ScoredSample) for r in out)
+    assert transport.named == {"asyncio"}
+    assert after is None
+
+
+def test_under_trio_nothing_is_named_trio_names_itself() -> None:
+    sniffio = pytest.importorskip("sniffio")
+    trio = pytest.importorskip("trio")
+    transport = _Naming()
+    out = trio.run(_score_naming, transport)
+    assert len(out) == 3 and all(isinstance(r, ScoredSample) for r in out)
+    assert transport.named == {None}
+    assert sniffio.current_async_library_cvar.get() is None
+
+
 def test_run_is_typed_to_take_an_iterable_or_async_iterable_of_samples() -> None:
     hints = typing.get_type_hints(OPDStream.run)
     assert hints["samples"] == Iterable[Sample] | AsyncIterable[Sample]

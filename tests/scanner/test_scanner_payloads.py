@@ -50,6 +50,25 @@ def test_token_sized_ids_are_written_as_msgspec_writes_them(ids: np.ndarray) -> 
     assert bytes(kernel.positions_json(ids, 1)) == msgspec.json.encode([[], *ids.tolist()])
 
 
+@pytest.mark.parametrize("shape", [(2048, 16), (3, 2000), (700, 3)])
+def test_a_rollouts_ids_with_a_few_long_ones_are_written_as_msgspec_writes_them(
+    shape: tuple[int, int],
+) -> None:
+    # ~1,000 ids at a time: chunks of token ids (one word each) and chunks holding an id of
+    # 8 or more digits (written id by id) in one answer
+    kernel = jit.compiled()
+    assert kernel is not None
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 150_000, size=shape)
+    assert bytes(kernel.positions_json(ids, 5)) == msgspec.json.encode([[]] * 5 + ids.tolist())
+    flat = ids.reshape(-1)
+    flat[flat.size // 2] = 10**7 + 3
+    flat[-1] = 2**40
+    assert bytes(kernel.positions_json(ids, 0)) == msgspec.json.encode(ids.tolist())
+    flat[0] = -4
+    assert kernel.positions_json(ids, 0) is None
+
+
 def test_ids_at_every_digit_count_boundary_are_written_as_msgspec_writes_them() -> None:
     kernel = jit.compiled()
     assert kernel is not None

@@ -15,12 +15,13 @@ each is kept: noise on a shared machine only ever adds):
   the remainder no step names;
 * the same bursts through the aiohttp transport (the default before 1.x's asyncio
   transport: the transport's share, before and after, in one run);
-* the same bursts through a stream kept open (a rollout loop's other choice), three
+* the same bursts through a stream kept open (a rollout loop's other choice), four
   streams taking turns: the default, as before session 19 (``offload_bytes`` = 1 MiB:
   answers from 1 MiB parsed in decode threads, and, as before session 20, Python top-k
-  rows converted in a worker thread) and with every answer, body and sample on the event
-  loop (``offload_bytes`` above every answer), each with its CPU by step, the wall time of
-  a burst and the loop's lag (the trade ``offload_bytes`` makes);
+  rows converted in a worker thread), with every answer, body and sample on the event
+  loop (``offload_bytes`` above every answer), and the default with the signal alone
+  (``candidates=False``, what the Miles adapter asks for), each with its CPU by step, the
+  wall time of a burst and the loop's lag (the trade ``offload_bytes`` makes);
 * the parse of the very answers alone: msgspec's untyped decode (GC off) and
   ``opd_stream``'s compiled scanner with every check (both modes parse the same answers:
   each floor is the least of its two measurements);
@@ -224,11 +225,13 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
             # the default; answers of 1 MiB and more parsed in decode threads, Python rows
             # converted in a thread (the default before sessions 19 and 20: the other side
             # of offload_bytes' trade, CPU against the loop's lag); everything on the loop
-            kept, threads, on_loop = await _kept_bursts(
+            # and the signal alone (candidates=False: what the Miles adapter asks for)
+            kept, threads, on_loop, signal_only = await _kept_bursts(
                 [
                     cfg,
                     cfg.evolve(offload_bytes=_THREADS_BEFORE),
                     cfg.evolve(offload_bytes=_ABOVE_EVERY_ANSWER),
+                    cfg.evolve(candidates=False),
                 ],
                 ours,
                 pids,
@@ -252,12 +255,15 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "opd_kept_stream_ms_per_sample": _ms(kept.cpu, n),
                 "opd_kept_stream_threads_ms_per_sample": _ms(threads.cpu, n),
                 "opd_kept_stream_on_loop_ms_per_sample": _ms(on_loop.cpu, n),
+                "opd_kept_stream_signal_ms_per_sample": _ms(signal_only.cpu, n),
                 "kept_stream_page_faults_per_sample": kept.faults / n,
                 "kept_stream_threads_page_faults_per_sample": threads.faults / n,
                 "kept_stream_on_loop_page_faults_per_sample": on_loop.faults / n,
+                "kept_stream_signal_page_faults_per_sample": signal_only.faults / n,
                 "baseline_over_opd_kept_stream": base / kept.cpu,
                 "baseline_over_opd_kept_stream_on_loop": base / on_loop.cpu,
                 "baseline_over_opd_kept_stream_threads": base / threads.cpu,
+                "baseline_over_opd_kept_stream_signal": base / signal_only.cpu,
                 "kept_stream_by_step_ms_per_sample": _by_step(kept.steps, kept.cpu, n),
                 "kept_stream_threads_by_step_ms_per_sample": _by_step(
                     threads.steps, threads.cpu, n
@@ -265,12 +271,17 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 "kept_stream_on_loop_by_step_ms_per_sample": _by_step(
                     on_loop.steps, on_loop.cpu, n
                 ),
+                "kept_stream_signal_by_step_ms_per_sample": _by_step(
+                    signal_only.steps, signal_only.cpu, n
+                ),
                 "kept_stream_wall_ms_per_burst": kept.wall * 1e3,
                 "kept_stream_on_loop_wall_ms_per_burst": on_loop.wall * 1e3,
                 "kept_stream_threads_wall_ms_per_burst": threads.wall * 1e3,
+                "kept_stream_signal_wall_ms_per_burst": signal_only.wall * 1e3,
                 "kept_stream_lag_ms": kept.lag,
                 "kept_stream_on_loop_lag_ms": on_loop.lag,
                 "kept_stream_threads_lag_ms": threads.lag,
+                "kept_stream_signal_lag_ms": signal_only.lag,
                 "opd_aiohttp_ms_per_sample": _ms(aio, n),
                 "baseline_over_opd_aiohttp": base / aio,
                 "aiohttp_loop_ms_per_sample": _ms(aio_steps.get("loop", 0.0), n),
@@ -285,6 +296,9 @@ async def _burst_table(args: argparse.Namespace) -> dict[str, Any]:
                 ),
                 "miles_own_over_opd_kept_stream_threads": (
                     None if scorer is None else miles / threads.cpu
+                ),
+                "miles_own_over_opd_kept_stream_signal": (
+                    None if scorer is None else miles / signal_only.cpu
                 ),
                 "bare_ms_per_sample": _ms(bare, n),
                 "bare_max_abs_diff": bare_diff,
@@ -329,6 +343,7 @@ def _over_the_floors(out: dict[str, Any]) -> dict[str, Any]:
             / scanner,
             opd_kept_stream_threads_over_scanner=m["opd_kept_stream_threads_ms_per_sample"]
             / scanner,
+            opd_kept_stream_signal_over_scanner=m["opd_kept_stream_signal_ms_per_sample"] / scanner,
         )
     return out
 
@@ -419,10 +434,10 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
     print(
         "| student top-k | baseline | Miles' own | kept stream | ratio to the baseline "
         "| ratio to Miles' own | before (answers from 1 MiB and rows in threads): ratio to "
-        "Miles' own "
-        "| max abs diff |"
+        "Miles' own | the signal alone (`candidates=False`, as the Miles adapter asks): "
+        "ratio to Miles' own | max abs diff |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, m in burst.items():
         print(
             f"| {label} | {m['baseline_ms_per_sample']:.1f} "
@@ -431,6 +446,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['baseline_over_opd_kept_stream']:.1f}x "
             f"| {_opt(m['miles_own_over_opd_kept_stream'], '.1f')}x "
             f"| {_opt(m['miles_own_over_opd_kept_stream_threads'], '.1f')}x "
+            f"| {_opt(m['miles_own_over_opd_kept_stream_signal'], '.1f')}x "
             f"| {_opt(m['miles_own_max_abs_diff'], '.1e')} |"
         )
     print(
@@ -445,12 +461,14 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             f"| {m['opd_over_bare']:.2f}x | {m['bare_max_abs_diff']:.1e} |"
         )
     print(
-        "\nOne stream kept open across the bursts, three at once taking turns: the default "
+        "\nOne stream kept open across the bursts, four at once taking turns: the default "
         "(answers below `offload_bytes` = 4 MiB read on the event loop by the scanner, 1 MiB "
         "at a time), as before sessions 19 and 20 (`offload_bytes` = 1 MiB: answers from 1 MiB "
         "parsed in decode threads, Python rows converted in a thread), and with every answer, "
         "body and sample on the loop (`offload_bytes` "
-        "above every answer): client CPU, the burst's wall time and the loop's lag (1 ms "
+        "above every answer), and the default with the signal alone (`candidates=False`: "
+        "no per-candidate arrays, what the Miles adapter asks for): client CPU, the burst's "
+        "wall time and the loop's lag (1 ms "
         "ticker, one burst more):\n"
     )
     print(
@@ -464,6 +482,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
             ("default", "kept_stream"),
             ("1 MiB and more, rows, in threads (before)", "kept_stream_threads"),
             ("all on the loop", "kept_stream_on_loop"),
+            ("the signal alone", "kept_stream_signal"),
         ):
             cpu, lag = m[f"opd_{key}_ms_per_sample"], m[f"{key}_lag_ms"]
             print(
@@ -488,6 +507,7 @@ def _print(burst: dict[str, Any], short: dict[str, Any], args: argparse.Namespac
                 "kept_stream_threads_by_step_ms_per_sample",
             ),
             ("kept, all on the loop", "kept_stream_on_loop_by_step_ms_per_sample"),
+            ("kept, the signal alone", "kept_stream_signal_by_step_ms_per_sample"),
         ):
             vals = " | ".join(f"{v:.2f}" for v in m[key].values())
             print(f"| {label} | {which} | {vals} |")

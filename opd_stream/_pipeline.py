@@ -453,6 +453,7 @@ class _Pipeline:
             cfg.tail,
             cfg.divergence,
             aligned=xtok is not None and xtok.aligns(prepared.teacher),
+            candidates=cfg.candidates,
         )
 
     async def fetch_one(

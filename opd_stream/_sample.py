@@ -166,7 +166,8 @@ class ScoredSample(msgspec.Struct, frozen=True, kw_only=True):
             span's last student token (0 on the others). None as well when the stream's
             ``divergence`` is another one (see ``signal``): a forward KL or a JSD is never
             returned under this name.
-        candidates: the per-candidate arrays in top-k mode, else None.
+        candidates: the per-candidate arrays in top-k mode, else None (and None when
+            the stream's ``candidates`` setting is false: the signal alone).
         attempts: HTTP attempts made for this sample, all requests together.
         latency_s: seconds from admission to result.
         alignment: a teacher with its own tokenizer, with ``return_alignment``: the spans

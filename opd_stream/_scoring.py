@@ -269,6 +269,7 @@ def score_batch(
     tail: bool = False,
     divergence: Divergence = "reverse_kl",
     jsd_beta: float = 0.5,
+    candidates: bool = True,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     """Score fetched samples; a sample with a missing logprob comes back as its error.
 
@@ -276,10 +277,11 @@ def score_batch(
     selected candidate with a missing logprob, its response position in that sample, and the
     sample's index among the samples scored together; the others are scored again without it.
     ``tail``: top-k with the tail bucket; ``divergence``, ``jsd_beta``: the top-k signal (see
-    :func:`~opd_stream.kl._math.topk_divergence`).
+    :func:`~opd_stream.kl._math.topk_divergence`); ``candidates`` False: each result's
+    ``candidates`` is None (only the signal is copied out of the batch).
     """
     signal = _Signal(divergence, jsd_beta)
-    return _score_batch(items, top_k, strategy, weight_mode, device, tail, signal)
+    return _score_batch(items, top_k, strategy, weight_mode, device, tail, signal, candidates)
 
 
 def timed_score_batch(
@@ -297,6 +299,7 @@ def timed_score_batch(
         tail=cfg.tail,
         divergence=cfg.divergence,
         jsd_beta=cfg.jsd_beta,
+        candidates=cfg.candidates,
     )
     return results, time.perf_counter() - start, time.thread_time() - cpu
 
@@ -310,13 +313,14 @@ def empty_scored_sample(
     divergence: Divergence = "reverse_kl",
     *,
     aligned: bool = False,
+    candidates: bool = True,
 ) -> ScoredSample:
     """The result of a sample with ``R = 0`` (nothing to ask): empty tensors of the right
     shapes; ``aligned`` (its teacher has its own tokenizer, and ``return_alignment`` is
-    set): with the empty alignment."""
+    set): with the empty alignment; ``candidates`` False: no per-candidate arrays."""
     width = candidate_width(strategy, top_k)
     cands = None
-    if top_k > 0:
+    if top_k > 0 and candidates:
         cands = Candidates(
             ids=torch.empty((0, width), dtype=torch.int64),
             student_logprobs=torch.empty((0, width)),
@@ -351,6 +355,7 @@ def _score_batch(
     device: torch.device,
     tail: bool = False,
     signal: _Signal = _REVERSE_KL,
+    candidates: bool = True,
 ) -> list[ScoredSample | tuple[Fetched, MissingLogprobError]]:
     if top_k == 0:
         return [_score_sampled(f) for f in items]  # (sampled-token: reverse_kl only)
@@ -374,27 +379,32 @@ def _score_batch(
             todo = [g for g in todo if g is not f]
             continue
         # One device-to-host copy per array, then each sample's rows, as its own copy
-        # (a batch of one sample: the arrays themselves where they are its alone).
+        # (a batch of one sample: the arrays themselves where they are its alone). Without
+        # candidates, the signal alone.
         on_host = device.type == "cpu"
-        rkl, ids, s_lp, t_lp, weights, mask = (
-            (x[0] if on_host else x[0].cpu()).numpy() for x in res[:6]
-        )
-        s_tail, t_tail = (
-            None if x is None else (x[0] if on_host else x[0].cpu()).numpy() for x in res[6:]
-        )
+        wanted = res[:6] if candidates else res[:1]
+        rkl, *per_candidate = ((x[0] if on_host else x[0].cpu()).numpy() for x in wanted)
+        tails = [
+            None if x is None else (x[0] if on_host else x[0].cpu()).numpy()
+            for x in (res[6:] if candidates else ())
+        ]
         own = _Owner(joined) if len(todo) == 1 else _own
         row = 0
         for f in todo:
             end = row + f.prepared.response_length
-            cands = Candidates(
-                ids=own(ids[row:end]),
-                student_logprobs=own(s_lp[row:end]),
-                teacher_logprobs=own(t_lp[row:end]),
-                weights=own(weights[row:end]),
-                mask=own(mask[row:end]),
-                student_tail_logprobs=None if s_tail is None else own(s_tail[row:end]),
-                teacher_tail_logprobs=None if t_tail is None else own(t_tail[row:end]),
-            )
+            cands = None
+            if candidates:
+                ids, s_lp, t_lp, weights, mask = (own(a[row:end]) for a in per_candidate)
+                s_tail, t_tail = (None if a is None else own(a[row:end]) for a in tails)
+                cands = Candidates(
+                    ids=ids,
+                    student_logprobs=s_lp,
+                    teacher_logprobs=t_lp,
+                    weights=weights,
+                    mask=mask,
+                    student_tail_logprobs=s_tail,
+                    teacher_tail_logprobs=t_tail,
+                )
             scored[f.prepared.index] = _result(f, own(rkl[row:end]), cands, signal.divergence)
             row = end
         break

@@ -215,6 +215,14 @@ class StreamConfig(
             "reverse_kl needs weight_mode student_p with it. Env: 1/0/true/false"
         ),
     ] = False
+    candidates: Annotated[
+        bool,
+        _doc(
+            "top-k: return each sample's per-candidate arrays (ScoredSample.candidates); "
+            "false: the signal alone, without ~680 KB of copies and memory a 2048-token "
+            "sample at k = 16 (the Miles adapter reads only the signal). Env: 1/0/true/false"
+        ),
+    ] = True
     divergence: Annotated[
         Divergence,
         _doc(

@@ -71,6 +71,12 @@ def test_reference_flags_map_to_a_stream_config() -> None:
     assert cfg.request_deadline_s == 120.0
 
 
+def test_miles_reads_the_signal_alone_so_no_candidates_are_kept_unless_asked() -> None:
+    assert miles.config_from_miles_args(_args(opd_log_prob_top_k=16)).candidates is False
+    asked = miles.config_from_miles_args(_args(opd_log_prob_top_k=16), candidates=True)
+    assert asked.candidates is True
+
+
 def test_rm_url_is_the_single_teacher_and_sampled_mode_ignores_the_strategy() -> None:
     cfg = miles.config_from_miles_args(_args(opd_top_k_strategy="xor", opd_log_prob_top_k=0))
     assert cfg.teachers == {"default": ("http://t:1",)}

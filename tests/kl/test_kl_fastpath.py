@@ -431,6 +431,40 @@ def test_a_sample_scores_bit_identically_alone_and_in_any_batch_on_cpu(strategy:
                 assert torch.equal(bits(tensor), bits(as_dict(other)[name])), (i, name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("strategy", "tail", "divergence"),
+    [(s, False, "reverse_kl") for s in STRATEGIES]
+    + [("union", True, "reverse_kl"), ("only-student", False, "jsd")],
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_without_candidates_the_signal_is_the_same_bits_and_nothing_else_comes_out(
+    device: str, strategy: Strategy, tail: bool, divergence: Any, batch: int
+) -> None:
+    rng = np.random.default_rng(9)
+    samples = [random_rows(rng, r, 8, 8, p_hole=0.05) for r in (40, 0, 13)[:batch]]
+    items = [fetched(i, s, strategy) for i, s in enumerate(samples)]
+
+    def run(candidates: bool) -> list[Any]:
+        return score_batch(
+            items,
+            top_k=8,
+            strategy=strategy,
+            weight_mode="student_p",
+            device=torch.device(device),
+            tail=tail,
+            divergence=divergence,
+            candidates=candidates,
+        )
+
+    for full, alone in zip(run(True), run(False), strict=True):
+        assert isinstance(full, ScoredSample) and isinstance(alone, ScoredSample)
+        assert full.candidates is not None and alone.candidates is None
+        assert full.signal is not None and alone.signal is not None
+        assert torch.equal(bits(full.signal), bits(alone.signal))
+        assert alone.signal.untyped_storage().nbytes() == alone.signal.numel() * 4  # its own
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns, so that -0.0 != 0.0 and NaN == NaN."""
     return t.view(torch.int32) if t.dtype == torch.float32 else t

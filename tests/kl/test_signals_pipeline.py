@@ -98,3 +98,32 @@ async def test_the_reverse_kl_default_fills_both_names() -> None:
     for res in out:
         assert isinstance(res, ScoredSample)
         assert res.divergence == "reverse_kl" and res.reverse_kl is res.signal
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_a_stream_without_candidates_gives_the_signal_alone(strategy: str) -> None:
+    # the same signal as the reference (and, bit for bit, as a stream with candidates),
+    # no per-candidate arrays; empty responses included
+    servers = _servers()
+    samples = _samples(7, 8, with_topk=strategy != "only-teacher")
+    assert any(s.response_length == 0 for s in samples)
+    full = await _run(_cfg(top_k=K, strategy=strategy), servers, samples)
+    alone = await _run(_cfg(top_k=K, strategy=strategy, candidates=False), servers, samples)
+    assert len(alone) == len(samples)
+    for res, other in zip(alone, full, strict=True):
+        assert isinstance(res, ScoredSample) and isinstance(other, ScoredSample)
+        assert res.candidates is None and other.candidates is not None
+        assert res.signal is not None and other.signal is not None
+        assert res.signal.numpy().tobytes() == other.signal.numpy().tobytes()
+        smp = samples[res.index]
+        expected = expected_result(
+            tokens=list(smp.tokens),
+            response_length=smp.response_length,
+            teacher=servers[T].model,
+            student=servers[S].model,
+            top_k=K,
+            strategy=strategy,
+            weight_mode="student_p",
+        )
+        expected.ids = None  # (no candidates to compare)
+        assert_matches(res, expected)

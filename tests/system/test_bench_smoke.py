@@ -153,10 +153,10 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
     tmp_path: Path,
 ) -> None:
     """``bench.cpu_burst`` on a minuscule size: every column is measured (a stream per
-    burst, one kept open as now, as before and with every answer parsed on the loop, the
-    bare client, the parse floors, Miles' own scorer where its source is at hand) with its
-    CPU by step, and the bare client's signal equals opd_stream's, Miles' within float32
-    rounding (no timing asserted)."""
+    burst, one kept open as now, as before, with every answer parsed on the loop and with
+    the signal alone, the bare client, the parse floors, Miles' own scorer where its source
+    is at hand) with its CPU by step, and the bare client's signal equals opd_stream's,
+    Miles' within float32 rounding (no timing asserted)."""
     scorer = load_miles_module(MILES_SCORER_FILES, "miles.rollout.on_policy_distillation")
     miles_at_hand = scorer is not None
     out = tmp_path / "burst.json"
@@ -173,16 +173,17 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
         assert row["bare_max_abs_diff"] == 0.0
         for key in ("opd", "opd_kept_stream", "opd_kept_stream_threads", "bare", "scanner"):
             assert row[f"{key}_ms_per_sample"] > 0, key
-        for key in ("kept_stream", "kept_stream_threads", "kept_stream_on_loop"):
+        kept = ("kept_stream", "kept_stream_threads", "kept_stream_on_loop", "kept_stream_signal")
+        for key in kept:
             assert row[f"{key}_page_faults_per_sample"] >= 0, key
-        for key in ("", "kept_stream_", "kept_stream_threads_", "kept_stream_on_loop_"):
+        for key in ("", *(f"{k}_" for k in kept)):
             steps = row[f"{key}by_step_ms_per_sample"]
             assert steps["decode_loop"] + steps["decode_threads"] > 0, key
             assert steps["kl"] > 0, key
         # offload_bytes above every answer: none is parsed in a decode thread
         assert row["kept_stream_on_loop_by_step_ms_per_sample"]["decode_threads"] == 0
         assert row["opd_kept_stream_on_loop_ms_per_sample"] > 0
-        for key in ("kept_stream", "kept_stream_threads", "kept_stream_on_loop"):
+        for key in kept:
             assert row[f"{key}_wall_ms_per_burst"] > 0, key
             assert row[f"{key}_lag_ms"]["lag_p99_ms"] is not None, key
         if miles_at_hand:
@@ -192,6 +193,7 @@ def test_the_cpu_burst_bench_runs_every_column_and_the_bare_client_agrees(
             assert row["miles_own_ms_per_sample"] is row["miles_own_max_abs_diff"] is None
     assert "| 1 MiB and more, rows, in threads (before) |" in proc.stdout
     assert "| all on the loop |" in proc.stdout
+    assert "| the signal alone |" in proc.stdout
 
 
 def test_the_loop_slices_bench_runs_both_reads_and_they_agree(tmp_path: Path) -> None:

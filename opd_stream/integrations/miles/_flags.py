@@ -119,6 +119,8 @@ def config_from_miles_args(
       (opd_stream's own flags, for teachers served by vLLM; absent or ``None``,
       ``OPD_STREAM_ENGINE`` / ``OPD_STREAM_SERVER_ENGINES`` /
       ``OPD_STREAM_VLLM_MAX_LOGPROBS``, default ``auto``: detected per server).
+    * ``candidates`` is false: Miles reads the signal alone, so the per-candidate arrays
+      are neither copied nor kept (an override may set it).
     * ``--sglang-router-request-timeout-secs`` (> 0) -> ``request_deadline_s``; absent,
       ``None`` or 0 leaves ``OPD_STREAM_REQUEST_DEADLINE_S`` or opd_stream's finite default
       (the reference would wait forever).
@@ -198,6 +200,7 @@ def config_from_miles_args(
         "top_k": top_k,
         "strategy": strategy if top_k > 0 else "only-student",
         "weight_mode": weight_mode,
+        "candidates": False,  # Miles reads the signal alone
     }
     for flag_name, field in (
         ("opd_divergence", "divergence"),

@@ -52,43 +52,12 @@ def _table_bits(k):  # type: ignore[no-untyped-def]
 
 
 @njit_cached
-def _id_table(k):  # type: ignore[no-untyped-def]
-    """An open-addressing table for the ids of one row: (ids, row stamps, shift), of
-    :func:`_table_bits` slots."""
-    bits = _table_bits(k)
-    return (
-        np.empty(1 << bits, dtype=np.int64),
-        np.full(1 << bits, -1, dtype=np.int64),
-        np.uint64(64 - bits),
-    )
-
-
-@njit_leaf
-def _has_duplicate(ids, row, pad_id, tab, stamps, shift):  # type: ignore[no-untyped-def]
-    """Whether row ``row`` of ``ids`` holds an id other than ``pad_id`` twice: each id is
-    put in the table (``_id_table``; a slot is this row's when its stamp is ``row``, so
-    nothing is cleared between rows), where a second one finds the first."""
-    mask = tab.shape[0] - 1
-    for j in range(ids.shape[1]):
-        d = ids[row, j]
-        if d == pad_id:
-            continue
-        slot = np.int64((np.uint64(d) * _GOLDEN) >> shift)
-        while stamps[slot] == row:
-            if tab[slot] == d:
-                return True
-            slot = (slot + 1) & mask
-        stamps[slot] = row
-        tab[slot] = d
-    return False
-
-
-@njit_cached
-def _first_duplicate_row(ids):  # type: ignore[no-untyped-def]
-    """The first row of ``ids`` (no padding in it) that holds an id twice, or -1: the
-    search of :func:`_has_duplicate` for every row, in a table of its own. (Given the
-    table as arguments, the compiler must assume that its stores may change ``ids``: the
-    search took twice as long.)"""
+def _first_duplicate_row(ids, pad_id):  # type: ignore[no-untyped-def]
+    """The first row of ``ids`` that holds an id other than ``pad_id`` twice, or -1. Each
+    id is put in an open-addressing table (:func:`_table_bits`), where a second one finds
+    the first; a slot is this row's when its stamp is ``row``, so nothing is cleared
+    between rows. The table is the function's own: given it as arguments, the compiler
+    must assume that its stores may change ``ids``, and the search took twice as long."""
     bits = _table_bits(ids.shape[1])
     tab = np.empty(1 << bits, dtype=np.int64)
     stamps = np.full(1 << bits, -1, dtype=np.int64)
@@ -97,6 +66,8 @@ def _first_duplicate_row(ids):  # type: ignore[no-untyped-def]
     for row in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             d = ids[row, j]
+            if d == pad_id:
+                continue
             slot = np.int64((np.uint64(d) * _GOLDEN) >> shift)
             while stamps[slot] == row:
                 if tab[slot] == d:
@@ -119,7 +90,7 @@ def request_id_fault(ids, max_id):  # type: ignore[no-untyped-def]
             outside += np.int64(d < 0) + np.int64(d >= max_id)
     if outside:
         return 1, -1
-    dup = _first_duplicate_row(ids)
+    dup = _first_duplicate_row(ids, np.int64(-1))
     return (2, dup) if dup >= 0 else (0, -1)
 
 
@@ -159,13 +130,19 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
     Returns int64 ``[len(FAULTS)]``: for each fault, the first row that holds it, or -1. A
     logprob in a padding slot is never judged; a duplicate ignores padding ids.
     """
-    r, k = ids.shape
     first = np.full(N_FAULTS, -1, dtype=np.int64)
-    if _clean_values(ids, lps, pad_id, max_id, tolerance, out):
-        # (the common case) no padding and no fault but perhaps a duplicate
-        first[DUPLICATE] = _first_duplicate_row(ids)
-        return first
-    tab, stamps, shift = _id_table(k)
+    # (the common case: no padding and no fault, the one pass, then only the duplicates)
+    if not _clean_values(ids, lps, pad_id, max_id, tolerance, out):
+        _value_faults(ids, lps, pad_id, max_id, tolerance, out, first)
+    first[DUPLICATE] = _first_duplicate_row(ids, pad_id)
+    return first
+
+
+@njit_leaf
+def _value_faults(ids, lps, pad_id, max_id, tolerance, out, first):  # type: ignore[no-untyped-def]
+    """:func:`topk_faults`' general pass: ``out`` written and each fault but the duplicate
+    noted at its first row in ``first``, entry by entry."""
+    r, k = ids.shape
     for row in range(r):
         seen_pad = False
         for j in range(k):
@@ -192,9 +169,6 @@ def topk_faults(ids, lps, pad_id, max_id, tolerance, out):  # type: ignore[no-un
                     first[LP_POSINF] = row
                 if first[LP_ABOVE] < 0:
                     first[LP_ABOVE] = row
-        if first[DUPLICATE] < 0 and _has_duplicate(ids, row, pad_id, tab, stamps, shift):
-            first[DUPLICATE] = row
-    return first
 
 
 @njit_leaf

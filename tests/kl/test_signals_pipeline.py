@@ -45,6 +45,20 @@ def _samples(seed: int, n: int, *, with_topk: bool) -> list[Sample]:
     return out
 
 
+def _expected(servers: Any, smp: Sample, strategy: str, **signal: Any) -> Any:
+    """The float64 reference of ``smp`` on the mock's models (``signal``: weight_mode,
+    tail, divergence, jsd_beta)."""
+    return expected_result(
+        tokens=list(smp.tokens),
+        response_length=smp.response_length,
+        teacher=servers[T].model,
+        student=servers[S].model,
+        top_k=K,
+        strategy=strategy,
+        **signal,
+    )
+
+
 async def _run(cfg: StreamConfig, servers: Any, samples: list[Any]) -> list[Any]:
     async with OPDStream(cfg, transport=mock_transport(servers)) as stream:
         async with stream.run(samples) as results:
@@ -74,14 +88,10 @@ async def test_every_strategy_gives_the_divergence_asked(
     for res in out:
         assert isinstance(res, ScoredSample), res
         assert res.divergence == divergence and res.reverse_kl is None
-        smp = samples[res.index]
-        expected = expected_result(
-            tokens=list(smp.tokens),
-            response_length=smp.response_length,
-            teacher=servers[T].model,
-            student=servers[S].model,
-            top_k=K,
-            strategy=strategy,
+        expected = _expected(
+            servers,
+            samples[res.index],
+            strategy,
             weight_mode=WEIGHTS[divergence],
             tail=tail,
             divergence=divergence,
@@ -115,15 +125,6 @@ async def test_a_stream_without_candidates_gives_the_signal_alone(strategy: str)
         assert res.candidates is None and other.candidates is not None
         assert res.signal is not None and other.signal is not None
         assert res.signal.numpy().tobytes() == other.signal.numpy().tobytes()
-        smp = samples[res.index]
-        expected = expected_result(
-            tokens=list(smp.tokens),
-            response_length=smp.response_length,
-            teacher=servers[T].model,
-            student=servers[S].model,
-            top_k=K,
-            strategy=strategy,
-            weight_mode="student_p",
-        )
+        expected = _expected(servers, samples[res.index], strategy, weight_mode="student_p")
         expected.ids = None  # (no candidates to compare)
         assert_matches(res, expected)

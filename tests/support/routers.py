@@ -154,8 +154,9 @@ async def samples_until_routed(
     stream: OPDStream, pool: list[Sample], gateway: str, worker: str, add: Callable[[], Any]
 ) -> AsyncIterator[Sample]:
     """``pool``'s samples, one per 50 ms; after the fifth, ``add()`` registers ``worker``
-    with the gateway; the feed ends 10 samples after ``stream``'s fleet behind ``gateway``
-    lists the worker (it has been in the stream's routing for 10 samples)."""
+    with the gateway; the feed ends once ``stream``'s fleet behind ``gateway`` has listed
+    the worker for 10 samples and the worker has served a ``/generate`` (on a busy machine
+    its first request can come later than that), or when the pool runs out."""
     seen_at = None
     for n, sample in enumerate(pool):
         if n == 5:
@@ -163,7 +164,7 @@ async def samples_until_routed(
         fleet = stream.stats().fleets.get(gateway)
         if seen_at is None and fleet and worker in fleet.workers:
             seen_at = n
-        if seen_at is not None and n >= seen_at + 10:
+        if seen_at is not None and n >= seen_at + 10 and (await generate_counts([worker]))[0]:
             return
         yield sample
         await anyio.sleep(0.05)

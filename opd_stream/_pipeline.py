@@ -39,9 +39,9 @@ from .kl._plan import STRATEGY_NEEDS
 from .wire._answers import ScoreRows
 from .wire._student_topk import (
     ROWS_PER_SLICE,
-    joined_rows_msgpack,
+    RowsRead,
     rows_convert_in_thread,
-    rows_msgpack_slices,
+    rows_read_slices,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ log = get_logger()
 
 Result = ScoredSample | SampleFailure
 
-_WRITTEN = object()  # (the end of rows_msgpack_slices)
+_READ = object()  # (the end of rows_read_slices)
 
 
 # What a sample that the KL stage does not score ends as: a SampleFailure whose message is
@@ -263,34 +263,33 @@ class _Pipeline:
 
     # stage 1: intake ---------------------------------------------------------------
     def _prepare(
-        self, sample: Any, index: int, teacher_only: bool, rows_msgpack: bytes | None = None
+        self, sample: Any, index: int, teacher_only: bool, rows_read: RowsRead | None = None
     ) -> PreparedSample:
         start = time.thread_time()
         try:
-            return self._prepare_timed(sample, index, teacher_only, rows_msgpack)
+            return self._prepare_timed(sample, index, teacher_only, rows_read)
         finally:
             self.stats.spent("prepare", time.thread_time() - start)
 
-    async def _rows_msgpack(self, sample: Any) -> bytes | None:
-        """The sample's Python top-k rows written as msgpack on the loop a slice at a time,
-        the loop taking its turn between two (``rows_msgpack_slices``); ``None`` where the
-        conversion writes them itself (few rows, another form, the kernels not ready)."""
+    async def _rows_read(self, sample: Any) -> RowsRead | None:
+        """The sample's Python top-k rows read on the loop a slice at a time, the loop
+        taking its turn between two (``rows_read_slices``); ``None`` where the conversion
+        reads them itself (few rows, another form, the kernels not ready)."""
         rows = getattr(sample, "student_top_logprobs", None)
         if not isinstance(rows, list) or len(rows) <= ROWS_PER_SLICE:
             return None
-        parts: list[bytes | memoryview] = []
-        slices = rows_msgpack_slices(rows, parts)
+        read: list[RowsRead] = []
+        slices = rows_read_slices(rows, self.cfg.top_k, read)
         while True:
             start = time.thread_time()
-            paused = next(slices, _WRITTEN) is not _WRITTEN
-            body = None if paused else joined_rows_msgpack(parts)
+            paused = next(slices, _READ) is not _READ
             self.stats.spent("prepare", time.thread_time() - start)
             if not paused:
-                return body
+                return read[0] if read else None
             await anyio.lowlevel.checkpoint()
 
     def _prepare_timed(
-        self, sample: Any, index: int, teacher_only: bool, rows_msgpack: bytes | None
+        self, sample: Any, index: int, teacher_only: bool, rows_read: RowsRead | None
     ) -> PreparedSample:
         prepared = prepare_sample(
             sample,
@@ -298,7 +297,7 @@ class _Pipeline:
             teacher="",
             top_k=self.cfg.top_k,
             student_topk=self.reads_student_topk,
-            rows_msgpack=rows_msgpack,
+            rows_read=rows_read,
         )
         if (
             not teacher_only
@@ -388,14 +387,14 @@ class _Pipeline:
         try:
             prepare = partial(self._prepare, sample, index, teacher_only)
             # Python rows, converted if the strategy reads them: big ones in a thread, the
-            # others on the loop, their msgpack written a slice at a time first
+            # others on the loop, read a slice at a time first
             reads_rows = self.reads_student_topk and self.cfg.top_k > 0
             if reads_rows and rows_convert_in_thread(
                 sample, self.cfg.top_k, self.cfg.offload_bytes // WHOLE
             ):
                 prepared = await anyio.to_thread.run_sync(prepare)
             else:
-                prepared = prepare(await self._rows_msgpack(sample) if reads_rows else None)
+                prepared = prepare(await self._rows_read(sample) if reads_rows else None)
         except (InvalidSampleError, RoutingError) as exc:
             if call is not None:
                 call.error = exc

@@ -23,7 +23,7 @@ from ._errors import InvalidSampleError
 from .scanner._loader import compiled
 from .wire._answers import ScoreRows
 from .wire._checks import LOGPROB_TOLERANCE
-from .wire._student_topk import MAX_TOKEN_ID, parse_student_topk, student_topk_arrays
+from .wire._student_topk import MAX_TOKEN_ID, RowsRead, parse_student_topk, student_topk_arrays
 from .xtok._align import Alignment
 from .xtok._tokenizers import CrossTokenizers
 
@@ -453,7 +453,7 @@ def prepare_sample(
     teacher: str,
     top_k: int,
     student_topk: bool = True,
-    rows_msgpack: bytes | None = None,
+    rows_read: RowsRead | None = None,
 ) -> PreparedSample:
     """Validate ``sample`` and convert it for the pipeline.
 
@@ -464,9 +464,8 @@ def prepare_sample(
         top_k: the configured top-k (0 = sampled-token mode, where student top-k is ignored).
         student_topk: whether the strategy reads the student's top-k (``only-teacher``
             does not: then it is ignored too, neither converted nor checked).
-        rows_msgpack: the sample's Python top-k rows as ``msgspec.msgpack`` writes them,
-            written already (on the loop, a slice at a time:
-            :func:`opd_stream.wire._student_topk.rows_msgpack_slices`); ``None``: written
+        rows_read: the sample's Python top-k rows read already (on the loop, a slice at a
+            time: :func:`opd_stream.wire._student_topk.rows_read_slices`); ``None``: read
             here if needed.
 
     Raises:
@@ -508,7 +507,7 @@ def prepare_sample(
                 lps = lps.detach().cpu().float().numpy()
             top_ids, top_lps = student_topk_arrays(ids, lps, r, top_k)
         else:
-            top_ids, top_lps = parse_student_topk(given, r, top_k, msgpack=rows_msgpack)
+            top_ids, top_lps = parse_student_topk(given, r, top_k, read=rows_read)
     return PreparedSample(
         sample=sample,
         index=index,

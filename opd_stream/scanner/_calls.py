@@ -17,7 +17,9 @@ import numpy.typing as npt
 
 from ._checks import FAULTS, pick_id_rows, request_id_fault, topk_faults
 from ._ids import _write_positions, positions_json
+from ._layout import known_layout
 from ._lists import read_ids, read_logprobs
+from ._objects import read_object_rows
 from ._rows import read_rows
 from ._scan import (
     B64,
@@ -58,6 +60,8 @@ __all__ = (
     "id_fault",
     "ids_read",
     "logprobs_read",
+    "object_rows_read",
+    "objects_readable",
     "pick_rows",
     "positions_json",
     "rows_read",
@@ -74,6 +78,7 @@ __all__ = (
 KERNELS = (
     scan,
     read_rows,
+    read_object_rows,
     read_ids,
     read_logprobs,
     _write_positions,
@@ -96,6 +101,44 @@ def rows_read(
     if not read_rows(b, r, k, lps, lps.view(np.uint64), ids):
         return None
     return lps, ids
+
+
+#: This interpreter's layout array (:mod:`opd_stream.scanner._layout`), ``None`` where the
+#: rows are not read in place: an interpreter not known there, or :func:`warm`'s reading
+#: of known rows found a difference.
+_LAYOUT = known_layout()
+
+
+def objects_readable() -> bool:
+    """Whether :func:`object_rows_read` reads rows here (else it always answers False)."""
+    return _LAYOUT is not None
+
+
+def object_rows_read(
+    rows: list[Any],
+    start: int,
+    stop: int,
+    k: int,
+    lps: npt.NDArray[np.float64],
+    ids: npt.NDArray[np.int64],
+) -> bool:
+    """Rows ``start`` to ``stop`` of a rollout's Python top-k rows (a list) read in place
+    (:func:`opd_stream.scanner._objects.read_object_rows`, the GIL held) into ``lps``
+    (float64) and ``ids`` (int64), each ``[len(rows) * k]``, from ``start * k``: whether
+    it took them (a ``nil`` logprob is ``-inf``). False for anything unusual, a negative
+    id among the first ``k`` of a row included, and where rows are not read in place."""
+    layout = _LAYOUT
+    if layout is None or type(rows) is not list:
+        return False
+    size = len(rows) * k
+    if not (
+        lps.dtype == np.float64 and ids.dtype == np.int64 and lps.shape == ids.shape == (size,)
+    ):
+        raise ValueError(f"object_rows_read: lps and ids must be float64 and int64 [{size}]")
+    if not (lps.flags.c_contiguous and ids.flags.c_contiguous):
+        raise ValueError("object_rows_read: lps and ids must be contiguous")
+    start, stop = max(0, start), min(stop, len(rows))
+    return bool(read_object_rows(id(rows), start, stop, k, lps, lps.view(np.uint64), ids, layout))
 
 
 def ids_read(body: bytes, n: int, max_id: int) -> npt.NDArray[np.int64] | None:
@@ -293,12 +336,54 @@ _WARM_IDS = bytes.fromhex("9401ccc8cd012cce80000000")
 _WARM_LOGPROBS = bytes.fromhex("91cbbfe0000000000000")
 
 
+#: Rows in every form :func:`object_rows_read` takes (``k = 2``: the third row's third
+#: entry, beyond ``k``, may hold a negative id), and what it must read from them: where
+#: reading them gives anything else, rows are not read in place in this process.
+_CHECK_ROWS = [
+    [[-0.5, 1, None], (-0.0, 2**30, "a")],
+    ([None, 2**40 + 5], [float("nan"), 0]),
+    [(3, 7), [-(2**53), 2**60 - 1], [float("inf"), -5, "b"]],
+]
+_CHECK_LPS = (-0.5, -0.0, -np.inf, np.nan, 3.0, -(2.0**53))
+_CHECK_IDS = (1, 2**30, 2**40 + 5, 0, 7, 2**60 - 1)
+#: Rows it must not take: a bool id, a negative id kept, an id of three digits, a float
+#: subclass, a short row, an entry of 4.
+_CHECK_REFUSED = (
+    [[[-0.5, True], [-1.0, 2]]],
+    [[[-0.5, -1], [-1.0, 2]]],
+    [[[-0.5, 2**60], [-1.0, 2]]],
+    [[[np.float64(-0.5), 1], [-1.0, 2]]],
+    [[[-0.5, 1]]],
+    [[[-0.5, 1, None, None], [-1.0, 2]]],
+)
+
+
+def _check_layout() -> None:
+    """Read :data:`_CHECK_ROWS` in place and compare; on any difference, read no rows in
+    place in this process."""
+    global _LAYOUT
+    if _LAYOUT is None:
+        return
+    lps, ids = np.empty(6), np.empty(6, dtype=np.int64)
+    took = object_rows_read(_CHECK_ROWS, 0, 3, 2, lps, ids)
+    want = np.array(_CHECK_LPS).view(np.uint64)
+    read = took and np.array_equal(lps.view(np.uint64), want) and ids.tolist() == [*_CHECK_IDS]
+    for rows in _CHECK_REFUSED:
+        size = 2 * len(rows)
+        read = read and not object_rows_read(
+            rows, 0, len(rows), 2, np.empty(size), np.empty(size, dtype=np.int64)
+        )
+    if not read:
+        _LAYOUT = None
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) every kernel, with the argument types they
-    are always called with."""
+    are always called with, and check the in-place reading of rows."""
     run_scan(_WARM_BODY, False, _WARM_SCHEMA)
     run_scan(bytearray(b"[" + _WARM_BODY + b"]"), True, _WARM_SCHEMA)
     rows_read(_WARM_ROWS, 2, 1)
+    _check_layout()
     ids_read(_WARM_IDS, 4, 1 << 31)
     logprobs_read(_WARM_LOGPROBS, 1, 1e-4)
     positions_json(np.zeros((1, 1), dtype=np.int64), 1)

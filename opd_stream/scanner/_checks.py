@@ -19,7 +19,7 @@ __all__ = ("FAULTS", "SHARED_DIGEST", "pick_id_rows", "request_id_fault", "topk_
 
 #: :func:`opd_stream.scanner._shared.digest` of the file this one's kernels take code from
 #: (an edit there must edit this file too, or numba serves its stale cache).
-SHARED_DIGEST = "d720d3c015e5adcd"
+SHARED_DIGEST = "818ed0a9f5e24213"
 
 #: The faults, in the order of what :func:`topk_faults` returns.
 FAULTS = (

@@ -52,8 +52,12 @@ __all__ = (
     "load_be32",
     "load_be64",
     "load_byte",
+    "load_bits_at",
     "load_le64",
+    "load_u32_at",
+    "load_word_at",
     "njit_cached",
+    "njit_held",
     "njit_leaf",
     "njit_once",
     "store_le64",
@@ -124,6 +128,12 @@ def njit_once(fn):  # type: ignore[no-untyped-def]
     return _njit(fn, nogil=True, _nrt=False, inline="always")
 
 
+def njit_held(fn):  # type: ignore[no-untyped-def]
+    """:func:`njit_leaf` that keeps the GIL: for a kernel reading Python objects in place
+    (:mod:`opd_stream.scanner._objects`), which no other thread may change meanwhile."""
+    return _njit(fn, _nrt=False)
+
+
 def _njit(fn: Any, **options: Any) -> Any:
     try:
         return numba.njit(cache=True, **options)(fn)
@@ -173,6 +183,20 @@ def _load_be_typer(bits: int) -> Any:
     return typer
 
 
+def _load_at_typer(word: Any) -> Any:
+    """The typer of a load of one ``word`` (uint32, int64, uint64) at an address (an
+    int64)."""
+
+    def typer(typingctx: Any, addr: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = builder.inttoptr(args[0], context.get_value_type(word).as_pointer())
+            return builder.load(ptr)
+
+        return word(_types.int64), codegen
+
+    return typer
+
+
 def _store_le64_typer(typingctx: Any, arr: Any, idx: Any, value: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         ary = context.make_array(sig.args[0])(context, builder, args[0])
@@ -197,6 +221,13 @@ load_be64: Any = _intrinsic(_load_be64_typer)
 load_be16: Any = _intrinsic(_load_be_typer(16))
 #: The four bytes ``b[i : i + 4]`` as a big-endian uint32, as uint64 (msgpack's uint32).
 load_be32: Any = _intrinsic(_load_be_typer(32))
+#: The int64 at the address ``a`` (a Python object's field: callers keep ``a`` inside an
+#: object they hold, the GIL held).
+load_word_at: Any = _intrinsic(_load_at_typer(_types.int64))
+#: The eight bytes at the address ``a`` as a uint64 (a Python float's IEEE bits).
+load_bits_at: Any = _intrinsic(_load_at_typer(_types.uint64))
+#: The uint32 at the address ``a`` (one digit of a Python int).
+load_u32_at: Any = _intrinsic(_load_at_typer(_types.uint32))
 #: ``out[i : i + 8] = value``'s eight little-endian bytes, one unaligned store (callers
 #: keep ``i + 8 <= len(out)``).
 store_le64: Any = _intrinsic(_store_le64_typer)

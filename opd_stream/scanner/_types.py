@@ -103,6 +103,18 @@ class Kernels(Protocol):
         self, body: bytes, r: int, k: int
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None: ...
 
+    def objects_readable(self) -> bool: ...
+
+    def object_rows_read(
+        self,
+        rows: list[Any],
+        start: int,
+        stop: int,
+        k: int,
+        lps: npt.NDArray[np.float64],
+        ids: npt.NDArray[np.int64],
+    ) -> bool: ...
+
     def ids_read(self, body: bytes, n: int, max_id: int) -> npt.NDArray[np.int64] | None: ...
 
     def logprobs_read(

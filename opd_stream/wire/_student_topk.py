@@ -25,12 +25,15 @@ from ._entries import ENTRY_ID, ENTRY_LP, Entry
 __all__ = (
     "MAX_TOKEN_ID",
     "PAD_ID",
+    "ENTRIES_PER_SLICE",
     "ROWS_PER_SLICE",
     "ROW_ENTRY_BYTES",
+    "RowsRead",
     "joined_rows_msgpack",
     "parse_student_topk",
     "rows_convert_in_thread",
     "rows_msgpack_slices",
+    "rows_read_slices",
     "student_topk_arrays",
 )
 
@@ -42,9 +45,14 @@ MAX_TOKEN_ID = 2**31 - 1
 
 _ROW_IN_PATH = re.compile(r" - at `\$\[(\d+)\]")
 
+RowsRead = bytes | tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]
+"""A sample's Python top-k rows read already, on the loop a slice at a time
+(:func:`rows_read_slices`): their arrays ``(lps float64, ids int64)``, each ``[R * k]``,
+read in place, or their msgpack where they were not."""
+
 
 def parse_student_topk(
-    rows: Sequence[Sequence[Any]], response_length: int, k: int, *, msgpack: bytes | None = None
+    rows: Sequence[Sequence[Any]], response_length: int, k: int, *, read: RowsRead | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Parse the rollout engine's student top-k rows into arrays.
 
@@ -57,8 +65,8 @@ def parse_student_topk(
             such rows on observation spans).
         response_length: ``R``; ``len(rows)`` must equal it.
         k: how many entries to keep per row (the first ``k`` present).
-        msgpack: ``rows`` as ``msgspec.msgpack`` writes them, written already (a slice at a
-            time on the loop: :func:`rows_msgpack_slices`); ``None``: written here.
+        read: ``rows`` read already (a slice at a time on the loop:
+            :func:`rows_read_slices`); ``None``: read here.
 
     Returns:
         ``(ids, logprobs)``: int64 ``[R, k]`` and float32 ``[R, k]``; a row with fewer than
@@ -78,7 +86,7 @@ def parse_student_topk(
         raise InvalidSampleError(
             field, f"has {len(rows)} rows, expected response_length = {response_length}"
         )
-    fast = _scanned_topk(rows, response_length, k, msgpack)
+    fast = _scanned_topk(rows, response_length, k, read)
     if fast is not None:
         return fast
     try:
@@ -112,27 +120,39 @@ _ROWS_MSGPACK = msgspec.msgpack.Encoder()
 
 
 def _scanned_topk(
-    rows: Sequence[Sequence[Any]], r: int, k: int, body: bytes | None = None
+    rows: Sequence[Sequence[Any]], r: int, k: int, read: RowsRead | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None:
-    """Rows of plain entries, each at least ``k`` long, through the compiled reader
-    (:mod:`opd_stream.scanner._rows`) and the compiled checks: ``msgspec.msgpack`` writes
-    the rows (no Python object per entry, floats as their 8 IEEE bytes), the reader takes
-    them back into arrays with the GIL released, ~3x cheaper than converting entry by
-    entry; the checks then give the float32 logprobs. ``None`` (the entry-by-entry path
-    decides, and names any fault) when the kernels are not compiled or anything is
-    unusual: a short row, a ``None`` entry, a bool, a negative id, an object msgspec
-    cannot write. A NaN logprob is an error here as there, judged before the others.
-    ``body``: the rows' msgpack, written already (:func:`rows_msgpack_slices`).
+    """Rows of plain entries, each at least ``k`` long, through a compiled reader and the
+    compiled checks, which give the float32 logprobs. The rows are read in place
+    (:mod:`opd_stream.scanner._objects`: CPython's lists, floats and ints followed, ~3x
+    cheaper than writing their msgpack first); where they are not (another interpreter,
+    a float subclass, an id beyond 2^60), ``msgspec.msgpack`` writes them (no Python
+    object per entry, floats as their 8 IEEE bytes) and :mod:`opd_stream.scanner._rows`
+    reads them back, the GIL released: either way ~3x cheaper or more than converting
+    entry by entry. ``None`` (the entry-by-entry path decides, and names any fault) when
+    the kernels are not compiled or anything is unusual: a short row, a ``None`` entry, a
+    bool, a negative id, an object msgspec cannot write. A NaN logprob is an error here as
+    there, judged before the others. ``read``: the rows read already
+    (:func:`rows_read_slices`).
     """
     kernel = compiled()
     if kernel is None:
         return None
-    if body is None:
-        try:
-            body = _ROWS_MSGPACK.encode(rows)
-        except (TypeError, ValueError, OverflowError):
-            return None
-    got = kernel.rows_read(body, r, k)
+    got: tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]] | None = None
+    if isinstance(read, tuple):
+        got = read if read[0].shape == (r * k,) else None
+    elif read is None and isinstance(rows, list) and kernel.objects_readable():
+        got = _empty_read(r * k)
+        if not kernel.object_rows_read(rows, 0, r, k, *got):
+            got = None
+    if got is None:
+        body = read if isinstance(read, bytes) else None
+        if body is None:
+            try:
+                body = _ROWS_MSGPACK.encode(rows)
+            except (TypeError, ValueError, OverflowError):
+                return None
+        got = kernel.rows_read(body, r, k)
     if got is None:
         return None
     lps, ids = got
@@ -150,6 +170,47 @@ def _scanned_topk(
 ROWS_PER_SLICE = 512
 """Rows :func:`rows_msgpack_slices` writes between two turns of the loop (512 x 16 entries:
 ~0.2-0.3 ms)."""
+
+
+ENTRIES_PER_SLICE = 1 << 15
+"""Top-k entries :func:`rows_read_slices` reads in place between two turns of the loop
+(2048 x 16: ~0.3 ms)."""
+
+
+def rows_read_slices(rows: Any, k: int, into: list[RowsRead]) -> Iterator[None]:
+    """Read a list of Python top-k rows, pausing (a ``yield``) between two slices so that
+    the event loop can take its turn: in place (:data:`ENTRIES_PER_SLICE` entries a
+    slice, :mod:`opd_stream.scanner._objects`) where the kernels read them so, else their
+    msgpack written a slice at a time (:func:`rows_msgpack_slices`). ``into`` receives
+    what was read, for :func:`parse_student_topk`'s ``read``; nothing when nothing could
+    be (not a list, the kernels not ready, an object msgspec cannot write): the
+    conversion then does it all itself, and its slow path names any fault.
+    """
+    kernel = compiled()
+    if not isinstance(rows, list) or kernel is None:
+        return
+    r = len(rows)
+    if k > 0 and kernel.objects_readable():
+        arrays = _empty_read(r * k)
+        step = max(1, ENTRIES_PER_SLICE // k)
+        for start in range(0, r, step):
+            if start:
+                yield
+            if len(rows) != r or not kernel.object_rows_read(rows, start, start + step, k, *arrays):
+                break
+        else:
+            into.append(arrays)
+            return
+    parts: list[bytes | memoryview] = []
+    yield from rows_msgpack_slices(rows, parts)
+    body = joined_rows_msgpack(parts)
+    if body is not None:
+        into.append(body)
+
+
+def _empty_read(n: int) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The arrays rows are read into in place: ``(lps float64 [n], ids int64 [n])``."""
+    return np.empty(n, dtype=np.float64), np.empty(n, dtype=np.int64)
 
 
 def rows_msgpack_slices(rows: Any, parts: list[bytes | memoryview]) -> Iterator[None]:

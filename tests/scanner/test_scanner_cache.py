@@ -20,7 +20,7 @@ from opd_stream.scanner._shared import digest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "opd_stream" / "scanner"
 SHARED = "_shared"
-DECORATORS = {"njit_cached", "njit_leaf", "njit_once"}
+DECORATORS = {"njit_cached", "njit_leaf", "njit_once", "njit_held"}
 
 
 def _tree(path: Path) -> ast.Module:
@@ -70,7 +70,7 @@ KERNEL_FILES = _kernel_files()
 
 def test_the_kernel_files_are_found() -> None:
     names = {p.stem for p in KERNEL_FILES}
-    assert {"_scan", "_ids", "_rows", "_lists", "_checks"} <= names
+    assert {"_scan", "_ids", "_rows", "_lists", "_checks", "_objects"} <= names
     assert SHARED not in names  # it compiles nothing itself
 
 

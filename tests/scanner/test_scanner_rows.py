@@ -12,14 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import opd_stream.scanner._calls as kernels
 import opd_stream.scanner._loader as jit
 import opd_stream.wire._student_topk as student_topk
 from opd_stream import InvalidSampleError
 from opd_stream.wire._student_topk import (
     ROWS_PER_SLICE,
+    RowsRead,
     joined_rows_msgpack,
     parse_student_topk,
     rows_msgpack_slices,
+    rows_read_slices,
     student_topk_arrays,
 )
 
@@ -29,9 +32,9 @@ def _compiled() -> None:
     assert jit.prepare(), "numba could not compile the kernels"
 
 
-def _outcome(rows: Any, r: int, k: int, msgpack: bytes | None = None) -> Any:
+def _outcome(rows: Any, r: int, k: int, read: RowsRead | None = None) -> Any:
     try:
-        ids, lps = parse_student_topk(rows, r, k, msgpack=msgpack)
+        ids, lps = parse_student_topk(rows, r, k, read=read)
     except InvalidSampleError as exc:
         return ("error", str(exc))
     return ("ok", ids.tobytes(), ids.shape, lps.tobytes(), lps.shape)
@@ -44,11 +47,26 @@ def _written_in_slices(rows: Any) -> tuple[bytes | None, int]:
     return joined_rows_msgpack(parts), pauses
 
 
+def _read_in_slices(rows: Any, k: int) -> tuple[RowsRead | None, int]:
+    """The rows as the loop reads them, a slice at a time, and its pauses."""
+    read: list[RowsRead] = []
+    pauses = sum(1 for _ in rows_read_slices(rows, k, read))
+    return (read[0] if read else None), pauses
+
+
 def _both(rows: Any, r: int, k: int) -> Any:
+    """The outcome of every path, checked equal: rows read in place (whole, then a slice
+    at a time first), through their msgpack (the same two ways), entry by entry."""
     fast = _outcome(rows, r, k)
     with pytest.MonkeyPatch.context() as m:
+        m.setattr(student_topk, "ENTRIES_PER_SLICE", 2 * k)  # two rows a slice
+        assert _outcome(rows, r, k, _read_in_slices(rows, k)[0]) == fast
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "_LAYOUT", None)  # not read in place: through msgpack
+        assert _outcome(rows, r, k) == fast
         m.setattr(student_topk, "ROWS_PER_SLICE", 2)  # written a slice at a time first
         assert _outcome(rows, r, k, _written_in_slices(rows)[0]) == fast
+        assert _outcome(rows, r, k, _read_in_slices(rows, k)[0]) == fast
     with pytest.MonkeyPatch.context() as m:
         m.setattr(jit, "_kernel", None)
         slow = _outcome(rows, r, k)
@@ -86,19 +104,26 @@ def test_any_rows_give_the_same_arrays_or_error(data: st.DataObject, r: int, k: 
     _both(rows, r, k)
 
 
-def _rows_read_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record whether each call of the compiled reader took its rows."""
-    calls: list[bool] = []
+def _rows_read_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each call of the compiled readers: which (``place``: in place, ``msgpack``)
+    and whether it took its rows (``place+``) or not (``place-``)."""
+    calls: list[str] = []
     kernel = jit.compiled()
     assert kernel is not None
-    real = kernel.rows_read
+    in_place, from_msgpack = kernel.object_rows_read, kernel.rows_read
 
-    def spy(body: bytes, r: int, k: int) -> Any:
-        got = real(body, r, k)
-        calls.append(got is not None)
+    def place(*args: Any) -> bool:
+        took = in_place(*args)
+        calls.append("place+" if took else "place-")
+        return took
+
+    def msgpack(body: bytes, r: int, k: int) -> Any:
+        got = from_msgpack(body, r, k)
+        calls.append("msgpack+" if got is not None else "msgpack-")
         return got
 
-    monkeypatch.setattr(kernel, "rows_read", spy)
+    monkeypatch.setattr(kernel, "object_rows_read", place)
+    monkeypatch.setattr(kernel, "rows_read", msgpack)
     return calls
 
 
@@ -117,7 +142,9 @@ def test_miles_rows_take_the_reader_and_match(values: str, monkeypatch: pytest.M
     rows[5][0][0] = -0.0
     calls = _rows_read_calls(monkeypatch)
     assert _both(rows, 300, 8)[0] == "ok"  # 10 entries a row, the first 8 kept
-    assert calls == [True, True]  # (written whole, then a slice at a time)
+    # in place whole, then two rows a slice; then through msgpack: written whole, a
+    # slice at a time, and so again by the loop's reading (not in place)
+    assert calls == ["place+"] * 151 + ["msgpack+"] * 3
 
 
 def test_the_reader_gives_every_logprob_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,7 +152,11 @@ def test_the_reader_gives_every_logprob_bit_for_bit(monkeypatch: pytest.MonkeyPa
     rows = [[[float(lp), n]] for n, lp in enumerate(lps)]
     calls = _rows_read_calls(monkeypatch)
     _, lp32 = parse_student_topk(rows, len(rows), 1)
-    assert calls == [True]
+    assert calls == ["place+"]
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_LAYOUT", None)
+        _, lp32_msgpack = parse_student_topk(rows, len(rows), 1)
+    assert calls == ["place+", "msgpack+"] and lp32_msgpack.tobytes() == lp32.tobytes()
     with np.errstate(over="ignore"):  # -1e39 is -inf in float32
         want = lps.astype(np.float32).reshape(-1, 1)
     assert lp32.tobytes() == want.tobytes()
@@ -254,7 +285,7 @@ def test_rows_msgpack_cannot_write_are_left_to_the_conversion() -> None:
     assert _written_in_slices(rows) == (None, 1)
     assert _written_in_slices(tuple(rows)) == (None, 0)  # not a list: not written
     with pytest.raises(InvalidSampleError, match=f"row {ROWS_PER_SLICE + 2}"):
-        parse_student_topk(rows, len(rows), 1, msgpack=None)  # the slow path names it
+        parse_student_topk(rows, len(rows), 1)  # the slow path names it
 
 
 @pytest.mark.parametrize(

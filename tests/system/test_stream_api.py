@@ -255,28 +255,36 @@ async def test_python_topk_rows_give_the_arrays_results_on_the_loop_or_in_a_thre
     assert getattr(c, "reason", None) == "invalid_sample" and "row 1000" in c.message
 
 
-async def test_python_topk_rows_on_the_loop_are_written_a_slice_at_a_time(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("way", ["in place", "through msgpack"])
+async def test_python_topk_rows_on_the_loop_are_read_a_slice_at_a_time(
+    way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 2048 rows: their msgpack is written 512 rows at a time, the loop's other tasks
-    # taking turns between two slices (once the kernels are ready: before, the conversion
-    # writes them itself, whole)
+    # 2048 rows: read 512 rows at a time (in place, or their msgpack written so where
+    # rows are not read in place), the loop's other tasks taking turns between two slices
+    # (once the kernels are ready: before, the conversion reads them itself, whole)
     import opd_stream._pipeline as pipeline
+    import opd_stream.scanner._calls as kernels
     import opd_stream.scanner._loader as jit
+    import opd_stream.wire._student_topk as student_topk
 
     assert jit.prepare(), "numba could not compile the kernels"
 
     ticks = 0
     seen: list[int] = []
-    real = pipeline.rows_msgpack_slices
+    read_as: list[str] = []
+    real = pipeline.rows_read_slices
 
-    def spy(rows: Any, parts: list[bytes | memoryview]) -> Any:
-        for pause in real(rows, parts):
+    def spy(rows: Any, k: int, read: list[Any]) -> Any:
+        for pause in real(rows, k, read):
             seen.append(ticks)
             yield pause
         seen.append(ticks)
+        read_as.append(type(read[0]).__name__)
 
-    monkeypatch.setattr(pipeline, "rows_msgpack_slices", spy)
+    monkeypatch.setattr(pipeline, "rows_read_slices", spy)
+    monkeypatch.setattr(student_topk, "ENTRIES_PER_SLICE", 512 * 4)
+    if way == "through msgpack":
+        monkeypatch.setattr(kernels, "_LAYOUT", None)
     k, r = 4, 2048
     rng = np.random.default_rng(8)
     tokens = rng.integers(0, 30000, 16 + r).tolist()
@@ -299,6 +307,7 @@ async def test_python_topk_rows_on_the_loop_are_written_a_slice_at_a_time(
     # 3 pauses; between the first slice and the last the ticker had at least the turns of
     # the two rounds in between (trio runs a round's tasks in a random order)
     assert len(seen) == 4 and seen == sorted(seen) and seen[-1] - seen[0] >= 2
+    assert read_as == ["tuple" if way == "in place" else "bytes"]
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["on-the-loop", "in-threads"])

@@ -387,11 +387,12 @@ def rows_convert_in_thread(sample: Any, top_k: int, threshold: int) -> bool:
     """Whether a sample's Python top-k rows are converted in a worker thread: from
     ``threshold`` bytes of their msgpack on (estimated, :data:`ROW_ENTRY_BYTES` an entry).
 
-    The conversion holds the GIL from start to end (msgspec's walk of the rows, ~3 ms per
-    MiB, then the compiled read and checks). Below ``threshold`` the loop does it (the
-    msgpack a slice at a time, :func:`rows_msgpack_slices`, then the read and the checks
-    whole): a thread would cost more CPU than it saves the loop (2048 x 16 rows: ~1.4 ms of
-    work, and about 2 ms more a sample for the hand-offs of the GIL while the thread and the
+    The conversion holds the GIL from start to end (the rows read in place, ~9 ns an entry,
+    or msgspec's walk of them, ~3 ms per MiB of msgpack, then the compiled read; then the
+    checks). Below ``threshold`` the loop does it (a slice at a time,
+    :func:`rows_read_slices`, then the checks whole): a thread would cost more CPU than it
+    saves the loop (2048 x 16 rows: ~0.35 ms of work read in place, ~1.4 ms through
+    msgpack, and about 2 ms more a sample for the hand-offs of the GIL while the thread and the
     loop both run; ``docs/design-notes.md``, "opd_stream/fetch/_threads.py"). The pipeline passes
     ``offload_bytes // WHOLE``: the size from which what the loop does whole goes to a
     thread. Arrays stay on the loop. Until the kernels are ready (and without numba) the

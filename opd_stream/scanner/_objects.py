@@ -1,21 +1,14 @@
 """A compiled reader (numba, the GIL held) of a rollout's Python top-k rows read in place:
-CPython's own list, tuple, float and int objects, followed from their addresses, with no
-copy of them written first.
+CPython's own list, tuple, float and int objects, followed from their addresses.
 
-The reader is given the addresses of the types it knows (:data:`LAYOUT`'s fields, from
-:mod:`opd_stream.scanner._layout`, which says on which interpreters the objects are laid
-out as read here, and checks it on known objects before the first use). An object is
-followed only once its type is known to be one of them, exactly (a subclass is not
-taken), so every read stays inside an object the caller holds; and as the reader holds
-the GIL from start to end, no other thread can change them meanwhile.
-
-The shape taken is :mod:`opd_stream.scanner._rows`'s: rows (a list or tuple) of entries
-(a list or tuple of 2 or 3 elements): a float, ``None`` or an exact integer logprob of
-at most 2^53, an int id (at most two 30-bit digits), and a ``None`` or ``str`` text; at
-least ``k`` entries a row, the first ``k`` kept, not negative among them. Anything else is
-answered ``False``, for the msgpack reader or the entry-by-entry conversion to take or
-reject with its precise error. Takes only :mod:`opd_stream.scanner._shared`'s names,
-carrying its ``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``).
+It is given the addresses of the types it knows (the layout array, ``L_*`` fields:
+:mod:`opd_stream.scanner._layout`) and follows an object only once its type is one of them
+exactly, so every read stays inside an object the caller holds, which no other thread can
+change while the GIL is held. It takes :mod:`opd_stream.scanner._rows`' form, or less: an
+id of 2^60 or more, a subclass or anything unusual is answered ``False``, for the msgpack
+reader or the entry-by-entry conversion. Why and how it stays safe:
+``docs/design-notes.md``. Takes only :mod:`opd_stream.scanner._shared`'s names, carrying
+its ``SHARED_DIGEST`` (``tests/scanner/test_scanner_cache.py``).
 """
 
 from __future__ import annotations

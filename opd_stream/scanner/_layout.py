@@ -6,7 +6,7 @@ header, and its lists may change under a reader), 64-bit, little-endian, an obje
 of 16 bytes (no debug build's extra links), 30-bit digits. Anything else (PyPy, a newer
 CPython, an odd build) gets ``None``: the rows are written as msgpack and read from it,
 as before. :func:`opd_stream.scanner._calls.warm` also reads known rows and compares before
-the first use (:func:`opd_stream.scanner._calls.object_layout`).
+the first use (:func:`opd_stream.scanner._calls._check_layout`).
 """
 
 from __future__ import annotations

@@ -174,9 +174,9 @@ ROWS_PER_SLICE = 512
 
 ENTRIES_PER_SLICE = 1 << 13
 """Top-k entries :func:`rows_read_slices` reads in place between two turns of the loop
-(512 x 16: ~75 us). A sample of 1024 x 16 read whole, with no turn of the loop, cost
-more CPU than in two slices (``bench.run --quick --scenario 1``: 2.11-2.82 against
-1.96-2.34 s per 1M tokens): its answers waited longer in the loop for their read."""
+(512 x 16: ~75 us). Samples of 1024 x 16 read whole, with no turn of the loop, cost
+more CPU than in two slices (``bench.run --quick --scenario 1``, median of 5 runs 2.82 s
+per 1M tokens against 2.15 of 4): their answers waited longer in the loop for their read."""
 
 
 def rows_read_slices(rows: Any, k: int, into: list[RowsRead]) -> Iterator[None]:

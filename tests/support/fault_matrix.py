@@ -382,10 +382,14 @@ def _config(
     return StreamConfig.from_env({}, **settings)
 
 
+EJECT_COOLDOWN_S = 0.5
+"""The runs' ejection cool-down: short, so that a restarted replica is re-admitted mid-run."""
+
+
 def _balance_options() -> dict[str, Any]:
-    """A short ejection cool-down, so that a restarted replica is re-admitted mid-run."""
+    """A short ejection cool-down (:data:`EJECT_COOLDOWN_S`)."""
     if "eject_cooldown_s" in StreamConfig.__struct_fields__:
-        return {"eject_cooldown_s": 0.5}
+        return {"eject_cooldown_s": EJECT_COOLDOWN_S}
     return {}
 
 
@@ -476,7 +480,8 @@ async def _restart_mid_run(proc: MockProcess, restarted: anyio.Event) -> None:
     that request can only end by the kill, so the kill always costs a retry. (Killing when
     its in-flight gauge showed requests raced them on a loaded machine: they could finish
     before the kill landed, and nothing was retried.) The restarted process has its
-    original options again.
+    original options again. ``restarted`` is set one ejection cool-down after the
+    restart, so that the second half finds the replica ready to be re-admitted.
     """
     import aiohttp
 
@@ -488,6 +493,12 @@ async def _restart_mid_run(proc: MockProcess, restarted: anyio.Event) -> None:
                 break
             await anyio.sleep(0.005)
     await anyio.to_thread.run_sync(proc.restart)
+    # Every ejection of the replica began before it was up again: at the kill, or at a
+    # re-admission probe that found it down while it restarted. Past one cool-down from
+    # now, the second half's first request to it probes a live server and re-admits it.
+    # (Released at once, a fast second half could end inside the cool-down of a probe
+    # that failed just before the restart, and the replica would serve nothing.)
+    await anyio.sleep(EJECT_COOLDOWN_S + 0.1)
     restarted.set()
 
 

@@ -14,6 +14,7 @@ measurements: ``docs/design-notes.md``, "opd_stream/_scoring.py".
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -21,7 +22,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 import torch
-from numpy.lib.array_utils import byte_bounds
 
 from ._errors import MissingLogprobError
 from ._sample import Candidates, Fetched, PreparedSample, ScoredSample, TokenAlignment
@@ -69,6 +69,15 @@ def _source(f: Fetched, field: str) -> npt.NDArray[Any] | None:
     return f.student_rows.id_logprobs if f.student_rows is not None else None
 
 
+@functools.cache
+def _inputs(strategy: Strategy) -> tuple[tuple[str, np.dtype[Any]], ...]:
+    """The :class:`TopKBatch` fields ``strategy`` reads, by name, with their dtypes."""
+    return tuple(
+        (name, np.dtype(np.int64 if name.endswith("_ids") else np.float32))
+        for name in sorted(needed_inputs(strategy))
+    )
+
+
 def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.device) -> TopKBatch:
     """The batch as one ``[1, N, K]`` TopKBatch, ``N = sum(R_i)``.
 
@@ -85,23 +94,41 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
     n = sum(lengths)
     fields: dict[str, torch.Tensor | None] = dict.fromkeys(TopKBatch._fields)
     todo: list[tuple[str, list[npt.NDArray[Any]], np.dtype[Any], int]] = []
-    for name in sorted(needed_inputs(strategy)):
-        maybe = [_source(f, name) for f in items]
-        arrays = [a for a in maybe if a is not None]
-        if len(arrays) < len(maybe):
-            continue
-        dtype = np.dtype(np.int64 if name.endswith("_ids") else np.float32)
-        shapes = {a.shape[1:] for a in arrays}
-        if len(shapes) != 1 or any(
-            a.ndim != 2 or a.shape[0] != r for a, r in zip(arrays, lengths, strict=True)
-        ):
-            raise ValueError(f"KL stage: {name} arrays do not have R rows of one width each")
-        (width,) = shapes.pop()
-        a = arrays[0]
-        if len(arrays) == 1 and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
-            fields[name] = torch.from_numpy(a)
+    for name, dtype in _inputs(strategy):
+        arrays = []
+        width = -1
+        for f, r in zip(items, lengths, strict=True):
+            a = _source(f, name)
+            if a is None:
+                break
+            if a.ndim != 2 or a.shape[0] != r or (width >= 0 and a.shape[1] != width):
+                raise ValueError(f"KL stage: {name} arrays do not have R rows of one width each")
+            width = a.shape[1]
+            arrays.append(a)
         else:
-            todo.append((name, arrays, dtype, width))
+            if not arrays:
+                continue  # (no samples)
+            a = arrays[0]
+            if len(arrays) == 1 and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+                fields[name] = torch.from_numpy(a)
+            else:
+                todo.append((name, arrays, dtype, width))
+    if todo:
+        _join_into(fields, todo, n)
+    for name, tensor in fields.items():
+        if tensor is not None:
+            fields[name] = (tensor if device.type == "cpu" else tensor.to(device))[None]
+    fields["valid"] = torch.ones((1, n), dtype=torch.bool, device=device)
+    return TopKBatch(**fields)  # type: ignore[arg-type]
+
+
+def _join_into(
+    fields: dict[str, torch.Tensor | None],
+    todo: list[tuple[str, list[npt.NDArray[Any]], np.dtype[Any], int]],
+    n: int,
+) -> None:
+    """Copy each field of ``todo`` (its samples' arrays, dtype, width) into one host
+    allocation, one ``[n, width]`` view of it a field."""
     # int64 fields first, so that every view is aligned.
     todo.sort(key=lambda t: -t[2].itemsize)
     block = np.empty(sum(n * w * d.itemsize for _, _, d, w in todo), dtype=np.uint8)
@@ -119,47 +146,40 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
                 offset += src.nbytes
         host = block[start:offset].view(dtype).reshape(n, width)
         fields[name] = torch.from_numpy(host)
-    for name, tensor in fields.items():
-        if tensor is not None:
-            fields[name] = (tensor if device.type == "cpu" else tensor.to(device))[None]
-    fields["valid"] = torch.ones((1, n), dtype=torch.bool, device=device)
-    return TopKBatch(**fields)  # type: ignore[arg-type]
 
 
 class _Owner:
-    """:func:`_own` for a batch of one sample: an array the KL computed for it alone (the
-    whole of a tensor's memory, C-contiguous, overlapping neither the batch's inputs nor an
-    array already handed over) becomes the result's tensor as it is; any other is copied.
+    """For a batch of one sample: a tensor the KL computed for it alone (the whole of its
+    storage, C-contiguous, overlapping neither the batch's inputs nor a tensor already
+    handed over) becomes the result's tensor as it is; any other is copied (:func:`_own`).
     Saves a sample's 6-8 copies of what its batch of one computed.
 
-    Overlap is judged by address ranges (what ``np.may_share_memory`` compares), kept as
-    ``(start, end)`` pairs: one call per array, not one per pair of arrays."""
+    Judged on the tensors themselves (their storages' address ranges, kept as ``(start,
+    end)`` pairs; an input's whole storage counts as taken), with no numpy view made of an
+    array that is handed over."""
 
     def __init__(self, batch: TopKBatch) -> None:
-        # the batch's host arrays (on a device, its inputs are copies: nothing to share)
-        self._spans = [
-            byte_bounds(t.numpy())
-            for t in batch
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()
-        ]
+        # the batch's host storages (on a device, its inputs are copies: nothing to share)
+        self._spans: list[tuple[int, int]] = []
+        for t in batch:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+                storage = t.untyped_storage()
+                start = storage.data_ptr()
+                self._spans.append((start, start + storage.nbytes()))
 
-    def __call__(self, a: npt.NDArray[Any]) -> torch.Tensor:
-        source: object = a
-        while isinstance(source, np.ndarray):
-            source = source.base
-        if not (isinstance(source, torch.Tensor) and a.flags.c_contiguous and a.flags.writeable):
-            return _own(a)
-        start = a.ctypes.data
-        end = start + a.nbytes
-        storage = source.untyped_storage()
-        if storage.nbytes() != a.nbytes or storage.data_ptr() != start:
-            return _own(a)
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        size = storage.nbytes()
+        if t.data_ptr() != start or size != t.numel() * t.element_size() or not t.is_contiguous():
+            return _own(t.numpy())
+        end = start + size
         for lo, hi in self._spans:
             if lo < end and start < hi:
-                return _own(a)
-        if end > start:  # (an empty array overlaps nothing)
+                return _own(t.numpy())
+        if end > start:  # (an empty tensor overlaps nothing)
             self._spans.append((start, end))
-        return torch.from_numpy(a)
+        return t
 
 
 def _own(a: npt.NDArray[Any]) -> torch.Tensor:
@@ -383,19 +403,28 @@ def _score_batch(
         # candidates, the signal alone.
         on_host = device.type == "cpu"
         wanted = res[:6] if candidates else res[:1]
-        rkl, *per_candidate = ((x[0] if on_host else x[0].cpu()).numpy() for x in wanted)
+        rkl, *per_candidate = (x[0] if on_host else x[0].cpu() for x in wanted)
         tails = [
-            None if x is None else (x[0] if on_host else x[0].cpu()).numpy()
+            None if x is None else (x[0] if on_host else x[0].cpu())
             for x in (res[6:] if candidates else ())
         ]
-        own = _Owner(joined) if len(todo) == 1 else _own
+        if len(todo) == 1:  # its rows are the whole batch
+            owner = _Owner(joined)
+
+            def own(t: torch.Tensor, row: int, end: int) -> torch.Tensor:
+                return owner(t)
+        else:
+
+            def own(t: torch.Tensor, row: int, end: int) -> torch.Tensor:
+                return _own(t.numpy()[row:end])
+
         row = 0
         for f in todo:
             end = row + f.prepared.response_length
             cands = None
             if candidates:
-                ids, s_lp, t_lp, weights, mask = (own(a[row:end]) for a in per_candidate)
-                s_tail, t_tail = (None if a is None else own(a[row:end]) for a in tails)
+                ids, s_lp, t_lp, weights, mask = (own(a, row, end) for a in per_candidate)
+                s_tail, t_tail = (None if a is None else own(a, row, end) for a in tails)
                 cands = Candidates(
                     ids=ids,
                     student_logprobs=s_lp,
@@ -405,7 +434,7 @@ def _score_batch(
                     student_tail_logprobs=s_tail,
                     teacher_tail_logprobs=t_tail,
                 )
-            scored[f.prepared.index] = _result(f, own(rkl[row:end]), cands, signal.divergence)
+            scored[f.prepared.index] = _result(f, own(rkl, row, end), cands, signal.divergence)
             row = end
         break
     out: list[ScoredSample | tuple[Fetched, MissingLogprobError]] = []

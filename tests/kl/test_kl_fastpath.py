@@ -513,26 +513,34 @@ def test_a_batch_of_one_hands_over_what_its_kl_computed_without_copying_it(
     assert len(copies) >= 2 * 6
 
 
-def test_an_array_is_handed_over_only_when_it_is_the_whole_of_memory_no_input_shares() -> None:
+def test_a_tensor_is_handed_over_only_when_it_is_the_whole_of_memory_no_input_shares() -> None:
     batch_input = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     owner = scoring._Owner([batch_input])
     fresh = torch.ones(3, 4)
-    assert owner(fresh.numpy()).data_ptr() == fresh.data_ptr()  # its own: as it is
-    again = owner(fresh.numpy())  # handed over already: a copy
+    assert owner(fresh) is fresh  # its own: as it is
+    again = owner(fresh)  # handed over already: a copy
     assert again.data_ptr() != fresh.data_ptr()
-    assert owner(batch_input.numpy()).data_ptr() != batch_input.data_ptr()  # an input's
+    assert torch.equal(again, fresh)
+    assert owner(batch_input).data_ptr() != batch_input.data_ptr()  # an input's
+    assert owner(batch_input[1:]).data_ptr() != batch_input[1].data_ptr()  # a part of one
     wide = torch.ones(6, 4)
-    half = owner(wide.numpy()[:3])  # a part of a larger tensor: a copy, not a view of it
+    half = owner(wide[:3])  # a part of a larger tensor: a copy, not a view of it
     assert half.untyped_storage().nbytes() == 3 * 4 * 4
     assert half.data_ptr() != wide.data_ptr()
-    plain = np.ones((3, 4), dtype=np.float32)  # not a tensor's memory: a copy
-    assert owner(plain).data_ptr() != plain.ctypes.data
+    strided = torch.ones(4, 3).t()  # the whole of its memory, not C-contiguous: a copy
+    copied = owner(strided)
+    assert copied.data_ptr() != strided.data_ptr() and copied.is_contiguous()
+    assert torch.equal(copied, strided)
     big = torch.zeros(4, 4)
     inside = scoring._Owner([big[1:2]])  # an input in the middle of a tensor's memory
-    assert inside(big.numpy()).data_ptr() != big.data_ptr()  # overlaps it: a copy
+    assert inside(big).data_ptr() != big.data_ptr()  # overlaps it: a copy
+    block = np.zeros((4, 4), dtype=np.float32)  # an input viewing a part of an array
+    around = scoring._Owner([torch.from_numpy(block[1:3])])
+    whole = torch.from_numpy(block)
+    assert around(whole).data_ptr() != whole.data_ptr()  # overlaps it: a copy
     after = torch.zeros(2, 4)
     beside = scoring._Owner([torch.zeros(2, 4)])
-    assert beside(after.numpy()).data_ptr() == after.data_ptr()  # no overlap: as it is
+    assert beside(after) is after  # no overlap: as it is
 
 
 @pytest.mark.parametrize("device", DEVICES)

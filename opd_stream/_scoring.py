@@ -167,7 +167,9 @@ class _Owner:
                 start = storage.data_ptr()
                 self._spans.append((start, start + storage.nbytes()))
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, row: int = 0, end: int = -1) -> torch.Tensor:
+        """``t`` itself where it may be handed over, else a copy (``row``, ``end``: the
+        sample's rows, which are all of the batch's; unused)."""
         storage = t.untyped_storage()
         start = storage.data_ptr()
         size = storage.nbytes()
@@ -180,6 +182,11 @@ class _Owner:
         if end > start:  # (an empty tensor overlaps nothing)
             self._spans.append((start, end))
         return t
+
+
+def _own_rows(t: torch.Tensor, row: int, end: int) -> torch.Tensor:
+    """A copy of the rows ``row:end`` of the (CPU, C-contiguous) batch tensor ``t``."""
+    return _own(t.numpy()[row:end])
 
 
 def _own(a: npt.NDArray[Any]) -> torch.Tensor:
@@ -408,16 +415,7 @@ def _score_batch(
             None if x is None else (x[0] if on_host else x[0].cpu())
             for x in (res[6:] if candidates else ())
         ]
-        if len(todo) == 1:  # its rows are the whole batch
-            owner = _Owner(joined)
-
-            def own(t: torch.Tensor, row: int, end: int) -> torch.Tensor:
-                return owner(t)
-        else:
-
-            def own(t: torch.Tensor, row: int, end: int) -> torch.Tensor:
-                return _own(t.numpy()[row:end])
-
+        own = _Owner(joined) if len(todo) == 1 else _own_rows
         row = 0
         for f in todo:
             end = row + f.prepared.response_length

@@ -60,35 +60,45 @@ def read_scanned(body: Body, batch: bool, scanned: Scan) -> JitAnswers | None:
 def _answers(body: Body, batch: bool, got: Scan, kernel: Kernels) -> JitAnswers | None:
     if got.status != kernel.OK:
         return None
-    rec = got.records
+    records: list[list[int]] = got.records.tolist()  # (one call: a few dozen records)
+    r_key, r_start, r_end, r_item = kernel.R_KEY, kernel.R_START, kernel.R_END, kernel.R_ITEM
+    kinds = _SCHEMA.kinds
     view = memoryview(body)
     pieces: list[bytes | memoryview] = []
     pos = 0
-    for key, start, end in rec[:, [kernel.R_KEY, kernel.R_START, kernel.R_END]].tolist():
-        pieces += (view[pos:start], b'""' if _SCHEMA.kinds[key] == B64 else b"[]")
-        pos = end
+    for r in records:
+        pieces += (view[pos : r[r_start]], b'""' if kinds[r[r_key]] == B64 else b"[]")
+        pos = r[r_end]
     pieces.append(view[pos:])
     metas = decode_metas(b"".join(pieces), batch)
     if metas is None or len(metas) != got.n_items:
         return None
     keys = _SCHEMA.keys
-    for key, item in rec[:, [kernel.R_KEY, kernel.R_ITEM]].tolist():
+    for r in records:
         # the envelope must agree with the scan
-        if getattr(metas[item], keys[key]) != ("" if _SCHEMA.kinds[key] == B64 else []):
+        key = r[r_key]
+        if getattr(metas[r[r_item]], keys[key]) != ("" if kinds[key] == B64 else []):
             return None
-    return JitAnswers(metas, got, kernel)
+    return JitAnswers(metas, got, kernel, records)
 
 
 class JitAnswers:
     """:class:`~opd_stream.wire._columns.Answers` from the scan: the cut lists' columns
     come from the kernel's buffers, everything else from the decoded envelope."""
 
-    __slots__ = ("_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_rec", "_widths")
+    __slots__ = ("_by_key", "_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_widths")
 
-    def __init__(self, metas: Sequence[Any], scan: Scan, kernel: Kernels) -> None:
-        self._metas, self._keys, self._rec, self._raw = metas, _SCHEMA.keys, scan.records, scan.raw
+    def __init__(
+        self, metas: Sequence[Any], scan: Scan, kernel: Kernels, records: list[list[int]]
+    ) -> None:
+        """``records``: ``scan.records`` as lists (the scan's order)."""
+        self._metas, self._keys, self._raw = metas, _SCHEMA.keys, scan.raw
         self._lps, self._ids = scan.lps, scan.ids
         self._widths, self._nulls, self._k = scan.widths, scan.nulls, kernel
+        by_key: dict[int, list[list[int]]] = {}
+        for r in records:
+            by_key.setdefault(r[kernel.R_KEY], []).append(r)
+        self._by_key = by_key
 
     def __len__(self) -> int:
         return len(self._metas)
@@ -113,8 +123,7 @@ class JitAnswers:
         """The record of ``name`` per item (``None``: null or absent)."""
         k = self._k
         out: list[list[int] | None] = [None] * len(self._metas)
-        key = self._keys.index(name)
-        for r in self._rec[self._rec[:, k.R_KEY] == key].tolist():
+        for r in self._by_key.get(self._keys.index(name), ()):
             out[r[k.R_ITEM]] = r
         return out
 

@@ -183,7 +183,7 @@ def id_fault(ids: npt.NDArray[np.int64], max_id: int) -> tuple[int, int]:
 
 
 def pick_rows(
-    e_ids: npt.NDArray[np.float64],
+    e_ids: npt.NDArray[np.int64],
     e_lps: npt.NDArray[np.float64],
     entry_off: npt.NDArray[np.intp],
     row_width: npt.NDArray[np.intp],
@@ -391,6 +391,6 @@ def warm() -> None:
     id_fault(ids, 1)
     one = np.zeros(1, dtype=np.intp)
     out = np.empty((1, 1), dtype=np.float32)
-    pick_rows(np.zeros(1), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
+    pick_rows(np.zeros(1, np.int64), np.zeros(1), one, one + 1, one.astype(bool), 0, ids, out)
     for dtype in (np.float64, np.float32):
         topk_check(ids, np.zeros((1, 1), dtype=dtype), -1, 1, 1e-4)

@@ -136,7 +136,7 @@ class Kernels(Protocol):
 
     def pick_rows(
         self,
-        e_ids: npt.NDArray[np.float64],
+        e_ids: npt.NDArray[np.int64],
         e_lps: npt.NDArray[np.float64],
         entry_off: npt.NDArray[np.intp],
         row_width: npt.NDArray[np.intp],

@@ -22,21 +22,37 @@ __all__ = ("Answers", "EntryColumns", "Reader", "RowColumns", "gather")
 
 class EntryColumns:
     """The entries of a list-of-entries field (``[logprob, id, ...]`` each) as columns:
-    ids as doubles (exact: the reader takes ids below 2^53 only) and logprobs (NaN for
-    null)."""
+    ids (:attr:`ids` as doubles, exact: the reader takes ids below 2^53 only; :attr:`ints`
+    as int64 where the reader gave them so) and logprobs (NaN for null)."""
 
-    __slots__ = ("ids", "lps", "ok")
+    __slots__ = ("_ids", "ints", "lps", "ok")
 
-    ids: npt.NDArray[np.float64]
+    _ids: npt.NDArray[np.float64] | None
+    ints: npt.NDArray[np.int64] | None
     lps: npt.NDArray[np.float64]
     ok: bool
 
     @classmethod
-    def of(cls, ids: npt.NDArray[np.float64], lps: npt.NDArray[np.float64]) -> EntryColumns:
-        """Entries another reader already checked (ids as doubles, NaN for null)."""
+    def of(
+        cls, ids: npt.NDArray[np.float64] | npt.NDArray[np.int64], lps: npt.NDArray[np.float64]
+    ) -> EntryColumns:
+        """Entries another reader already checked (ids as doubles or as int64, NaN for
+        null). int64 ids become doubles only when :attr:`ids` is first read."""
         out = cls.__new__(cls)
-        out.ids, out.lps, out.ok = ids, lps, True
+        if ids.dtype == np.int64:
+            out._ids, out.ints = None, ids  # type: ignore[assignment]
+        else:
+            out._ids, out.ints = ids, None  # type: ignore[assignment]
+        out.lps, out.ok = lps, True
         return out
+
+    @property
+    def ids(self) -> npt.NDArray[np.float64]:
+        """The ids as doubles (made from :attr:`ints` on first use)."""
+        if self._ids is None:
+            assert self.ints is not None
+            self._ids = self.ints.astype(np.float64)
+        return self._ids
 
 
 class RowColumns:

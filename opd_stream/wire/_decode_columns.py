@@ -149,8 +149,9 @@ def _picked_id_rows(
     if f.item_null[0] or f.count(0) != n_entries[0] or seg.rows > n_entries[0]:
         return None
     out = np.empty(seg.expect.shape, dtype=np.float32)
+    ints = f.entries.ints
     ok, top = kernel.pick_rows(
-        np.asarray(f.entries.ids, dtype=np.float64),
+        f.entries.ids.astype(np.int64) if ints is None else ints,
         np.asarray(f.entries.lps, dtype=np.float64),
         np.asarray(f.entry_off, dtype=np.intp),
         np.asarray(f.row_width, dtype=np.intp),

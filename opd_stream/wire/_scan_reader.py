@@ -11,6 +11,7 @@ not decode, gives ``None``: msgspec decodes it. Until the kernels are ready
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,7 +133,7 @@ class JitAnswers:
         spans = [(r[k.R_ENT0], r[k.R_ENT1]) for r in recs]
         lps = _cat([self._lps[a:b] for a, b in spans], np.float64)
         ids = _cat([self._ids[a:b] for a, b in spans], np.int64)
-        return EntryColumns.of(ids.astype(np.float64), lps)
+        return EntryColumns.of(ids, lps)  # (int64: doubles only if a check reads them)
 
     def entries(self, name: str) -> tuple[EntryColumns, npt.NDArray[np.intp]] | None:
         recs = self._records(name)
@@ -149,10 +150,7 @@ class JitAnswers:
         recs = self._records(name)
         present = [r for r in recs if r is not None]
         if not present:  # null or absent in every item (the fields a request did not ask)
-            n = len(recs)
-            empty = EntryColumns.of(np.empty(0), np.empty(0))
-            none = np.ones(n, dtype=bool)
-            return RowColumns.of(none, np.zeros(n + 1, np.intp), none[:0], _NO_ROWS, empty)
+            return _absent_rows(len(recs))
         item_null = np.array([r is None for r in recs], dtype=bool)
         counts = np.array([0 if r is None else r[k.R_ROW1] - r[k.R_ROW0] for r in recs])
         item_off = np.concatenate(([0], np.cumsum(counts))).astype(np.intp)
@@ -164,6 +162,22 @@ class JitAnswers:
 
 _NO_ROWS = np.empty(0, dtype=np.intp)
 _NO_ROWS.flags.writeable = False
+
+
+@functools.lru_cache(maxsize=64)
+def _absent_rows(n: int) -> RowColumns:
+    """The rows of a field null or absent in each of ``n`` items (its arrays read-only:
+    one object serves every answer of ``n`` items)."""
+    empty = EntryColumns.of(_frozen(np.empty(0)), _frozen(np.empty(0)))
+    none = _frozen(np.ones(n, dtype=bool))
+    rows = RowColumns.of(none, _frozen(np.zeros(n + 1, np.intp)), none[:0], _NO_ROWS, empty)
+    _frozen(rows.entry_off)
+    return rows
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.flags.writeable = False
+    return a
 
 
 def _cat(parts: list[npt.NDArray[Any]], dtype: Any) -> npt.NDArray[Any]:

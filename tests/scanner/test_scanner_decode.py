@@ -26,6 +26,7 @@ from opd_stream.scanner._loader import available, prepare
 from opd_stream.testing.inprocess import InProcessSGLang
 from opd_stream.wire._answers import ScoreRows
 from opd_stream.wire._codec import PARSERS, decode_in_slices, decode_score_response, parser_for
+from opd_stream.wire._columns import EntryColumns
 from opd_stream.wire._decode_columns import decode_segments_columns
 from opd_stream.wire._decode_generate import decode_generate_response
 from opd_stream.wire._payloads import build_score_payload
@@ -662,3 +663,47 @@ def test_b64_strings_of_every_length_with_any_stray_byte_are_read_as_b64decode_r
             if want:
                 assert raw[:nb].tobytes() == base64.b64decode(content, validate=True), s
                 assert end == len(content) + 2, s
+
+
+def _mock_body(req: ScoreRequest) -> bytes:
+    body: bytes = (
+        InProcessSGLang("teacher", 1).handle("POST", "/generate", build_score_payload(req)).body
+    )
+    return body
+
+
+def test_entry_columns_keep_int64_ids_and_make_the_doubles_only_when_read() -> None:
+    ints = np.array([3, 150000, 2**52], dtype=np.int64)
+    cols = EntryColumns.of(ints, np.zeros(3))
+    assert cols.ints is ints
+    doubles = cols.ids
+    assert doubles.dtype == np.float64 and doubles.tolist() == [3.0, 150000.0, 2.0**52]
+    assert cols.ids is doubles  # made once
+    given = np.array([1.0, 2.0])
+    as_doubles = EntryColumns.of(given, np.zeros(2))
+    assert as_doubles.ids is given and as_doubles.ints is None
+
+
+def test_a_per_position_answer_is_picked_from_the_scanned_int64_ids() -> None:
+    name, req = next((n, r) for n, r in MOCK if n.startswith("per-position-k0"))
+    body = _mock_body(req)
+    answers = read_answers_jit(body, layout(req).batch)
+    assert answers is not None
+    entries = answers.rows("input_token_ids_logprobs").entries
+    assert entries.ints is not None and entries.ints.dtype == np.int64
+    rows = _differential(body, req)  # the fast path: the same arrays as msgspec's
+    assert rows is not None and rows.id_logprobs is not None, name
+
+
+def test_a_field_absent_from_every_item_is_one_shared_read_only_object() -> None:
+    name, req = next((n, r) for n, r in MOCK if n.startswith("per-position-k0"))
+    body = _mock_body(req)
+    first, second = (read_answers_jit(body, layout(req).batch) for _ in range(2))
+    assert first is not None and second is not None
+    a, b = first.rows("input_top_logprobs"), second.rows("input_top_logprobs")
+    assert a is b, name
+    assert a.item_null.tolist() == [True] and a.item_off.tolist() == [0, 0]
+    for arr in (a.item_null, a.item_off, a.row_null, a.row_width, a.entry_off):
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError):
+            arr[...] = 0

@@ -42,7 +42,7 @@ class EntryColumns:
         if ids.dtype == np.int64:
             out._ids, out.ints = None, ids  # type: ignore[assignment]
         else:
-            out._ids, out.ints = ids, None  # type: ignore[assignment]
+            out._ids, out.ints = np.asarray(ids, dtype=np.float64), None
         out.lps, out.ok = lps, True
         return out
 

@@ -234,3 +234,26 @@ def test_the_long_answers_bench_runs_both_ways(tmp_path: Path) -> None:
         assert row["ms_per_sample"] > 0 and row["page_faults_per_sample"] >= 0
         assert row["by_step_ms_per_sample"]["decode_threads"] > 0
     assert "| fresh buffers (before) |" in proc.stdout
+
+
+def test_the_paired_bench_runs_both_settings_and_scores_every_sample(tmp_path: Path) -> None:
+    """``bench.paired`` on a minuscule size: both streams score every sample in every
+    burst, the pairs' ratio and each side's steps are reported (no timing asserted)."""
+    out = tmp_path / "paired.json"
+    proc = run_module(
+        "bench.paired",
+        *("--b", '{"candidates": false}', "--seconds", "0", "--min-pairs", "6"),
+        *("--n", "3", "--prompt", "16", "--response", "32", "--k", "4", "--json", str(out)),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["pairs"] == 6
+    assert data["b"] == {"candidates": False}
+    assert data["b_over_a_median"] > 0
+    lo, hi = data["b_over_a_interval_95"]
+    assert 0 < lo <= data["b_over_a_median"] <= hi
+    for side in ("a_side", "b_side"):
+        assert data[side]["unscored"] == 0
+        assert data[side]["by_step_ms_per_sample_median"]["kl"] > 0
+    assert "B / A, client CPU a sample" in proc.stdout

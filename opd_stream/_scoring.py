@@ -106,9 +106,7 @@ def _joined_batch(items: Sequence[Fetched], strategy: Strategy, device: torch.de
             width = a.shape[1]
             arrays.append(a)
         else:
-            if not arrays:
-                continue  # (no samples)
-            a = arrays[0]
+            a = arrays[0]  # (items is never empty: the stage scores what it was given)
             if len(arrays) == 1 and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
                 fields[name] = torch.from_numpy(a)
             else:

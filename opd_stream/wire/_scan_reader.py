@@ -75,12 +75,14 @@ def _answers(body: Body, batch: bool, got: Scan, kernel: Kernels) -> JitAnswers 
     if metas is None or len(metas) != got.n_items:
         return None
     keys = _SCHEMA.keys
+    by_key: dict[int, list[list[int]]] = {}
     for r in records:
         # the envelope must agree with the scan
         key = r[r_key]
         if getattr(metas[r[r_item]], keys[key]) != ("" if kinds[key] == B64 else []):
             return None
-    return JitAnswers(metas, got, kernel, records)
+        by_key.setdefault(key, []).append(r)
+    return JitAnswers(metas, got, kernel, by_key)
 
 
 class JitAnswers:
@@ -90,15 +92,16 @@ class JitAnswers:
     __slots__ = ("_by_key", "_ids", "_k", "_keys", "_lps", "_metas", "_nulls", "_raw", "_widths")
 
     def __init__(
-        self, metas: Sequence[Any], scan: Scan, kernel: Kernels, records: list[list[int]]
+        self,
+        metas: Sequence[Any],
+        scan: Scan,
+        kernel: Kernels,
+        by_key: dict[int, list[list[int]]],
     ) -> None:
-        """``records``: ``scan.records`` as lists (the scan's order)."""
+        """``by_key``: ``scan.records`` as lists, by key (each key's in the scan's order)."""
         self._metas, self._keys, self._raw = metas, _SCHEMA.keys, scan.raw
         self._lps, self._ids = scan.lps, scan.ids
         self._widths, self._nulls, self._k = scan.widths, scan.nulls, kernel
-        by_key: dict[int, list[list[int]]] = {}
-        for r in records:
-            by_key.setdefault(r[kernel.R_KEY], []).append(r)
         self._by_key = by_key
 
     def __len__(self) -> int:
